@@ -1,0 +1,234 @@
+"""POSIX shared-memory segments: names, creation, attachment, mapping, removal.
+
+``close()`` (this process lets go of its mapping) is distinct from ``unlink()`` (the
+segment is destroyed for everyone, once, by its owner). A mapping stays valid while any
+tensor view of it lives, so closing a handle never pulls memory from under a tensor.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import re
+import stat
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import posix_ipc
+import torch
+
+from . import layout
+from .errors import (
+    BadArgumentError,
+    BadNameError,
+    CorruptedHeaderError,
+    SegmentExistsError,
+    SegmentNotFoundError,
+    SegmentPermissionError,
+)
+
+PREFIX = "nvec."
+LOCK_PREFIX = "nvec-lock."
+SHM_DIR = "/dev/shm"
+_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,100}")
+#: how long ``attach`` waits for a segment whose creator has not finished its header
+ATTACH_READY_TIMEOUT_S = 2.0
+
+
+def check_name(name: object) -> str:
+    """Return ``name`` if it is a valid table name, else raise :class:`BadNameError`."""
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or name in (".", ".."):
+        raise BadNameError(
+            f"table name must match [A-Za-z0-9_.-]{{1,100}} (and not be '.' or '..'); "
+            f"got {name!r}"
+        )
+    return name
+
+
+def check_mode(mode: object) -> int:
+    if isinstance(mode, bool) or not isinstance(mode, int) or mode & ~0o666 or not mode & 0o600:
+        raise BadArgumentError(
+            f"mode must be a permission mask within 0o666 that lets the owner read and "
+            f"write (0o600 by default); got {mode!r}"
+        )
+    return mode
+
+
+def posix_name(name: str) -> str:
+    return "/" + PREFIX + name
+
+
+def shm_path(name: str) -> str:
+    return os.path.join(SHM_DIR, PREFIX + name)
+
+
+def lock_path(name: str) -> str:
+    return os.path.join(SHM_DIR, LOCK_PREFIX + name)
+
+
+@dataclass
+class Mapping:
+    """One process's mapping of a segment: the raw buffer and typed views on it."""
+
+    name: str
+    mm: mmap.mmap
+    buffer: torch.Tensor  # uint8 view of the whole segment
+    header: np.ndarray  # int64[HEADER_WORDS] view of the header
+
+    def words(self, offset: int, count: int) -> np.ndarray:
+        """An int64 numpy view of ``count`` words at byte ``offset``."""
+        return np.frombuffer(self.mm, dtype=np.int64, count=count, offset=offset)
+
+    def tensor(self, offset: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+        """A 1-D torch view of ``count`` elements of ``dtype`` at byte ``offset``."""
+        size = torch.empty((), dtype=dtype).element_size()
+        return self.buffer[offset : offset + count * size].view(dtype)
+
+    def close(self) -> None:
+        """Drop this process's mapping; deferred while tensor views of it still live."""
+        self.header = np.empty(0, dtype=np.int64)
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+        try:
+            self.mm.close()
+        except BufferError:
+            # NOTE: views handed to the user still point into the mapping; it is unmapped
+            # when the last of them is garbage collected (the views hold the mmap).
+            pass
+
+
+def _map(name: str, memory: posix_ipc.SharedMemory, size: int) -> Mapping:
+    try:
+        mm = mmap.mmap(memory.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        memory.close_fd()
+    buffer = torch.frombuffer(mm, dtype=torch.uint8)
+    header = np.frombuffer(mm, dtype=np.int64, count=layout.HEADER_WORDS)
+    return Mapping(name=name, mm=mm, buffer=buffer, header=header)
+
+
+def create(name: str, geo: layout.Geometry, *, mode: int = 0o600) -> Mapping:
+    """Create the segment (fails if it exists), size it, write its header, map it."""
+    check_name(name)
+    check_mode(mode)
+    try:
+        memory = posix_ipc.SharedMemory(
+            posix_name(name), flags=posix_ipc.O_CREX, mode=mode, size=geo.total_size
+        )
+    except posix_ipc.ExistentialError as e:
+        raise SegmentExistsError(
+            f"a table named {name!r} already exists on this node; attach it, or remove it "
+            f"with `hostcache rm {name}` first"
+        ) from e
+    except OSError as e:  # e.g. ENOSPC on a small /dev/shm
+        _unlink_quietly(name)
+        raise BadArgumentError(
+            f"could not create a {geo.total_size}-byte segment for {name!r}: {e}; "
+            "free shared memory or ask for a smaller capacity"
+        ) from e
+    try:
+        os.fchmod(memory.fd, mode)  # exact mode whatever the umask
+        mapping = _map(name, memory, geo.total_size)
+        open_lock_file(name, mode=mode).close()
+        layout.write(mapping.header, geo, uid=os.getuid())
+        return mapping
+    except BaseException:
+        memory.close_fd()
+        _unlink_quietly(name)
+        raise
+
+
+def attach(name: str) -> tuple[Mapping, layout.Geometry]:
+    """Map an existing segment and validate its header before trusting it."""
+    check_name(name)
+    try:
+        memory = posix_ipc.SharedMemory(posix_name(name))
+    except posix_ipc.ExistentialError as e:
+        raise SegmentNotFoundError(
+            f"no table named {name!r} on this node; create it (HostCache.create / "
+            f"`hostcache create {name} ...`) or start the node service that owns it"
+        ) from e
+    except posix_ipc.PermissionsError as e:
+        raise SegmentPermissionError(
+            f"no permission to open table {name!r}: it belongs to another user or mode; "
+            "run as its owner or have it created with a group mode (mode=0o660)"
+        ) from e
+    size = memory.size
+    if size < layout.HEADER_BYTES:
+        memory.close_fd()
+        raise CorruptedHeaderError(
+            f"segment {name!r} is {size} bytes, too small for a header; remove it with "
+            f"`hostcache rm {name}`"
+        )
+    mapping = _map(name, memory, size)
+    deadline = time.monotonic() + ATTACH_READY_TIMEOUT_S
+    while int(mapping.header[layout.W_MAGIC]) == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)  # the creator writes the magic last; wait for it to finish
+    try:
+        geo = layout.read(mapping.header, name=name, segment_size=size)
+    except BaseException:
+        mapping.close()
+        raise
+    return mapping, geo
+
+
+def open_lock_file(name: str, *, mode: int = 0o600) -> int:
+    """Open (creating if needed) the writer-lock file beside the segment; returns a fd."""
+    path = lock_path(name)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, mode)
+    except PermissionError as e:
+        raise SegmentPermissionError(
+            f"no permission to open the lock file {path}; run as the table's owner"
+        ) from e
+    return _Fd(fd)
+
+
+class _Fd(int):
+    """An fd that can be closed with ``.close()`` (for ``open_lock_file(...).close()``)."""
+
+    def close(self) -> None:
+        os.close(self)
+
+
+def _unlink_quietly(name: str) -> None:
+    try:
+        posix_ipc.unlink_shared_memory(posix_name(name))
+    except posix_ipc.ExistentialError:
+        pass
+
+
+def unlink(name: str) -> None:
+    """Destroy the segment and its lock file. Processes still attached keep their mapping."""
+    check_name(name)
+    try:
+        posix_ipc.unlink_shared_memory(posix_name(name))
+    except posix_ipc.ExistentialError as e:
+        raise SegmentNotFoundError(f"no table named {name!r} on this node to remove") from e
+    except posix_ipc.PermissionsError as e:
+        raise SegmentPermissionError(f"no permission to remove table {name!r}") from e
+    try:
+        os.unlink(lock_path(name))
+    except FileNotFoundError:
+        pass
+
+
+def exists(name: str) -> bool:
+    return os.path.exists(shm_path(check_name(name)))
+
+
+def list_names() -> Iterator[str]:
+    """Names of this package's segments on this node, sorted."""
+    try:
+        entries = sorted(os.listdir(SHM_DIR))
+    except OSError as e:
+        if e.errno == errno.ENOENT:
+            return
+        raise
+    for entry in entries:
+        if entry.startswith(PREFIX):
+            path = os.path.join(SHM_DIR, entry)
+            if stat.S_ISREG(os.stat(path).st_mode):
+                yield entry[len(PREFIX) :]
