@@ -13,7 +13,7 @@ import os
 import re
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -109,8 +109,18 @@ def _map(name: str, memory: posix_ipc.SharedMemory, size: int) -> Mapping:
     return Mapping(name=name, mm=mm, buffer=buffer, header=header)
 
 
-def create(name: str, geo: layout.Geometry, *, mode: int = 0o600) -> Mapping:
-    """Create the segment (fails if it exists), size it, write its header, map it."""
+def create(
+    name: str,
+    geo: layout.Geometry,
+    *,
+    mode: int = 0o600,
+    init: Callable[[Mapping, layout.Geometry], None] | None = None,
+) -> Mapping:
+    """Create the segment (fails if it exists), size it, ``init`` it, write its header.
+
+    The header's magic is written last, after ``init``: attachers wait for it, so nobody
+    sees a half-initialised table.
+    """
     check_name(name)
     check_mode(mode)
     try:
@@ -132,6 +142,8 @@ def create(name: str, geo: layout.Geometry, *, mode: int = 0o600) -> Mapping:
         os.fchmod(memory.fd, mode)  # exact mode whatever the umask
         mapping = _map(name, memory, geo.total_size)
         open_lock_file(name, mode=mode).close()
+        if init is not None:
+            init(mapping, geo)
         layout.write(mapping.header, geo, uid=os.getuid())
         return mapping
     except BaseException:

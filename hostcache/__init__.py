@@ -1,0 +1,40 @@
+"""The shared host tier: embedding tables in POSIX shared memory for every process of a node.
+
+No CUDA is touched at import time; the ``gpu`` package registers these segments with CUDA.
+"""
+
+from __future__ import annotations
+
+from .cache import HostCache
+from .errors import (
+    BadArgumentError,
+    BadNameError,
+    CorruptedHeaderError,
+    GeometryMismatchError,
+    HandleClosedError,
+    HostCacheError,
+    LayoutVersionError,
+    LockTimeoutError,
+    SegmentExistsError,
+    SegmentNotFoundError,
+    SegmentPermissionError,
+)
+from .memblock import SharedMemBlock
+from .table import TableStats
+
+__all__ = [
+    "BadArgumentError",
+    "BadNameError",
+    "CorruptedHeaderError",
+    "GeometryMismatchError",
+    "HandleClosedError",
+    "HostCache",
+    "HostCacheError",
+    "LayoutVersionError",
+    "LockTimeoutError",
+    "SegmentExistsError",
+    "SegmentNotFoundError",
+    "SegmentPermissionError",
+    "SharedMemBlock",
+    "TableStats",
+]

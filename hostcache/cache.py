@@ -1,0 +1,319 @@
+"""``HostCache``: a set-associative embedding cache in one POSIX shared-memory segment.
+
+Every process of the node maps the same segment. Readers never lock: each lookup reads a
+slot's version, its key and row, then the version again, and treats a changed or odd
+version as a miss (seqlock; see ``hostcache.layout``). Writers (insert, update, erase,
+clear) take the table's robust writer lock. All paths are vectorized over the batch.
+
+Eviction policy ``lfu-da`` (LFU with dynamic aging, per bucket): a hit adds one to its
+slot's counter; a new key takes an empty way, else the way with the smallest counter
+(ties: lowest way), and starts at the victim's counter + 1, so new keys are not evicted at
+once by old heavy hitters, and old counts decay relative to new ones. A bucket whose
+counters pass 2**30 has them halved.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import layout
+from .hashing import bucket_of
+from .segment import Mapping, check_mode
+from .table import (
+    C_ERASES,
+    C_EVICTIONS,
+    C_HITS,
+    C_INSERTS,
+    C_LOOKUPS,
+    C_MISSES,
+    C_UPDATES,
+    SharedTable,
+)
+from .validate import check_cache_keys, check_values, dedup_last
+
+_COUNTER_CAP = 1 << 30
+_PROTECTED = torch.iinfo(torch.int32).max
+
+
+class HostCache(SharedTable):
+    """One embedding cache shared by every process of the node.
+
+    Create it once (``HostCache.create``) and attach it anywhere (``HostCache.attach``);
+    a handle pickles by name, so it can be passed to a spawned process.
+    """
+
+    KIND = layout.KIND_HOST_CACHE
+
+    @classmethod
+    def create(
+        cls,
+        name: str,
+        *,
+        capacity: int,
+        dim: int,
+        dtype: torch.dtype = torch.float32,
+        ways: int = 8,
+        policy: str = "lfu-da",
+        ring_capacity: int = layout.DEFAULT_RING_CAPACITY,
+        mode: int = 0o600,
+    ) -> HostCache:
+        """Create the named cache on this node.
+
+        Args:
+            name: ``[A-Za-z0-9_.-]{1,100}``; the segment is ``/dev/shm/nvec.<name>``.
+            capacity: rows it can hold (rounded up to whole buckets of ``ways`` slots).
+            dim: elements per row.
+            dtype: float32, float16, bfloat16 or float64.
+            ways: slots per bucket (4, 8, 16 or 32).
+            policy: eviction policy; ``"lfu-da"``.
+            ring_capacity: records in the invalidation ring.
+            mode: permission bits of the segment and its lock file (0o600 by default).
+
+        Raises:
+            SegmentExistsError: a table of that name exists.
+            BadArgumentError: an argument is out of range.
+        """
+        check_mode(mode)
+        geo = layout.plan(
+            layout.KIND_HOST_CACHE,
+            capacity=capacity,
+            dim=dim,
+            dtype=dtype,
+            ways=ways,
+            policy=policy,
+            ring_capacity=ring_capacity,
+        )
+        return cls._create_segment(name, geo, mode)
+
+    @staticmethod
+    def _init_segment(mapping: Mapping, geo: layout.Geometry) -> None:
+        # NOTE: a new segment is zeros, i.e. key 0 everywhere; mark every slot empty before
+        # the header is published, so no reader ever sees key 0 with a zero row.
+        mapping.tensor(geo.keys_off, geo.slots, torch.int64).fill_(layout.EMPTY_KEY)
+
+    @classmethod
+    def attach(
+        cls, name: str, *, dim: int | None = None, dtype: torch.dtype | None = None
+    ) -> HostCache:
+        """Attach the named cache; geometry comes from its header.
+
+        ``dim``/``dtype``, when given, must match the header (else GeometryMismatchError).
+        """
+        return cls._attach_segment(name, dim=dim, dtype=dtype)
+
+    def _map_views(self, mapping: Mapping, geo: layout.Geometry) -> None:
+        slots, ways = geo.slots, geo.ways
+        self._keys = mapping.tensor(geo.keys_off, slots, torch.int64)
+        self._versions = mapping.tensor(geo.versions_off, slots, torch.int64)
+        self._policy = mapping.tensor(geo.counters_off, slots, torch.int32)
+        self._keys2 = self._keys.view(-1, ways)
+        self._versions2 = self._versions.view(-1, ways)
+        self._policy2 = self._policy.view(-1, ways)
+        raw = mapping.tensor(geo.rows_off, slots * geo.row_stride, torch.uint8)
+        self._rows = raw.view(slots, geo.row_stride)[:, : geo.row_bytes].view(geo.dtype)
+
+    def _drop_views(self) -> None:
+        empty = torch.empty(0)
+        self._keys = self._versions = self._policy = self._rows = empty
+        self._keys2 = self._versions2 = self._policy2 = empty
+
+    # -- reads ---------------------------------------------------------------------------
+
+    def lookup(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of ``keys`` (int64 CPU [N]): ``(values [N, dim], hit bool [N])``.
+
+        Missing keys give zero rows. Never takes a lock; never returns a torn row.
+        """
+        keys = check_cache_keys(keys)
+        self._live()
+        ways = self.geometry.ways
+        bucket = bucket_of(keys, self.geometry.num_buckets)
+        ver_bucket = self._versions2.index_select(0, bucket)  # NOTE: versions before keys
+        key_bucket = self._keys2.index_select(0, bucket)
+        match = key_bucket == keys[:, None]
+        way = match.to(torch.uint8).argmax(dim=1)
+        slot = bucket * ways + way
+        ver_before = ver_bucket.gather(1, way[:, None]).squeeze(1)
+        values = self._rows.index_select(0, slot)
+        ver_after = self._versions.index_select(0, slot)  # NOTE: rows before the re-read
+        hit = match.any(dim=1) & (ver_before == ver_after) & ((ver_before & 1) == 0)
+        values.masked_fill_(~hit[:, None], 0)
+        hit_slots = slot[hit]
+        n_hits = int(hit_slots.numel())
+        if n_hits:
+            # policy counters: racy across processes by design (approximate frequencies)
+            self._policy.index_add_(0, hit_slots, torch.ones(n_hits, dtype=torch.int32))
+        c = self._counters
+        c[C_LOOKUPS] += 1
+        c[C_HITS] += n_hits
+        c[C_MISSES] += keys.numel() - n_hits
+        return values, hit
+
+    def contains(self, keys: torch.Tensor) -> torch.Tensor:
+        """bool [N]: whether each key is cached now (no counters touched)."""
+        keys = check_cache_keys(keys)
+        self._live()
+        return self._find(keys)[1]
+
+    def _find(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(bucket, found, slot) of each key; exact under the writer lock."""
+        ways = self.geometry.ways
+        bucket = bucket_of(keys, self.geometry.num_buckets)
+        match = self._keys2.index_select(0, bucket) == keys[:, None]
+        slot = bucket * ways + match.to(torch.uint8).argmax(dim=1)
+        return bucket, match.any(dim=1), slot
+
+    # -- writes --------------------------------------------------------------------------
+
+    def _write_slots(
+        self,
+        slots: torch.Tensor,
+        keys: torch.Tensor,
+        rows: torch.Tensor | None,
+        policy: torch.Tensor | None,
+    ) -> None:
+        """Seqlock write of distinct ``slots`` (caller holds the writer lock)."""
+        if slots.numel() == 0:
+            return
+        self._versions[slots] += 1  # odd: readers treat the slot as a miss
+        self._keys[slots] = keys
+        if rows is not None:
+            self._rows[slots] = rows
+        if policy is not None:
+            self._policy[slots] = policy
+        self._versions[slots] += 1  # even again: the new contents are committed
+
+    def insert(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Insert rows, best effort: evicts by policy; keys already cached are overwritten.
+
+        Duplicate keys: the last occurrence wins. When more new keys than ``ways`` fall in
+        one bucket in a single batch, the extra ones are not inserted.
+        """
+        keys = check_cache_keys(keys)
+        values = check_values(values, keys.numel(), self.geometry.dim, self.geometry.dtype)
+        if keys.numel() == 0:
+            return
+        ways = self.geometry.ways
+        with self._writing():
+            ukeys, last, _ = dedup_last(keys)
+            urows = values.index_select(0, last)
+            bucket, found, slot = self._find(ukeys)
+            # keys already present: overwrite in place and tell the other processes
+            old_slots = slot[found]
+            self._write_slots(old_slots, ukeys[found], urows[found], None)
+            self.ring.append(ukeys[found])
+            new = ~found
+            n_new = int(new.sum())
+            written, evicted = 0, 0
+            if n_new:
+                written, evicted = self._insert_new(
+                    ukeys[new], urows[new], bucket[new], old_slots, ways
+                )
+            c = self._counters
+            c[C_INSERTS] += int(found.sum()) + written
+            c[C_EVICTIONS] += evicted
+
+    def _insert_new(
+        self,
+        keys: torch.Tensor,
+        rows: torch.Tensor,
+        bucket: torch.Tensor,
+        protected_slots: torch.Tensor,
+        ways: int,
+    ) -> tuple[int, int]:
+        """Place keys that are not cached; returns (written, evicted). Under the lock."""
+        order = torch.argsort(bucket, stable=True)
+        keys, rows, bucket = keys[order], rows[order], bucket[order]
+        ubuckets, group = torch.unique_consecutive(bucket, return_inverse=True)
+        first = torch.searchsorted(bucket, ubuckets)
+        rank = torch.arange(bucket.numel(), dtype=torch.int64) - first[group]
+        # priority of each way of every touched bucket: empty first, then the coldest
+        key_b = self._keys2.index_select(0, ubuckets)
+        prio = self._policy2.index_select(0, ubuckets).clone()
+        prio[key_b == layout.EMPTY_KEY] = -1
+        if protected_slots.numel():
+            flat = torch.full((self.geometry.slots,), False)
+            flat[protected_slots] = True
+            prio[flat.view(-1, ways).index_select(0, ubuckets)] = _PROTECTED
+        prio_sorted, way_order = torch.sort(prio, dim=1, stable=True)
+        ok = rank < ways
+        g, r = group[ok], rank[ok]
+        victim_prio = prio_sorted[g, r]
+        usable = victim_prio != _PROTECTED
+        g, r, victim_prio = g[usable], r[usable], victim_prio[usable]
+        sel = ok.nonzero().squeeze(1)[usable]
+        target = ubuckets[g] * ways + way_order[g, r]
+        was_empty = victim_prio < 0
+        new_policy = torch.where(was_empty, 1, victim_prio + 1).to(torch.int32)
+        self._write_slots(target, keys[sel], rows[sel], new_policy)
+        n_filled = int(was_empty.sum())
+        self._header[layout.W_SIZE] += n_filled
+        self._decay(ubuckets)
+        return int(target.numel()), int(target.numel()) - n_filled
+
+    def _decay(self, buckets: torch.Tensor) -> None:
+        pol = self._policy2.index_select(0, buckets)
+        hot = (pol > _COUNTER_CAP).any(dim=1)
+        if bool(hot.any()):
+            b = buckets[hot]
+            self._policy2[b] = self._policy2.index_select(0, b) >> 1
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Overwrite rows of keys that are cached; returns bool [N] of keys that were.
+
+        Every process's next lookup sees the new rows (their GPU caches drop the keys).
+        """
+        keys = check_cache_keys(keys)
+        values = check_values(values, keys.numel(), self.geometry.dim, self.geometry.dtype)
+        if keys.numel() == 0:
+            return torch.zeros(0, dtype=torch.bool)
+        with self._writing():
+            ukeys, last, inverse = dedup_last(keys)
+            _, found, slot = self._find(ukeys)
+            self._write_slots(slot[found], ukeys[found], values.index_select(0, last[found]), None)
+            self.ring.append(ukeys[found])
+            self._counters[C_UPDATES] += int(found.sum())
+        return found[inverse]
+
+    def erase(self, keys: torch.Tensor) -> torch.Tensor:
+        """Remove keys; returns bool [N] of keys that were cached."""
+        keys = check_cache_keys(keys)
+        if keys.numel() == 0:
+            return torch.zeros(0, dtype=torch.bool)
+        with self._writing():
+            ukeys, _, inverse = dedup_last(keys)
+            _, found, slot = self._find(ukeys)
+            gone = slot[found]
+            empty = torch.full((gone.numel(),), layout.EMPTY_KEY, dtype=torch.int64)
+            self._write_slots(gone, empty, None, torch.zeros(gone.numel(), dtype=torch.int32))
+            self.ring.append(ukeys[found])
+            n = int(gone.numel())
+            self._header[layout.W_SIZE] -= n
+            self._counters[C_ERASES] += n
+        return found[inverse]
+
+    def clear(self) -> None:
+        """Remove every row; every process's GPU cache is told to drop everything."""
+        with self._writing():
+            self._versions += 1
+            self._keys.fill_(layout.EMPTY_KEY)
+            self._policy.zero_()
+            self._versions += 1
+            self._header[layout.W_SIZE] = 0
+            self.ring.invalidate_all()
+
+    def _repair(self) -> None:
+        odd = ((self._versions & 1) == 1).nonzero().squeeze(1)
+        if odd.numel():
+            self._keys[odd] = layout.EMPTY_KEY
+            self._policy[odd] = 0
+            self._versions[odd] += 1
+        self._header[layout.W_SIZE] = int((self._keys != layout.EMPTY_KEY).sum())
+        # the dead writer may have changed rows without logging them: everyone drops all
+        self.ring.invalidate_all()
+
+    def _size(self) -> int:
+        return int(self._header[layout.W_SIZE])
+
+    def __len__(self) -> int:
+        return self._size()

@@ -1,0 +1,118 @@
+"""``SharedMemBlock``: a linear embedding table in POSIX shared memory.
+
+The seed's "linear table": row ``i`` at ``rows_off + i * row_stride``, shared by every
+process of the node, for the LinearUVM layer type (each process registers it with CUDA and
+its GPU kernels gather rows by index). Writes made through :meth:`write` append the row
+indices to the table's invalidation ring, so every process's GPU cache drops them; writes
+made straight into :attr:`tensor` are invisible to those caches (call :meth:`write`, or
+:meth:`invalidate` after writing, as the seed's read-after-write section says).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import layout
+from .segment import Mapping, check_mode
+from .table import C_HITS, C_LOOKUPS, C_UPDATES, SharedTable
+from .validate import check_indices, check_values, dedup_last
+
+
+class SharedMemBlock(SharedTable):
+    """A ``[num_rows, dim]`` table every process of the node maps."""
+
+    KIND = layout.KIND_LINEAR
+
+    @classmethod
+    def create(
+        cls,
+        name: str,
+        *,
+        num_rows: int,
+        dim: int,
+        dtype: torch.dtype = torch.float32,
+        ring_capacity: int = layout.DEFAULT_RING_CAPACITY,
+        mode: int = 0o600,
+    ) -> SharedMemBlock:
+        """Create the named linear table (rows start zeroed).
+
+        Raises:
+            SegmentExistsError: a table of that name exists.
+            BadArgumentError: an argument is out of range.
+        """
+        check_mode(mode)
+        geo = layout.plan(
+            layout.KIND_LINEAR, capacity=num_rows, dim=dim, dtype=dtype, ring_capacity=ring_capacity
+        )
+        return cls._create_segment(name, geo, mode)
+
+    @classmethod
+    def attach(
+        cls,
+        name: str,
+        *,
+        num_rows: int | None = None,
+        dim: int | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> SharedMemBlock:
+        """Attach the named linear table; geometry comes from its header."""
+        return cls._attach_segment(name, capacity=num_rows, dim=dim, dtype=dtype)
+
+    def _map_views(self, mapping: Mapping, geo: layout.Geometry) -> None:
+        raw = mapping.tensor(geo.rows_off, geo.capacity * geo.row_stride, torch.uint8)
+        self._rows = raw.view(geo.capacity, geo.row_stride)[:, : geo.row_bytes].view(geo.dtype)
+
+    def _drop_views(self) -> None:
+        self._rows = torch.empty(0)
+
+    @property
+    def num_rows(self) -> int:
+        return self.geometry.capacity
+
+    @property
+    def dim(self) -> int:
+        return self.geometry.dim
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.geometry.dtype
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """CPU view ``[num_rows, dim]`` on the shared pages (row stride may be padded)."""
+        self._live()
+        return self._rows
+
+    def read(self, indices: torch.Tensor) -> torch.Tensor:
+        """Rows at ``indices`` (int64 CPU [N], each in ``[0, num_rows)``): ``[N, dim]``."""
+        idx = check_indices(indices, self.num_rows)
+        self._live()
+        c = self._counters
+        c[C_LOOKUPS] += 1
+        c[C_HITS] += idx.numel()
+        return self._rows.index_select(0, idx)
+
+    def write(self, indices: torch.Tensor, values: torch.Tensor) -> None:
+        """Write rows and tell every process's GPU cache to drop them (last duplicate wins)."""
+        idx = check_indices(indices, self.num_rows)
+        values = check_values(values, idx.numel(), self.dim, self.dtype)
+        if idx.numel() == 0:
+            return
+        with self._writing():
+            uidx, last, _ = dedup_last(idx)
+            self._rows[uidx] = values.index_select(0, last)
+            self.ring.append(uidx)
+            self._counters[C_UPDATES] += uidx.numel()
+
+    def invalidate(self, indices: torch.Tensor) -> None:
+        """Announce rows changed directly through :attr:`tensor` to every GPU cache."""
+        idx = check_indices(indices, self.num_rows)
+        with self._writing():
+            self.ring.append(torch.unique(idx))
+
+    def _repair(self) -> None:
+        # a dead writer may have changed rows without logging them: everyone drops all
+        self.ring.invalidate_all()
+
+    def _size(self) -> int:
+        return self.num_rows

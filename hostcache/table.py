@@ -1,0 +1,289 @@
+"""What every shared table has: mapping, writer lock, invalidation ring, process counters.
+
+A handle notices a fork (``_checkpid``, as redis-py does) and rebuilds what must not be
+shared with the parent: its writer-lock file description and its process counter slot.
+Handles pickle by name, so a spawned process attaches the same segment.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar, Literal, Self
+
+import numpy as np
+import torch
+
+from . import layout, segment
+from .errors import BadArgumentError, HandleClosedError
+from .lock import WriterLock
+from .ring import InvalidationRing
+
+logger = logging.getLogger(__name__)
+
+Scope = Literal["node", "process"]
+_N_COUNTERS = len(layout.COUNTER_NAMES)
+C_LOOKUPS, C_HITS, C_MISSES, C_INSERTS, C_EVICTIONS, C_UPDATES, C_ERASES = range(_N_COUNTERS)
+
+
+@dataclass(frozen=True)
+class TableStats:
+    """Counters of one shared table, node-wide or for this handle's process."""
+
+    name: str
+    kind: str
+    scope: Scope
+    capacity: int
+    size: int
+    lookups: int
+    hits: int
+    misses: int
+    inserts: int
+    evictions: int
+    updates: int
+    erases: int
+    processes: int
+
+    @property
+    def hit_rate(self) -> float:
+        """Hits over keys looked up (0.0 before the first lookup)."""
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "hit_rate": self.hit_rate}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class SharedTable:
+    """Base of :class:`~hostcache.HostCache` and :class:`~hostcache.SharedMemBlock`."""
+
+    KIND: ClassVar[int]
+    # NOTE: class-level defaults, so close() works even after a failed constructor.
+    _mapping: segment.Mapping | None = None
+    _lock: WriterLock | None = None
+    _slot: int = -1
+    _counters: np.ndarray = np.zeros(_N_COUNTERS, dtype=np.int64)
+
+    def __init__(self, name: str, mapping: segment.Mapping, geo: layout.Geometry) -> None:
+        self.name = name
+        self.geometry = geo
+        self._mapping = mapping
+        self._pid = os.getpid()
+        self.ring = InvalidationRing(mapping, geo)
+        self._procs = mapping.words(
+            layout.PROC_OFF, layout.PROC_SLOTS * layout.PROC_WORDS
+        ).reshape(layout.PROC_SLOTS, layout.PROC_WORDS)
+        self._lock = WriterLock(name, mapping.header, self._repair)
+        self._map_views(mapping, geo)
+        self._claim_slot()
+
+    # -- construction -------------------------------------------------------------------
+
+    @classmethod
+    def _create_segment(cls, name: str, geo: layout.Geometry, mode: int) -> Self:
+        mapping = segment.create(name, geo, mode=mode, init=cls._init_segment)
+        try:
+            return cls(name, mapping, geo)
+        except BaseException:
+            mapping.close()
+            segment.unlink(name)
+            raise
+
+    @classmethod
+    def _attach_segment(cls, name: str, **want: object) -> Self:
+        mapping, geo = segment.attach(name)
+        try:
+            layout.expect(geo, name, cls.KIND, **want)
+            return cls(name, mapping, geo)
+        except BaseException:
+            mapping.close()
+            raise
+
+    def _map_views(self, mapping: segment.Mapping, geo: layout.Geometry) -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    def _init_segment(mapping: segment.Mapping, geo: layout.Geometry) -> None:
+        """Initialise a new, zeroed segment before its header is published."""
+
+    def _repair(self) -> None:
+        """Undo what a writer that died inside its section left (under the lock)."""
+        raise NotImplementedError
+
+    # -- process counter slots -------------------------------------------------------------
+
+    def _claim_slot(self) -> None:
+        with self._writing():
+            retired = self._header[layout.W_RETIRED : layout.W_RETIRED + _N_COUNTERS]
+            pids = self._procs[:, 0]
+            for i in np.flatnonzero(pids):  # a loop over process slots, not keys
+                if not _alive(int(pids[i])):
+                    retired += self._procs[i, 1 : 1 + _N_COUNTERS]
+                    self._procs[i, :] = 0
+            free = np.flatnonzero(self._procs[:, 0] == 0)
+            if free.size == 0:
+                logger.warning(
+                    "table %s: all %d process slots in use; this handle's counters stay "
+                    "private to it",
+                    self.name,
+                    layout.PROC_SLOTS,
+                )
+                self._slot = -1
+                self._counters = np.zeros(_N_COUNTERS, dtype=np.int64)
+                return
+            self._slot = int(free[0])
+            self._procs[self._slot, 1:] = 0
+            self._procs[self._slot, 0] = os.getpid()
+            self._counters = self._procs[self._slot, 1 : 1 + _N_COUNTERS]
+
+    def _release_slot(self) -> None:
+        if self._slot < 0 or self._lock is None:
+            return
+        with self._writing():
+            retired = self._header[layout.W_RETIRED : layout.W_RETIRED + _N_COUNTERS]
+            retired += self._procs[self._slot, 1 : 1 + _N_COUNTERS]
+            self._procs[self._slot, :] = 0
+        self._slot = -1
+        self._counters = np.zeros(_N_COUNTERS, dtype=np.int64)
+
+    # -- plumbing -----------------------------------------------------------------------
+
+    @property
+    def _header(self) -> np.ndarray:
+        return self._live().header
+
+    def _live(self) -> segment.Mapping:
+        if self._mapping is None:
+            raise HandleClosedError(
+                f"table {self.name!r}: this handle is closed; attach the table again"
+            )
+        if os.getpid() != self._pid:
+            self._after_fork()
+        return self._mapping
+
+    def _after_fork(self) -> None:
+        """In a forked child: new lock file description and counter slot (mapping is kept)."""
+        assert self._mapping is not None
+        logger.debug("table %s: handle used after fork; rebuilding lock and counters", self.name)
+        self._pid = os.getpid()
+        self._lock = WriterLock(self.name, self._mapping.header, self._repair)
+        self._slot = -1
+        self._claim_slot()
+
+    def _writing(self, timeout: float | None = None) -> Any:
+        self._live()
+        assert self._lock is not None
+        return self._lock.held(timeout)
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """uint8 CPU view of the whole segment (byte 0 is the header); for GPU registration."""
+        return self._live().buffer
+
+    @property
+    def closed(self) -> bool:
+        return self._mapping is None
+
+    # -- public API common to both tables -----------------------------------------------
+
+    def changes_since(self, seq: int) -> tuple[torch.Tensor, int, bool]:
+        """Keys changed since cursor ``seq``: ``(keys, new_seq, overflowed)``.
+
+        Start from :attr:`change_cursor`. ``overflowed`` means some changes were lost to
+        this reader (it fell behind the ring, or the table was cleared): drop all cached rows.
+        """
+        if isinstance(seq, bool) or not isinstance(seq, int):
+            raise BadArgumentError(f"seq must be an int cursor; got {type(seq).__name__}")
+        self._live()
+        return self.ring.changes_since(seq)
+
+    @property
+    def change_cursor(self) -> int:
+        """The current end of the invalidation ring: where a new reader starts."""
+        self._live()
+        return self.ring.head
+
+    def attached_pids(self) -> list[int]:
+        """Live processes holding a handle on this table (one entry per handle)."""
+        self._live()
+        return [int(p) for p in self._procs[:, 0] if p and _alive(int(p))]
+
+    def stats(self, scope: Scope = "node") -> TableStats:
+        """Counters node-wide (every process, past and present) or of this handle only."""
+        if scope not in ("node", "process"):
+            raise BadArgumentError(f"scope must be 'node' or 'process'; got {scope!r}")
+        h = self._header
+        if scope == "node":
+            counts = h[layout.W_RETIRED : layout.W_RETIRED + _N_COUNTERS].copy()
+            counts += self._procs[:, 1 : 1 + _N_COUNTERS].sum(axis=0)
+        else:
+            counts = np.array(self._counters, copy=True)
+        return TableStats(
+            self.name,
+            layout.KIND_NAMES[self.KIND],
+            scope,
+            self.geometry.capacity,
+            self._size(),
+            *(int(c) for c in counts),
+            processes=len(set(self.attached_pids())),
+        )
+
+    def _size(self) -> int:
+        return int(self._header[layout.W_SIZE])
+
+    def close(self) -> None:
+        """Let go of this process's handle. The segment stays for the others (see unlink)."""
+        if self._mapping is None:
+            return
+        try:
+            if os.getpid() == self._pid:
+                self._release_slot()
+        finally:
+            if self._lock is not None:
+                self._lock.close()
+                self._lock = None
+            self._drop_views()
+            mapping, self._mapping = self._mapping, None
+            mapping.close()
+
+    def _drop_views(self) -> None:
+        pass
+
+    @staticmethod
+    def unlink(name: str) -> None:
+        """Destroy the named segment for everyone (attached processes keep their mapping)."""
+        segment.unlink(name)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (type(self).attach, (self.name,))  # type: ignore[attr-defined]
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - never raise from a finaliser
+            pass
+
+    def __repr__(self) -> str:
+        state = "closed" if self._mapping is None else "open"
+        g = self.geometry
+        return (
+            f"{type(self).__name__}({self.name!r}, capacity={g.capacity}, dim={g.dim}, "
+            f"dtype={g.dtype}, {state})"
+        )

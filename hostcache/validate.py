@@ -1,0 +1,73 @@
+"""Argument checks shared by the host tables: typed errors, nothing changed on failure."""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import BadArgumentError
+from .layout import EMPTY_KEY
+
+
+def check_keys(keys: object, *, what: str = "keys") -> torch.Tensor:
+    """Keys as an int64 1-D CPU tensor, or a :class:`BadArgumentError` saying what to pass."""
+    if not isinstance(keys, torch.Tensor):
+        raise BadArgumentError(f"{what} must be a torch.Tensor of int64; got {type(keys).__name__}")
+    if keys.dtype != torch.int64:
+        raise BadArgumentError(f"{what} must have dtype torch.int64; got {keys.dtype}")
+    if keys.device.type != "cpu":
+        raise BadArgumentError(
+            f"{what} must be on the CPU for the host tier; got {keys.device} "
+            "(move them with .cpu(), or use the gpu package's kernels for CUDA keys)"
+        )
+    if keys.dim() != 1:
+        raise BadArgumentError(f"{what} must be 1-D [N]; got shape {tuple(keys.shape)}")
+    return keys.contiguous()
+
+
+def check_cache_keys(keys: object) -> torch.Tensor:
+    """Like :func:`check_keys`, and refuses the reserved empty-slot key."""
+    keys = check_keys(keys)
+    if keys.numel() and bool((keys == EMPTY_KEY).any()):
+        raise BadArgumentError(
+            f"key {EMPTY_KEY} (INT64_MIN) is reserved to mark empty slots; map it to another key"
+        )
+    return keys
+
+
+def check_values(
+    values: object, n: int, dim: int, dtype: torch.dtype, *, what: str = "values"
+) -> torch.Tensor:
+    """Values as a [n, dim] CPU tensor of exactly ``dtype``."""
+    if not isinstance(values, torch.Tensor):
+        raise BadArgumentError(f"{what} must be a torch.Tensor; got {type(values).__name__}")
+    if values.dtype != dtype:
+        raise BadArgumentError(
+            f"{what} must have the table's dtype {dtype}; got {values.dtype} (convert with .to())"
+        )
+    if values.device.type != "cpu":
+        raise BadArgumentError(f"{what} must be on the CPU; got {values.device}")
+    if tuple(values.shape) != (n, dim):
+        raise BadArgumentError(
+            f"{what} must have shape [{n}, {dim}] (one row per key); got {tuple(values.shape)}"
+        )
+    return values
+
+
+def check_indices(indices: object, num_rows: int) -> torch.Tensor:
+    """Row indices of a linear table: int64 1-D CPU, every one in ``[0, num_rows)``."""
+    idx = check_keys(indices, what="indices")
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= num_rows):
+        bad = idx[(idx < 0) | (idx >= num_rows)][:5].tolist()
+        raise BadArgumentError(
+            f"indices must be in [0, {num_rows}); got out-of-range values such as {bad}"
+        )
+    return idx
+
+
+def dedup_last(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Distinct keys, the position of each one's last occurrence, and the inverse map."""
+    unique, inverse = torch.unique(keys, sorted=True, return_inverse=True)
+    positions = torch.arange(keys.numel(), dtype=torch.int64)
+    last = torch.full((unique.numel(),), -1, dtype=torch.int64)
+    last.scatter_reduce_(0, inverse, positions, reduce="amax")
+    return unique, last, inverse
