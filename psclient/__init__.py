@@ -1,0 +1,50 @@
+"""Parameter-server clients behind one batched interface, chosen by URL scheme.
+
+>>> ps = connect("file:///tmp/emb", table="ctr_user", dim=128)        # doctest: +SKIP
+>>> values, found = ps.lookup(torch.tensor([1, 2, 3]))                  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from .base import ParameterServer
+from .errors import (
+    BadArgumentError,
+    BadKeysError,
+    BadValuesError,
+    ChangeFeedGapError,
+    CorruptValueError,
+    HandleClosedError,
+    PSAuthError,
+    PSClientError,
+    PSServerError,
+    PSTimeoutError,
+    PSUnavailableError,
+    SchemaMismatchError,
+    TableNotFoundError,
+    UnsupportedURLError,
+)
+from .registry import connect, register_backend, schemes
+from .schema import LAYOUT_VERSION, TableSchema
+
+__all__ = [
+    "LAYOUT_VERSION",
+    "BadArgumentError",
+    "BadKeysError",
+    "BadValuesError",
+    "ChangeFeedGapError",
+    "CorruptValueError",
+    "HandleClosedError",
+    "PSAuthError",
+    "PSClientError",
+    "PSServerError",
+    "PSTimeoutError",
+    "PSUnavailableError",
+    "ParameterServer",
+    "SchemaMismatchError",
+    "TableNotFoundError",
+    "TableSchema",
+    "UnsupportedURLError",
+    "connect",
+    "register_backend",
+    "schemes",
+]

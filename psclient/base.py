@@ -1,0 +1,253 @@
+"""The batched-first interface every parameter-server backend implements.
+
+Public methods validate their arguments here (typed errors, nothing written) and hand
+numpy int64 keys and contiguous value tensors to the backend's ``_`` methods.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .codec import check_keys, check_values
+from .errors import BadArgumentError, HandleClosedError
+from .schema import TableSchema
+
+
+class ParameterServer(ABC):
+    """A table of int64 keys -> rows of ``dim`` elements of ``dtype``, shared by all nodes.
+
+    Use :func:`psclient.connect` to get one. Every method works on a batch of keys.
+    Instances are context managers (``close()`` on exit). They notice a fork and reconnect
+    in the child.
+    """
+
+    _closed = True  # class-level default so close()/__del__ work after a failed __init__
+
+    def __init__(self, table: str, schema: TableSchema) -> None:
+        self._table = table
+        self._schema = schema
+        self._pid = os.getpid()
+        self._closed = False
+
+    # -- read-only properties ------------------------------------------------------------
+
+    @property
+    def table(self) -> str:
+        """The table name."""
+        return self._table
+
+    @property
+    def dim(self) -> int:
+        """Elements per row."""
+        return self._schema.dim
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Row dtype."""
+        return self._schema.torch_dtype
+
+    @property
+    def schema(self) -> TableSchema:
+        """The stored schema (dim, dtype, partitions, layout version)."""
+        return self._schema
+
+    # -- the interface -------------------------------------------------------------------
+
+    def lookup(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Read the rows of ``keys``.
+
+        Args:
+            keys: int64 CPU tensor ``[N]``; duplicates allowed.
+
+        Returns:
+            ``(values, found)``: ``values`` ``[N, dim]`` of the table dtype (zeros where
+            not found) and ``found`` bool ``[N]``.
+
+        Raises:
+            BadKeysError: keys are not a 1-D int64 CPU tensor.
+            CorruptValueError: a stored value has the wrong length (names table and key).
+            PSUnavailableError: the store could not be reached (PSTimeoutError on timeout).
+        """
+        k = self._enter(keys)
+        if k.size == 0:
+            return (torch.zeros(0, self.dim, dtype=self.dtype), torch.zeros(0, dtype=torch.bool))
+        return self._lookup(k)
+
+    def insert(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write rows, creating or overwriting them (the last of duplicate keys wins).
+
+        Raises:
+            BadKeysError, BadValuesError: bad arguments; nothing is written.
+            PSUnavailableError: the write could not be applied (never silently dropped).
+        """
+        k = self._enter(keys)
+        v = check_values(values, k.size, self._schema)
+        if k.size:
+            self._insert(k, v)
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Overwrite rows of keys that exist; keys that do not exist are not written.
+
+        Returns:
+            bool ``[N]``: which keys existed (and were written).
+        """
+        k = self._enter(keys)
+        v = check_values(values, k.size, self._schema)
+        if k.size == 0:
+            return torch.zeros(0, dtype=torch.bool)
+        return self._update(k, v)
+
+    def erase(self, keys: torch.Tensor) -> None:
+        """Delete the rows of ``keys`` (missing keys are ignored)."""
+        k = self._enter(keys)
+        if k.size:
+            self._erase(k)
+
+    def clear(self) -> None:
+        """Delete every row; the schema stays. Change-feed readers get a ChangeFeedGapError."""
+        self._enter(None)
+        self._clear()
+
+    def size(self) -> int:
+        """Number of rows stored."""
+        self._enter(None)
+        return self._size()
+
+    def changes(self, since: str | None = None, *, limit: int = 1024) -> tuple[torch.Tensor, str]:
+        """Keys written by update/erase/insert-over-existing since a cursor.
+
+        Args:
+            since: a cursor returned by an earlier call; ``None`` starts at the current end
+                (returns no keys and the cursor to poll from).
+            limit: at most this many feed entries (one per written batch) per call.
+
+        Returns:
+            ``(keys, cursor)``: unique int64 keys changed after ``since`` (a superset where
+            noted in docs/psclient.md) and the cursor to pass next time.
+
+        Raises:
+            ChangeFeedGapError: entries after ``since`` were trimmed from the bounded feed,
+                or the table was cleared; drop every cached row and resume from
+                ``err.cursor``.
+        """
+        self._enter(None)
+        if limit <= 0:
+            raise BadArgumentError(f"limit must be positive, got {limit}")
+        return self._changes(since, limit)
+
+    def load(
+        self,
+        source: torch.Tensor | np.ndarray | str | Path | Iterable[tuple[torch.Tensor, Any]],
+        *,
+        keys: torch.Tensor | None = None,
+        tensor: str | None = None,
+        batch_size: int = 65536,
+        progress: bool = True,
+    ) -> int:
+        """Bulk-insert rows from a tensor, a ``.npy`` / ``.safetensors`` file or an iterator.
+
+        Args:
+            source: a ``[N, dim]`` tensor or array, a path to ``.npy`` or ``.safetensors``,
+                or an iterable of ``(keys, values)`` chunks.
+            keys: int64 ``[N]`` keys of the rows; default ``0..N-1`` (not for iterators).
+            tensor: the tensor's name inside a ``.safetensors`` file (optional if it holds
+                exactly one tensor).
+            batch_size: rows per insert.
+            progress: show a tqdm progress bar.
+
+        Returns:
+            The number of rows loaded.
+        """
+        from .loader import load_into
+
+        self._enter(None)
+        return load_into(self, source, keys=keys, tensor=tensor, batch_size=batch_size,
+                         progress=progress)
+
+    def drop(self) -> None:
+        """Delete the table: rows, schema and change feed. The client is closed afterwards."""
+        self._enter(None)
+        self._drop()
+        self.close()
+
+    def stat(self) -> dict[str, Any]:
+        """Schema, row count and backend details, as a JSON-able dict."""
+        self._enter(None)
+        info = {"table": self.table, "dim": self.dim, "dtype": self._schema.dtype,
+                "partitions": self._schema.partitions, "layout": self._schema.layout,
+                "created": self._schema.created, "rows": self._size()}
+        info.update(self._stat())
+        return info
+
+    def close(self) -> None:
+        """Let go of connections / file handles. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._close()
+
+    def __enter__(self) -> ParameterServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(table={self.table!r}, dim={self.dim}, "
+                f"dtype={self._schema.dtype}{', closed' if self._closed else ''})")
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _enter(self, keys: object) -> np.ndarray:
+        if self._closed:
+            raise HandleClosedError(f"table {self._table!r}: client is closed; connect() again")
+        pid = os.getpid()
+        if pid != self._pid:
+            # NOTE: a forked child must not share the parent's sockets / LMDB environment.
+            self._after_fork()
+            self._pid = pid
+        if keys is None:
+            return np.empty(0, dtype=np.int64)
+        return check_keys(keys)
+
+    # -- backend hooks -------------------------------------------------------------------
+
+    @abstractmethod
+    def _lookup(self, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    @abstractmethod
+    def _insert(self, keys: np.ndarray, values: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def _update(self, keys: np.ndarray, values: torch.Tensor) -> torch.Tensor: ...
+
+    @abstractmethod
+    def _erase(self, keys: np.ndarray) -> None: ...
+
+    @abstractmethod
+    def _clear(self) -> None: ...
+
+    @abstractmethod
+    def _size(self) -> int: ...
+
+    @abstractmethod
+    def _changes(self, since: str | None, limit: int) -> tuple[torch.Tensor, str]: ...
+
+    @abstractmethod
+    def _drop(self) -> None: ...
+
+    @abstractmethod
+    def _close(self) -> None: ...
+
+    @abstractmethod
+    def _after_fork(self) -> None: ...
+
+    def _stat(self) -> dict[str, Any]:
+        return {}

@@ -1,0 +1,374 @@
+"""The Redis / Redis Cluster backend.
+
+Layout of table ``T`` (prefix ``psc``, ``P`` partitions fixed at creation)::
+
+    psc:{T}:schema      string   msgpack TableSchema
+    psc:{T:p}           hash     field = key as 8 little-endian bytes, value = raw row bytes
+    psc:{T}:changes     stream   entries {"k": packed int64 keys} or {"clear": ""}
+
+Key ``k`` lives in partition ``fmix64(k) % P``. The hash tag ``{T:p}`` puts a partition
+in one cluster slot, so one HMGET/HSET per partition chunk is legal on a cluster while
+the partitions spread the table over every master. Hashes beat plain keys by
+measurement (docs/psclient.md) and give O(P) size/clear.
+
+A batch is grouped by partition, cut into commands of at most ``chunk_keys`` keys, and
+the commands of whole partitions are packed into pipelines (no MULTI) of about
+``pipeline_keys`` keys, one node per pipeline, run concurrently on a thread pool.
+
+NOTE: all chunks of one partition go into the same pipeline, in key order, so the last
+of duplicate keys in a batch wins, as in a dict.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from itertools import chain
+from typing import Any
+
+import numpy as np
+import redis.exceptions as rex
+import torch
+
+from .base import ParameterServer
+from .codec import assemble_rows, group_by_partition, le_key_bytes, row_bytes_list, scatter_found
+from .errors import (
+    BadArgumentError,
+    ChangeFeedGapError,
+    PSServerError,
+    SchemaMismatchError,
+    TableNotFoundError,
+)
+from .redis_conn import cluster_factory, redact, redis_errors, split_options, standalone_factory
+from .schema import TableSchema
+
+log = logging.getLogger(__name__)
+
+# Writes only fields that exist; returns one '0'/'1' per field (atomic per partition).
+_UPDATE_LUA = """
+local out = {}
+for i = 1, #ARGV, 2 do
+  if redis.call('HEXISTS', KEYS[1], ARGV[i]) == 1 then
+    redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
+    out[#out + 1] = '1'
+  else
+    out[#out + 1] = '0'
+  end
+end
+return table.concat(out)
+"""
+
+_DEFAULTS = {"chunk_keys": 1024, "pipeline_keys": 16384, "changes_maxlen": 1000,
+             "feed_entry_keys": 4096, "prefix": "psc", "max_workers": 4}
+
+
+def _stream_id(s: str | bytes) -> tuple[int, int]:
+    if isinstance(s, bytes):
+        s = s.decode()
+    ms, _, seq = s.partition("-")
+    try:
+        return int(ms), int(seq or 0)
+    except ValueError as e:
+        raise BadArgumentError(
+            f"bad change-feed cursor {s!r}: pass one returned by changes()"
+        ) from e
+
+
+class RedisParameterServer(ParameterServer):
+    """A table on one Redis server or a Redis Cluster. Create with :func:`psclient.connect`."""
+
+    _client: Any = None
+    _executor: ThreadPoolExecutor | None = None
+
+    def __init__(self, make_client: Any, url: str, table: str, dim: int | None,
+                 dtype: str | None, opts: dict[str, Any], cluster: bool) -> None:
+        self._make_client = make_client
+        self._url = redact(url)
+        self._cluster = cluster
+        self._opts = {**_DEFAULTS, **opts}
+        for name in ("chunk_keys", "pipeline_keys", "changes_maxlen", "feed_entry_keys",
+                     "max_workers"):
+            if self._opts[name] <= 0:
+                raise BadArgumentError(f"option {name} must be positive")
+        self._where = f"table {table!r} at {self._url}"
+        pre = self._opts["prefix"]
+        self._schema_key = f"{pre}:{{{table}}}:schema"
+        self._stream_key = f"{pre}:{{{table}}}:changes"
+        self._client = make_client()
+        schema = self._open_schema(table, dim, dtype, opts.get("partitions"))
+        super().__init__(table, schema)
+        self._part_keys = [f"{pre}:{{{table}:{p}}}".encode() for p in range(schema.partitions)]
+        self._node_of: list[Any] | None = None
+
+    # -- schema --------------------------------------------------------------------------
+
+    def _open_schema(self, table: str, dim: int | None, dtype: str | None,
+                     partitions: int | None) -> TableSchema:
+        with redis_errors(self._where):
+            raw = self._client.get(self._schema_key)
+            if raw is None:
+                if dim is None:
+                    raise TableNotFoundError(
+                        f"{self._where} does not exist: pass dim= (and dtype=) to create it"
+                    )
+                if partitions is None:
+                    masters = len(self._client.get_primaries()) if self._cluster else 1
+                    partitions = max(64, 8 * masters)
+                schema = TableSchema(dim=dim, dtype=dtype or "float32", partitions=partitions)
+                if self._client.set(self._schema_key, schema.encode(), nx=True):
+                    log.info("created %s: %s", self._where, schema)
+                    return schema
+                raw = self._client.get(self._schema_key)  # lost a creation race: use theirs
+                if raw is None:
+                    raise SchemaMismatchError(f"{self._where} was dropped while being created")
+            schema = TableSchema.decode(raw, table)
+            schema.check(table, dim=dim, dtype=dtype, partitions=partitions)
+            return schema
+
+    # -- dispatch ------------------------------------------------------------------------
+
+    def _nodes(self) -> list[Any]:
+        """The client that serves each partition (one client when standalone)."""
+        if self._node_of is None:
+            if not self._cluster:
+                self._node_of = [self._client] * self._schema.partitions
+            else:
+                nm = self._client.nodes_manager
+                self._node_of = [
+                    self._client.get_redis_connection(
+                        nm.get_node_from_slot(self._client.keyslot(k)))
+                    for k in self._part_keys
+                ]
+        return self._node_of
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(self._opts["max_workers"],
+                                                thread_name_prefix="psclient")
+        return self._executor
+
+    def _run(self, cmds: list[tuple[int, int, tuple[Any, ...]]]) -> list[Any]:
+        """Execute ``(partition, rows, args)`` commands; return their replies in order."""
+        try:
+            with redis_errors(self._where):
+                return self._dispatch(cmds)
+        except PSServerError as e:
+            if not self._cluster or not isinstance(e.__cause__, (rex.MovedError, rex.AskError)):
+                raise
+        # NOTE: the slot map changed under us (resharding/failover): refresh it and send the
+        # batch once more; every command here is idempotent per key.
+        log.info("%s: cluster topology changed, refreshing the slot map", self._where)
+        with redis_errors(self._where):
+            self._client.nodes_manager.initialize()
+            self._node_of = None
+            return self._dispatch(cmds)
+
+    def _dispatch(self, cmds: list[tuple[int, int, tuple[Any, ...]]]) -> list[Any]:
+        nodes = self._nodes()
+        jobs: dict[int, list[list[int]]] = {}  # id(node) -> pipelines (command indices)
+        clients: dict[int, Any] = {}
+        rows_in_last: dict[int, int] = {}
+        last_part: dict[int, int] = {}
+        limit = self._opts["pipeline_keys"]
+        for i, (p, rows, _) in enumerate(cmds):
+            node = nodes[p]
+            nid = id(node)
+            clients[nid] = node
+            pipes = jobs.setdefault(nid, [])
+            # start a new pipeline only at a partition boundary (keeps duplicate order)
+            if not pipes or (rows_in_last[nid] >= limit and last_part[nid] != p):
+                pipes.append([])
+                rows_in_last[nid] = 0
+            pipes[-1].append(i)
+            rows_in_last[nid] += rows
+            last_part[nid] = p
+        work = [(clients[nid], idx) for nid, pipes in jobs.items() for idx in pipes]
+
+        def execute(job: tuple[Any, list[int]]) -> list[Any]:
+            client, idx = job
+            pipe = client.pipeline(transaction=False)
+            for i in idx:
+                pipe.execute_command(*cmds[i][2])
+            return pipe.execute()
+
+        out: list[Any] = [None] * len(cmds)
+        if len(work) == 1:
+            results = [execute(work[0])]
+        else:
+            results = list(self._pool().map(execute, work))
+        for (_, idx), res in zip(work, results, strict=True):
+            for i, r in zip(idx, res, strict=True):
+                out[i] = r
+        return out
+
+    def _chunked(self, name: str, keys: np.ndarray, values: torch.Tensor | None
+                 ) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int, tuple[Any, ...]]]]:
+        """Group keys by partition and build one command per chunk of a partition."""
+        order, bounds = group_by_partition(keys, self._schema.partitions)
+        ks = keys[order]
+        kb = le_key_bytes(ks)
+        vb = row_bytes_list(values[torch.from_numpy(order)]) if values is not None else None
+        ck = self._opts["chunk_keys"]
+        cmds: list[tuple[int, int, tuple[Any, ...]]] = []
+        nonempty = np.flatnonzero(bounds[1:] > bounds[:-1])
+        for p in nonempty.tolist():
+            a, b = int(bounds[p]), int(bounds[p + 1])
+            for s in range(a, b, ck):
+                e = min(b, s + ck)
+                if vb is None:
+                    args: list[Any] = kb[s:e]
+                else:
+                    args = [None] * (2 * (e - s))
+                    args[0::2] = kb[s:e]
+                    args[1::2] = vb[s:e]
+                if name == "EVAL":
+                    cmds.append((p, e - s, ("EVAL", _UPDATE_LUA, 1, self._part_keys[p], *args)))
+                else:
+                    cmds.append((p, e - s, (name, self._part_keys[p], *args)))
+        return order, ks, cmds
+
+    # -- operations ----------------------------------------------------------------------
+
+    def _lookup(self, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        order, ks, cmds = self._chunked("HMGET", keys, None)
+        replies = list(chain.from_iterable(self._run(cmds)))
+        rows, found_sorted = assemble_rows(replies, ks, self._schema, self._table)
+        return scatter_found(rows, found_sorted, order, keys.size, self._schema)
+
+    def _insert(self, keys: np.ndarray, values: torch.Tensor) -> None:
+        _, ks, cmds = self._chunked("HSET", keys, values)
+        added = self._run(cmds)
+        # NOTE: HSET answers how many fields were new; a chunk where fewer were new than
+        # sent overwrote something, so its keys go to the change feed (a superset).
+        changed = [np.frombuffer(b"".join(c[2][2::2]), dtype="<i8")
+                   for c, n in zip(cmds, added, strict=True) if int(n) < c[1]]
+        if changed:
+            self._feed(np.concatenate(changed))
+
+    def _update(self, keys: np.ndarray, values: torch.Tensor) -> torch.Tensor:
+        order, ks, cmds = self._chunked("EVAL", keys, values)
+        flags = b"".join(self._run(cmds))
+        existed_sorted = np.frombuffer(flags, dtype=np.uint8) == ord("1")
+        existed = np.zeros(keys.size, dtype=bool)
+        existed[order] = existed_sorted
+        if existed_sorted.any():
+            self._feed(ks[existed_sorted])
+        return torch.from_numpy(existed)
+
+    def _erase(self, keys: np.ndarray) -> None:
+        _, ks, cmds = self._chunked("HDEL", keys, None)
+        self._run(cmds)
+        self._feed(ks)
+
+    def _clear(self) -> None:
+        self._run([(p, 1, ("UNLINK", k)) for p, k in enumerate(self._part_keys)])
+        self._feed(None)
+
+    def _size(self) -> int:
+        return sum(self._run([(p, 1, ("HLEN", k)) for p, k in enumerate(self._part_keys)]))
+
+    def _drop(self) -> None:
+        self._run([(p, 1, ("UNLINK", k)) for p, k in enumerate(self._part_keys)])
+        with redis_errors(self._where):
+            self._client.delete(self._stream_key)
+            self._client.delete(self._schema_key)
+        log.info("dropped %s", self._where)
+
+    # -- change feed ---------------------------------------------------------------------
+
+    def _feed(self, keys: np.ndarray | None) -> None:
+        """Append changed keys (or a clear marker) to the bounded stream, after the write."""
+        maxlen = self._opts["changes_maxlen"]
+        per = self._opts["feed_entry_keys"]
+        if keys is None:
+            fields_list: list[dict[str, bytes]] = [{"clear": b""}]
+        else:
+            keys = np.unique(keys)
+            fields_list = [{"k": keys[a:a + per].astype("<i8").tobytes()}
+                           for a in range(0, keys.size, per)]
+        with redis_errors(self._where):
+            pipe = self._client.pipeline(transaction=False)
+            for fields in fields_list:
+                pipe.xadd(self._stream_key, fields, maxlen=maxlen, approximate=True)
+            pipe.execute()
+
+    def _changes(self, since: str | None, limit: int) -> tuple[torch.Tensor, str]:
+        empty = torch.zeros(0, dtype=torch.int64)
+        with redis_errors(self._where):
+            try:
+                info = self._client.xinfo_stream(self._stream_key)
+            except rex.ResponseError as e:
+                if "no such key" not in str(e).lower():
+                    raise
+                return empty, since or "0-0"
+            last = info["last-generated-id"]
+            last = last.decode() if isinstance(last, bytes) else str(last)
+            if since is None:
+                return empty, last
+            start = _stream_id(since)
+            entries = self._client.xrange(self._stream_key, min=f"({since}", count=limit)
+        deleted = info.get("max-deleted-entry-id", b"0-0")
+        if start < _stream_id(deleted):
+            raise ChangeFeedGapError(
+                f"{self._where}: change-feed entries after cursor {since} were trimmed (the feed "
+                f"keeps about {self._opts['changes_maxlen']} entries): drop every cached row of "
+                "the table and resume from err.cursor", cursor=last)
+        parts = []
+        cursor = since
+        for eid, fields in entries:
+            cursor = eid.decode() if isinstance(eid, bytes) else str(eid)
+            if b"clear" in fields or "clear" in fields:
+                raise ChangeFeedGapError(
+                    f"{self._where} was cleared at {cursor}: drop every cached row of the table "
+                    "and resume from err.cursor", cursor=cursor)
+            parts.append(np.frombuffer(fields[b"k"], dtype="<i8"))
+        keys = np.unique(np.concatenate(parts)) if parts else np.empty(0, dtype=np.int64)
+        return torch.from_numpy(keys.astype(np.int64)), cursor
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def _stat(self) -> dict[str, Any]:
+        with redis_errors(self._where):
+            nodes = len(self._client.get_primaries()) if self._cluster else 1
+            try:
+                feed = self._client.xlen(self._stream_key)
+            except rex.ResponseError:
+                feed = 0
+        return {"backend": "redis-cluster" if self._cluster else "redis", "url": self._url,
+                "masters": nodes, "feed_entries": feed}
+
+    def _after_fork(self) -> None:
+        # NOTE: the parent's sockets and pool threads are not ours: drop them unclosed
+        # (closing would shut the parent's sockets down) and build fresh ones.
+        log.debug("%s: fork detected, reconnecting in pid child", self._where)
+        self._executor = None
+        self._node_of = None
+        self._client = self._make_client()
+
+    def _close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        if self._client is not None:
+            try:
+                self._client.close()
+            except rex.RedisError:  # closing a dead connection: nothing left to release
+                pass
+            self._client = None
+
+
+def open_standalone(url: str, table: str, dim: int | None, dtype: str | None,
+                    options: dict[str, Any]) -> RedisParameterServer:
+    """Factory for ``redis://``, ``rediss://`` and ``unix://`` URLs."""
+    base, topts, conn = split_options(url, options)
+    return RedisParameterServer(standalone_factory(base, conn), base, table, dim, dtype, topts,
+                                cluster=False)
+
+
+def open_cluster(url: str, table: str, dim: int | None, dtype: str | None,
+                 options: dict[str, Any]) -> RedisParameterServer:
+    """Factory for ``redis+cluster://host:port[,host:port]`` URLs."""
+    base, topts, conn = split_options(url, options)
+    with redis_errors(f"table {table!r} at {redact(base)}"):
+        make = cluster_factory(base, conn)
+        return RedisParameterServer(make, base, table, dim, dtype, topts, cluster=True)

@@ -1,0 +1,150 @@
+"""A table's schema: what is stored with every table, and how it is checked on open.
+
+The schema is one msgpack map stored beside the table (a Redis string key, or a record in
+the LMDB main database)::
+
+    {"layout": LAYOUT_VERSION, "dim": int, "dtype": "float32", "partitions": int,
+     "created": float unix time}
+
+Opening an existing table compares what the caller asked for with what is stored; a
+difference is a :class:`SchemaMismatchError`, never a silent reinterpretation.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+
+import msgpack
+import torch
+
+from .errors import BadArgumentError, CorruptValueError, SchemaMismatchError
+
+#: Bump when the stored byte layout of rows, keys or partitions changes.
+LAYOUT_VERSION = 1
+
+#: Supported row dtypes by their stored name.
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16",
+            "fp64": "float64", "double": "float64", "float": "float32"}
+
+#: Table names: safe inside Redis hash tags and LMDB database names.
+TABLE_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,100}$")
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """The stored name of a supported dtype (``torch.float32`` or ``"fp32"`` -> ``"float32"``).
+
+    Raises:
+        BadArgumentError: the dtype is not one of float32, float16, bfloat16, float64.
+    """
+    if isinstance(dtype, torch.dtype):
+        for name, dt in DTYPES.items():
+            if dt == dtype:
+                return name
+    elif isinstance(dtype, str):
+        name = dtype.removeprefix("torch.").lower()
+        name = _ALIASES.get(name, name)
+        if name in DTYPES:
+            return name
+    raise BadArgumentError(
+        f"unsupported dtype {dtype!r}: use one of {', '.join(DTYPES)} (a torch.dtype or its name)"
+    )
+
+
+def check_table_name(table: object) -> str:
+    """Validate a table name (``[A-Za-z0-9_.-]{1,100}``) and return it."""
+    if not isinstance(table, str) or not TABLE_NAME_RE.match(table):
+        raise BadArgumentError(
+            f"bad table name {table!r}: use 1-100 characters from [A-Za-z0-9_.-]"
+        )
+    return table
+
+
+@dataclass(frozen=True)
+class TableSchema:
+    """The geometry stored with a table."""
+
+    #: elements per row
+    dim: int
+    #: stored dtype name, a key of :data:`DTYPES`
+    dtype: str
+    #: number of partitions the keys are spread over (fixed at creation)
+    partitions: int = 1
+    #: byte-layout version of the backend that created the table
+    layout: int = LAYOUT_VERSION
+    #: creation time, seconds since the epoch
+    created: float = field(default_factory=time.time, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dim, int) or isinstance(self.dim, bool) or self.dim <= 0:
+            raise BadArgumentError(f"dim must be a positive int, got {self.dim!r}")
+        if self.dtype not in DTYPES:
+            raise BadArgumentError(f"unsupported dtype {self.dtype!r}: use one of {list(DTYPES)}")
+        if not isinstance(self.partitions, int) or not 1 <= self.partitions <= 16384:
+            raise BadArgumentError(
+                f"partitions must be an int in [1, 16384], got {self.partitions!r}"
+            )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The row dtype as a torch dtype."""
+        return DTYPES[self.dtype]
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one stored row."""
+        return self.dim * self.torch_dtype.itemsize
+
+    def encode(self) -> bytes:
+        """The msgpack record stored with the table."""
+        return msgpack.packb(
+            {"layout": self.layout, "dim": self.dim, "dtype": self.dtype,
+             "partitions": self.partitions, "created": self.created}
+        )
+
+    @classmethod
+    def decode(cls, raw: bytes, table: str) -> TableSchema:
+        """Parse a stored schema record.
+
+        Raises:
+            CorruptValueError: the record is not a valid schema.
+        """
+        try:
+            rec = msgpack.unpackb(raw)
+            return cls(dim=rec["dim"], dtype=rec["dtype"], partitions=rec["partitions"],
+                       layout=rec["layout"], created=rec.get("created", 0.0))
+        except (ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
+            raise CorruptValueError(
+                f"table {table!r}: the stored schema record is unreadable ({e}); "
+                "drop the table (psclient drop) and load it again"
+            ) from e
+
+    def check(self, table: str, *, dim: int | None, dtype: str | None,
+              partitions: int | None) -> None:
+        """Compare this stored schema with what a caller asked for.
+
+        Raises:
+            SchemaMismatchError: layout version, dim, dtype or partitions differ.
+        """
+        if self.layout != LAYOUT_VERSION:
+            raise SchemaMismatchError(
+                f"table {table!r} was written with layout version {self.layout}, this psclient "
+                f"reads version {LAYOUT_VERSION}: use a matching psclient or reload the table"
+            )
+        asked = {"dim": dim, "dtype": dtype, "partitions": partitions}
+        stored = {"dim": self.dim, "dtype": self.dtype, "partitions": self.partitions}
+        diff = [f"{k}={asked[k]!r} (stored {stored[k]!r})" for k in asked
+                if asked[k] is not None and asked[k] != stored[k]]
+        if diff:
+            raise SchemaMismatchError(
+                f"table {table!r} exists with dim={self.dim}, dtype={self.dtype}, "
+                f"partitions={self.partitions}; asked for {', '.join(diff)}: connect without "
+                "dim/dtype to use the stored schema, or drop the table first"
+            )
