@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import fnmatch
 import json
 import os
 import sys
@@ -120,10 +121,15 @@ def _geometry(table: HostCache | SharedMemBlock) -> dict[str, Any]:
     }
 
 
-def _summary(name: str) -> dict[str, Any]:
-    """One ``ls`` row; a table that cannot be attached gives a row with its ``error``."""
+def _summary(name: str) -> dict[str, Any] | None:
+    """One ``ls`` row; a table that cannot be attached gives a row with its ``error``.
+
+    ``None`` when the table was removed between listing and attaching.
+    """
     try:
         table = open_table(name)
+    except SegmentNotFoundError:
+        return None
     except HostCacheError as e:
         nbytes = _segment_bytes(name)
         return {
@@ -211,16 +217,28 @@ def _ls_line(s: dict[str, Any]) -> list[str]:
 
 
 def _ls_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "patterns",
+        nargs="*",
+        metavar="PATTERN",
+        help="only tables whose name matches one of these shell patterns (e.g. 'ctr_*')",
+    )
     p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
 
 
 def _ls(args: argparse.Namespace, out: TextIO) -> int:
-    summaries = [_summary(name) for name in segment.list_names()]
+    names = [
+        name
+        for name in segment.list_names()
+        if not args.patterns or any(fnmatch.fnmatchcase(name, p) for p in args.patterns)
+    ]
+    summaries = [s for s in map(_summary, names) if s is not None]
     if args.json:
         print(json.dumps(summaries, indent=2), file=out)
         return EXIT_OK
     if not summaries:
-        print("no hostcache tables on this node", file=out)
+        what = " matching " + " ".join(args.patterns) if args.patterns else ""
+        print(f"no hostcache tables{what} on this node", file=out)
         return EXIT_OK
     good = [_ls_line(s) for s in summaries if "error" not in s]
     bad = [_ls_line(s) for s in summaries if "error" in s]

@@ -35,7 +35,9 @@ keys_st = st.lists(st.integers(-(2**63) + 1, 2**63 - 1) | st.integers(-50, 50), 
 op_st = st.tuples(st.sampled_from(["insert", "update", "erase", "lookup", "clear"]), keys_st)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(ops=st.lists(op_st, max_size=25))
 def test_differential_against_dict(cache: HostCache, ops: list) -> None:
     """With room for every key, the cache behaves exactly like a dict (last write wins)."""

@@ -19,8 +19,9 @@ from hostcache import (
     SegmentExistsError,
     SegmentNotFoundError,
     SharedMemBlock,
+    layout,
+    segment,
 )
-from hostcache import layout, segment
 
 
 @pytest.mark.parametrize("name", ["", "a/b", "x" * 101, "sp ace", "..", "ümlaut", None, 5])

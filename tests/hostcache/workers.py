@@ -1,0 +1,76 @@
+"""Process bodies for the multi-process tests (importable by spawned children)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from hostcache import HostCache
+
+DIM = 16
+SCALE = 1 << 20  # a row of key k written at version v holds k * SCALE + v in every element
+
+
+def encoded_rows(keys: torch.Tensor, version: int) -> torch.Tensor:
+    return (keys.to(torch.float64) * SCALE + version)[:, None].expand(-1, DIM).contiguous()
+
+
+def count_torn(keys: torch.Tensor, values: torch.Tensor, hit: torch.Tensor) -> int:
+    """Hit rows whose elements disagree with each other or with their key."""
+    rows = values[hit]
+    mixed = (rows != rows[:, :1]).any(dim=1)
+    foreign = torch.div(rows[:, 0], SCALE, rounding_mode="floor") != keys[hit].to(torch.float64)
+    return int((mixed | foreign).sum())
+
+
+def writer(name: str, seconds: float, key_space: int, seed: int, ready, out) -> None:
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(seed)
+    hc = HostCache.attach(name)
+    ready.set()
+    version, deadline = 0, time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        version = (version + 1) % SCALE
+        keys = torch.randint(0, key_space, (512,), generator=gen)
+        op = version % 3
+        if op == 0:
+            hc.insert(keys, encoded_rows(keys, version))
+        elif op == 1:
+            hc.update(keys, encoded_rows(keys, version))
+        else:
+            hc.erase(keys[:64])
+    out.put(("writer", version))
+    hc.close()
+
+
+def reader(name: str, seconds: float, key_space: int, seed: int, ready, out) -> None:
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(seed)
+    hc = HostCache.attach(name)
+    ready.set()
+    reads = hits = torn = 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        keys = torch.randint(0, key_space, (4096,), generator=gen)
+        values, hit = hc.lookup(keys)
+        reads += keys.numel()
+        hits += int(hit.sum())
+        torn += count_torn(keys, values, hit)
+    out.put(("reader", reads, hits, torn))
+    hc.close()
+
+
+def busy_writer(name: str, key_space: int) -> None:
+    """Writes big batches forever (until SIGKILLed): mostly inside the writer lock."""
+    torch.set_num_threads(1)
+    hc = HostCache.attach(name)
+    gen = torch.Generator().manual_seed(0)
+    version = 0
+    while True:
+        version = (version + 1) % SCALE
+        keys = torch.randint(0, key_space, (20_000,), generator=gen)
+        if version % 2:
+            hc.insert(keys, encoded_rows(keys, version))
+        else:
+            hc.update(keys, encoded_rows(keys, version))
