@@ -1,0 +1,331 @@
+"""The embedded default: a local, persistent LMDB store (``file:///path/to/dir``).
+
+LMDB won over SQLite by measurement (docs/psclient.md): batched reads run in one read
+transaction on a memory map, readers never block and never lock, one writer at a time is
+serialized across processes by LMDB's robust lock, and copy-on-write B+trees make every
+commit crash-safe (``sync=True`` by default).
+
+Layout of one environment directory (any number of tables, two named databases each)::
+
+    main db   b"psc:schema:<T>"    msgpack TableSchema
+              b"psc:trimmed:<T>"   8-byte big-endian: highest change-feed seq trimmed
+    b"rows:<T>"   key: 8 big-endian bytes of key ^ 2**63 (byte order = signed order)
+                  value: raw row bytes
+    b"feed:<T>"   key: 8-byte big-endian seq; value: b"k" + packed int64 keys, or b"c"
+                  (table cleared). Bounded to ``changes_maxlen`` entries.
+
+The change feed is written in the same transaction as the rows, so it is exact and atomic.
+
+NOTE: LMDB forbids opening one environment twice in a process and using it after fork:
+environments are shared per (pid, path) through ``_ENVS`` and reopened in a child.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from itertools import compress
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+import lmdb
+import numpy as np
+import torch
+
+from .base import ParameterServer
+from .codec import assemble_rows, be_bytes_to_keys, be_key_bytes, row_bytes_list, scatter_found
+from .errors import (
+    BadArgumentError,
+    ChangeFeedGapError,
+    PSClientError,
+    PSServerError,
+    PSUnavailableError,
+    TableNotFoundError,
+    UnsupportedURLError,
+)
+from .schema import TableSchema
+
+log = logging.getLogger(__name__)
+
+_OPTIONS: dict[str, type] = {"map_size": int, "max_dbs": int, "sync": bool,
+                             "changes_maxlen": int, "feed_entry_keys": int, "chunk_keys": int}
+_DEFAULTS: dict[str, Any] = {"map_size": 1 << 40, "max_dbs": 128, "sync": True,
+                             "changes_maxlen": 1000, "feed_entry_keys": 4096, "chunk_keys": 1024}
+
+_ENVS: dict[tuple[int, str], list[Any]] = {}  # (pid, path) -> [env, refcount]
+_ENVS_LOCK = threading.Lock()
+
+
+def _acquire_env(path: str, opts: dict[str, Any]) -> lmdb.Environment:
+    with _ENVS_LOCK:
+        entry = _ENVS.get((os.getpid(), path))
+        if entry is None:
+            env = lmdb.open(path, map_size=opts["map_size"], max_dbs=opts["max_dbs"],
+                            sync=opts["sync"], readahead=False, subdir=True, create=True)
+            entry = _ENVS[(os.getpid(), path)] = [env, 0]
+        entry[1] += 1
+        return entry[0]
+
+
+def _release_env(path: str) -> None:
+    with _ENVS_LOCK:
+        entry = _ENVS.get((os.getpid(), path))
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] <= 0:
+            del _ENVS[(os.getpid(), path)]
+            entry[0].close()
+
+
+def _seq(n: int) -> bytes:
+    return n.to_bytes(8, "big")
+
+
+@contextlib.contextmanager
+def _lmdb_errors(where: str) -> Iterator[None]:
+    try:
+        yield
+    except PSClientError:
+        raise
+    except lmdb.MapFullError as e:
+        raise PSServerError(f"{where}: the store is full: reconnect with a larger map_size= "
+                            "(bytes; the file grows only as data is written)") from e
+    except (lmdb.ReadersFullError, lmdb.TlsFullError) as e:
+        raise PSUnavailableError(f"{where}: too many concurrent readers ({e})") from e
+    except lmdb.Error as e:
+        raise PSUnavailableError(f"{where}: LMDB error: {e}") from e
+
+
+class FileParameterServer(ParameterServer):
+    """A table in a local LMDB environment. Create with :func:`psclient.connect`."""
+
+    _env: Any = None
+
+    def __init__(self, path: str, table: str, dim: int | None, dtype: str | None,
+                 opts: dict[str, Any]) -> None:
+        self._path = path
+        self._opts = {**_DEFAULTS, **opts}
+        for name in ("changes_maxlen", "feed_entry_keys", "chunk_keys", "max_dbs", "map_size"):
+            if self._opts[name] <= 0:
+                raise BadArgumentError(f"option {name} must be positive")
+        self._where = f"table {table!r} at file://{path}"
+        self._schema_key = f"psc:schema:{table}".encode()
+        self._trim_key = f"psc:trimmed:{table}".encode()
+        if dim is None and not (Path(path) / "data.mdb").exists():
+            raise TableNotFoundError(f"{self._where} does not exist: pass dim= to create it")
+        with _lmdb_errors(self._where):
+            self._env = _acquire_env(path, self._opts)
+            try:
+                schema = self._open_schema(table, dim, dtype, opts.get("partitions"))
+            except BaseException:
+                _release_env(path)
+                self._env = None
+                raise
+        super().__init__(table, schema)
+
+    def _open_schema(self, table: str, dim: int | None, dtype: str | None,
+                     partitions: int | None) -> TableSchema:
+        with self._env.begin() as txn:
+            raw = txn.get(self._schema_key)
+        if raw is None:
+            if dim is None:
+                raise TableNotFoundError(f"{self._where} does not exist: pass dim= to create it")
+            with self._env.begin(write=True) as txn:
+                raw = txn.get(self._schema_key)  # NOTE: re-read under the writer lock
+                if raw is None:
+                    schema = TableSchema(dim=dim, dtype=dtype or "float32",
+                                         partitions=partitions or 1)
+                    txn.put(self._schema_key, schema.encode())
+                    self._open_dbs(txn)
+                    log.info("created %s: %s", self._where, schema)
+                    return schema
+        schema = TableSchema.decode(raw, table)
+        schema.check(table, dim=dim, dtype=dtype, partitions=partitions)
+        with self._env.begin(write=True) as txn:
+            self._open_dbs(txn)
+        return schema
+
+    def _open_dbs(self, txn: Any) -> None:
+        name = self._schema_key[len(b"psc:schema:"):]
+        self._rows = self._env.open_db(b"rows:" + name, txn=txn, create=True)
+        self._feed_db = self._env.open_db(b"feed:" + name, txn=txn, create=True)
+
+    def _sorted(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[bytes]]:
+        order = np.argsort(keys, kind="stable")  # NOTE: B-tree locality; keeps dup order
+        ks = keys[order]
+        return order, ks, be_key_bytes(ks)
+
+    # -- operations ----------------------------------------------------------------------
+
+    def _lookup(self, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        order, ks, kb = self._sorted(keys)
+        with _lmdb_errors(self._where), self._env.begin(db=self._rows) as txn:
+            replies = list(map(txn.get, kb))
+        rows, found_sorted = assemble_rows(replies, ks, self._schema, self._table)
+        return scatter_found(rows, found_sorted, order, keys.size, self._schema)
+
+    def _insert(self, keys: np.ndarray, values: torch.Tensor) -> None:
+        order, ks, kb = self._sorted(keys)
+        vb = row_bytes_list(values[torch.from_numpy(order)])
+        ck = self._opts["chunk_keys"]
+        with _lmdb_errors(self._where), self._env.begin(write=True, db=self._rows) as txn:
+            cur = txn.cursor()
+            changed = []
+            for a in range(0, ks.size, ck):
+                b = min(ks.size, a + ck)
+                consumed, added = cur.putmulti(zip(kb[a:b], vb[a:b], strict=True), overwrite=True)
+                if added < consumed:  # some keys of this chunk existed: feed them (superset)
+                    changed.append(ks[a:b])
+            if changed:
+                self._append_feed(txn, np.concatenate(changed))
+
+    def _update(self, keys: np.ndarray, values: torch.Tensor) -> torch.Tensor:
+        order, ks, kb = self._sorted(keys)
+        vb = row_bytes_list(values[torch.from_numpy(order)])
+        with _lmdb_errors(self._where), self._env.begin(write=True, db=self._rows) as txn:
+            cur = txn.cursor()
+            existed_sorted = np.fromiter(map(cur.set_key, kb), dtype=bool, count=ks.size)
+            if existed_sorted.any():
+                cur.putmulti(compress(zip(kb, vb, strict=True), existed_sorted), overwrite=True)
+                self._append_feed(txn, ks[existed_sorted])
+        existed = np.zeros(keys.size, dtype=bool)
+        existed[order] = existed_sorted
+        return torch.from_numpy(existed)
+
+    def _erase(self, keys: np.ndarray) -> None:
+        _, ks, kb = self._sorted(keys)
+        with _lmdb_errors(self._where), self._env.begin(write=True, db=self._rows) as txn:
+            deleted = np.fromiter(map(txn.delete, kb), dtype=bool, count=ks.size)
+            if deleted.any():
+                self._append_feed(txn, ks[deleted])
+
+    def _clear(self) -> None:
+        with _lmdb_errors(self._where), self._env.begin(write=True) as txn:
+            txn.drop(self._rows, delete=False)
+            self._append_feed(txn, None)
+
+    def _size(self) -> int:
+        with _lmdb_errors(self._where), self._env.begin() as txn:
+            return int(txn.stat(self._rows)["entries"])
+
+    def _drop(self) -> None:
+        with _lmdb_errors(self._where), self._env.begin(write=True) as txn:
+            txn.drop(self._rows, delete=True)
+            txn.drop(self._feed_db, delete=True)
+            txn.delete(self._schema_key)
+            txn.delete(self._trim_key)
+        log.info("dropped %s", self._where)
+
+    # -- change feed ---------------------------------------------------------------------
+
+    def _append_feed(self, txn: Any, keys: np.ndarray | None) -> None:
+        cur = txn.cursor(db=self._feed_db)
+        seq = int.from_bytes(cur.key(), "big") if cur.last() else 0
+        per = self._opts["feed_entry_keys"]
+        if keys is None:
+            recs = [b"c"]
+        else:
+            keys = np.unique(keys)
+            recs = [b"k" + keys[a:a + per].astype("<i8").tobytes()
+                    for a in range(0, keys.size, per)]
+        for rec in recs:
+            seq += 1
+            txn.put(_seq(seq), rec, db=self._feed_db)
+        excess = int(txn.stat(self._feed_db)["entries"]) - self._opts["changes_maxlen"]
+        trimmed = 0
+        while excess > 0 and cur.first():  # bounded by the entries just added
+            trimmed = int.from_bytes(cur.key(), "big")
+            cur.delete()
+            excess -= 1
+        if trimmed:
+            txn.put(self._trim_key, _seq(trimmed))
+
+    def _changes(self, since: str | None, limit: int) -> tuple[torch.Tensor, str]:
+        empty = torch.zeros(0, dtype=torch.int64)
+        with _lmdb_errors(self._where), self._env.begin(db=self._feed_db) as txn:
+            cur = txn.cursor()
+            last = str(int.from_bytes(cur.key(), "big")) if cur.last() else "0"
+            if since is None:
+                return empty, last
+            try:
+                start = int(since)
+            except ValueError as e:
+                raise BadArgumentError(
+                    f"bad change-feed cursor {since!r}: pass one returned by changes()") from e
+            trimmed = txn.get(self._trim_key, db=None)
+            if trimmed is not None and start < int.from_bytes(trimmed, "big"):
+                raise ChangeFeedGapError(
+                    f"{self._where}: change-feed entries after cursor {since} were trimmed: drop "
+                    "every cached row of the table and resume from err.cursor", cursor=last)
+            parts = []
+            cursor = since
+            if cur.set_range(_seq(start + 1)):
+                for key, rec in cur:
+                    cursor = str(int.from_bytes(key, "big"))
+                    if rec[:1] == b"c":
+                        raise ChangeFeedGapError(
+                            f"{self._where} was cleared at {cursor}: drop every cached row of "
+                            "the table and resume from err.cursor", cursor=cursor)
+                    parts.append(rec[1:])
+                    if len(parts) >= limit:
+                        break
+        keys = np.unique(np.frombuffer(b"".join(parts), dtype="<i8")).astype(np.int64)
+        return torch.from_numpy(keys), cursor
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def _stat(self) -> dict[str, Any]:
+        with self._env.begin() as txn:
+            feed = int(txn.stat(self._feed_db)["entries"])
+        info = self._env.info()
+        return {"backend": "lmdb", "path": self._path, "feed_entries": feed,
+                "map_size": info["map_size"], "readers": info["num_readers"]}
+
+    def _after_fork(self) -> None:
+        # NOTE: LMDB: an environment must not be used after fork; open our own in the child.
+        self._env = _acquire_env(self._path, self._opts)
+        with self._env.begin(write=True) as txn:
+            self._open_dbs(txn)
+
+    def _close(self) -> None:
+        if self._env is not None:
+            if (os.getpid(), self._path) in _ENVS:
+                _release_env(self._path)
+            self._env = None
+
+
+def open_file(url: str, table: str, dim: int | None, dtype: str | None,
+              options: dict[str, Any]) -> FileParameterServer:
+    """Factory for ``file:///path`` URLs (the directory is created with the first table)."""
+    parts = urlsplit(url)
+    if parts.netloc not in ("", "localhost"):
+        raise UnsupportedURLError(
+            f"bad file URL {url!r}: use file:///absolute/path (three slashes)")
+    path = unquote(parts.path)
+    if not path:
+        raise UnsupportedURLError(f"bad file URL {url!r}: no path")
+    merged: dict[str, Any] = dict(parse_qsl(parts.query))
+    merged.update(options)
+    opts: dict[str, Any] = {}
+    for name, value in merged.items():
+        if name == "partitions":
+            opts[name] = int(value)
+            continue
+        typ = _OPTIONS.get(name)
+        if typ is None:
+            raise BadArgumentError(
+                f"unknown file:// option {name!r}: use one of {sorted(_OPTIONS)}")
+        try:
+            opts[name] = (str(value).lower() in ("1", "true", "yes") if typ is bool
+                          and not isinstance(value, bool) else typ(value))
+        except (TypeError, ValueError) as e:
+            raise BadArgumentError(f"option {name}={value!r} must be {typ.__name__}") from e
+    return FileParameterServer(os.path.realpath(path), table, dim, dtype, opts)
+
+
+__all__ = ["FileParameterServer", "be_bytes_to_keys", "open_file"]
