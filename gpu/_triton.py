@@ -1,0 +1,84 @@
+"""Lazy, guarded access to Triton: the ``gpu`` package imports without it.
+
+Kernel modules (``gpu/cache_kernels.py``) import ``triton`` at their top and are only
+loaded through :func:`kernel_module`, which builds one of two variants of a module:
+
+* compiled (``interpret=False``): ``@triton.jit`` functions compiled for CUDA tensors;
+* interpreted (``interpret=True``): the same source decorated while Triton's interpreter
+  knob is on, so the kernels run on CPU tensors (tests compare them with the torch twin
+  on machines without a GPU).
+
+NOTE: Triton decides compiled vs interpreted when ``@triton.jit`` decorates a function,
+so both variants are separate module objects executed from the same file.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import sys
+import threading
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+from .errors import TritonUnavailableError
+
+logger = logging.getLogger(__name__)
+
+_LOCK = threading.Lock()
+
+
+@cache
+def triton_available() -> bool:
+    """True if ``import triton`` works in this process."""
+    try:
+        import triton  # noqa: F401
+    except Exception as e:  # ImportError, or a broken install raising anything else
+        logger.debug("triton is not importable: %s", e)
+        return False
+    return True
+
+
+def kernel_module(stem: str, *, interpret: bool) -> ModuleType:
+    """Load ``gpu/<stem>.py`` as a compiled or interpreted Triton kernel module.
+
+    Args:
+        stem: File name without ``.py`` inside the ``gpu`` package, e.g. ``"cache_kernels"``.
+        interpret: Decorate the kernels for Triton's CPU interpreter instead of CUDA.
+
+    Returns:
+        The loaded module (cached per ``(stem, interpret)``).
+
+    Raises:
+        TritonUnavailableError: ``triton`` cannot be imported.
+    """
+    if not triton_available():
+        raise TritonUnavailableError(
+            "the Triton backend needs the triton package: `pip install triton` "
+            "(or pass backend='torch' to use the torch implementation)"
+        )
+    name = f"{__package__}.{stem}" + ("_interpreted" if interpret else "")
+    with _LOCK:
+        mod = sys.modules.get(name)
+        if mod is not None:
+            return mod
+        from triton import knobs
+
+        path = Path(__file__).with_name(f"{stem}.py")
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:  # pragma: no cover - file shipped with us
+            raise TritonUnavailableError(f"cannot load kernel module {path}")
+        mod = importlib.util.module_from_spec(spec)
+        previous = knobs.runtime.interpret
+        knobs.runtime.interpret = interpret
+        try:
+            sys.modules[name] = mod
+            spec.loader.exec_module(mod)
+        except BaseException:
+            sys.modules.pop(name, None)
+            raise
+        finally:
+            knobs.runtime.interpret = previous
+        logger.debug("loaded %s (interpret=%s)", name, interpret)
+        return mod
