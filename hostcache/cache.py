@@ -183,35 +183,51 @@ class HostCache(SharedTable):
             self._policy[slots] = policy
         self._versions[slots] += 1  # even again: the new contents are committed
 
-    def insert(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Insert rows, best effort: evicts by policy; keys already cached are overwritten.
+    def insert(
+        self, keys: torch.Tensor, values: torch.Tensor, *, overwrite: bool = True
+    ) -> None:
+        """Insert rows, best effort: evicts by policy.
 
-        Duplicate keys: the last occurrence wins. When more new keys than ``ways`` fall in
-        one bucket in a single batch, the extra ones are not inserted.
+        Args:
+            keys: int64 CPU ``[N]``; duplicates: the last occurrence wins.
+            values: ``[N, dim]`` rows of the table's dtype.
+            overwrite: Keys already cached get the new row (and every process's GPU cache
+                drops them). ``False`` leaves cached keys as they are: the safe way to fill
+                the cache with rows read from a parameter server, since a concurrent
+                ``update`` that got there first is never overwritten with an older row.
+
+        When more new keys than ``ways`` fall in one bucket in one batch, the extra ones
+        are not inserted.
         """
+        self._upsert(keys, values, overwrite=overwrite, announce_new=False)
+
+    def _upsert(
+        self, keys: torch.Tensor, values: torch.Tensor, *, overwrite: bool, announce_new: bool
+    ) -> torch.Tensor:
+        """Write present keys (if ``overwrite``) and place absent ones; bool [N] present."""
         keys = check_cache_keys(keys)
         values = check_values(values, keys.numel(), self.geometry.dim, self.geometry.dtype)
         if keys.numel() == 0:
-            return
+            return torch.zeros(0, dtype=torch.bool)
         ways = self.geometry.ways
         with self._writing():
-            ukeys, last, _ = dedup_last(keys)
+            ukeys, last, inverse = dedup_last(keys)
             urows = values.index_select(0, last)
             bucket, found, slot = self._find(ukeys)
-            # keys already present: overwrite in place and tell the other processes
             old_slots = slot[found]
-            self._write_slots(old_slots, ukeys[found], urows[found], None)
-            self.ring.append(ukeys[found])
+            if overwrite:  # keys already present: overwrite in place, tell the others
+                self._write_slots(old_slots, ukeys[found], urows[found], None)
             new = ~found
-            n_new = int(new.sum())
             written, evicted = 0, 0
-            if n_new:
+            if bool(new.any()):
                 written, evicted = self._insert_new(
                     ukeys[new], urows[new], bucket[new], old_slots, ways
                 )
+            self.ring.append(ukeys if announce_new else ukeys[found] if overwrite else ukeys[:0])
             c = self._counters
-            c[C_INSERTS] += int(found.sum()) + written
+            c[C_INSERTS] += (int(found.sum()) if overwrite else 0) + written
             c[C_EVICTIONS] += evicted
+        return found[inverse]
 
     def _insert_new(
         self,
@@ -258,11 +274,20 @@ class HostCache(SharedTable):
             b = buckets[hot]
             self._policy2[b] = self._policy2.index_select(0, b) >> 1
 
-    def update(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """Overwrite rows of keys that are cached; returns bool [N] of keys that were.
+    def update(
+        self, keys: torch.Tensor, values: torch.Tensor, *, insert_missing: bool = False
+    ) -> torch.Tensor:
+        """Overwrite rows of cached keys; returns bool [N] of keys that were cached.
 
         Every process's next lookup sees the new rows (their GPU caches drop the keys).
+        With ``insert_missing`` the other keys are inserted too and announced as well (the
+        write-through of a layer's ``update``: a replica that read the old row from the
+        parameter server just before is told to drop it).
         """
+        if insert_missing:
+            found = self._upsert(keys, values, overwrite=True, announce_new=True)
+            self._counters[C_UPDATES] += int(found.sum())
+            return found
         keys = check_cache_keys(keys)
         values = check_values(values, keys.numel(), self.geometry.dim, self.geometry.dtype)
         if keys.numel() == 0:

@@ -148,8 +148,10 @@ def test_small_cache_never_returns_a_stale_or_foreign_row(seed: int) -> None:
                 values, hit = hc.lookup(probe)
                 assert len(hc) <= hc.geometry.capacity
                 expected = torch.stack(
-                    [rows_for(probe[i : i + 1], written.get(int(probe[i]), -1))[0]
-                     for i in range(probe.numel())]
+                    [
+                        rows_for(probe[i : i + 1], written.get(int(probe[i]), -1))[0]
+                        for i in range(probe.numel())
+                    ]
                 )
                 assert torch.equal(values[hit], expected[hit])
                 assert not values[~hit].any()
@@ -280,3 +282,26 @@ def test_fp16_and_bf16_rows_round_trip(table_name: str) -> None:
                 assert hit.all() and out.dtype == dtype and torch.equal(out, vals)
             finally:
                 HostCache.unlink(name)
+
+
+def test_fill_without_overwrite_never_replaces_a_newer_row(cache: HostCache) -> None:
+    """insert(overwrite=False) is how PS rows fill the cache: a concurrent update wins."""
+    keys = torch.tensor([1, 2])
+    cache.update(keys[:1], rows_for(keys[:1], 9), insert_missing=True)  # the newer row
+    start = cache.change_cursor
+    cache.insert(keys, rows_for(keys, 0), overwrite=False)  # an older read of both rows
+    values, hit = cache.lookup(keys)
+    assert hit.all()
+    assert torch.equal(values, torch.cat([rows_for(keys[:1], 9), rows_for(keys[1:], 0)]))
+    assert cache.changes_since(start)[0].numel() == 0
+
+
+def test_update_insert_missing_announces_every_key(cache: HostCache) -> None:
+    cache.insert(torch.tensor([1]), rows_for(torch.tensor([1])))
+    start = cache.change_cursor
+    found = cache.update(
+        torch.tensor([1, 2]), rows_for(torch.tensor([1, 2]), 4), insert_missing=True
+    )
+    assert found.tolist() == [True, False]
+    assert sorted(cache.changes_since(start)[0].tolist()) == [1, 2]
+    assert cache.lookup(torch.tensor([2]))[1].item()
