@@ -468,6 +468,15 @@ class HostRegistration:
         return f"HostRegistration({self.name!r}, device={self.device}, {state})"
 
 
+def _wants_cuda(device: object) -> bool:
+    if device is None:
+        return torch.cuda.is_available()
+    try:
+        return torch.device(device).type == "cuda"  # type: ignore[arg-type]
+    except (RuntimeError, TypeError):
+        return False
+
+
 def _resolve_device(device: object) -> torch.device:
     if device is None:
         if torch.cuda.is_available():
@@ -526,9 +535,11 @@ def register(
         raise BadArgumentError(
             f"chunk_bytes must be a positive multiple of {PAGE} below 512 GiB; got {chunk_bytes}"
         )
+    if _wants_cuda(device):
+        # NOTE: before anything that could initialise CUDA in a forked child
+        _refuse_if_forked(f"register table {table.name!r} with CUDA")
     dev = _resolve_device(device)
     if dev.type == "cuda":
-        _refuse_if_forked(f"register table {table.name!r} with CUDA")
         if buffer.data_ptr() % PAGE or buffer.numel() % PAGE:
             raise BadArgumentError(
                 f"table {table.name!r}: the segment mapping is not page aligned "
