@@ -11,8 +11,6 @@ batches with numpy/torch ops and C-level ``map``/``tolist``; no Python loop per 
 
 from __future__ import annotations
 
-from itertools import compress
-
 import numpy as np
 import torch
 
@@ -64,13 +62,19 @@ def check_values(values: object, n: int, schema: TableSchema) -> torch.Tensor:
     return values.contiguous()
 
 
-def row_bytes_list(values: torch.Tensor) -> list[bytes]:
-    """One ``bytes`` object per row of a contiguous ``[N, dim]`` tensor."""
+def row_bytes_list(values: torch.Tensor, order: np.ndarray | None = None) -> list[bytes]:
+    """One ``bytes`` object per row of a contiguous ``[N, dim]`` tensor, optionally in
+    ``order`` (the rows are copied once; reordering moves only references)."""
     n = values.shape[0]
     if n == 0:
         return []
     raw = values.view(torch.uint8).numpy().reshape(n, -1)
-    return raw.view(f"V{raw.shape[1]}").ravel().tolist()
+    rows = raw.view(f"V{raw.shape[1]}").ravel().tolist()
+    if order is None:
+        return rows
+    obj = np.empty(n, dtype=object)
+    obj[:] = rows
+    return obj[order].tolist()
 
 
 def le_key_bytes(keys: np.ndarray) -> list[bytes]:
@@ -117,50 +121,40 @@ def group_by_partition(keys: np.ndarray, partitions: int) -> tuple[np.ndarray, n
 
 
 def assemble_rows(
-    replies: list[bytes | None], keys: np.ndarray, schema: TableSchema, table: str
-) -> tuple[torch.Tensor, np.ndarray]:
-    """Turn one stored value (or ``None`` for a miss) per key into rows.
+    replies: list[bytes | None], order: np.ndarray, keys: np.ndarray, schema: TableSchema,
+    table: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Turn one stored value (or ``None`` for a miss) per key into the lookup result.
 
     Args:
-        replies: one stored value or ``None`` per key, in the order of ``keys``.
-        keys: the keys the replies belong to (for error messages).
+        replies: one stored value or ``None`` per key, in the order ``keys[order]``.
+        order: the permutation the replies were fetched in.
+        keys: the keys in the caller's order (for error messages).
         schema: the table schema (row length, dtype).
         table: table name for error messages.
 
     Returns:
-        ``(rows, found)``: ``rows`` holds the found rows only, in key order;
-        ``found`` is a bool mask over ``keys``.
+        ``(values, found)`` in the caller's key order; missing rows are zeros.
 
     Raises:
         CorruptValueError: a stored value does not have the row length; names the key.
     """
     n = len(replies)
     obj = np.empty(n, dtype=object)
-    obj[:] = replies
+    obj[order] = replies
     found = obj != None  # noqa: E711 -- elementwise comparison on an object array
-    hits = list(compress(replies, found))
-    lengths = np.fromiter(map(len, hits), dtype=np.int64, count=len(hits))
+    obj[~found] = bytes(schema.row_bytes)  # NOTE: a miss reads as a zero row
+    ordered = obj.tolist()
+    lengths = np.fromiter(map(len, ordered), dtype=np.int64, count=n)
     bad = np.flatnonzero(lengths != schema.row_bytes)
     if bad.size:
-        key = int(keys[np.flatnonzero(found)[bad[0]]])
         raise CorruptValueError(
-            f"table {table!r}, key {key}: stored value has {int(lengths[bad[0]])} bytes, "
-            f"expected {schema.row_bytes} (dim {schema.dim} x {schema.dtype}); "
-            f"{bad.size} bad value(s) in this batch: rewrite them with insert() or drop the table"
+            f"table {table!r}, key {int(keys[bad[0]])}: stored value has "
+            f"{int(lengths[bad[0]])} bytes, expected {schema.row_bytes} (dim {schema.dim} x "
+            f"{schema.dtype}); {bad.size} bad value(s) in this batch: rewrite them with "
+            "insert() or drop the table"
         )
-    buf = bytearray(b"".join(hits))
-    rows = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
-    return rows.view(schema.torch_dtype).reshape(len(hits), schema.dim), found
-
-
-def scatter_found(
-    rows: torch.Tensor, found_sorted: np.ndarray, order: np.ndarray, n: int, schema: TableSchema
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Place found rows (in ``order``-sorted key order) into a zero-filled ``[n, dim]`` output."""
-    out = torch.zeros(n, schema.dim, dtype=schema.torch_dtype)
-    found = np.zeros(n, dtype=bool)
-    dest = order[found_sorted]
-    found[dest] = True
-    if rows.shape[0]:
-        out[torch.from_numpy(dest)] = rows
-    return out, torch.from_numpy(found)
+    # NOTE: one C-level copy of every row into a fresh array the returned tensor owns.
+    flat = np.fromiter(ordered, dtype=f"V{schema.row_bytes}", count=n).view(np.uint8)
+    values = torch.from_numpy(flat).view(schema.torch_dtype)
+    return values.reshape(n, schema.dim), torch.from_numpy(found.astype(bool))

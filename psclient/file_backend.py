@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from .base import ParameterServer
-from .codec import assemble_rows, be_bytes_to_keys, be_key_bytes, row_bytes_list, scatter_found
+from .codec import assemble_rows, be_bytes_to_keys, be_key_bytes, row_bytes_list
 from .errors import (
     BadArgumentError,
     ChangeFeedGapError,
@@ -166,12 +166,11 @@ class FileParameterServer(ParameterServer):
         order, ks, kb = self._sorted(keys)
         with _lmdb_errors(self._where), self._env.begin(db=self._rows) as txn:
             replies = list(map(txn.get, kb))
-        rows, found_sorted = assemble_rows(replies, ks, self._schema, self._table)
-        return scatter_found(rows, found_sorted, order, keys.size, self._schema)
+        return assemble_rows(replies, order, keys, self._schema, self._table)
 
     def _insert(self, keys: np.ndarray, values: torch.Tensor) -> None:
         order, ks, kb = self._sorted(keys)
-        vb = row_bytes_list(values[torch.from_numpy(order)])
+        vb = row_bytes_list(values, order)
         ck = self._opts["chunk_keys"]
         with _lmdb_errors(self._where), self._env.begin(write=True, db=self._rows) as txn:
             cur = txn.cursor()
@@ -186,7 +185,7 @@ class FileParameterServer(ParameterServer):
 
     def _update(self, keys: np.ndarray, values: torch.Tensor) -> torch.Tensor:
         order, ks, kb = self._sorted(keys)
-        vb = row_bytes_list(values[torch.from_numpy(order)])
+        vb = row_bytes_list(values, order)
         with _lmdb_errors(self._where), self._env.begin(write=True, db=self._rows) as txn:
             cur = txn.cursor()
             existed_sorted = np.fromiter(map(cur.set_key, kb), dtype=bool, count=ks.size)

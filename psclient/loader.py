@@ -48,7 +48,7 @@ def open_rows(source: object, tensor: str | None) -> _RowSource:
                 raise BadValuesError(f"{str(path)!r} holds shape {list(arr.shape)}, need [N, dim]")
             dt = torch.from_numpy(np.empty(0, dtype=arr.dtype)).dtype
             return _RowSource(arr.shape[0], arr.shape[1], dt,
-                              lambda a, b: torch.from_numpy(np.ascontiguousarray(arr[a:b])))
+                              lambda a, b: torch.from_numpy(np.array(arr[a:b])))
         if path.suffix == ".safetensors":
             return _open_safetensors(path, tensor)
         raise BadArgumentError(

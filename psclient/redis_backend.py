@@ -24,14 +24,15 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from itertools import chain
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import redis.exceptions as rex
 import torch
 
+from . import resp
 from .base import ParameterServer
-from .codec import assemble_rows, group_by_partition, le_key_bytes, row_bytes_list, scatter_found
+from .codec import assemble_rows, group_by_partition
 from .errors import (
     BadArgumentError,
     ChangeFeedGapError,
@@ -44,8 +45,46 @@ from .schema import TableSchema
 
 log = logging.getLogger(__name__)
 
+
+class Cmd(NamedTuple):
+    """One encoded command: partition, the range of sorted keys it covers, its bytes."""
+
+    part: int
+    start: int
+    stop: int
+    payload: list[bytes | memoryview]
+
+
+def _pipeline(client: Any, payload: list[bytes | memoryview], ncmds: int) -> list[Any]:
+    """Send pre-encoded commands on one connection and read ``ncmds`` replies (no MULTI).
+
+    Retries follow the client's ``redis.retry.Retry`` (reconnecting between attempts); the
+    commands are idempotent per key, so resending a batch is safe.
+    """
+    pool = client.connection_pool
+    conn = pool.get_connection()
+
+    def attempt() -> list[Any]:
+        conn.send_packed_command(payload, check_health=True)
+        replies: list[Any] = []
+        first_error: Exception | None = None
+        for _ in range(ncmds):  # NOTE: read every reply so the connection stays in sync
+            try:
+                replies.append(conn.read_response())
+            except rex.ResponseError as e:
+                first_error = first_error or e
+                replies.append(e)
+        if first_error is not None:
+            raise first_error
+        return replies
+
+    try:
+        return conn.retry.call_with_retry(attempt, lambda _err: conn.disconnect())
+    finally:
+        pool.release(conn)
+
 # Writes only fields that exist; returns one '0'/'1' per field (atomic per partition).
-_UPDATE_LUA = """
+_UPDATE_LUA = b"""
 local out = {}
 for i = 1, #ARGV, 2 do
   if redis.call('HEXISTS', KEYS[1], ARGV[i]) == 1 then
@@ -147,8 +186,8 @@ class RedisParameterServer(ParameterServer):
                                                 thread_name_prefix="psclient")
         return self._executor
 
-    def _run(self, cmds: list[tuple[int, int, tuple[Any, ...]]]) -> list[Any]:
-        """Execute ``(partition, rows, args)`` commands; return their replies in order."""
+    def _run(self, cmds: list[Cmd]) -> list[Any]:
+        """Execute commands; return their replies in order."""
         try:
             with redis_errors(self._where):
                 return self._dispatch(cmds)
@@ -163,33 +202,30 @@ class RedisParameterServer(ParameterServer):
             self._node_of = None
             return self._dispatch(cmds)
 
-    def _dispatch(self, cmds: list[tuple[int, int, tuple[Any, ...]]]) -> list[Any]:
+    def _dispatch(self, cmds: list[Cmd]) -> list[Any]:
         nodes = self._nodes()
         jobs: dict[int, list[list[int]]] = {}  # id(node) -> pipelines (command indices)
         clients: dict[int, Any] = {}
         rows_in_last: dict[int, int] = {}
         last_part: dict[int, int] = {}
         limit = self._opts["pipeline_keys"]
-        for i, (p, rows, _) in enumerate(cmds):
-            node = nodes[p]
+        for i, cmd in enumerate(cmds):
+            node = nodes[cmd.part]
             nid = id(node)
             clients[nid] = node
             pipes = jobs.setdefault(nid, [])
-            # start a new pipeline only at a partition boundary (keeps duplicate order)
-            if not pipes or (rows_in_last[nid] >= limit and last_part[nid] != p):
+            # NOTE: a new pipeline starts only at a partition boundary (keeps duplicate order)
+            if not pipes or (rows_in_last[nid] >= limit and last_part[nid] != cmd.part):
                 pipes.append([])
                 rows_in_last[nid] = 0
             pipes[-1].append(i)
-            rows_in_last[nid] += rows
-            last_part[nid] = p
+            rows_in_last[nid] += cmd.stop - cmd.start
+            last_part[nid] = cmd.part
         work = [(clients[nid], idx) for nid, pipes in jobs.items() for idx in pipes]
 
         def execute(job: tuple[Any, list[int]]) -> list[Any]:
             client, idx = job
-            pipe = client.pipeline(transaction=False)
-            for i in idx:
-                pipe.execute_command(*cmds[i][2])
-            return pipe.execute()
+            return _pipeline(client, [part for i in idx for part in cmds[i].payload], len(idx))
 
         out: list[Any] = [None] * len(cmds)
         if len(work) == 1:
@@ -201,52 +237,55 @@ class RedisParameterServer(ParameterServer):
                 out[i] = r
         return out
 
-    def _chunked(self, name: str, keys: np.ndarray, values: torch.Tensor | None
-                 ) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int, tuple[Any, ...]]]]:
-        """Group keys by partition and build one command per chunk of a partition."""
+    def _batch(self, name: bytes, keys: np.ndarray, values: torch.Tensor | None
+               ) -> tuple[np.ndarray, np.ndarray, list[Cmd]]:
+        """Group keys by partition and encode one command per chunk of a partition."""
         order, bounds = group_by_partition(keys, self._schema.partitions)
         ks = keys[order]
-        kb = le_key_bytes(ks)
-        vb = row_bytes_list(values[torch.from_numpy(order)]) if values is not None else None
+        if values is None:
+            rec = resp.field_records(ks)
+            per_key = 1
+        else:
+            rows = values.view(torch.uint8).numpy().reshape(keys.size, -1)
+            rec = resp.field_value_records(ks, rows[order])
+            per_key = 2
         ck = self._opts["chunk_keys"]
-        cmds: list[tuple[int, int, tuple[Any, ...]]] = []
-        nonempty = np.flatnonzero(bounds[1:] > bounds[:-1])
-        for p in nonempty.tolist():
+        cmds: list[Cmd] = []
+        for p in np.flatnonzero(bounds[1:] > bounds[:-1]).tolist():
             a, b = int(bounds[p]), int(bounds[p + 1])
+            pkey = self._part_keys[p]
             for s in range(a, b, ck):
                 e = min(b, s + ck)
-                if vb is None:
-                    args: list[Any] = kb[s:e]
+                if name == b"EVAL":
+                    head = resp.header(4 + per_key * (e - s), b"EVAL", _UPDATE_LUA, b"1", pkey)
                 else:
-                    args = [None] * (2 * (e - s))
-                    args[0::2] = kb[s:e]
-                    args[1::2] = vb[s:e]
-                if name == "EVAL":
-                    cmds.append((p, e - s, ("EVAL", _UPDATE_LUA, 1, self._part_keys[p], *args)))
-                else:
-                    cmds.append((p, e - s, (name, self._part_keys[p], *args)))
+                    head = resp.header(2 + per_key * (e - s), name, pkey)
+                cmds.append(Cmd(p, s, e, [head, resp.as_buffer(rec[s:e])]))
         return order, ks, cmds
+
+    def _control(self, *args: bytes | str) -> list[Cmd]:
+        """One small command per partition (``args`` then the partition key)."""
+        return [Cmd(p, 0, 1, [resp.pack(*args, k)]) for p, k in enumerate(self._part_keys)]
 
     # -- operations ----------------------------------------------------------------------
 
     def _lookup(self, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        order, ks, cmds = self._chunked("HMGET", keys, None)
+        order, _, cmds = self._batch(b"HMGET", keys, None)
         replies = list(chain.from_iterable(self._run(cmds)))
-        rows, found_sorted = assemble_rows(replies, ks, self._schema, self._table)
-        return scatter_found(rows, found_sorted, order, keys.size, self._schema)
+        return assemble_rows(replies, order, keys, self._schema, self._table)
 
     def _insert(self, keys: np.ndarray, values: torch.Tensor) -> None:
-        _, ks, cmds = self._chunked("HSET", keys, values)
+        _, ks, cmds = self._batch(b"HSET", keys, values)
         added = self._run(cmds)
         # NOTE: HSET answers how many fields were new; a chunk where fewer were new than
         # sent overwrote something, so its keys go to the change feed (a superset).
-        changed = [np.frombuffer(b"".join(c[2][2::2]), dtype="<i8")
-                   for c, n in zip(cmds, added, strict=True) if int(n) < c[1]]
+        changed = [ks[c.start:c.stop] for c, n in zip(cmds, added, strict=True)
+                   if int(n) < c.stop - c.start]
         if changed:
             self._feed(np.concatenate(changed))
 
     def _update(self, keys: np.ndarray, values: torch.Tensor) -> torch.Tensor:
-        order, ks, cmds = self._chunked("EVAL", keys, values)
+        order, ks, cmds = self._batch(b"EVAL", keys, values)
         flags = b"".join(self._run(cmds))
         existed_sorted = np.frombuffer(flags, dtype=np.uint8) == ord("1")
         existed = np.zeros(keys.size, dtype=bool)
@@ -256,19 +295,19 @@ class RedisParameterServer(ParameterServer):
         return torch.from_numpy(existed)
 
     def _erase(self, keys: np.ndarray) -> None:
-        _, ks, cmds = self._chunked("HDEL", keys, None)
+        _, ks, cmds = self._batch(b"HDEL", keys, None)
         self._run(cmds)
         self._feed(ks)
 
     def _clear(self) -> None:
-        self._run([(p, 1, ("UNLINK", k)) for p, k in enumerate(self._part_keys)])
+        self._run(self._control("UNLINK"))
         self._feed(None)
 
     def _size(self) -> int:
-        return sum(self._run([(p, 1, ("HLEN", k)) for p, k in enumerate(self._part_keys)]))
+        return sum(int(n) for n in self._run(self._control("HLEN")))
 
     def _drop(self) -> None:
-        self._run([(p, 1, ("UNLINK", k)) for p, k in enumerate(self._part_keys)])
+        self._run(self._control("UNLINK"))
         with redis_errors(self._where):
             self._client.delete(self._stream_key)
             self._client.delete(self._schema_key)

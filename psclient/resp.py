@@ -1,0 +1,61 @@
+"""Vectorized RESP2 encoding of the batch commands (HMGET, HSET, HDEL, EVAL).
+
+Each key (and row) of a command has a fixed-size encoding, so a whole batch is encoded
+with one numpy structured array instead of one Python object per argument::
+
+    field   b"$8\\r\\n" + 8 key bytes (int64 little-endian) + b"\\r\\n"          14 bytes
+    row     b"$<row_bytes>\\r\\n" + row bytes + b"\\r\\n"
+
+A command is a small header (``*<argc>\\r\\n`` and its leading bulk strings) followed by a
+contiguous slice of that array, sent as a memoryview (no copy).
+"""
+
+from __future__ import annotations
+
+import hiredis
+import numpy as np
+
+
+def bulk(arg: bytes) -> bytes:
+    """One RESP bulk string."""
+    return b"$%d\r\n%s\r\n" % (len(arg), arg)
+
+
+def header(argc: int, *leading: bytes) -> bytes:
+    """The array header of a command with ``argc`` arguments and its leading arguments."""
+    return b"*%d\r\n" % argc + b"".join(bulk(a) for a in leading)
+
+
+def pack(*args: bytes | str | int) -> bytes:
+    """Encode one small command (control commands: UNLINK, HLEN, ...)."""
+    return hiredis.pack_command(args)
+
+
+def field_records(keys: np.ndarray) -> np.ndarray:
+    """One 14-byte RESP bulk string per int64 key (the hash field)."""
+    rec = np.empty(keys.size, dtype=np.dtype([("h", "S4"), ("k", "<i8"), ("t", "S2")]))
+    rec["h"] = b"$8\r\n"
+    rec["k"] = keys
+    rec["t"] = b"\r\n"
+    return rec
+
+
+def field_value_records(keys: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Interleaved field and row bulk strings; ``rows`` is uint8 ``[N, row_bytes]``."""
+    n, rb = rows.shape
+    vh = b"$%d\r\n" % rb
+    rec = np.empty(n, dtype=np.dtype([("h", "S4"), ("k", "<i8"), ("t", "S2"),
+                                      ("vh", f"S{len(vh)}"), ("v", np.uint8, (rb,)),
+                                      ("vt", "S2")]))
+    rec["h"] = b"$8\r\n"
+    rec["k"] = keys
+    rec["t"] = b"\r\n"
+    rec["vh"] = vh
+    rec["v"] = rows
+    rec["vt"] = b"\r\n"
+    return rec
+
+
+def as_buffer(rec: np.ndarray) -> memoryview:
+    """The raw bytes of a contiguous slice of records, without a copy."""
+    return memoryview(np.ascontiguousarray(rec).view(np.uint8))
