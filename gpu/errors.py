@@ -21,3 +21,15 @@ class CUDAUnavailableError(GPUError):
 
 class TritonUnavailableError(GPUError):
     """The Triton backend was asked for but the ``triton`` package cannot be imported."""
+
+
+class KeyNotFoundError(GPUError, KeyError):
+    """Keys missing from every tier of a layer that has no default row configured."""
+
+
+class StorageUnavailableError(GPUError):
+    """The layer's parameter server could not be reached for keys no cache holds."""
+
+
+class StorageWriteError(GPUError):
+    """A write to the layer's backing storage failed; no tier of the layer was changed."""

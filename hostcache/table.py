@@ -214,6 +214,13 @@ class SharedTable:
         self._live()
         return self.ring.head
 
+    def count_lookup(self, keys: int, hits: int) -> None:
+        """Count a lookup made without :meth:`lookup` (a GPU kernel reading the segment)."""
+        c = self._counters
+        c[C_LOOKUPS] += 1
+        c[C_HITS] += hits
+        c[C_MISSES] += keys - hits
+
     def attached_pids(self) -> list[int]:
         """Live processes holding a handle on this table (one entry per handle)."""
         self._live()

@@ -1,0 +1,36 @@
+"""Everything that touches CUDA: host registration of the shared tables, the per-process
+GPU cache and its Triton kernels, and the torch layers ``NVEmbedding``/``NVEmbeddingBag``.
+
+Every path has a CPU twin with identical results: ``device="cpu"`` makes no CUDA call.
+"""
+
+from __future__ import annotations
+
+from .cache import GPUCache, GPUCacheStats
+from .errors import (
+    BadArgumentError,
+    CUDAUnavailableError,
+    GPUError,
+    KeyNotFoundError,
+    StorageUnavailableError,
+    StorageWriteError,
+)
+from .layer_config import InsertPolicy, LayerStats, LayerType, TierStats
+from .layers import NVEmbedding, NVEmbeddingBag
+
+__all__ = [
+    "BadArgumentError",
+    "CUDAUnavailableError",
+    "GPUCache",
+    "GPUCacheStats",
+    "GPUError",
+    "InsertPolicy",
+    "KeyNotFoundError",
+    "LayerStats",
+    "LayerType",
+    "NVEmbedding",
+    "NVEmbeddingBag",
+    "StorageUnavailableError",
+    "StorageWriteError",
+    "TierStats",
+]

@@ -1,0 +1,125 @@
+"""Checks of what users pass to the layers: typed errors naming the argument."""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import BadArgumentError
+from .layer_config import PoolingMode
+
+
+def check_keys(keys: object, device: torch.device, *, name: str = "input") -> torch.Tensor:
+    """int64 keys on the layer's device (any shape)."""
+    if not isinstance(keys, torch.Tensor):
+        raise BadArgumentError(f"{name} must be a torch.Tensor of int64 keys; got "
+                               f"{type(keys).__name__}")
+    if keys.dtype != torch.int64:
+        raise BadArgumentError(
+            f"{name} must have dtype torch.int64; got {keys.dtype} (convert with .long())"
+        )
+    if not same_device(keys, device):
+        raise BadArgumentError(f"{name} is on {keys.device}; the layer is on {device}: move it "
+                               f"with .to({str(device)!r})")
+    return keys
+
+
+def same_device(t: torch.Tensor, device: torch.device) -> bool:
+    return t.device.type == device.type and (
+        device.type == "cpu" or t.device.index == device.index
+    )
+
+
+def check_range(keys: torch.Tensor, num_rows: int, *, name: str = "input") -> None:
+    """Every key in ``[0, num_rows)`` (linear tables); one host sync."""
+    if keys.numel() == 0:
+        return
+    lo, hi = int(keys.min()), int(keys.max())
+    if lo < 0 or hi >= num_rows:
+        bad = lo if lo < 0 else hi
+        raise BadArgumentError(
+            f"{name} holds key {bad}, outside [0, {num_rows}) of this linear table"
+        )
+
+
+def bags(
+    keys: torch.Tensor,
+    offsets: torch.Tensor | None,
+    per_sample_weights: torch.Tensor | None,
+    mode: PoolingMode,
+    include_last_offset: bool,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Normalise embedding_bag input to (flat keys [N], offsets [B + 1], weights [N] | None).
+
+    Semantics are torch.nn.functional.embedding_bag's: 2-D input is one bag per row and
+    takes no offsets; 1-D input needs offsets (starting at 0, non-decreasing, within N);
+    ``include_last_offset`` makes the last offset the end of the last bag.
+    """
+    check_keys(keys, device)
+    if keys.dim() == 2:
+        if offsets is not None:
+            raise BadArgumentError("offsets must be None when input is 2-D (one bag per row)")
+        nbags, per_bag = keys.shape
+        flat = keys.reshape(-1)
+        full = torch.arange(0, nbags + 1, device=device, dtype=torch.int64) * per_bag
+    elif keys.dim() == 1:
+        if offsets is None:
+            raise BadArgumentError("offsets are required when input is 1-D")
+        offsets = check_keys(offsets, device, name="offsets")
+        if offsets.dim() != 1 or offsets.numel() == 0:
+            raise BadArgumentError(f"offsets must be 1-D and non-empty; got shape "
+                                   f"{tuple(offsets.shape)}")
+        flat = keys
+        n = keys.numel()
+        if include_last_offset:
+            full = offsets
+            if offsets.numel() < 1:
+                raise BadArgumentError("offsets must hold at least one value")
+        else:
+            full = torch.cat([offsets, torch.tensor([n], device=device, dtype=torch.int64)])
+        if int(full[0]) != 0:
+            raise BadArgumentError(f"offsets must start at 0; got {int(full[0])}")
+        if int(offsets.max()) > n or (include_last_offset and int(full[-1]) != n):
+            raise BadArgumentError(
+                f"offsets go past the input: an offset is {int(offsets.max())}, the input "
+                f"has {n} keys"
+            )
+        if full.numel() > 1 and bool((full[1:] < full[:-1]).any()):
+            raise BadArgumentError("offsets must be non-decreasing")
+    else:
+        raise BadArgumentError(f"input must be 1-D (with offsets) or 2-D; got shape "
+                               f"{tuple(keys.shape)}")
+    if per_sample_weights is not None:
+        if mode != "sum":
+            raise BadArgumentError(
+                f"per_sample_weights are only supported with mode='sum'; the layer's mode is "
+                f"{mode!r}"
+            )
+        if not isinstance(per_sample_weights, torch.Tensor):
+            raise BadArgumentError("per_sample_weights must be a torch.Tensor")
+        if tuple(per_sample_weights.shape) != tuple(keys.shape):
+            raise BadArgumentError(
+                f"per_sample_weights must have the input's shape {tuple(keys.shape)}; got "
+                f"{tuple(per_sample_weights.shape)}"
+            )
+        if per_sample_weights.dtype != dtype:
+            raise BadArgumentError(
+                f"per_sample_weights must have the layer's dtype {dtype}; got "
+                f"{per_sample_weights.dtype}"
+            )
+        if not same_device(per_sample_weights, device):
+            raise BadArgumentError(f"per_sample_weights must be on {device}")
+        per_sample_weights = per_sample_weights.reshape(-1)
+    return flat.contiguous(), full.contiguous(), per_sample_weights
+
+
+def check_values(values: object, n: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows for a write: [n, dim] of the layer's dtype (any device; moved by the caller)."""
+    if not isinstance(values, torch.Tensor):
+        raise BadArgumentError(f"values must be a torch.Tensor; got {type(values).__name__}")
+    if values.dtype != dtype:
+        raise BadArgumentError(f"values must have the layer's dtype {dtype}; got {values.dtype}")
+    if tuple(values.shape) != (n, dim):
+        raise BadArgumentError(f"values must have shape [{n}, {dim}]; got {tuple(values.shape)}")
+    return values

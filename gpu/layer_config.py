@@ -1,0 +1,94 @@
+"""Closed choices and counters of the embedding layers."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+from .errors import BadArgumentError
+
+PoolingMode = Literal["sum", "mean", "max"]
+
+
+class LayerType(enum.Enum):
+    """Where a layer's table lives (the seed's three layer types)."""
+
+    #: the whole table in GPU-accessible memory (device memory, or a registered
+    #: ``SharedMemBlock`` that one copy of a small table serves every process with); no cache.
+    GPULayer = "gpu"
+    #: a linear host table (``SharedMemBlock``) with a GPU cache in front; misses are read
+    #: zero-copy from the host table in the same kernel launch.
+    LinearUVM = "linear_uvm"
+    #: GPU cache -> shared ``HostCache`` -> parameter server.
+    Hierarchical = "hierarchical"
+
+
+@dataclass(frozen=True)
+class InsertPolicy:
+    """Which misses a Hierarchical layer copies into its caches.
+
+    Each field is the probability that a missed key is admitted to that tier: 1.0 admits
+    every miss (the default), 0.0 none; values between admit a random fraction, which
+    keeps one-off keys of a long tail from displacing hot rows.
+    """
+
+    #: admission probability of rows fetched from the parameter server into the host cache.
+    host: float = 1.0
+    #: admission probability of rows fetched from lower tiers into this layer's GPU cache.
+    gpu: float = 1.0
+
+    def __post_init__(self) -> None:
+        for field in ("host", "gpu"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not (
+                0.0 <= float(value) <= 1.0
+            ):
+                raise BadArgumentError(
+                    f"InsertPolicy.{field} must be a probability in [0, 1]; got {value!r}"
+                )
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """What one tier of one layer answered, in this process."""
+
+    hits: int = 0
+    misses: int = 0
+    inserts: int = 0
+    evictions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+
+@dataclass(frozen=True)
+class LayerStats:
+    """Per-tier counters of a layer in this process, plus node-wide shared-table counters."""
+
+    layer_type: str
+    #: the GPU cache (for a GPULayer: its table lookups, every key a hit).
+    gpu: TierStats
+    #: the shared host tier as seen by this layer (None when the layer has none).
+    host: TierStats | None
+    #: the parameter server: hits = rows found, misses = keys it did not have.
+    storage: TierStats | None
+    #: keys answered with the configured default row.
+    default_rows: int
+    #: node-wide counters of the shared host table (every process), if any.
+    host_node: Any | None = None
+    #: the invalidations this layer applied to its GPU cache (keys dropped, full clears).
+    invalidated_keys: int = 0
+    full_invalidations: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        for tier in ("gpu", "host", "storage"):
+            stats = getattr(self, tier)
+            if stats is not None:
+                out[tier]["hit_rate"] = stats.hit_rate
+        if self.host_node is not None:
+            out["host_node"] = self.host_node.as_dict()
+        return out

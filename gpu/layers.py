@@ -1,0 +1,302 @@
+"""The torch layers users put in serving code: ``NVEmbedding`` and ``NVEmbeddingBag``.
+
+Forward semantics are torch's (``F.embedding`` / ``F.embedding_bag``); where the rows
+come from is the :class:`~gpu.layer_config.LayerType`'s business (see ``gpu.tiers``).
+Inference only: outputs carry no autograd history.
+
+Writes per layer type:
+
+=============  ==========================================  ===============================
+layer type     ``update`` / ``insert``                     ``erase`` / ``clear``
+=============  ==========================================  ===============================
+GPULayer       write the table (a SharedMemBlock write is  nothing to drop: a linear
+               announced to every process)                 table keeps its rows
+LinearUVM      write the linear table, announced; every    drop keys / everything from
+               process's GPU cache drops the keys          this layer's GPU cache
+Hierarchical   parameter server first, then the shared     erase: PS, host cache, GPU
+               host cache (announced to every process),    cache; clear: both caches (the
+               then this GPU cache                         PS keeps its rows)
+=============  ==========================================  ===============================
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from .errors import BadArgumentError, CUDAUnavailableError
+from .inputs import bags, check_keys, check_values
+from .layer_config import InsertPolicy, LayerStats, LayerType, PoolingMode
+from .tiers import DeviceTable, HierarchicalTiers, LinearTiers, Tiers
+
+logger = logging.getLogger(__name__)
+
+TABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _device(device: object) -> torch.device:
+    if device is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    try:
+        dev = torch.device(device)  # type: ignore[arg-type]
+    except (RuntimeError, TypeError) as e:
+        raise BadArgumentError(f"device must be 'cpu' or a CUDA device; got {device!r}") from e
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise CUDAUnavailableError(
+                f"device {device!r} needs CUDA, which torch.cuda reports unavailable; "
+                "pass device='cpu'"
+            )
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    elif dev.type != "cpu":
+        raise BadArgumentError(f"device must be 'cpu' or a CUDA device; got {device!r}")
+    return dev
+
+
+def _positive(name: str, value: object, *, zero: bool = False) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < (0 if zero else 1):
+        bound = ">= 0" if zero else "> 0"
+        raise BadArgumentError(f"{name} must be an int {bound}; got {value!r}")
+    return value
+
+
+def _check_geometry(what: str, dim: int, dtype: torch.dtype, want_dim: int,
+                    want_dtype: torch.dtype, rows: int | None = None,
+                    want_rows: int | None = None) -> None:
+    if dim != want_dim or dtype != want_dtype or (rows is not None and rows != want_rows):
+        got = f"dim={dim}, dtype={dtype}" + (f", rows={rows}" if rows is not None else "")
+        want = f"dim={want_dim}, dtype={want_dtype}" + (
+            f", rows={want_rows}" if rows is not None else "")
+        raise BadArgumentError(f"{what} has {got}; the layer has {want}")
+
+
+def _build_tiers(
+    num_embeddings: int, dim: int, dtype: torch.dtype, layer_type: LayerType, device: torch.device,
+    *, gpu_cache_size: int, host_cache: Any, storage: Any, weight_init: Any, table: str | None,
+    default_row: Any, insert_policy: InsertPolicy | None,
+) -> Tiers:
+    from hostcache import HostCache, SharedMemBlock
+
+    policy = insert_policy if insert_policy is not None else InsertPolicy()
+    if not isinstance(policy, InsertPolicy):
+        raise BadArgumentError("insert_policy must be a gpu.InsertPolicy")
+    if layer_type is not LayerType.Hierarchical and host_cache is not None:
+        raise BadArgumentError(f"host_cache is only used by LayerType.Hierarchical, not "
+                               f"{layer_type.name}")
+    if layer_type is not LayerType.Hierarchical and default_row is not None:
+        raise BadArgumentError("default_row is only used by LayerType.Hierarchical (a linear "
+                               "table has every row)")
+    if layer_type is not LayerType.GPULayer and weight_init is not None:
+        raise BadArgumentError("weight_init is only used by LayerType.GPULayer; load rows into "
+                               "the storage instead")
+
+    if layer_type is LayerType.GPULayer:
+        if gpu_cache_size:
+            raise BadArgumentError("gpu_cache_size must be 0 for LayerType.GPULayer (the whole "
+                                   "table is GPU-accessible; it has no cache)")
+        if weight_init is not None and storage is not None:
+            raise BadArgumentError("pass weight_init or storage for a GPULayer, not both")
+        if isinstance(storage, SharedMemBlock):
+            _check_geometry("storage", storage.dim, storage.dtype, dim, dtype,
+                            storage.num_rows, num_embeddings)
+            return DeviceTable(storage, dim, dtype, device)
+        src = storage if storage is not None else weight_init
+        if src is None:
+            weights = torch.empty(num_embeddings, dim, dtype=dtype, device=device).normal_()
+        elif isinstance(src, torch.Tensor):
+            _check_geometry("weight_init" if storage is None else "storage", src.shape[-1]
+                            if src.dim() == 2 else -1, src.dtype, dim, dtype,
+                            src.shape[0] if src.dim() == 2 else -1, num_embeddings)
+            if storage is not None:
+                if src.device != device:
+                    raise BadArgumentError(f"storage tensor is on {src.device}; a GPULayer on "
+                                           f"{device} reads it in place: move it there")
+                weights = src
+            else:
+                weights = src.detach().to(device).clone()
+        else:
+            raise BadArgumentError("storage of a GPULayer must be a tensor or a SharedMemBlock")
+        return DeviceTable(weights, dim, dtype, device)
+
+    if layer_type is LayerType.LinearUVM:
+        if isinstance(storage, SharedMemBlock):
+            _check_geometry("storage", storage.dim, storage.dtype, dim, dtype,
+                            storage.num_rows, num_embeddings)
+        elif isinstance(storage, torch.Tensor) and device.type == "cpu":
+            _check_geometry("storage", storage.shape[-1], storage.dtype, dim, dtype,
+                            storage.shape[0], num_embeddings)
+        else:
+            raise BadArgumentError(
+                "storage of a LinearUVM layer must be a hostcache.SharedMemBlock (or, on the "
+                "CPU, a [num_embeddings, dim] tensor)"
+            )
+        return LinearTiers(storage, dim, dtype, device, gpu_cache_size, policy)
+
+    if layer_type is not LayerType.Hierarchical:
+        raise BadArgumentError(f"layer_type must be a gpu.LayerType; got {layer_type!r}")
+    if isinstance(host_cache, str):
+        host_cache = HostCache.attach(host_cache)
+    if host_cache is not None:
+        if not isinstance(host_cache, HostCache):
+            raise BadArgumentError("host_cache must be a hostcache.HostCache or its name")
+        g = host_cache.geometry
+        _check_geometry(f"host cache {host_cache.name!r}", g.dim, g.dtype, dim, dtype)
+    if isinstance(storage, str):
+        from psclient import connect
+
+        name = table or (host_cache.name if host_cache is not None else None)
+        if name is None:
+            raise BadArgumentError("pass table= (the parameter server's table name) with a "
+                                   "storage URL")
+        storage = connect(storage, table=name, dim=dim, dtype=dtype)
+    if storage is not None:
+        from psclient import ParameterServer
+
+        if not isinstance(storage, ParameterServer):
+            raise BadArgumentError("storage of a Hierarchical layer must be a "
+                                   "psclient.ParameterServer or a URL")
+        _check_geometry(f"parameter server table {storage.table!r}", storage.dim,
+                        storage.dtype, dim, dtype)
+    if host_cache is None and storage is None:
+        raise BadArgumentError("a Hierarchical layer needs a host_cache, a storage, or both")
+    default = None
+    if default_row is not None:
+        default = torch.as_tensor(default_row, dtype=dtype)
+        if default.dim() == 0:
+            default = default.expand(dim)
+        if tuple(default.shape) != (dim,):
+            raise BadArgumentError(f"default_row must be a scalar or a [{dim}] row; got shape "
+                                   f"{tuple(default.shape)}")
+        default = default.to(device)
+    return HierarchicalTiers(host_cache, storage, dim, dtype, device, gpu_cache_size, policy,
+                             default)
+
+
+class _NVBase(torch.nn.Module):
+    def __init__(
+        self, num_embeddings: int, embedding_size: int, data_type: torch.dtype,
+        layer_type: LayerType, *, gpu_cache_size: int = 0, host_cache: Any = None,
+        storage: Any = None, weight_init: torch.Tensor | None = None,
+        optimize_for_training: bool = False, device: object = None,
+        default_row: Any = None, insert_policy: InsertPolicy | None = None,
+        table: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_embeddings = _positive("num_embeddings", num_embeddings)
+        self.embedding_size = _positive("embedding_size", embedding_size)
+        _positive("gpu_cache_size", gpu_cache_size, zero=True)
+        if data_type not in TABLE_DTYPES:
+            raise BadArgumentError(f"data_type must be one of {TABLE_DTYPES}; got {data_type!r}")
+        if not isinstance(layer_type, LayerType):
+            raise BadArgumentError(f"layer_type must be a gpu.LayerType; got {layer_type!r}")
+        if optimize_for_training:
+            raise BadArgumentError("optimize_for_training=True is not supported: these layers "
+                                   "serve inference (pass False)")
+        self.data_type = data_type
+        self.layer_type = layer_type
+        self.device = _device(device)
+        self._tiers = _build_tiers(
+            num_embeddings, embedding_size, data_type, layer_type, self.device,
+            gpu_cache_size=gpu_cache_size, host_cache=host_cache, storage=storage,
+            weight_init=weight_init, table=table, default_row=default_row,
+            insert_policy=insert_policy)
+
+    def _write_args(self, keys: object, values: object | None) -> tuple[torch.Tensor, Any]:
+        if not isinstance(keys, torch.Tensor) or keys.dtype != torch.int64 or keys.dim() != 1:
+            raise BadArgumentError("keys must be a 1-D int64 tensor")
+        if values is not None:
+            values = check_values(values, keys.numel(), self.embedding_size, self.data_type)
+        return keys, values
+
+    @torch.no_grad()
+    def update(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Overwrite rows where they exist, in every tier that holds them; bool [N] found.
+
+        After it returns, no lookup in any process of the node returns the old rows.
+        """
+        keys, values = self._write_args(keys, values)
+        return self._tiers.update(keys, values)
+
+    @torch.no_grad()
+    def insert(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write rows (creating them in the parameter server for a Hierarchical layer)."""
+        keys, values = self._write_args(keys, values)
+        self._tiers.insert(keys, values)
+
+    @torch.no_grad()
+    def erase(self, keys: torch.Tensor) -> None:
+        """Drop keys (see the module docstring for what each layer type drops)."""
+        keys, _ = self._write_args(keys, None)
+        self._tiers.erase(keys)
+
+    def clear(self) -> None:
+        """Drop every cached row of this layer's caches."""
+        self._tiers.clear()
+
+    def stats(self) -> LayerStats:
+        """Per-tier counters of this layer (this process), plus node-wide host counters."""
+        return self._tiers.stats()
+
+    def close(self) -> None:
+        """Release CUDA registrations of shared tables (the tables themselves stay open)."""
+        self._tiers.close()
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_size}, {self.data_type}, "
+                f"{self.layer_type.name}, device={self.device}")
+
+
+class NVEmbedding(_NVBase):
+    """``torch.nn.Embedding`` semantics over a GPU cache, shared host cache and PS.
+
+    Args:
+        num_embeddings: rows of the table (for a Hierarchical layer keys may be any int64).
+        embedding_size: elements per row.
+        data_type: torch.float32, torch.float16 or torch.bfloat16.
+        layer_type: a :class:`LayerType`.
+        gpu_cache_size: bytes of this layer's GPU cache (LinearUVM, Hierarchical).
+        host_cache: Hierarchical: a shared :class:`hostcache.HostCache` or its name.
+        storage: GPULayer: a tensor or SharedMemBlock; LinearUVM: a SharedMemBlock;
+            Hierarchical: a :class:`psclient.ParameterServer` or a URL.
+        weight_init: GPULayer: initial table ``[num_embeddings, embedding_size]``.
+        optimize_for_training: must be False (inference only).
+        device: "cpu" or a CUDA device (default: the current CUDA device, else the CPU).
+        default_row: Hierarchical: row (or scalar) for keys in no tier; None raises
+            KeyNotFoundError (and StorageUnavailableError while the PS is down).
+        insert_policy: Hierarchical/LinearUVM: which misses enter the caches.
+        table: the parameter server table name when ``storage`` is a URL.
+    """
+
+    @torch.no_grad()
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - torch's name
+        keys = check_keys(input, self.device)
+        rows = self._tiers.rows(keys.reshape(-1).contiguous())
+        return rows.view(*keys.shape, self.embedding_size)
+
+
+class NVEmbeddingBag(_NVBase):
+    """``torch.nn.EmbeddingBag`` semantics (sum / mean / max) over the same tiers.
+
+    Takes :class:`NVEmbedding`'s arguments plus ``mode`` and ``include_last_offset``.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_size: int, data_type: torch.dtype,
+                 layer_type: LayerType, *, mode: PoolingMode = "sum",
+                 include_last_offset: bool = False, **kwargs: Any) -> None:
+        if mode not in ("sum", "mean", "max"):
+            raise BadArgumentError(f"mode must be 'sum', 'mean' or 'max'; got {mode!r}")
+        super().__init__(num_embeddings, embedding_size, data_type, layer_type, **kwargs)
+        self.mode: PoolingMode = mode
+        self.include_last_offset = bool(include_last_offset)
+
+    @torch.no_grad()
+    def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,  # noqa: A002
+                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        keys, full, weights = bags(input, offsets, per_sample_weights, self.mode,
+                                   self.include_last_offset, self.data_type, self.device)
+        return self._tiers.pooled(keys, full, weights, self.mode)

@@ -1,0 +1,488 @@
+"""The tier stacks behind the layers: where a layer's rows come from, and how writes flow.
+
+One class per :class:`~gpu.layer_config.LayerType`:
+
+* :class:`DeviceTable` (GPULayer): the whole table in GPU-accessible memory.
+* :class:`LinearTiers` (LinearUVM): GPU cache -> linear host table (``SharedMemBlock``).
+* :class:`HierarchicalTiers`: GPU cache -> shared ``HostCache`` -> parameter server.
+
+Consistency (the invalidation protocol). Before each lookup a stack reads the invalidation
+ring of its shared table and drops those keys from its GPU cache (a reader that fell
+behind the ring clears the cache). Rows fetched from lower tiers are admitted to the GPU
+cache only if no change to their key was announced since the lookup began (the ring
+cursor taken with the probe is checked again at admission: a two-phase protocol), and
+rows from the parameter server enter the host cache with ``overwrite=False``, so a
+concurrent ``update`` (which writes the PS first, then the host cache with
+``insert_missing=True``, which announces every key) always wins.
+
+Threads: GPU-cache operations run under a short lock; on CUDA each one is ordered after
+the previous one through a CUDA event, so streams never race on the cache's memory.
+Fetches from the host cache and the parameter server run outside the lock, so one
+thread's misses never hold up another thread's hits.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from .cache import GPUCache
+from .errors import KeyNotFoundError, StorageUnavailableError, StorageWriteError
+from .inputs import check_range
+from .layer_config import InsertPolicy, LayerStats, PoolingMode, TierStats
+
+logger = logging.getLogger(__name__)
+
+
+def pool_rows(
+    rows: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None, mode: PoolingMode
+) -> torch.Tensor:
+    """Pool ``rows`` [N, dim] over bags ``offsets`` [B + 1] exactly as embedding_bag does."""
+    idx = torch.arange(rows.shape[0], device=rows.device)
+    return F.embedding_bag(
+        idx, rows, offsets, mode=mode, per_sample_weights=weights, include_last_offset=True
+    )
+
+
+class Tiers:
+    """Common machinery: the GPU cache, its lock and stream ordering, counters."""
+
+    layer_type = "?"
+
+    def __init__(self, dim: int, dtype: torch.dtype, device: torch.device,
+                 cache_bytes: int) -> None:
+        self.dim, self.dtype, self.device = dim, dtype, device
+        self.cache = GPUCache(cache_bytes, dim, dtype, device)
+        self._lock = threading.RLock()
+        self._event: Any = None
+        self.default_rows = 0
+        self.invalidated_keys = 0
+        self.full_invalidations = 0
+
+    @contextmanager
+    def _cache_op(self) -> Iterator[None]:
+        """Hold the cache lock; on CUDA order this op after the previous one on any stream."""
+        with self._lock:
+            if self.device.type == "cuda":
+                stream = torch.cuda.current_stream(self.device)
+                if self._event is not None:
+                    stream.wait_event(self._event)
+                yield
+                self._event = torch.cuda.Event()
+                self._event.record(stream)
+            else:
+                yield
+
+    # -- reads (overridden) ---------------------------------------------------------------
+
+    def rows(self, keys: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def pooled(self, keys: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
+               mode: PoolingMode) -> torch.Tensor:
+        return pool_rows(self.rows(keys), offsets, weights, mode)
+
+    # -- writes (overridden) --------------------------------------------------------------
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def insert(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def erase(self, keys: torch.Tensor) -> None:
+        with self._cache_op():
+            self.cache.erase(keys.to(self.device))
+
+    def clear(self) -> None:
+        with self._cache_op():
+            self.cache.clear()
+
+    # -- shared-table invalidation ----------------------------------------------------------
+
+    _shared: Any = None  # the HostCache / SharedMemBlock whose ring this stack follows
+    _cursor = 0
+
+    def _follow(self, table: Any) -> None:
+        self._shared = table
+        self._cursor = table.change_cursor
+
+    def _sync(self) -> int:
+        """Apply announced changes to the GPU cache (caller holds the lock); the cursor."""
+        if self._shared is None:
+            return 0
+        keys, cursor, overflowed = self._shared.changes_since(self._cursor)
+        if overflowed:
+            self.cache.clear()
+            self.full_invalidations += 1
+        elif keys.numel():
+            self.cache.erase(keys.to(self.device))
+            self.invalidated_keys += int(keys.numel())
+        self._cursor = cursor
+        return cursor
+
+    def _admit(self, keys: torch.Tensor, rows: torch.Tensor, since: int, prob: float) -> None:
+        """Insert fetched rows into the GPU cache unless a change was announced meanwhile."""
+        if self.cache.capacity == 0 or keys.numel() == 0 or prob <= 0.0:
+            return
+        if prob < 1.0:
+            keep = torch.rand(keys.numel(), device=keys.device) < prob
+            keys, rows = keys[keep], rows[keep]
+        with self._cache_op():
+            if self._shared is not None:
+                changed, _, overflowed = self._shared.changes_since(since)
+                if overflowed:
+                    return
+                if changed.numel():
+                    keep = ~torch.isin(keys, changed.to(keys.device))
+                    keys, rows = keys[keep], rows[keep]
+            self.cache.insert(keys, rows)
+
+    def gpu_stats(self) -> TierStats:
+        s = self.cache.stats()
+        return TierStats(s.hits, s.misses, s.inserts, s.evictions)
+
+    def stats(self) -> LayerStats:
+        return LayerStats(self.layer_type, self.gpu_stats(), None, None, self.default_rows,
+                          None, self.invalidated_keys, self.full_invalidations)
+
+    def close(self) -> None:
+        pass
+
+
+def _registered_rows(table: Any, device: torch.device) -> tuple[Any, torch.Tensor]:
+    """(registration or None, rows view on ``device``) of a SharedMemBlock."""
+    if device.type == "cpu":
+        return None, table.tensor
+    from .hostreg import register
+
+    reg = register(table, device)
+    return reg, reg.rows()
+
+
+class DeviceTable(Tiers):
+    """GPULayer: the table in device memory or any GPU-accessible memory; no cache."""
+
+    layer_type = "GPULayer"
+
+    def __init__(self, table: torch.Tensor | Any, dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__(dim, dtype, device, 0)
+        self._block = None
+        self._reg = None
+        if isinstance(table, torch.Tensor):
+            self.table = table
+        else:  # a SharedMemBlock: one copy serves every process of the node
+            self._block = table
+            self._reg, self.table = _registered_rows(table, device)
+        self.num_rows = int(self.table.shape[0])
+        self._lookups = 0
+
+    def rows(self, keys: torch.Tensor) -> torch.Tensor:
+        check_range(keys, self.num_rows)
+        self._lookups += keys.numel()
+        if self.cache.backend == "triton":
+            return self.cache.lookup_linear(keys, self.table, validate=False)[0]
+        return self.table.index_select(0, keys)
+
+    def pooled(self, keys: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
+               mode: PoolingMode) -> torch.Tensor:
+        check_range(keys, self.num_rows)
+        self._lookups += keys.numel()
+        if mode != "max" and self.cache.backend == "triton":
+            return self.cache.lookup_linear_pooled(
+                keys, offsets, self.table, mode, weights, validate=False)[0]
+        return F.embedding_bag(keys, self.table, offsets, mode=mode, per_sample_weights=weights,
+                               include_last_offset=True)
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        check_range(keys, self.num_rows, name="keys")
+        if self._block is not None:
+            self._block.write(keys.cpu(), values.cpu())  # announced to other processes
+        else:
+            self.table[keys.to(self.table.device)] = values.to(self.table.device)
+        return torch.ones(keys.numel(), dtype=torch.bool, device=keys.device)
+
+    def insert(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.update(keys, values)
+
+    def erase(self, keys: torch.Tensor) -> None:
+        check_range(keys, self.num_rows, name="keys")  # a linear table keeps its rows
+
+    def clear(self) -> None:
+        pass
+
+    def gpu_stats(self) -> TierStats:
+        return TierStats(hits=self._lookups)
+
+    def close(self) -> None:
+        if self._reg is not None:
+            self._reg.close()
+            self._reg = None
+
+
+class LinearTiers(Tiers):
+    """LinearUVM: GPU cache in front of a linear host table read zero-copy on misses."""
+
+    layer_type = "LinearUVM"
+
+    def __init__(self, storage: Any, dim: int, dtype: torch.dtype, device: torch.device,
+                 cache_bytes: int, policy: InsertPolicy) -> None:
+        super().__init__(dim, dtype, device, cache_bytes)
+        self._policy = policy
+        self._block = None
+        self._reg = None
+        if isinstance(storage, torch.Tensor):
+            self.table = storage
+        else:
+            self._block = storage
+            self._reg, self.table = _registered_rows(storage, device)
+            self._follow(storage)
+        self.num_rows = int(self.table.shape[0])
+
+    def rows(self, keys: torch.Tensor) -> torch.Tensor:
+        check_range(keys, self.num_rows)
+        with self._cache_op():
+            since = self._sync()
+            values, hit = self.cache.lookup_linear(keys, self.table, validate=False)
+        self._admit_misses(keys, hit, since)
+        return values
+
+    def pooled(self, keys: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
+               mode: PoolingMode) -> torch.Tensor:
+        if mode == "max":
+            return super().pooled(keys, offsets, weights, mode)
+        check_range(keys, self.num_rows)
+        with self._cache_op():
+            since = self._sync()
+            out, hit = self.cache.lookup_linear_pooled(keys, offsets, self.table, mode, weights,
+                                                      validate=False)
+        self._admit_misses(keys, hit, since)
+        return out
+
+    def _admit_misses(self, keys: torch.Tensor, hit: torch.Tensor, since: int) -> None:
+        if self.cache.capacity == 0 or bool(hit.all()):
+            return
+        missed = torch.unique(keys[~hit])
+        rows = self.table.index_select(0, missed.to(self.table.device)).to(self.device)
+        self._admit(missed, rows, since, self._policy.gpu)
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        check_range(keys, self.num_rows, name="keys")
+        if self._block is not None:
+            self._block.write(keys.cpu(), values.cpu())  # announced: every cache drops them
+            with self._cache_op():
+                self._sync()
+        else:
+            self.table[keys.to(self.table.device)] = values.to(self.table.device)
+            with self._cache_op():
+                self.cache.erase(keys.to(self.device))
+        return torch.ones(keys.numel(), dtype=torch.bool, device=keys.device)
+
+    def insert(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.update(keys, values)
+
+    def erase(self, keys: torch.Tensor) -> None:
+        check_range(keys, self.num_rows, name="keys")
+        super().erase(keys)
+
+    def close(self) -> None:
+        if self._reg is not None:
+            self._reg.close()
+            self._reg = None
+
+
+class HierarchicalTiers(Tiers):
+    """GPU cache -> shared HostCache -> parameter server (any of the last two optional)."""
+
+    layer_type = "Hierarchical"
+
+    def __init__(self, host_cache: Any, storage: Any, dim: int, dtype: torch.dtype,
+                 device: torch.device, cache_bytes: int, policy: InsertPolicy,
+                 default_row: torch.Tensor | None) -> None:
+        super().__init__(dim, dtype, device, cache_bytes)
+        self.host = host_cache
+        self.ps = storage
+        self._policy = policy
+        self._default = default_row
+        self._reg = None
+        if host_cache is not None:
+            self._follow(host_cache)
+            if device.type == "cuda":
+                from .hostreg import register
+
+                self._reg = register(host_cache, device)
+        self._host = [0, 0, 0]  # hits, misses, admitted
+        self._ps = [0, 0]  # found, missing
+
+    def rows(self, keys: torch.Tensor) -> torch.Tensor:
+        with self._cache_op():
+            since = self._sync()
+            values, hit = self.cache.lookup(keys)
+        if bool(hit.all()):
+            return values
+        miss = (~hit).nonzero().squeeze(1)
+        ukeys, inverse = torch.unique(keys[miss], return_inverse=True)
+        urows, cacheable = self._fetch(ukeys)
+        values[miss] = urows[inverse]
+        self._admit(ukeys[cacheable], urows[cacheable], since, self._policy.gpu)
+        return values
+
+    def pooled(self, keys: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
+               mode: PoolingMode) -> torch.Tensor:
+        if mode == "max":
+            return super().pooled(keys, offsets, weights, mode)
+        with self._cache_op():
+            since = self._sync()
+            out, hit = self.cache.lookup_pooled(keys, offsets, mode, weights, validate=False)
+        if bool(hit.all()):
+            return out
+        miss = (~hit).nonzero().squeeze(1)
+        ukeys, inverse = torch.unique(keys[miss], return_inverse=True)
+        urows, cacheable = self._fetch(ukeys)
+        contrib = urows[inverse]
+        if weights is not None:
+            contrib = contrib * weights[miss, None]
+        bag = torch.searchsorted(offsets, miss, right=True) - 1
+        if mode == "mean":
+            length = (offsets[1:] - offsets[:-1]).to(contrib.dtype)
+            contrib = contrib / length[bag, None]
+        out.index_add_(0, bag, contrib.to(out.dtype))
+        self._admit(ukeys[cacheable], urows[cacheable], since, self._policy.gpu)
+        return out
+
+    def _host_lookup(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._reg is not None:
+            from .host_kernels import hostcache_lookup
+
+            values, hit = hostcache_lookup(self._reg, keys)
+            self.host.count_lookup(keys.numel(), int(hit.sum()))
+            return values, hit
+        return self.host.lookup(keys)
+
+    def _fetch(self, ukeys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of distinct missed keys from the lower tiers: (rows, found)."""
+        n = ukeys.numel()
+        if self.host is not None:
+            rows, found = self._host_lookup(ukeys)
+            nh = int(found.sum())
+            self._host[0] += nh
+            self._host[1] += n - nh
+        else:
+            rows = torch.zeros(n, self.dim, dtype=self.dtype, device=self.device)
+            found = torch.zeros(n, dtype=torch.bool, device=self.device)
+        need = ~found
+        if self.ps is not None and bool(need.any()):
+            self._fetch_ps(ukeys, rows, found, need)
+        missing = ~found
+        if bool(missing.any()):
+            if self._default is None:
+                examples = ukeys[missing][:5].tolist()
+                raise KeyNotFoundError(
+                    f"{int(missing.sum())} keys are in no tier of this layer (e.g. {examples}); "
+                    "load them into the parameter server, or pass default_row= to serve a "
+                    "default row for missing keys"
+                )
+            rows[missing] = self._default
+            self.default_rows += int(missing.sum())
+        return rows, found
+
+    def _fetch_ps(self, ukeys: torch.Tensor, rows: torch.Tensor, found: torch.Tensor,
+                  need: torch.Tensor) -> None:
+        from psclient import PSClientError
+
+        need_keys = ukeys[need].cpu()
+        try:
+            values, ok = self.ps.lookup(need_keys)
+        except PSClientError as e:
+            if self._default is None:
+                raise StorageUnavailableError(
+                    f"the parameter server could not answer {need_keys.numel()} missed keys: "
+                    f"{e}; cached rows are still served. Pass default_row= to serve a default "
+                    "row for misses while it is down"
+                ) from e
+            logger.warning("parameter server unavailable (%s); serving default rows", e)
+            return
+        nf = int(ok.sum())
+        self._ps[0] += nf
+        self._ps[1] += need_keys.numel() - nf
+        rows[need] = values.to(self.device)
+        found[need] = ok.to(self.device)
+        if self.host is not None and nf and self._policy.host > 0.0:
+            admit = ok.clone()
+            if self._policy.host < 1.0:
+                admit &= torch.rand(admit.numel()) < self._policy.host
+            if bool(admit.any()):
+                self.host.insert(need_keys[admit], values[admit], overwrite=False)
+                self._host[2] += int(admit.sum())
+
+    # -- writes -----------------------------------------------------------------------------
+
+    def _write(self, op: str, keys: torch.Tensor, values: torch.Tensor | None) -> torch.Tensor:
+        """Write the parameter server first (the source of truth), then the host cache."""
+        from psclient import PSClientError
+
+        ck = keys.cpu()
+        cv = values.cpu() if values is not None else None
+        found = torch.ones(ck.numel(), dtype=torch.bool)
+        if self.ps is not None:
+            try:
+                if op == "update":
+                    found = self.ps.update(ck, cv)
+                elif op == "insert":
+                    self.ps.insert(ck, cv)
+                else:
+                    self.ps.erase(ck)
+            except PSClientError as e:
+                raise StorageWriteError(
+                    f"{op} of {ck.numel()} keys failed at the parameter server: {e}; no tier "
+                    "was changed, retry when it is reachable"
+                ) from e
+        if self.host is not None:
+            if op == "erase":
+                self.host.erase(ck)
+            elif self.ps is None and op == "update":
+                found = self.host.update(ck, cv)
+            else:  # write-through that announces every key to every process
+                self.host.update(ck[found], cv[found], insert_missing=True)
+        with self._cache_op():
+            self._sync()
+            if self.host is None:  # no ring to announce through: drop our own copies
+                self.cache.erase(keys.to(self.device))
+        return found.to(keys.device)
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        return self._write("update", keys, values)
+
+    def insert(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self._write("insert", keys, values)
+
+    def erase(self, keys: torch.Tensor) -> None:
+        self._write("erase", keys, None)
+
+    def clear(self) -> None:
+        """Drop every cached row (GPU cache, and the shared host cache for every process)."""
+        if self.host is not None:
+            self.host.clear()
+        with self._cache_op():
+            self._sync()
+            self.cache.clear()
+
+    def stats(self) -> LayerStats:
+        host = TierStats(self._host[0], self._host[1], self._host[2]) if self.host else None
+        ps = TierStats(self._ps[0], self._ps[1]) if self.ps is not None else None
+        node = self.host.stats() if self.host is not None else None
+        return LayerStats(self.layer_type, self.gpu_stats(), host, ps, self.default_rows, node,
+                          self.invalidated_keys, self.full_invalidations)
+
+    def close(self) -> None:
+        if self._reg is not None:
+            self._reg.close()
+            self._reg = None
+

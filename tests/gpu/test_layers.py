@@ -1,0 +1,243 @@
+"""NVEmbedding / NVEmbeddingBag against torch's embedding / embedding_bag, every layer type."""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import psclient
+from gpu import (
+    BadArgumentError,
+    InsertPolicy,
+    KeyNotFoundError,
+    LayerType,
+    NVEmbedding,
+    NVEmbeddingBag,
+    StorageUnavailableError,
+)
+from hostcache import HostCache, SharedMemBlock
+
+ROWS, DIM = 64, 8
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@contextlib.contextmanager
+def stack(
+    layer_type: LayerType, weights: torch.Tensor, tmp_path: Any, device: str, **kw: Any
+) -> Iterator[dict[str, Any]]:
+    """Layer arguments for ``layer_type`` over ``weights``; cleans shared tables up."""
+    name = f"t-{uuid.uuid4().hex[:12]}"
+    dtype = weights.dtype
+    owned: list[Any] = []
+    try:
+        if layer_type is LayerType.GPULayer:
+            yield {"weight_init": weights, **kw}
+        elif layer_type is LayerType.LinearUVM:
+            mb = SharedMemBlock.create(name, num_rows=ROWS, dim=DIM, dtype=dtype)
+            owned.append(mb)
+            mb.write(torch.arange(ROWS), weights)
+            yield {"storage": mb, "gpu_cache_size": 20 * 64, **kw}
+        else:
+            hc = HostCache.create(name, capacity=24, dim=DIM, dtype=dtype, ways=4)
+            owned.append(hc)
+            ps = psclient.connect(f"file://{tmp_path}/{name}", table=name, dim=DIM, dtype=dtype)
+            ps.load(weights, progress=False)
+            yield {"host_cache": hc, "storage": ps, "gpu_cache_size": 16 * 64, **kw}
+            ps.close()
+    finally:
+        for table in owned:
+            table.close()
+            type(table).unlink(table.name)
+
+
+LAYER_TYPES = [LayerType.GPULayer, LayerType.LinearUVM, LayerType.Hierarchical]
+DTYPES = [torch.float32, torch.float16]
+
+
+FIXTURE_OK = [HealthCheck.function_scoped_fixture]
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=FIXTURE_OK)
+@given(
+    data=st.data(),
+    layer_type=st.sampled_from(LAYER_TYPES),
+    dtype=st.sampled_from(DTYPES),
+    device=st.sampled_from(DEVICES),
+)
+def test_embedding_equals_torch(tmp_path, data, layer_type, dtype, device) -> None:
+    weights = torch.randn(ROWS, DIM).to(dtype)
+    with stack(layer_type, weights, tmp_path, device) as kw:
+        layer = NVEmbedding(ROWS, DIM, dtype, layer_type, device=device, **kw)
+        for _ in range(4):  # repeated batches: hits, misses, evictions
+            shape = data.draw(st.lists(st.integers(0, 6), min_size=1, max_size=3))
+            keys = torch.randint(0, ROWS, tuple(shape)).to(device)
+            out = layer(keys)
+            assert torch.equal(out.cpu(), F.embedding(keys.cpu(), weights))
+        layer.close()
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=FIXTURE_OK)
+@given(
+    data=st.data(),
+    layer_type=st.sampled_from(LAYER_TYPES),
+    mode=st.sampled_from(["sum", "mean", "max"]),
+    dtype=st.sampled_from(DTYPES),
+    include_last=st.booleans(),
+    weighted=st.booleans(),
+    device=st.sampled_from(DEVICES),
+)
+def test_embedding_bag_equals_torch(
+    tmp_path, data, layer_type, mode, dtype, include_last, weighted, device
+) -> None:
+    weights = torch.randn(ROWS, DIM).to(dtype)
+    weighted = weighted and mode == "sum"
+    with stack(layer_type, weights, tmp_path, device) as kw:
+        layer = NVEmbeddingBag(ROWS, DIM, dtype, layer_type, mode=mode,
+                               include_last_offset=include_last, device=device, **kw)
+        for _ in range(3):
+            lengths = data.draw(st.lists(st.integers(0, 7), min_size=1, max_size=6))
+            n = sum(lengths)
+            keys = torch.randint(0, ROWS, (n,))
+            starts = torch.tensor([0] + lengths).cumsum(0)
+            offsets = starts if include_last else starts[:-1]
+            psw = torch.rand(n).to(dtype) if weighted else None
+            ref = F.embedding_bag(keys, weights.float(), offsets, mode=mode,
+                                  per_sample_weights=None if psw is None else psw.float(),
+                                  include_last_offset=include_last)
+            out = layer(keys.to(device), offsets.to(device),
+                        None if psw is None else psw.to(device))
+            tol = 1e-5 if dtype == torch.float32 else 1e-2
+            assert out.dtype == dtype
+            torch.testing.assert_close(out.cpu().float(), ref, atol=tol, rtol=tol)
+        # 2-D input: one bag per row, no offsets
+        keys2 = torch.randint(0, ROWS, (3, 4))
+        torch.testing.assert_close(
+            layer(keys2.to(device)).cpu().float(),
+            F.embedding_bag(keys2, weights.float(), mode=mode),
+            atol=1e-2, rtol=1e-2) if not include_last else None
+        layer.close()
+
+
+@pytest.mark.parametrize("layer_type", [LayerType.LinearUVM, LayerType.Hierarchical])
+def test_update_in_one_process_is_seen_by_another_layer(tmp_path, layer_type) -> None:
+    """Two layers over the same shared tables: one updates, the other never serves stale."""
+    weights = torch.randn(ROWS, DIM)
+    with stack(layer_type, weights, tmp_path, "cpu") as kw:
+        a = NVEmbedding(ROWS, DIM, torch.float32, layer_type, device="cpu", **kw)
+        b = NVEmbedding(ROWS, DIM, torch.float32, layer_type, device="cpu", **kw)
+        keys = torch.arange(10)
+        assert torch.equal(b(keys), weights[:10])  # b caches rows 0..9 in its GPU cache
+        assert torch.equal(b(keys), weights[:10])
+        new = torch.full((3, DIM), 7.0)
+        found = a.update(torch.tensor([1, 2, 3]), new)
+        assert found.all()
+        expected = weights[:10].clone()
+        expected[1:4] = 7.0
+        assert torch.equal(b(keys), expected)
+        assert torch.equal(a(keys), expected)
+        assert b.stats().invalidated_keys >= 3
+
+
+def test_hierarchical_default_row_and_key_not_found(tmp_path) -> None:
+    weights = torch.randn(ROWS, DIM)
+    with stack(LayerType.Hierarchical, weights, tmp_path, "cpu") as kw:
+        strict = NVEmbedding(ROWS, DIM, torch.float32, LayerType.Hierarchical, device="cpu", **kw)
+        with pytest.raises(KeyNotFoundError, match="default_row"):
+            strict(torch.tensor([1, 1000]))
+        lenient = NVEmbedding(ROWS, DIM, torch.float32, LayerType.Hierarchical, device="cpu",
+                              default_row=-1.0, **kw)
+        out = lenient(torch.tensor([1, 1000, 1000]))
+        assert torch.equal(out[0], weights[1]) and (out[1:] == -1.0).all()
+        assert lenient.stats().default_rows == 1  # distinct missing keys
+        # default rows are never cached: once the key exists it is served
+        lenient.insert(torch.tensor([1000]), torch.ones(1, DIM))
+        assert torch.equal(lenient(torch.tensor([1000]))[0], torch.ones(DIM))
+
+
+def test_hierarchical_serves_hits_while_the_ps_is_down(tmp_path) -> None:
+    weights = torch.randn(ROWS, DIM)
+    with stack(LayerType.Hierarchical, weights, tmp_path, "cpu") as kw:
+        layer = NVEmbedding(ROWS, DIM, torch.float32, LayerType.Hierarchical, device="cpu", **kw)
+        hot = torch.arange(4)
+        assert torch.equal(layer(hot), weights[:4])
+        kw["storage"].close()  # the parameter server goes away
+        assert torch.equal(layer(hot), weights[:4])  # hits still served
+        with pytest.raises(StorageUnavailableError):
+            layer(torch.tensor([50]))
+
+
+def test_threads_give_the_same_results_as_serial(tmp_path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    weights = torch.randn(ROWS, DIM)
+    with stack(LayerType.Hierarchical, weights, tmp_path, "cpu",
+               insert_policy=InsertPolicy(host=1.0, gpu=1.0)) as kw:
+        layer = NVEmbedding(ROWS, DIM, torch.float32, LayerType.Hierarchical, device="cpu", **kw)
+        batches = [torch.randint(0, ROWS, (256,)) for _ in range(32)]
+        with ThreadPoolExecutor(4) as pool:
+            outs = list(pool.map(layer, batches))
+        for keys, out in zip(batches, outs, strict=True):
+            assert torch.equal(out, weights[keys])
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda e, b: e(torch.tensor([1.0])), "int64"),
+        (lambda e, b: e(torch.tensor([ROWS])), "outside"),
+        (lambda e, b: e(torch.tensor([-1])), "outside"),
+        (lambda e, b: b(torch.tensor([1, 2]), torch.tensor([1, 0])), "start at 0"),
+        (lambda e, b: b(torch.tensor([1, 2]), torch.tensor([0, 2, 1])), "non-decreasing|past"),
+        (lambda e, b: b(torch.tensor([1, 2]), torch.tensor([0, 5])), "past"),
+        (lambda e, b: b(torch.tensor([1, 2])), "offsets are required"),
+        (lambda e, b: b(torch.tensor([[1, 2]]), torch.tensor([0])), "None"),
+        (lambda e, b: b(torch.tensor([1, 2]), torch.tensor([0]), torch.ones(3)), "shape"),
+        (lambda e, b: e.update(torch.tensor([1]), torch.ones(1, DIM + 1)), "shape"),
+        (lambda e, b: e.update(torch.tensor([1]), torch.ones(1, DIM, dtype=torch.float64)),
+         "dtype"),
+    ],
+)
+def test_bad_input_raises_typed_errors(call, match) -> None:
+    weights = torch.randn(ROWS, DIM)
+    e = NVEmbedding(ROWS, DIM, torch.float32, LayerType.GPULayer, weight_init=weights,
+                    device="cpu")
+    b = NVEmbeddingBag(ROWS, DIM, torch.float32, LayerType.GPULayer, weight_init=weights,
+                       device="cpu")
+    with pytest.raises(BadArgumentError, match=match):
+        call(e, b)
+    assert torch.equal(e(torch.arange(ROWS)), weights)  # nothing changed
+
+
+def test_weights_with_mean_mode_are_refused() -> None:
+    b = NVEmbeddingBag(ROWS, DIM, torch.float32, LayerType.GPULayer, mode="mean", device="cpu")
+    with pytest.raises(BadArgumentError, match="per_sample_weights"):
+        b(torch.tensor([1, 2]), torch.tensor([0]), torch.ones(2))
+
+
+def test_mismatched_tables_are_refused(table_name, tmp_path) -> None:
+    with HostCache.create(table_name, capacity=16, dim=DIM + 1) as hc:
+        try:
+            with pytest.raises(BadArgumentError, match="dim"):
+                NVEmbedding(ROWS, DIM, torch.float32, LayerType.Hierarchical, host_cache=hc,
+                            device="cpu")
+        finally:
+            HostCache.unlink(table_name)
+    with SharedMemBlock.create(table_name, num_rows=ROWS + 1, dim=DIM) as mb:
+        try:
+            with pytest.raises(BadArgumentError, match="rows"):
+                NVEmbedding(ROWS, DIM, torch.float32, LayerType.LinearUVM, storage=mb,
+                            device="cpu")
+        finally:
+            SharedMemBlock.unlink(table_name)
+    with pytest.raises(BadArgumentError, match="gpu_cache_size"):
+        NVEmbedding(ROWS, DIM, torch.float32, LayerType.GPULayer, gpu_cache_size=-1)
+    with pytest.raises(BadArgumentError, match="needs a host_cache"):
+        NVEmbedding(ROWS, DIM, torch.float32, LayerType.Hierarchical, device="cpu")
