@@ -278,6 +278,7 @@ def _check_reg(reg: Any, *, host_cache: bool) -> None:
             f"expected a gpu.hostreg.HostRegistration (from register(table)); got "
             f"{type(reg).__name__}"
         )
+    _ = reg.address  # NOTE: raises RegistrationClosedError / ForkedProcessError
     if reg.is_host_cache != host_cache:
         want = "a HostCache" if host_cache else "a SharedMemBlock"
         other = "linear_gather" if host_cache else "hostcache_lookup"

@@ -157,7 +157,9 @@ def test_bad_view_name(cache: HostCache) -> None:
         reg.view("weights")  # type: ignore[arg-type]
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA"
+)
 def test_cuda_device_without_cuda_is_refused(cache: HostCache) -> None:
     with pytest.raises(CUDAUnavailableError, match="device='cpu'"):
         register(cache, device="cuda")
