@@ -14,7 +14,8 @@ Layout of one environment directory (any number of tables, two named databases e
     b"feed:<T>"   key: 8-byte big-endian seq; value: b"k" + packed int64 keys, or b"c"
                   (table cleared). Bounded to ``changes_maxlen`` entries.
 
-The change feed is written in the same transaction as the rows, so it is exact and atomic.
+The change feed is written in the same transaction as the rows, so it is exact and atomic:
+it lists exactly the keys that existed before an insert/update/erase touched them.
 
 NOTE: LMDB forbids opening one environment twice in a process and using it after fork:
 environments are shared per (pid, path) through ``_ENVS`` and reopened in a child.
@@ -52,16 +53,31 @@ from .schema import TableSchema
 log = logging.getLogger(__name__)
 
 _OPTIONS: dict[str, type] = {"map_size": int, "max_dbs": int, "sync": bool,
-                             "changes_maxlen": int, "feed_entry_keys": int, "chunk_keys": int}
+                             "changes_maxlen": int, "feed_entry_keys": int}
 _DEFAULTS: dict[str, Any] = {"map_size": 1 << 40, "max_dbs": 128, "sync": True,
-                             "changes_maxlen": 1000, "feed_entry_keys": 4096, "chunk_keys": 1024}
+                             "changes_maxlen": 1000, "feed_entry_keys": 4096}
 
 _ENVS: dict[tuple[int, str], list[Any]] = {}  # (pid, path) -> [env, refcount]
 _ENVS_LOCK = threading.Lock()
 
 
+def _forget_inherited_envs() -> None:
+    """In a forked child: close the environments inherited from the parent.
+
+    NOTE: safe for the parent: LMDB's close clears only reader slots of the *calling* pid and
+    fcntl locks are not inherited; py-lmdb refuses a second open of the same files until the
+    inherited handle is closed.
+    """
+    pid = os.getpid()
+    for key in [k for k in _ENVS if k[0] != pid]:
+        env = _ENVS.pop(key)[0]
+        with contextlib.suppress(lmdb.Error):
+            env.close()
+
+
 def _acquire_env(path: str, opts: dict[str, Any]) -> lmdb.Environment:
     with _ENVS_LOCK:
+        _forget_inherited_envs()
         entry = _ENVS.get((os.getpid(), path))
         if entry is None:
             env = lmdb.open(path, map_size=opts["map_size"], max_dbs=opts["max_dbs"],
@@ -110,7 +126,7 @@ class FileParameterServer(ParameterServer):
                  opts: dict[str, Any]) -> None:
         self._path = path
         self._opts = {**_DEFAULTS, **opts}
-        for name in ("changes_maxlen", "feed_entry_keys", "chunk_keys", "max_dbs", "map_size"):
+        for name in ("changes_maxlen", "feed_entry_keys", "max_dbs", "map_size"):
             if self._opts[name] <= 0:
                 raise BadArgumentError(f"option {name} must be positive")
         self._where = f"table {table!r} at file://{path}"
@@ -152,6 +168,7 @@ class FileParameterServer(ParameterServer):
 
     def _open_dbs(self, txn: Any) -> None:
         name = self._schema_key[len(b"psc:schema:"):]
+        self._main = self._env.open_db(None, txn=txn)
         self._rows = self._env.open_db(b"rows:" + name, txn=txn, create=True)
         self._feed_db = self._env.open_db(b"feed:" + name, txn=txn, create=True)
 
@@ -171,17 +188,13 @@ class FileParameterServer(ParameterServer):
     def _insert(self, keys: np.ndarray, values: torch.Tensor) -> None:
         order, ks, kb = self._sorted(keys)
         vb = row_bytes_list(values, order)
-        ck = self._opts["chunk_keys"]
         with _lmdb_errors(self._where), self._env.begin(write=True, db=self._rows) as txn:
             cur = txn.cursor()
-            changed = []
-            for a in range(0, ks.size, ck):
-                b = min(ks.size, a + ck)
-                consumed, added = cur.putmulti(zip(kb[a:b], vb[a:b], strict=True), overwrite=True)
-                if added < consumed:  # some keys of this chunk existed: feed them (superset)
-                    changed.append(ks[a:b])
-            if changed:
-                self._append_feed(txn, np.concatenate(changed))
+            # NOTE: which keys exist already (exact change feed), then one putmulti.
+            existed = np.fromiter(map(cur.set_key, kb), dtype=bool, count=ks.size)
+            cur.putmulti(zip(kb, vb, strict=True), overwrite=True)
+            if existed.any():
+                self._append_feed(txn, ks[existed])
 
     def _update(self, keys: np.ndarray, values: torch.Tensor) -> torch.Tensor:
         order, ks, kb = self._sorted(keys)
@@ -216,8 +229,8 @@ class FileParameterServer(ParameterServer):
         with _lmdb_errors(self._where), self._env.begin(write=True) as txn:
             txn.drop(self._rows, delete=True)
             txn.drop(self._feed_db, delete=True)
-            txn.delete(self._schema_key)
-            txn.delete(self._trim_key)
+            txn.delete(self._schema_key, db=self._main)
+            txn.delete(self._trim_key, db=self._main)
         log.info("dropped %s", self._where)
 
     # -- change feed ---------------------------------------------------------------------
@@ -242,7 +255,7 @@ class FileParameterServer(ParameterServer):
             cur.delete()
             excess -= 1
         if trimmed:
-            txn.put(self._trim_key, _seq(trimmed))
+            txn.put(self._trim_key, _seq(trimmed), db=self._main)
 
     def _changes(self, since: str | None, limit: int) -> tuple[torch.Tensor, str]:
         empty = torch.zeros(0, dtype=torch.int64)
@@ -256,7 +269,7 @@ class FileParameterServer(ParameterServer):
             except ValueError as e:
                 raise BadArgumentError(
                     f"bad change-feed cursor {since!r}: pass one returned by changes()") from e
-            trimmed = txn.get(self._trim_key, db=None)
+            trimmed = txn.get(self._trim_key, db=self._main)
             if trimmed is not None and start < int.from_bytes(trimmed, "big"):
                 raise ChangeFeedGapError(
                     f"{self._where}: change-feed entries after cursor {since} were trimmed: drop "

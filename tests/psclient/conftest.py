@@ -1,0 +1,153 @@
+"""Fixtures for psclient tests: private redis-server processes and a real loopback cluster.
+
+Private servers run from ``redis-server`` on free loopback ports in a tmp dir; tests that
+need one skip (with the reason) where ``redis-server`` is not installed.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+REDIS_SERVER = shutil.which("redis-server")
+REDIS_CLI = shutil.which("redis-cli")
+needs_redis_server = pytest.mark.skipif(
+    REDIS_SERVER is None, reason="needs the redis-server binary (apt-get install redis-server)"
+)
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(bus: bool = False) -> int:
+    """A free loopback port (and ``port + 10000`` free too when ``bus``: cluster bus)."""
+    for _ in range(200):
+        port = random.randint(20000, 50000)
+        if _port_free(port) and (not bus or _port_free(port + 10000)):
+            return port
+    raise RuntimeError("no free port found")
+
+
+def wait_until(pred, timeout: float, what: str) -> None:  # noqa: ANN001
+    """Poll ``pred`` until true; fail after ``timeout`` seconds (a bounded readiness wait)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if pred():
+                return
+        except (redis.RedisError, OSError):
+            pass
+        time.sleep(0.02)
+    raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
+
+
+class RedisProc:
+    """A private redis-server on a loopback port; can be killed and restarted in place."""
+
+    def __init__(self, workdir: Path, port: int, *args: str, password: str | None = None):
+        self.workdir, self.port, self.args, self.password = workdir, port, args, password
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisProc:
+        assert REDIS_SERVER is not None
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        cmd = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+               "--dir", str(self.workdir), "--daemonize", "no", *self.args]
+        if self.password:
+            cmd += ["--requirepass", self.password]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port, password=self.password, socket_timeout=1)
+        wait_until(client.ping, 10, f"redis-server on port {self.port}")
+        client.close()
+        return self
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.proc = None
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+        self.proc = None
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[RedisProc]:
+    """A private persistent (AOF, fsync always) redis-server; killed at teardown."""
+    if REDIS_SERVER is None:
+        pytest.skip("needs the redis-server binary (apt-get install redis-server)")
+    srv = RedisProc(tmp_path / "redis", free_port(), "--appendonly", "yes",
+                    "--appendfsync", "always").start()
+    yield srv
+    srv.kill()
+
+
+@pytest.fixture
+def auth_redis(tmp_path: Path) -> Iterator[RedisProc]:
+    """A private password-protected redis-server."""
+    if REDIS_SERVER is None:
+        pytest.skip("needs the redis-server binary (apt-get install redis-server)")
+    srv = RedisProc(tmp_path / "redis-auth", free_port(), password="s3cret-pw").start()
+    yield srv
+    srv.kill()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real 3-master Redis Cluster on loopback ports; yields its redis+cluster:// URL."""
+    if REDIS_SERVER is None or REDIS_CLI is None:
+        pytest.skip("needs redis-server and redis-cli binaries (apt-get install redis-server)")
+    root = tmp_path_factory.mktemp("cluster")
+    nodes: list[RedisProc] = []
+    try:
+        for i in range(3):
+            port = free_port(bus=True)
+            nodes.append(RedisProc(root / f"n{i}", port, "--cluster-enabled", "yes",
+                                   "--cluster-config-file", f"nodes-{port}.conf",
+                                   "--cluster-node-timeout", "2000",
+                                   "--appendonly", "no").start())
+        addrs = [f"127.0.0.1:{n.port}" for n in nodes]
+        subprocess.run([REDIS_CLI, "--cluster", "create", *addrs, "--cluster-replicas", "0",
+                        "--cluster-yes"], check=True, capture_output=True, timeout=60)
+        clients = [redis.Redis(port=n.port, socket_timeout=1) for n in nodes]
+        wait_until(lambda: all(c.cluster("info")["cluster_state"] == "ok" for c in clients),
+                   30, "cluster_state:ok on every node")
+        for c in clients:
+            c.close()
+        yield "redis+cluster://" + ",".join(addrs)
+    finally:
+        for n in nodes:
+            n.kill()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def shared_redis(redis_url: str) -> str:
+    """The suite's shared Redis URL (``--redis-url``), or skip if it does not answer."""
+    try:
+        redis.Redis.from_url(redis_url, socket_connect_timeout=1).ping()
+    except redis.RedisError as e:
+        pytest.skip(f"needs a Redis server at {redis_url} (--redis-url): {e}")
+    return redis_url
