@@ -101,7 +101,8 @@ def _lookup_kernel(
     if COUNT:
         if HAS_CACHE:
             _bump(counters_ptr, slot, hit, CMAX)
-            tl.atomic_add(stats_ptr + pid % STAT_STRIPES, tl.reduce(hit.to(tl.int64), 0, _add_combine))
+            nhits = tl.reduce(hit.to(tl.int64), 0, _add_combine)
+            tl.atomic_add(stats_ptr + pid % STAT_STRIPES, nhits)
     if WRITE_SLOTS:
         tl.store(slots_ptr + offs, tl.where(hit, slot, -1), mask=kmask)
     if GATHER:

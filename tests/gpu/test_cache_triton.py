@@ -1,0 +1,154 @@
+"""GPUCache's Triton kernels against the torch twin: under Triton's CPU interpreter here,
+on CUDA where a GPU is present (tests marked ``gpu``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from gpu import cache_twin as twin
+from gpu._triton import triton_available
+from gpu.cache import GPUCache
+
+needs_triton = pytest.mark.skipif(
+    not triton_available(), reason="needs the triton package (`pip install triton`); "
+    "its CPU interpreter runs the kernels on CPU tensors")
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+
+Outputs = list[tuple[str, tuple[torch.Tensor, ...]]]
+
+
+def make(device: str, backend: str, *, buckets: int = 6, ways: int = 4, dim: int = 12,
+         dtype: torch.dtype = torch.float32) -> GPUCache:
+    slot = 8 + 4 + dim * torch.empty((), dtype=dtype).element_size()
+    return GPUCache(buckets * ways * slot, dim, dtype, device, ways=ways,
+                    backend=backend)  # type: ignore[arg-type]
+
+
+def run_ops(cache: GPUCache, seed: int, steps: int, key_range: int = 60) -> Outputs:
+    """A seeded random op sequence; every result moved to the CPU."""
+    gen = torch.Generator().manual_seed(seed)
+    dev, dim, dtype = cache.device, cache.dim, cache.dtype
+    table = torch.randn(key_range, dim, generator=gen).to(dtype)
+    out: Outputs = []
+    for step in range(steps):
+        n = int(torch.randint(0, 40, (1,), generator=gen))
+        keys = torch.randint(0, key_range, (n,), generator=gen)
+        vals = torch.randn(n, dim, generator=gen).to(dtype)
+        cut = sorted(torch.randint(0, n + 1, (3,), generator=gen).tolist())
+        offsets = torch.tensor([0, *cut, n])
+        w = torch.rand(n, generator=gen)
+        op = step % 7
+        k, v, o = keys.to(dev), vals.to(dev), offsets.to(dev)
+        if op in (0, 4):
+            cache.insert(k, v)
+            res: tuple[torch.Tensor, ...] = ()
+        elif op == 1:
+            res = cache.lookup(k)
+        elif op == 2:
+            res = cache.lookup_pooled(k, o, "sum", w.to(dev), miss_values=v)
+        elif op == 3:
+            res = cache.lookup_linear(k, table.to(dev))
+        elif op == 5:
+            res = (*cache.lookup_linear_pooled(k, o, table.to(dev), "mean"),
+                   cache.update(k[: n // 2], v[: n // 2]))
+        else:
+            cache.erase(k[:3])
+            res = (cache.probe(k),)
+        out.append((["insert", "lookup", "pooled", "linear", "insert", "linpool", "erase"][op],
+                    tuple(r.cpu() for r in res)))
+    return out
+
+
+def assert_same(a: GPUCache, b: GPUCache, out_a: Outputs, out_b: Outputs) -> None:
+    for (op, ra), (_, rb) in zip(out_a, out_b, strict=True):
+        for x, y in zip(ra, rb, strict=True):
+            if op in ("pooled", "linpool") and x.is_floating_point():
+                torch.testing.assert_close(x, y)  # summation order differs
+            else:
+                assert torch.equal(x, y), op  # gathers are bit-exact
+    for x, y in zip(a.state(), b.state(), strict=True):
+        assert torch.equal(x, y)
+    assert a.stats() == b.stats()
+
+
+@needs_triton
+# NOTE: no shrink phase: the interpreter is slow, and a failing seed is printed anyway.
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow],
+          phases=[Phase.explicit, Phase.reuse, Phase.generate])
+@given(seed=st.integers(0, 2**20), ways=st.sampled_from([1, 4, 8]),
+       dim=st.sampled_from([12, 16]))
+def test_interpreter_matches_twin(seed: int, ways: int, dim: int) -> None:
+    a = make("cpu", "torch", ways=ways, dim=dim)
+    b = make("cpu", "triton", ways=ways, dim=dim)
+    assert b.backend == "triton"
+    assert_same(a, b, run_ops(a, seed, 14), run_ops(b, seed, 14))
+
+
+@needs_triton
+def test_interpreter_half_rows_and_split_dim(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpu._triton import kernel_module
+
+    kernels = kernel_module("cache_kernels", interpret=True)
+    monkeypatch.setitem(kernels.CONFIG, "pooled_block_d", 16)  # two programs per bag
+    a = make("cpu", "torch", dim=32, dtype=torch.float16)
+    b = make("cpu", "triton", dim=32, dtype=torch.float16)
+    assert_same(a, b, run_ops(a, 7, 14), run_ops(b, 7, 14))
+
+
+@needs_triton
+def test_interpreter_saturating_counters(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(twin, "COUNTER_MAX", 5)
+    a = make("cpu", "torch", buckets=1, ways=2)
+    b = make("cpu", "triton", buckets=1, ways=2)
+    for c in (a, b):
+        c.insert(torch.tensor([1, 2]), torch.ones(2, 12))
+        c.lookup(torch.tensor([1] * 9 + [2]))
+        c.lookup_pooled(torch.tensor([2, 2, 1]), torch.tensor([0, 1, 3]))
+    assert a.state()[1].tolist() == [5, 4]
+    assert torch.equal(a.state()[1], b.state()[1])
+
+
+@needs_triton
+def test_interpreter_disabled_cache() -> None:
+    b = make("cpu", "triton", buckets=0)
+    table = torch.randn(10, 12)
+    got, hit = b.lookup_linear(torch.tensor([3, 9]), table)
+    assert not hit.any() and torch.equal(got, table[[3, 9]])
+    assert b.lookup(torch.tensor([3]))[1].tolist() == [False]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_cuda_matches_cpu_twin(backend: str) -> None:
+    for ways, dim, dtype in [(8, 128, torch.float32), (4, 12, torch.float32),
+                             (8, 64, torch.bfloat16)]:
+        a = make("cpu", "torch", ways=ways, dim=dim, dtype=dtype)
+        b = make("cuda", backend, ways=ways, dim=dim, dtype=dtype)
+        assert_same(a, b, run_ops(a, 11, 40), run_ops(b, 11, 40))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_large_batch_matches_cpu_twin() -> None:
+    gen = torch.Generator().manual_seed(5)
+    a = make("cpu", "torch", buckets=4096, ways=8, dim=128)
+    b = make("cuda", "auto", buckets=4096, ways=8, dim=128)
+    keys = torch.randint(0, 60_000, (50_000,), generator=gen)
+    vals = torch.randn(50_000, 128, generator=gen)
+    q = torch.randint(0, 60_000, (200_000,), generator=gen)
+    offsets = torch.arange(0, 200_001, 1000)
+    for c in (a, b):
+        c.insert(keys.to(c.device), vals.to(c.device))
+    ra, ha = a.lookup(q)
+    rb, hb = b.lookup(q.cuda())
+    assert torch.equal(ha, hb.cpu()) and torch.equal(ra, rb.cpu())
+    pa, _ = a.lookup_pooled(q, offsets)
+    pb, _ = b.lookup_pooled(q.cuda(), offsets.cuda())
+    torch.testing.assert_close(pa, pb.cpu(), rtol=1e-5, atol=1e-4)
+    for x, y in zip(a.state(), b.state(), strict=True):
+        assert torch.equal(x, y)
