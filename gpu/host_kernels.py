@@ -170,6 +170,7 @@ if triton is not None:
         BLOCK_K: tl.constexpr,  # noqa: N803
         BLOCK_D: tl.constexpr,  # noqa: N803
         FENCE: tl.constexpr,  # noqa: N803
+        EVEN_D: tl.constexpr,  # noqa: N803 - dim == BLOCK_D: no column mask (wide loads)
     ):
         offs = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
         m = offs < n
@@ -190,7 +191,7 @@ if triton is not None:
         slot = b * WAYS + tl.minimum(way, WAYS - 1)
         # 3. the row (address depends on the matched way)
         d = tl.arange(0, BLOCK_D)
-        dmask = d < dim
+        dmask = (d < BLOCK_D) if EVEN_D else (d < dim)
         row = tl.load(
             rows_ptr + slot[:, None] * row_stride + d[None, :],
             mask=ok[:, None] & dmask[None, :],
@@ -218,13 +219,15 @@ if triton is not None:
         dim,
         BLOCK_K: tl.constexpr,  # noqa: N803
         BLOCK_D: tl.constexpr,  # noqa: N803
+        EVEN_D: tl.constexpr,  # noqa: N803
     ):
         offs = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
         m = offs < n
         idx = tl.load(idx_ptr + offs, mask=m, other=0)
         pos = tl.load(pos_ptr + offs, mask=m, other=0)
         d = tl.arange(0, BLOCK_D)
-        mask = m[:, None] & (d < dim)[None, :]
+        dmask = (d < BLOCK_D) if EVEN_D else (d < dim)
+        mask = m[:, None] & dmask[None, :]
         row = tl.load(rows_ptr + idx[:, None] * row_stride + d[None, :], mask=mask, other=0,
                       cache_modifier=".cv")
         tl.store(out_ptr + pos[:, None] * dim + d[None, :], row, mask=mask)
@@ -419,6 +422,7 @@ def _lookup_triton(
             visit, pos, tab_keys, versions, ver2, rows, out, hit,
             n, g.num_buckets, rows.stride(0), g.dim,
             WAYS=g.ways, BLOCK_K=bk, BLOCK_D=bd, FENCE=fence and not interpret,
+            EVEN_D=bd == g.dim,
         )
     if inverse is not None:
         return out.index_select(0, inverse), hit.index_select(0, inverse)
@@ -488,6 +492,7 @@ def _gather_triton(reg: Any, idx: torch.Tensor, *, dedup: bool, sort: bool) -> t
         bd = _block_d(g.dim)
         bk = _block_k(bd)
         k._gather_kernel[(triton.cdiv(n, bk),)](
-            visit, pos, rows, out, n, rows.stride(0), g.dim, BLOCK_K=bk, BLOCK_D=bd
+            visit, pos, rows, out, n, rows.stride(0), g.dim, BLOCK_K=bk, BLOCK_D=bd,
+            EVEN_D=bd == g.dim,
         )
     return out if inverse is None else out.index_select(0, inverse)
