@@ -28,7 +28,9 @@ class ParameterServer(ABC):
     in the child.
     """
 
-    _closed = True  # class-level default so close()/__del__ work after a failed __init__
+    _closed = True  # class-level defaults so close()/repr work after a failed __init__
+    _table = "<unopened>"
+    _schema: TableSchema | None = None
 
     def __init__(self, table: str, schema: TableSchema) -> None:
         self._table = table
@@ -200,6 +202,8 @@ class ParameterServer(ABC):
         self.close()
 
     def __repr__(self) -> str:
+        if self._schema is None:
+            return f"{type(self).__name__}(table={self._table!r}, unopened)"
         return (f"{type(self).__name__}(table={self.table!r}, dim={self.dim}, "
                 f"dtype={self._schema.dtype}{', closed' if self._closed else ''})")
 

@@ -346,8 +346,14 @@ class RedisParameterServer(ParameterServer):
                 return empty, last
             start = _stream_id(since)
             entries = self._client.xrange(self._stream_key, min=f"({since}", count=limit)
-        deleted = info.get("max-deleted-entry-id", b"0-0")
-        if start < _stream_id(deleted):
+        # NOTE: MAXLEN trimming removes entries from the head only (no XDEL here), so
+        # entries after ``since`` were lost iff some entry was trimmed and ``since`` is older
+        # than the first entry kept. Conservative: a cursor equal to the last trimmed entry
+        # also reports a gap (one needless cache clear, never a missed invalidation).
+        trimmed = int(info.get("entries-added", 0)) > int(info.get("length", 0))
+        first = info.get("first-entry")
+        first_id = _stream_id(first[0]) if first else _stream_id(last)
+        if trimmed and (start < first_id if first else start < first_id):
             raise ChangeFeedGapError(
                 f"{self._where}: change-feed entries after cursor {since} were trimmed (the feed "
                 f"keeps about {self._opts['changes_maxlen']} entries): drop every cached row of "

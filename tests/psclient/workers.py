@@ -20,7 +20,7 @@ def file_writer_forever(url: str, table: str, ready: Any) -> None:
 
 
 def file_reader(url: str, table: str, rounds: int) -> str:
-    """Read all rows ``rounds`` times; every row must be whole (all elements equal)."""
+    """Read all rows ``rounds`` times; every lookup must see one whole committed batch."""
     with psclient.connect(url, table=table) as ps:
         for _ in range(rounds):
             got, found = ps.lookup(torch.arange(512))
@@ -28,4 +28,6 @@ def file_reader(url: str, table: str, rounds: int) -> str:
                 return "missing rows"
             if not torch.equal(got, got[:, :1].expand(-1, 8)):
                 return "torn row"
+            if got.unique().numel() != 1:  # one read transaction sees one whole batch
+                return "torn batch"
     return "ok"

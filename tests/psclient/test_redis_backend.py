@@ -1,0 +1,266 @@
+"""The Redis backend on real servers: the shared one, private ones, and a real cluster."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+import time
+
+import numpy as np
+import pytest
+import redis
+import torch
+from hypothesis import HealthCheck, given, settings
+
+import psclient
+from psclient.codec import partition_of
+
+from . import model
+from .conftest import RedisProc
+
+pytestmark = pytest.mark.redis
+
+
+@pytest.fixture
+def ps_factory(shared_redis: str, table_name: str):  # noqa: ANN201
+    """connect() to the shared server with a unique table; every table is dropped after."""
+    opened: list[psclient.ParameterServer] = []
+
+    def make(suffix: str = "", **kw: object) -> psclient.ParameterServer:
+        ps = psclient.connect(shared_redis, table=table_name + suffix, **kw)
+        opened.append(ps)
+        return ps
+
+    yield make
+    for ps in opened:
+        ps.close()
+    for name in {ps.table for ps in opened}:
+        try:
+            psclient.connect(shared_redis, table=name).drop()
+        except psclient.TableNotFoundError:
+            pass
+
+
+@settings(max_examples=30, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=model.OPS)
+def test_differential_against_dict(ps_factory, ops: list) -> None:  # noqa: ANN001
+    ps = ps_factory("-diff", dim=model.DIM, partitions=4)
+    model.check_against_dict(ps, ops)
+
+
+def test_large_batch_round_trip_across_partitions_and_pipelines(ps_factory) -> None:  # noqa: ANN001
+    ps = ps_factory(dim=32, dtype=torch.float16, chunk_keys=100, pipeline_keys=700)
+    keys = torch.from_numpy(np.random.default_rng(0).choice(2**62, 5000, replace=False))
+    keys[:3] = torch.tensor([-(2**63), 2**63 - 1, 0])
+    vals = torch.randn(5000, 32).half()
+    ps.insert(keys, vals)
+    assert ps.size() == 5000
+    probe = torch.cat([keys.flip(0), torch.tensor([12345678901])])
+    got, found = ps.lookup(probe)
+    assert found[:-1].all() and not found[-1]
+    assert torch.equal(got[:-1], vals.flip(0)) and not got[-1].any()
+    # duplicates in one batch: the last one wins, as in a dict
+    dup = torch.tensor([keys[0].item()] * 3)
+    ps.insert(dup, torch.stack([torch.full((32,), float(i)) for i in range(3)]).half())
+    assert ps.lookup(dup[:1])[0][0, 0] == 2.0
+
+
+def test_schema_stored_and_checked(ps_factory, shared_redis: str, table_name: str) -> None:  # noqa: ANN001
+    ps = ps_factory(dim=8, dtype="bfloat16", partitions=16)
+    with psclient.connect(shared_redis, table=table_name) as again:
+        assert (again.dim, again.dtype, again.schema.partitions) == (8, torch.bfloat16, 16)
+    with pytest.raises(psclient.SchemaMismatchError, match="dim=9"):
+        psclient.connect(shared_redis, table=table_name, dim=9)
+    with pytest.raises(psclient.SchemaMismatchError, match="dtype"):
+        psclient.connect(shared_redis, table=table_name, dim=8, dtype=torch.float32)
+    with pytest.raises(psclient.SchemaMismatchError, match="partitions"):
+        psclient.connect(shared_redis, table=table_name, partitions=32)
+    with pytest.raises(psclient.TableNotFoundError, match="pass dim"):
+        psclient.connect(shared_redis, table=table_name + "-nope")
+    with pytest.raises(psclient.BadArgumentError, match="unknown Redis option"):
+        psclient.connect(shared_redis, table=table_name, sokcet_timeout=1)
+    r = redis.Redis.from_url(shared_redis)
+    r.set(f"psc:{{{ps.table}-bad}}:schema", b"\xc1 not msgpack")
+    try:
+        with pytest.raises(psclient.CorruptValueError, match="schema"):
+            psclient.connect(shared_redis, table=ps.table + "-bad")
+    finally:
+        r.delete(f"psc:{{{ps.table}-bad}}:schema")
+
+
+def test_wrong_length_value_names_table_and_key(ps_factory, shared_redis: str) -> None:  # noqa: ANN001
+    ps = ps_factory(dim=4, partitions=8)
+    keys = torch.tensor([10, 20, 30])
+    ps.insert(keys, torch.ones(3, 4))
+    part = int(partition_of(np.array([20], dtype=np.int64), 8)[0])
+    r = redis.Redis.from_url(shared_redis)
+    r.hset(f"psc:{{{ps.table}:{part}}}", np.int64(20).tobytes(), b"short")
+    with pytest.raises(psclient.CorruptValueError, match=rf"{ps.table}.*key 20.*5 bytes"):
+        ps.lookup(keys)
+    ps.insert(torch.tensor([20]), torch.ones(1, 4))   # repaired by a rewrite
+    assert ps.lookup(keys)[1].all()
+
+
+def test_bad_arguments_write_nothing(ps_factory) -> None:  # noqa: ANN001
+    ps = ps_factory(dim=4)
+    with pytest.raises(psclient.BadKeysError):
+        ps.insert(torch.tensor([1, 2], dtype=torch.int32), torch.zeros(2, 4))
+    with pytest.raises(psclient.BadValuesError):
+        ps.insert(torch.tensor([1, 2]), torch.zeros(2, 4, dtype=torch.float16))
+    with pytest.raises(psclient.BadValuesError):
+        ps.update(torch.tensor([1, 2]), torch.zeros(1, 4))
+    assert ps.size() == 0
+
+
+def test_change_feed(ps_factory) -> None:  # noqa: ANN001
+    ps = ps_factory(dim=2, changes_maxlen=2, feed_entry_keys=2)
+    _, cur = ps.changes()
+    ps.insert(torch.tensor([1, 2, 3]), torch.zeros(3, 2))
+    keys, cur1 = ps.changes(cur)
+    assert keys.numel() == 0 and cur1 == cur
+    assert ps.update(torch.tensor([2, 7]), torch.ones(2, 2)).tolist() == [True, False]
+    keys, cur2 = ps.changes(cur1)
+    assert keys.tolist() == [2]
+    ps.erase(torch.tensor([3]))
+    keys, cur3 = ps.changes(cur2)
+    assert keys.tolist() == [3]
+    ps.insert(torch.tensor([1]), torch.ones(1, 2))       # insert over an existing key
+    assert 1 in ps.changes(cur3)[0].tolist()
+    # a long erase spills over many entries: the bounded stream trims the old ones
+    ps.erase(torch.arange(100, 400))
+    with pytest.raises(psclient.ChangeFeedGapError) as gap:
+        ps.changes(cur3)
+    assert ps.changes(gap.value.cursor)[0].numel() == 0
+    ps.clear()
+    with pytest.raises(psclient.ChangeFeedGapError, match="cleared"):
+        ps.changes(gap.value.cursor)
+    with pytest.raises(psclient.BadArgumentError, match="cursor"):
+        ps.changes("not-a-cursor")
+
+
+def test_cli_round_trip(shared_redis: str, table_name: str, tmp_path, capsys) -> None:  # noqa: ANN001
+    from psclient.cli import main
+
+    np.save(tmp_path / "rows.npy", np.random.rand(300, 16).astype(np.float32))
+    assert main(["load", shared_redis, "--table", table_name, str(tmp_path / "rows.npy"),
+                 "--no-progress"]) == 0
+    assert "loaded 300 rows" in capsys.readouterr().out
+    assert main(["stat", shared_redis, "--table", table_name, "--json"]) == 0
+    import json
+
+    info = json.loads(capsys.readouterr().out)
+    assert (info["rows"], info["dim"], info["dtype"], info["backend"]) == (300, 16, "float32",
+                                                                           "redis")
+    assert main(["drop", shared_redis, "--table", table_name]) == 0
+    assert main(["stat", shared_redis, "--table", table_name]) == 1
+    assert "TableNotFoundError" in capsys.readouterr().err
+
+
+def test_fork_child_reads_through_parents_client(ps_factory) -> None:  # noqa: ANN001
+    ps = ps_factory(dim=4)
+    keys = torch.arange(2000)
+    vals = torch.randn(2000, 4)
+    ps.insert(keys, vals)
+    assert ps.lookup(keys)[1].all()          # connections and pool threads exist now
+    ctx = mp.get_context("fork")             # NOTE: this test is about fork on purpose
+    q = ctx.Queue()
+
+    def child() -> None:
+        got, found = ps.lookup(keys)
+        q.put(bool(found.all()) and bool(torch.equal(got, vals)))
+
+    p = ctx.Process(target=child)
+    p.start()
+    assert q.get(timeout=20) is True
+    p.join(20)
+    assert p.exitcode == 0
+    got, found = ps.lookup(keys)             # the parent's connections were not disturbed
+    assert found.all() and torch.equal(got, vals)
+
+
+# -- private servers ----------------------------------------------------------------------
+
+
+def test_auth_password_protected_server(auth_redis: RedisProc, table_name: str) -> None:
+    bare = f"redis://127.0.0.1:{auth_redis.port}/0"
+    with pytest.raises(psclient.PSAuthError, match="password"):
+        psclient.connect(bare, table=table_name, dim=4)
+    with pytest.raises(psclient.PSAuthError):
+        psclient.connect(bare, table=table_name, dim=4, password="wrong")
+    with psclient.connect(bare, table=table_name, dim=4, password="s3cret-pw") as ps:
+        ps.insert(torch.tensor([1]), torch.ones(1, 4))
+    with psclient.connect(auth_redis.url, table=table_name) as ps:   # password in the URL
+        assert ps.lookup(torch.tensor([1]))[1].all()
+
+
+def test_outage_mid_batch_raises_typed_error_then_recovers(private_redis: RedisProc,
+                                                           table_name: str) -> None:
+    ps = psclient.connect(private_redis.url, table=table_name, dim=64, socket_timeout=1.0,
+                          socket_connect_timeout=0.5, retries=1, pipeline_keys=1024)
+    keys = torch.arange(20000)
+    vals = torch.randn(20000, 64)
+    ps.insert(keys, vals)
+    started = threading.Event()
+    errors: list[BaseException] = []
+
+    def hammer() -> None:
+        try:
+            while True:
+                ps.insert(keys, vals)
+                started.set()
+        except BaseException as e:  # noqa: BLE001 -- the test inspects it
+            errors.append(e)
+            started.set()
+
+    t = threading.Thread(target=hammer, daemon=True)
+    t.start()
+    assert started.wait(20)
+    private_redis.kill()
+    t.join(15)
+    assert not t.is_alive(), "a write hung after the server died"
+    assert len(errors) == 1 and isinstance(errors[0], psclient.PSUnavailableError), errors
+    t0 = time.monotonic()
+    with pytest.raises(psclient.PSUnavailableError):
+        ps.lookup(keys[:10])
+    assert time.monotonic() - t0 < 5, "the typed error must come within the timeouts"
+    private_redis.start()                    # same port, data from the append-only file
+    got, found = ps.lookup(keys)             # the same client object works again
+    assert found.all() and torch.equal(got, vals)
+    ps.insert(torch.tensor([-1]), torch.ones(1, 64))
+    assert ps.lookup(torch.tensor([-1]))[1].all()
+    ps.drop()
+
+
+# -- cluster --------------------------------------------------------------------------------
+
+
+def test_cluster_round_trip_spreads_over_every_master(redis_cluster: str,
+                                                      table_name: str) -> None:
+    with psclient.connect(redis_cluster, table=table_name, dim=16) as ps:
+        assert ps.schema.partitions >= 3 * 8
+        keys = torch.from_numpy(np.random.default_rng(1).choice(2**62, 3000, replace=False))
+        vals = torch.randn(3000, 16)
+        ps.insert(keys, vals)
+        got, found = ps.lookup(torch.cat([keys, torch.tensor([-5])]))
+        assert found[:-1].all() and not found[-1] and torch.equal(got[:-1], vals)
+        assert ps.update(keys[:2], torch.zeros(2, 16)).all()
+        _, cur = ps.changes()
+        ps.erase(keys[:10])
+        assert set(ps.changes(cur)[0].tolist()) == set(keys[:10].tolist())
+        assert ps.size() == 2990
+        assert ps.stat()["masters"] == 3
+        # every master holds some of the table
+        rc = ps._client
+        holders = {rc.get_node_from_key(k).name for k in ps._part_keys if rc.exists(k)}
+        assert len(holders) == 3
+        ps.drop()
+
+
+@settings(max_examples=10, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=model.OPS)
+def test_cluster_differential_against_dict(redis_cluster: str, table_name: str,
+                                           ops: list) -> None:
+    with psclient.connect(redis_cluster, table=table_name + "-d", dim=model.DIM) as ps:
+        model.check_against_dict(ps, ops)
