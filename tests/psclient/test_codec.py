@@ -1,0 +1,101 @@
+"""Key/row encodings, partitioning, RESP encoding and argument checks."""
+
+from __future__ import annotations
+
+import hiredis
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import psclient
+from psclient import resp
+from psclient.codec import (
+    assemble_rows,
+    be_bytes_to_keys,
+    be_key_bytes,
+    check_keys,
+    group_by_partition,
+    le_key_bytes,
+    partition_of,
+    row_bytes_list,
+)
+from psclient.schema import TableSchema
+
+INT64 = st.integers(-(2**63), 2**63 - 1)
+
+
+@given(st.lists(INT64, min_size=1, max_size=50))
+def test_big_endian_key_bytes_sort_like_signed_keys(keys: list[int]) -> None:
+    arr = np.array(keys, dtype=np.int64)
+    kb = be_key_bytes(arr)
+    assert all(len(b) == 8 for b in kb)
+    assert sorted(kb) == be_key_bytes(np.sort(arr))
+    assert be_bytes_to_keys(b"".join(kb)).tolist() == keys
+
+
+def test_little_endian_fields_keep_trailing_zero_bytes() -> None:
+    kb = le_key_bytes(np.array([0, 256, -1], dtype=np.int64))
+    assert kb == [bytes(8), b"\x00\x01" + bytes(6), b"\xff" * 8]
+
+
+def test_partition_is_spread_and_grouped() -> None:
+    counts = np.bincount(partition_of(np.arange(64_000, dtype=np.int64), 64), minlength=64)
+    assert counts.min() > 800 and counts.max() < 1200
+    order, bounds = group_by_partition(np.arange(1000, dtype=np.int64)[::-1].copy(), 8)
+    assert bounds[0] == 0 and bounds[-1] == 1000 and (np.diff(bounds) >= 0).all()
+
+
+def test_pinned_partition_values() -> None:
+    # NOTE: changing the hash moves every stored key: bump LAYOUT_VERSION with it
+    got = partition_of(np.array([0, 1, 12345, -7], dtype=np.int64), 64).tolist()
+    assert got == [0, 44, 57, 62]
+
+
+def test_resp_records_match_hiredis_encoding() -> None:
+    keys = np.array([5, -9], dtype=np.int64)
+    rows = np.arange(8, dtype=np.uint8).reshape(2, 4)
+    head = resp.header(2 + 4, b"HSET", b"k")
+    body = bytes(resp.as_buffer(resp.field_value_records(keys, rows)))
+    kb = le_key_bytes(keys)
+    want = hiredis.pack_command((b"HSET", b"k", kb[0], bytes(rows[0]), kb[1], bytes(rows[1])))
+    assert head + body == want
+    assert resp.header(2 + 2, b"HMGET", b"k") + bytes(resp.as_buffer(
+        resp.field_records(keys))) == hiredis.pack_command((b"HMGET", b"k", *kb))
+
+
+def test_assemble_rows_orders_fills_misses_and_flags_bad_lengths() -> None:
+    schema = TableSchema(dim=2, dtype="float32")
+    vals = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    rb = row_bytes_list(vals)
+    keys = np.array([10, 11, 12], dtype=np.int64)
+    order = np.array([2, 0, 1])
+    got, found = assemble_rows([rb[1], None, rb[0]], order, keys, schema, "t")
+    assert found.tolist() == [False, True, True]
+    assert torch.equal(got, torch.tensor([[0.0, 0.0], [1.0, 2.0], [3.0, 4.0]]))
+    got[0, 0] = 5.0  # the result is writable and owned
+    with pytest.raises(psclient.CorruptValueError, match="'t', key 11: stored value has 3"):
+        assemble_rows([None, b"abc", rb[0]], np.array([0, 1, 2]), keys, schema, "t")
+
+
+def test_check_keys_and_dtype_names() -> None:
+    assert check_keys(torch.tensor([1, 2])).dtype == np.int64
+    with pytest.raises(psclient.BadKeysError, match="1-D"):
+        check_keys(torch.zeros(2, 2, dtype=torch.int64))
+    assert psclient.TableSchema(dim=3, dtype="bfloat16").row_bytes == 6
+    with pytest.raises(psclient.BadArgumentError):
+        psclient.TableSchema(dim=0, dtype="float32")
+    from psclient.schema import dtype_name
+
+    assert dtype_name("fp16") == "float16" and dtype_name(torch.float64) == "float64"
+
+
+def test_schema_round_trip_and_errors() -> None:
+    s = TableSchema(dim=8, dtype="float16", partitions=32)
+    assert TableSchema.decode(s.encode(), "t") == s
+    with pytest.raises(psclient.CorruptValueError, match="unreadable"):
+        TableSchema.decode(b"\x93\x01", "t")
+    old = TableSchema(dim=8, dtype="float16", partitions=32, layout=0)
+    with pytest.raises(psclient.SchemaMismatchError, match="layout version 0"):
+        old.check("t", dim=None, dtype=None, partitions=None)
