@@ -49,7 +49,7 @@ def runtime() -> ModuleType:
         from cuda.bindings import runtime as cudart
     except ImportError:
         try:
-            from cuda import cudart  # type: ignore[no-redef]  # cuda-python < 12.6
+            from cuda import cudart  # cuda-python < 12.6
         except ImportError as e:
             raise CUDAUnavailableError(
                 "registering host memory with CUDA needs cuda-python: "

@@ -80,8 +80,8 @@ try:  # NOTE: optional: the module imports (and its CPU twin works) without trit
     import triton
     import triton.language as tl
 except Exception:  # noqa: BLE001 - ImportError, or a broken install raising anything
-    triton = None  # type: ignore[assignment]
-    tl = None  # type: ignore[assignment]
+    triton = None
+    tl = None
 
 logger = logging.getLogger(__name__)
 

@@ -42,6 +42,7 @@ in the child is skipped (the child never registered anything).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -222,13 +223,15 @@ class _Pinned:
             self.chunks, self.device_address = _register_chunks(
                 self.host_address, self.size, chunk_bytes, name
             )
-        self._state = {"chunks": self.chunks, "pid": self.pid, "name": name, "buffer": buffer}
+        self._state: dict[str, Any] = {
+            "chunks": self.chunks, "pid": self.pid, "name": name, "buffer": buffer,
+        }
         self._finalizer = weakref.finalize(self, _finalize_pinned, self._state)
 
     @property
     def buffer(self) -> torch.Tensor:
         buf = self._state["buffer"]
-        assert buf is not None
+        assert isinstance(buf, torch.Tensor)
         return buf
 
     @property
@@ -249,7 +252,7 @@ def _shared_pinned(name: str, buffer: torch.Tensor, device: torch.device, chunk:
         if pinned is not None and pinned._finalizer.alive:
             return pinned
         pinned = _Pinned(name, buffer, device, chunk)
-        _LIVE[key] = weakref.ref(pinned, lambda r, k=key: _forget(k, r))
+        _LIVE[key] = weakref.ref(pinned, functools.partial(_forget, key))
         return pinned
 
 
@@ -472,7 +475,7 @@ def _wants_cuda(device: object) -> bool:
     if device is None:
         return torch.cuda.is_available()
     try:
-        return torch.device(device).type == "cuda"  # type: ignore[arg-type]
+        return torch.device(device).type == "cuda"  # type: ignore[call-overload]
     except (RuntimeError, TypeError):
         return False
 
@@ -483,7 +486,7 @@ def _resolve_device(device: object) -> torch.device:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
     try:
-        dev = torch.device(device)  # type: ignore[arg-type]
+        dev = torch.device(device)  # type: ignore[call-overload]
     except (RuntimeError, TypeError) as e:
         raise BadArgumentError(
             f"device must be 'cpu', 'cuda', 'cuda:N' or an int; got {device!r}"
@@ -547,7 +550,7 @@ def register(
             )
         torch.cuda.init()  # NOTE: torch and cuda-python then share the primary context
         _note_cuda_use()
-        _check_device_support(int(dev.index))  # type: ignore[arg-type]
+        _check_device_support(int(dev.index or 0))
     pinned = _shared_pinned(table.name, buffer, dev, chunk_bytes)
     logger.debug("table %s: registered %d bytes for %s", table.name, pinned.size, dev)
     return HostRegistration(table, pinned)

@@ -309,7 +309,7 @@ def test_second_process_reads_rows_written_by_the_first(table_name: str) -> None
         p.join(timeout=60)
         assert p.exitcode == 0
         want_v, want_h = hc.lookup(keys)
-        assert bool(hit.all()) == bool(want_h.all()) and torch.equal(values, want_v)
+        assert torch.equal(hit, want_h) and torch.equal(values, want_v)
         assert torch.equal(rows, gpu_rows.cpu()[idx])
     finally:
         hc.close()
