@@ -33,6 +33,7 @@ from .errors import (
     SegmentPermissionError,
 )
 from .memblock import SharedMemBlock
+from .service import command as serve_cmd
 from .table import SharedTable
 
 PROG = "hostcache"
@@ -433,6 +434,7 @@ COMMANDS: tuple[Command, ...] = (
     Command("stat", "one table's geometry, node-wide counters and processes", _stat_args, _stat),
     Command("create", "create a table and leave it on the node", _create_args, _create),
     Command("rm", "remove a table from the node", _rm_args, _rm),
+    Command("serve", "run the node service (docs/service.md)", serve_cmd.configure, serve_cmd.run),
 )
 
 

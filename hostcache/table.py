@@ -123,14 +123,34 @@ class SharedTable:
 
     # -- process counter slots -------------------------------------------------------------
 
+    def reap_dead_processes(self) -> list[int]:
+        """Free the counter slots of processes that died without closing their handles.
+
+        Their counters are added to the retired counters (node-wide stats keep them). Taking
+        the writer lock also repairs a write section left by a writer that died inside it.
+
+        Returns:
+            The pids whose slots were freed.
+        """
+        with self._writing():
+            return self._reap_locked()
+
+    def _reap_locked(self) -> list[int]:
+        """Retire and free the slots of dead processes (caller holds the writer lock)."""
+        retired = self._header[layout.W_RETIRED : layout.W_RETIRED + _N_COUNTERS]
+        pids = self._procs[:, 0]
+        reaped: list[int] = []
+        for i in np.flatnonzero(pids):  # a loop over process slots, not keys
+            pid = int(pids[i])
+            if not _alive(pid):
+                retired += self._procs[i, 1 : 1 + _N_COUNTERS]
+                self._procs[i, :] = 0
+                reaped.append(pid)
+        return reaped
+
     def _claim_slot(self) -> None:
         with self._writing():
-            retired = self._header[layout.W_RETIRED : layout.W_RETIRED + _N_COUNTERS]
-            pids = self._procs[:, 0]
-            for i in np.flatnonzero(pids):  # a loop over process slots, not keys
-                if not _alive(int(pids[i])):
-                    retired += self._procs[i, 1 : 1 + _N_COUNTERS]
-                    self._procs[i, :] = 0
+            self._reap_locked()
             free = np.flatnonzero(self._procs[:, 0] == 0)
             if free.size == 0:
                 logger.warning(

@@ -1,0 +1,260 @@
+"""One thread per table: follow the parameter server's change feed into the shared table.
+
+The loop (``FeedFollower.run``):
+
+1. connect to the parameter server (retrying with a bounded backoff while it is down);
+2. pick the start cursor: the one handed in (taken before warm-up), else the cursor saved
+   in the state dir if it belongs to the same PS table, else the feed's current end, and
+   then the table is cleared, since changes made while nobody followed are unknown;
+3. poll ``ps.changes(cursor)``; apply the keys; save the cursor (atomically); wait
+   ``poll_interval`` when the feed is idle (never a busy spin), none while it has entries.
+
+Applying changes. Host cache: ``erase(keys)`` (appended to the invalidation ring, so every
+replica's GPU cache drops them and the next lookup reads the new row from the PS); the same
+keys are erased once more ``settle`` seconds later, which drops a stale row that a replica
+read from the PS just before the write and inserted just after the first erase. Linear
+table: the rows are read from the PS and written with ``write`` (announced the same way).
+``ChangeFeedGapError``: the host cache is cleared (every replica drops everything), a linear
+table reloaded from the PS, and the loop resumes from ``err.cursor``.
+
+NOTE: the cursor is saved only after the keys were applied: a crash in between re-applies
+them on restart (erasing twice is harmless), never skips them.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..cache import HostCache
+from ..memblock import SharedMemBlock
+from .config import TableConfig
+from .warmup import reload_linear
+
+logger = logging.getLogger(__name__)
+
+#: the longest wait between attempts while the parameter server is unreachable
+MAX_BACKOFF_S = 5.0
+#: feed entries per ``changes`` call
+FEED_LIMIT = 256
+
+
+def ps_identity(cfg: TableConfig) -> str:
+    """A digest naming the PS table a cursor belongs to (the URL may hold a password)."""
+    return hashlib.sha256(f"{cfg.ps_url}\n{cfg.ps_name}".encode()).hexdigest()[:16]
+
+
+class CursorStore:
+    """``<state_dir>/cursors/<table>.json``: the last applied cursor, written atomically."""
+
+    def __init__(self, state_dir: str | Path, cfg: TableConfig) -> None:
+        self.path = Path(state_dir) / "cursors" / f"{cfg.name}.json"
+        self._identity = ps_identity(cfg)
+
+    def load(self) -> str | None:
+        """The saved cursor, or None if absent, unreadable or of another PS table."""
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(data, dict) or data.get("ps") != self._identity:
+            return None
+        cursor = data.get("cursor")
+        return cursor if isinstance(cursor, str) else None
+
+    def save(self, cursor: str) -> None:
+        """Write tmp, fsync, rename: a reader sees the old or the new cursor, never half."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(f".tmp{os.getpid()}")
+        with open(tmp, "w") as f:
+            json.dump({"ps": self._identity, "cursor": cursor, "saved": time.time()}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+@dataclass
+class FeedState:
+    """What the follower of one table has done (read by metrics and health)."""
+
+    connected: bool = False
+    up: bool = False
+    cursor: str | None = None
+    polls: int = 0
+    poll_seconds: float = 0.0
+    last_latency: float = 0.0
+    last_ok: float = 0.0  # time.monotonic() of the last successful poll
+    keys_applied: int = 0
+    gaps: int = 0
+    errors: int = 0
+    full_resets: int = 0
+
+
+class FeedFollower(threading.Thread):
+    """Follows one table's PS change feed until ``stop`` is set."""
+
+    def __init__(self, cfg: TableConfig, table: HostCache | SharedMemBlock,
+                 store: CursorStore, stop: threading.Event, *, poll_interval: float,
+                 settle: float, ps: Any = None, start_cursor: str | None = None) -> None:
+        super().__init__(name=f"feed-{cfg.name}", daemon=True)
+        self.cfg, self.table, self.store = cfg, table, store
+        self._stop_event = stop
+        self._poll = poll_interval
+        self._settle = settle
+        self._ps = ps
+        self._start_cursor = start_cursor
+        self._recent: collections.deque[tuple[float, torch.Tensor]] = collections.deque()
+        self.state = FeedState()
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def run(self) -> None:
+        from psclient import PSClientError
+
+        failures = 0
+        cursor: str | None = None
+        while not self._stop_event.is_set():
+            try:
+                if cursor is None:
+                    cursor = self._establish()
+                drained = self._step(cursor)
+                cursor = self.state.cursor
+                failures = 0
+                if not drained:
+                    continue  # more entries waiting: poll again at once
+            except PSClientError as e:
+                failures += 1
+                self._down(e, failures)
+            except Exception:  # noqa: BLE001 - the thread must outlive any one bad poll
+                failures += 1
+                self.state.errors += 1
+                logger.exception("table %s: feed poll failed", self.cfg.name)
+            if failures:
+                self._stop_event.wait(min(MAX_BACKOFF_S, self._poll * 2 ** min(failures, 10)))
+            else:
+                self._stop_event.wait(self._poll)
+        if self._ps is not None:
+            self._ps.close()
+
+    def _down(self, err: Exception, failures: int) -> None:
+        self.state.errors += 1
+        if self.state.up or failures == 1:
+            logger.warning("table %s: parameter server unavailable, retrying: %s",
+                           self.cfg.name, err)
+        self.state.up = False
+
+    def _connect(self) -> Any:
+        if self._ps is None:
+            from psclient import connect
+
+            self._ps = connect(self.cfg.ps_url, table=self.cfg.ps_name, dim=self.cfg.dim,
+                               dtype=self.cfg.torch_dtype, **self.cfg.ps_options)
+            logger.info("table %s: connected to parameter server table %s", self.cfg.name,
+                        self.cfg.ps_name)
+        self.state.connected = True
+        return self._ps
+
+    def _establish(self) -> str:
+        """The cursor to start from (see the module docstring), applying a reset if needed."""
+        ps = self._connect()
+        if self._start_cursor is not None:
+            cursor = self._start_cursor
+            how = "after warm-up"
+        elif (saved := self.store.load()) is not None:
+            cursor, how = saved, "resumed from the saved cursor"
+        else:
+            cursor = ps.changes(None)[1]
+            self._reset(ps)
+            how = "no saved cursor: table reset, following from the feed's end"
+        self.store.save(cursor)
+        self.state.cursor = cursor
+        logger.info("table %s: following the change feed at %s (%s)", self.cfg.name, cursor, how)
+        return cursor
+
+    def _step(self, cursor: str) -> bool:
+        """One poll; True when the feed was drained (the caller may wait)."""
+        from psclient import ChangeFeedGapError
+
+        ps = self._connect()
+        started = time.monotonic()
+        try:
+            keys, new_cursor = ps.changes(cursor, limit=FEED_LIMIT)
+        except ChangeFeedGapError as gap:
+            self._account(started)
+            self.state.gaps += 1
+            logger.warning("table %s: change feed gap (%s); resetting the table, resuming "
+                           "from %s", self.cfg.name, gap, gap.cursor)
+            self._reset(ps)
+            self._commit(gap.cursor)
+            return False
+        self._account(started)
+        if keys.numel():
+            self._apply(ps, keys)
+        self._resettle()
+        if new_cursor != cursor:
+            self._commit(new_cursor)
+        return keys.numel() == 0
+
+    def _account(self, started: float) -> None:
+        now = time.monotonic()
+        s = self.state
+        s.polls += 1
+        s.last_latency = now - started
+        s.poll_seconds += s.last_latency
+        s.last_ok = now
+        if not s.up:
+            logger.info("table %s: change feed reachable", self.cfg.name)
+        s.up = True
+
+    def _commit(self, cursor: str) -> None:
+        self.store.save(cursor)
+        self.state.cursor = cursor
+
+    # -- applying changes -----------------------------------------------------------------
+
+    def _apply(self, ps: Any, keys: torch.Tensor) -> None:
+        if isinstance(self.table, HostCache):
+            self.table.erase(keys)
+            if self._settle > 0:
+                self._recent.append((time.monotonic() + self._settle, keys))
+        else:
+            rows = self.table.num_rows
+            idx = keys[(keys >= 0) & (keys < rows)]
+            if idx.numel():
+                values, found = ps.lookup(idx)
+                values[~found] = 0  # erased in the PS: the linear row goes back to zeros
+                self.table.write(idx, values)
+        self.state.keys_applied += int(keys.numel())
+        logger.debug("table %s: applied %d changed keys", self.cfg.name, keys.numel())
+
+    def _resettle(self) -> None:
+        """Erase once more the keys whose settle time has passed."""
+        now = time.monotonic()
+        due = []
+        while self._recent and self._recent[0][0] <= now:
+            due.append(self._recent.popleft()[1])
+        if due:
+            assert isinstance(self.table, HostCache)
+            self.table.erase(torch.unique(torch.cat(due)))
+
+    def _reset(self, ps: Any) -> None:
+        """Forget every row that may be stale: clear a host cache, reload a linear table."""
+        self.state.full_resets += 1
+        self._recent.clear()
+        if isinstance(self.table, HostCache):
+            self.table.clear()
+        else:
+            reload_linear(self.cfg, self.table, ps)
