@@ -1,0 +1,208 @@
+"""Layer benchmarks (issue 5) on the standard workload, each against its baseline in one run.
+
+1. GPULayer plain and pooled, table in HBM, vs ``torch.nn.Embedding`` / ``EmbeddingBag``.
+2. LinearUVM, table 10x the GPU cache in a registered SharedMemBlock, Zipf 1.05: keys/s,
+   GPU hit rate, ratio to zero-copy ``index_select`` over the registered table (no cache).
+3. Hierarchical over the file:// parameter server: steady-state keys/s and per-tier hit
+   rates, and the cold-start cost (first batches) against the steady state.
+
+Prints one JSON line per figure. Run: ``python bench/bench_layers.py [--quick]``; on a
+machine without CUDA it runs the CPU variants at small sizes (figures then say "cpu").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import psclient  # noqa: E402
+from bench.workloads import ZipfKeys  # noqa: E402
+from gpu import InsertPolicy, LayerType, NVEmbedding, NVEmbeddingBag  # noqa: E402
+from hostcache import HostCache, SharedMemBlock  # noqa: E402
+
+DIM = 128
+ROW_BYTES = DIM * 4
+
+
+def emit(**fields: Any) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def timed(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
+    """Seconds per call after warm-up (CUDA events through do_bench when available)."""
+    if device.type == "cuda":
+        try:
+            from triton.testing import do_bench
+
+            return do_bench(fn, warmup=25, rep=100 if reps > 3 else 25) / 1e3
+        except ImportError:
+            pass
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / reps
+
+
+def cycle(layer: Any, stream: list[torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """A call that looks the next batch of ``stream`` up (round robin)."""
+    state = {"i": 0}
+
+    def step() -> torch.Tensor:
+        state["i"] += 1
+        return layer(stream[state["i"] % len(stream)])
+
+    return step
+
+
+def keys_on(z: ZipfKeys, n: int, device: torch.device) -> torch.Tensor:
+    return z.sample(n).to(device)
+
+
+def gpu_layer(device: torch.device, rows: int, batches: list[int], reps: int) -> None:
+    weights = torch.randn(rows, DIM, device=device)
+    emb = NVEmbedding(rows, DIM, torch.float32, LayerType.GPULayer, weight_init=weights,
+                      device=device)
+    base = torch.nn.Embedding.from_pretrained(weights)
+    for alpha in (1.05, 0.0):
+        z = ZipfKeys(rows, alpha, seed=1)
+        for n in batches:
+            keys = keys_on(z, n, device)
+            assert torch.equal(emb(keys), base(keys))
+            t = timed(lambda k=keys: emb(k), device, reps)
+            tb = timed(lambda k=keys: base(k), device, reps)
+            emit(bench="gpulayer_plain", device=device.type, alpha=alpha, batch=n,
+                 mkps=n / t / 1e6, gbps=n * ROW_BYTES / t / 1e9, baseline="nn.Embedding",
+                 baseline_mkps=n / tb / 1e6, ratio=tb / t)
+    bags, per_bag = (256, 1024) if device.type == "cuda" else (64, 256)
+    bag = NVEmbeddingBag(rows, DIM, torch.float32, LayerType.GPULayer, weight_init=weights,
+                         device=device, mode="sum")
+    base_bag = torch.nn.EmbeddingBag.from_pretrained(weights, mode="sum")
+    for alpha in (1.05, 0.0):
+        z = ZipfKeys(rows, alpha, seed=2)
+        keys = keys_on(z, bags * per_bag, device).view(bags, per_bag)
+        torch.testing.assert_close(bag(keys), base_bag(keys), rtol=1e-4, atol=1e-3)
+        t = timed(cycle(bag, [keys]), device, reps)
+        tb = timed(cycle(base_bag, [keys]), device, reps)
+        n = keys.numel()
+        emit(bench="gpulayer_pooled", device=device.type, alpha=alpha, bags=bags,
+             keys_per_bag=per_bag, mkps=n / t / 1e6, gbps=n * ROW_BYTES / t / 1e9,
+             baseline="nn.EmbeddingBag", baseline_mkps=n / tb / 1e6, ratio=tb / t)
+
+
+def linear_uvm(device: torch.device, rows: int, batches: list[int], reps: int) -> None:
+    name = f"bench-linear-{os.getpid()}"
+    mb = SharedMemBlock.create(name, num_rows=rows, dim=DIM)
+    try:
+        chunk = 1 << 20
+        for start in range(0, rows, chunk):  # fill in chunks (a few GiB)
+            idx = torch.arange(start, min(rows, start + chunk))
+            mb.write(idx, torch.randn(idx.numel(), DIM))
+        cache_bytes = rows // 10 * (ROW_BYTES + 12)
+        emb = NVEmbedding(rows, DIM, torch.float32, LayerType.LinearUVM,
+                          gpu_cache_size=cache_bytes, storage=mb, device=device)
+        table_view = emb._tiers.table  # the registered zero-copy view (CPU: the tensor)
+        for n in batches:
+            z = ZipfKeys(rows, 1.05, seed=3)
+            stream = [keys_on(z, n, device) for _ in range(8)]
+            for keys in stream * 3:  # warm the cache to steady state
+                emb(keys)
+            before = emb.stats().gpu
+            t = timed(cycle(emb, stream), device, reps)
+            after = emb.stats().gpu
+            hits, misses = after.hits - before.hits, after.misses - before.misses
+            keys = stream[0]
+            assert torch.equal(emb(keys), table_view.index_select(0, keys))
+            tb = timed(lambda k=keys: table_view.index_select(0, k), device, reps)
+            emit(bench="linear_uvm", device=device.type, alpha=1.05, batch=n, rows=rows,
+                 cache_fraction=0.1, gpu_hit_rate=hits / max(1, hits + misses),
+                 mkps=n / t / 1e6, gbps=n * ROW_BYTES / t / 1e9,
+                 baseline="zero-copy index_select, no cache", baseline_mkps=n / tb / 1e6,
+                 ratio=tb / t)
+        emb.close()
+    finally:
+        mb.close()
+        SharedMemBlock.unlink(name)
+
+
+def hierarchical(device: torch.device, rows: int, batch: int, reps: int) -> None:
+    name = f"bench-hier-{os.getpid()}"
+    with tempfile.TemporaryDirectory() as tmp:
+        ps = psclient.connect(f"file://{tmp}/ps", table=name, dim=DIM, dtype=torch.float32)
+        t0 = time.perf_counter()
+        ps.load(torch.randn(rows, DIM), progress=False)
+        load_s = time.perf_counter() - t0
+        hc = HostCache.create(name, capacity=rows // 2, dim=DIM)
+        try:
+            emb = NVEmbedding(rows, DIM, torch.float32, LayerType.Hierarchical,
+                              gpu_cache_size=rows // 10 * (ROW_BYTES + 12), host_cache=hc,
+                              storage=ps, device=device,
+                              insert_policy=InsertPolicy(host=1.0, gpu=1.0))
+            z = ZipfKeys(rows, 1.05, seed=4)
+            stream = [keys_on(z, batch, device) for _ in range(16)]
+            cold = []
+            for keys in stream[:4]:
+                t1 = time.perf_counter()
+                emb(keys)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                cold.append(time.perf_counter() - t1)
+            for keys in stream * 2:
+                emb(keys)
+            s0 = emb.stats()
+            t = timed(cycle(emb, stream), device, reps)
+            s1 = emb.stats()
+
+            def rate(a: Any, b: Any) -> float:
+                h, m = b.hits - a.hits, b.misses - a.misses
+                return h / max(1, h + m)
+
+            emit(bench="hierarchical_file_ps", device=device.type, alpha=1.05, batch=batch,
+                 rows=rows, ps_load_s=load_s, ps_load_rows_per_s=rows / load_s,
+                 mkps=batch / t / 1e6, gpu_hit_rate=rate(s0.gpu, s1.gpu),
+                 host_hit_rate=rate(s0.host, s1.host) if s1.host else None,
+                 ps_hit_rate=rate(s0.storage, s1.storage) if s1.storage else None,
+                 cold_first_batch_ms=cold[0] * 1e3, steady_batch_ms=t * 1e3,
+                 cold_over_steady=cold[0] / t)
+            emb.close()
+        finally:
+            hc.close()
+            HostCache.unlink(name)
+            ps.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="small sizes, a few seconds")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    args = p.parse_args(argv)
+    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = dev.type == "cuda"
+    if cuda and not args.quick:
+        gpu_layer(dev, rows=1 << 22, batches=[1 << 16, 1 << 18, 1 << 20], reps=20)
+        linear_uvm(dev, rows=1 << 22, batches=[1 << 16, 1 << 18, 1 << 20], reps=10)
+        hierarchical(dev, rows=1 << 18, batch=1 << 16, reps=10)
+    else:
+        gpu_layer(dev, rows=1 << 16, batches=[1 << 12, 1 << 14], reps=3)
+        linear_uvm(dev, rows=1 << 16, batches=[1 << 12], reps=3)
+        hierarchical(dev, rows=1 << 14, batch=1 << 12, reps=3)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
