@@ -74,6 +74,23 @@ def emit(record: dict[str, Any]) -> None:
     print(json.dumps(record), flush=True)
 
 
+def git_state() -> str:
+    """Commit of the checkout and whether hostcache/ has uncommitted changes."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "hostcache"], cwd=root, capture_output=True, text=True
+        ).stdout.strip()
+    except OSError:
+        return "unknown"
+    return f"{head}{' (hostcache/ modified)' if dirty else ''}" if head else "unknown"
+
+
 def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -84,25 +101,34 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
-def median_time(
-    run: Callable[[Any], object],
-    setup: Callable[[int], Any] = lambda i: None,
-    *,
+def median_times(
+    *runs: tuple[Callable[[Any], object], Callable[[int], Any]],
     min_time: float,
-    min_reps: int = 3,
+    min_reps: int = 5,
     max_reps: int = 200,
-) -> float:
-    """Median seconds of ``run(setup(i))`` after one warm-up call (setup is not timed)."""
-    run(setup(-1))
-    times: list[float] = []
+) -> list[float]:
+    """Median seconds of each ``run(setup(i))``, the runs interleaved call by call.
+
+    Interleaving makes every side see the same background load (the machine may be
+    shared), so the ratio stays fair when the load changes. One warm-up call each;
+    ``setup`` is not timed.
+    """
+    for run, setup in runs:
+        run(setup(-1))
+    times: list[list[float]] = [[] for _ in runs]
     i = 0
-    while i < max_reps and (i < min_reps or sum(times) < min_time):
-        arg = setup(i)
-        t0 = time.perf_counter()
-        run(arg)
-        times.append(time.perf_counter() - t0)
+    while i < max_reps and (i < min_reps or sum(map(sum, times)) < min_time):
+        for (run, setup), ts in zip(runs, times, strict=True):
+            arg = setup(i)
+            t0 = time.perf_counter()
+            run(arg)
+            ts.append(time.perf_counter() - t0)
         i += 1
-    return statistics.median(times)
+    return [statistics.median(ts) for ts in times]
+
+
+def _none(_: int) -> None:
+    return None
 
 
 def rate(batch: int, seconds: float, row_bytes: int) -> dict[str, float]:
@@ -138,8 +164,11 @@ def lookup_case(
     values, hit = hc.lookup(keys)
     assert bool(hit.all()), "every key of the lookup benchmark must be cached"
     assert torch.equal(values, plain.index_select(0, idx)), "lookup returned other rows"
-    t_hc = median_time(lambda _: hc.lookup(keys), min_time=min_time)
-    t_base = median_time(lambda _: plain.index_select(0, idx), min_time=min_time)
+    t_hc, t_base = median_times(
+        (lambda _: hc.lookup(keys), _none),
+        (lambda _: plain.index_select(0, idx), _none),
+        min_time=min_time,
+    )
     emit({
         "bench": "lookup", "dim": dim, "batch": batch, "dtype": "float32",
         "table_rows": int(present.numel()), "hits": 1.0, "threads": torch.get_num_threads(),
@@ -164,8 +193,11 @@ def insert_case(hc: HostCache, batch: int, first_key: int, min_time: float) -> i
         next_key += batch
         return torch.arange(next_key - batch, next_key, dtype=torch.int64)
 
-    t_hc = median_time(lambda k: hc.insert(k, values), fresh, min_time=min_time)
-    t_base = median_time(lambda _: sink.index_copy_(0, pos, values), min_time=min_time)
+    t_hc, t_base = median_times(
+        (lambda k: hc.insert(k, values), fresh),
+        (lambda _: sink.index_copy_(0, pos, values), _none),
+        min_time=min_time,
+    )
     emit({
         "bench": "insert", "dim": dim, "batch": batch, "dtype": "float32",
         "table_rows": hc.geometry.capacity, "threads": torch.get_num_threads(),
@@ -233,7 +265,7 @@ def reader(
 
 
 def bench_readers(
-    name: str, seconds: float, modes: list[str], table_bytes: int, heap: bool
+    name: str, seconds: float, rounds: int, modes: list[str], table_bytes: int, heap: bool
 ) -> None:
     dim = 128
     hc, present = filled_cache(name, table_bytes // (dim * 4), dim)
@@ -253,27 +285,32 @@ def bench_readers(
             p.start()
         for _ in procs:
             assert out.get(timeout=120)[0] == "ready"
-        agg: dict[tuple[str, int], float] = {}
         for mode in modes:
-            for n in (1, 2):
-                start_at = time.time() + 0.2
-                for w in range(n):
-                    cmds[w].put((mode, start_at, seconds))
-                reports = [out.get(timeout=seconds + 120) for _ in range(n)]
-                keys_per_s = sum(r[2] / r[3] for r in reports)
-                hit_rate = sum(r[4] for r in reports) / sum(r[2] for r in reports)
-                agg[mode, n] = keys_per_s
+            runs: dict[int, list[tuple[float, float, list[float]]]] = {1: [], 2: []}
+            for _ in range(rounds):  # 1 and 2 readers alternate, so both see the same load
+                for n in (1, 2):
+                    start_at = time.time() + 0.2
+                    for w in range(n):
+                        cmds[w].put((mode, start_at, seconds))
+                    reports = [out.get(timeout=seconds + 120) for _ in range(n)]
+                    per_proc = [r[2] / r[3] for r in reports]
+                    hit_rate = sum(r[4] for r in reports) / sum(r[2] for r in reports)
+                    runs[n].append((sum(per_proc), hit_rate, per_proc))
+            agg = {}
+            for n, rs in runs.items():
+                agg[n] = statistics.median(r[0] for r in rs)
                 emit({
                     "bench": "readers", "impl": mode, "processes": n, "dim": dim,
                     "batch": READER_BATCH, "threads_per_process": 1, "seconds": seconds,
-                    "mkeys_per_s": round(keys_per_s / 1e6, 3),
-                    "gb_per_s": round(keys_per_s * dim * 4 / 1e9, 3),
-                    "per_process_mkeys_per_s": [round(r[2] / r[3] / 1e6, 3) for r in reports],
-                    "hit_rate": round(hit_rate, 4),
+                    "rounds": rounds, "mkeys_per_s": round(agg[n] / 1e6, 3),
+                    "gb_per_s": round(agg[n] * dim * 4 / 1e9, 3),
+                    "rounds_mkeys_per_s": [round(r[0] / 1e6, 3) for r in rs],
+                    "per_process_mkeys_per_s": [[round(x / 1e6, 3) for x in r[2]] for r in rs],
+                    "hit_rate": round(min(r[1] for r in rs), 4),
                 })  # fmt: skip
             emit({
                 "bench": "readers_scaling", "impl": mode,
-                "ratio_2_over_1": round(agg[mode, 2] / agg[mode, 1], 3),
+                "ratio_2_over_1": round(agg[2] / agg[1], 3),
             })  # fmt: skip
         for q in cmds:
             q.put(None)
@@ -333,6 +370,15 @@ def bench_hit_rate(name: str, num_keys: int, trace_len: int, batch: int) -> None
 
 def summary() -> str:
     lines = ["", "== host cache (CPU) summary =="]
+    env = next((r for r in results if r["bench"] == "env"), None)
+    end = next((r for r in results if r["bench"] == "env_end"), None)
+    if env:
+        lines.append(
+            f"{env['cpu']}, {env['cores']} cores, torch {env['torch']}, {env['threads']} torch "
+            f"thread(s); load average at start {env['loadavg_1_5_15'][0]}"
+            + (f", at end {end['loadavg_1_5_15'][0]}" if end else "")
+            + " (other work on the machine skews absolute figures; the ratios are interleaved)"
+        )
     tp = [r for r in results if r["bench"] in ("lookup", "insert")]
     if tp:
         lines.append(
@@ -361,7 +407,8 @@ def summary() -> str:
         if r["bench"] == "readers":
             lines.append(
                 f"readers {r['impl']:<12} x{r['processes']}: {r['mkeys_per_s']:.2f} Mkeys/s "
-                f"({r['gb_per_s']:.2f} GB/s), batch {r['batch']:,}, 1 torch thread per process"
+                f"({r['gb_per_s']:.2f} GB/s), batch {r['batch']:,}, median of {r['rounds']} "
+                "round(s); torch.set_num_threads(1) in every reader for a fair 1-vs-2 comparison"
             )
         elif r["bench"] == "readers_scaling":
             goal = ""
@@ -405,12 +452,13 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "env", "quick": args.quick, "cpu": cpu_name(), "cores": os.cpu_count(),
         "torch": torch.__version__, "threads": args.threads, "mallopt_heap_reuse": heap,
         "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()], "git": git_state(),
     })  # fmt: skip
     torch.set_num_threads(args.threads)
     dims = [32, 128]
     if args.quick:
         batches, min_time, table_bytes = [4096, 65_536], 0.05, 64 << 20
-        reader_seconds, reader_modes = 0.5, ["hostcache"]
+        reader_seconds, reader_rounds, reader_modes = 0.5, 1, ["hostcache"]
         hit_configs = [(100_000, 200_000, 1024)]
     else:
         batches, min_time, table_bytes = (
@@ -418,15 +466,16 @@ def main(argv: list[str] | None = None) -> int:
             0.5,
             256 << 20,
         )
-        reader_seconds, reader_modes = 3.0, ["hostcache", "index_select"]
+        reader_seconds, reader_rounds, reader_modes = 2.0, 3, ["hostcache", "index_select"]
         hit_configs = [(100_000, 200_000, 1024), (1_000_000, 2_000_000, 4096)]
     if "throughput" in parts:
         bench_throughput(name, dims, batches, min_time, table_bytes)
     if "readers" in parts:
-        bench_readers(name, reader_seconds, reader_modes, table_bytes, heap)
+        bench_readers(name, reader_seconds, reader_rounds, reader_modes, table_bytes, heap)
     if "hit_rate" in parts:
         for config in hit_configs:
             bench_hit_rate(name, *config)
+    emit({"bench": "env_end", "loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()]})
     print(summary())
     return 0
 
