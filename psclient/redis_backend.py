@@ -22,8 +22,10 @@ of duplicate keys in a batch wins, as in a dict.
 from __future__ import annotations
 
 import logging
+import os
+import socket
+import threading
 from concurrent.futures import ThreadPoolExecutor
-from itertools import chain
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -32,10 +34,11 @@ import torch
 
 from . import resp
 from .base import ParameterServer
-from .codec import assemble_rows, group_by_partition
+from .codec import group_by_partition
 from .errors import (
     BadArgumentError,
     ChangeFeedGapError,
+    CorruptValueError,
     PSServerError,
     SchemaMismatchError,
     TableNotFoundError,
@@ -83,6 +86,84 @@ def _pipeline(client: Any, payload: list[bytes | memoryview], ncmds: int) -> lis
     finally:
         pool.release(conn)
 
+
+def _reply_error(err: Exception) -> rex.RedisError:
+    """A hiredis error reply as the redis-py exception redis-py would raise."""
+    msg = str(err)
+    if msg.startswith("MOVED "):
+        return rex.MovedError(msg[6:])
+    if msg.startswith("ASK "):
+        return rex.AskError(msg[4:])
+    if msg.startswith(("NOAUTH", "WRONGPASS")):
+        return rex.AuthenticationError(msg)
+    return rex.ResponseError(msg)
+
+
+def _recv_until(sock: socket.socket, buf: bytearray, tail: bytes) -> int:
+    """Receive into ``buf`` (grown as needed) until the data ends with ``tail``."""
+    size = 0
+    view = memoryview(buf)
+    while size < len(tail) or buf[size - len(tail):size] != tail:
+        if size == len(buf):
+            view.release()
+            buf.extend(bytes(max(len(buf), 1 << 16)))
+            view = memoryview(buf)
+        try:
+            got = sock.recv_into(view[size:])
+        except TimeoutError as e:
+            raise rex.TimeoutError("Timeout reading from the Redis socket") from e
+        except OSError as e:
+            raise rex.ConnectionError(f"Error while reading from the Redis socket: {e}") from e
+        if got == 0:
+            raise rex.ConnectionError("Connection closed by server.")
+        size += got
+    view.release()
+    return size
+
+
+_RECV = threading.local()  # per-thread receive buffer, reused between batches
+
+
+def _pipeline_rows(client: Any, payload: list[bytes | memoryview], ncmds: int,
+                   expect: int, row_bytes: int) -> list[Any]:
+    """Like :func:`_pipeline` for HMGET commands, decoding rows without one object per row.
+
+    The commands are followed by ``ECHO <random token>``: its reply marks the end of the
+    batch's replies, so they are read off the socket in bulk (``expect`` bytes when every
+    key is found) and decoded by :func:`resp.decode_row_replies`.
+
+    NOTE: the returned row views point into this thread's receive buffer: copy them out
+    before the thread's next call.
+    """
+    pool = client.connection_pool
+    conn = pool.get_connection()
+    token = os.urandom(16)
+    tail = resp.bulk(token)
+    payload = [*payload, resp.pack("ECHO", token)]
+
+    def attempt() -> list[Any]:
+        conn.send_packed_command(payload, check_health=True)
+        reader = getattr(getattr(conn, "_parser", None), "_reader", None)
+        sock = getattr(conn, "_sock", None)
+        if reader is None or sock is None or reader.has_data():
+            # NOTE: not the hiredis parser, or bytes already buffered: the generic path
+            replies = [conn.read_response() for _ in range(ncmds + 1)]
+            return replies[:-1]
+        buf = getattr(_RECV, "buf", None)
+        if buf is None or len(buf) < expect + len(tail):
+            buf = _RECV.buf = bytearray(expect + len(tail))
+        try:
+            size = _recv_until(sock, buf, tail)
+        except BaseException:
+            conn.disconnect()
+            raise
+        return resp.decode_row_replies(buf, size - len(tail), ncmds, row_bytes)
+
+    try:
+        return conn.retry.call_with_retry(attempt, lambda _err: conn.disconnect())
+    finally:
+        pool.release(conn)
+
 # Writes only fields that exist; returns one '0'/'1' per field (atomic per partition).
 _UPDATE_LUA = b"""
 local out = {}
@@ -97,7 +178,7 @@ end
 return table.concat(out)
 """
 
-_DEFAULTS = {"chunk_keys": 1024, "pipeline_keys": 16384, "changes_maxlen": 1000,
+_DEFAULTS = {"chunk_keys": 512, "pipeline_keys": 4096, "changes_maxlen": 1000,
              "feed_entry_keys": 4096, "prefix": "psc", "max_workers": 4}
 
 
@@ -186,11 +267,14 @@ class RedisParameterServer(ParameterServer):
                                                 thread_name_prefix="psclient")
         return self._executor
 
-    def _run(self, cmds: list[Cmd]) -> list[Any]:
-        """Execute commands; return their replies in order."""
+    def _run(self, cmds: list[Cmd], job: Any = None) -> list[Any]:
+        """Execute commands; return their replies in order.
+
+        ``job(client, commands)`` runs one pipeline (default: :func:`_pipeline`).
+        """
         try:
             with redis_errors(self._where):
-                return self._dispatch(cmds)
+                return self._dispatch(cmds, job)
         except PSServerError as e:
             if not self._cluster or not isinstance(e.__cause__, (rex.MovedError, rex.AskError)):
                 raise
@@ -200,9 +284,9 @@ class RedisParameterServer(ParameterServer):
         with redis_errors(self._where):
             self._client.nodes_manager.initialize()
             self._node_of = None
-            return self._dispatch(cmds)
+            return self._dispatch(cmds, job)
 
-    def _dispatch(self, cmds: list[Cmd]) -> list[Any]:
+    def _dispatch(self, cmds: list[Cmd], job: Any) -> list[Any]:
         nodes = self._nodes()
         jobs: dict[int, list[list[int]]] = {}  # id(node) -> pipelines (command indices)
         clients: dict[int, Any] = {}
@@ -223,8 +307,10 @@ class RedisParameterServer(ParameterServer):
             last_part[nid] = cmd.part
         work = [(clients[nid], idx) for nid, pipes in jobs.items() for idx in pipes]
 
-        def execute(job: tuple[Any, list[int]]) -> list[Any]:
-            client, idx = job
+        def execute(work_item: tuple[Any, list[int]]) -> list[Any]:
+            client, idx = work_item
+            if job is not None:
+                return job(client, [cmds[i] for i in idx])
             return _pipeline(client, [part for i in idx for part in cmds[i].payload], len(idx))
 
         out: list[Any] = [None] * len(cmds)
@@ -270,9 +356,51 @@ class RedisParameterServer(ParameterServer):
     # -- operations ----------------------------------------------------------------------
 
     def _lookup(self, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        order, _, cmds = self._batch(b"HMGET", keys, None)
-        replies = list(chain.from_iterable(self._run(cmds)))
-        return assemble_rows(replies, order, keys, self._schema, self._table)
+        order, ks, cmds = self._batch(b"HMGET", keys, None)
+        n, rb = keys.size, self._schema.row_bytes
+        values = np.empty((n, rb), dtype=np.uint8)
+        found = np.zeros(n, dtype=bool)
+        rec_len = len(b"$%d\r\n" % rb) + rb + 2
+
+        def job(client: Any, mine: list[Cmd]) -> list[None]:
+            # NOTE: runs on the pool; each job writes only the rows of its own commands.
+            expect = sum(c.stop - c.start for c in mine) * rec_len + 16 * len(mine)
+            payload = [part for c in mine for part in c.payload]
+            replies = _pipeline_rows(client, payload, len(mine), expect, rb)
+            for c, reply in zip(mine, replies, strict=True):
+                self._place(order[c.start:c.stop], reply, ks[c.start:c.stop], values, found)
+            return [None] * len(mine)
+
+        self._run(cmds, job)
+        out = torch.from_numpy(values).view(self._schema.torch_dtype).reshape(n, self.dim)
+        return out, torch.from_numpy(found)
+
+    def _place(self, dest: np.ndarray, reply: Any, keys: np.ndarray, values: np.ndarray,
+               found: np.ndarray) -> None:
+        """Write one HMGET reply (fast row view or decoded list) to rows ``dest`` of the output."""
+        if isinstance(reply, np.ndarray):
+            values[dest] = reply
+            found[dest] = True
+            return
+        if isinstance(reply, Exception):
+            raise _reply_error(reply)
+        obj = np.empty(len(reply), dtype=object)
+        obj[:] = reply
+        hit = obj != None  # noqa: E711 -- elementwise on an object array
+        rows = obj[hit].tolist()
+        lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+        bad = np.flatnonzero(lengths != self._schema.row_bytes)
+        if bad.size:
+            key = int(keys[np.flatnonzero(hit)[bad[0]]])
+            raise CorruptValueError(
+                f"table {self._table!r}, key {key}: stored value has {int(lengths[bad[0]])} "
+                f"bytes, expected {self._schema.row_bytes} (dim {self.dim} x "
+                f"{self._schema.dtype}); rewrite it with insert() or drop the table")
+        values[dest[~hit]] = 0
+        if rows:
+            values[dest[hit]] = np.fromiter(rows, dtype=f"V{self._schema.row_bytes}",
+                                            count=len(rows)).view(np.uint8).reshape(len(rows), -1)
+        found[dest] = hit
 
     def _insert(self, keys: np.ndarray, values: torch.Tensor) -> None:
         _, ks, cmds = self._batch(b"HSET", keys, values)

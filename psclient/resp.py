@@ -12,6 +12,8 @@ contiguous slice of that array, sent as a memoryview (no copy).
 
 from __future__ import annotations
 
+from typing import Any
+
 import hiredis
 import numpy as np
 
@@ -59,3 +61,45 @@ def field_value_records(keys: np.ndarray, rows: np.ndarray) -> np.ndarray:
 def as_buffer(rec: np.ndarray) -> memoryview:
     """The raw bytes of a contiguous slice of records, without a copy."""
     return memoryview(np.ascontiguousarray(rec).view(np.uint8))
+
+
+def decode_row_replies(buf: bytearray, size: int, ncmds: int, row_bytes: int
+                       ) -> list[np.ndarray | Any]:
+    """Decode ``ncmds`` HMGET replies from ``buf[:size]`` (complete replies).
+
+    Fast path: a reply whose every element is a bulk string of exactly ``row_bytes`` bytes
+    has a fixed layout; it is checked and sliced with numpy and returned as a ``[m,
+    row_bytes]`` uint8 view of ``buf`` (no object per row). From the first reply that does
+    not fit (a miss, a wrong-length value, an error) on, hiredis decodes the rest: those
+    entries are lists of ``bytes | None`` or ``hiredis.ReplyError``.
+    """
+    head = b"$%d\r\n" % row_bytes
+    rec_len = len(head) + row_bytes + 2
+    arr = np.frombuffer(buf, dtype=np.uint8, count=size)
+    head_arr = np.frombuffer(head, dtype=np.uint8)
+    out: list[np.ndarray | Any] = []
+    pos = 0
+    while len(out) < ncmds and pos < size and buf[pos] == 0x2A:  # b"*"
+        eol = buf.find(b"\r\n", pos, pos + 24)
+        if eol < 0:
+            break
+        m = int(buf[pos + 1:eol])
+        start = eol + 2
+        end = start + m * rec_len
+        if m < 0 or end > size:
+            break
+        recs = arr[start:end].reshape(m, rec_len)
+        if not ((recs[:, :len(head)] == head_arr).all() and (recs[:, -2] == 13).all()
+                and (recs[:, -1] == 10).all()):
+            break
+        out.append(recs[:, len(head):len(head) + row_bytes])
+        pos = end
+    if len(out) < ncmds:
+        reader = hiredis.Reader()
+        reader.feed(buf, pos, size - pos)
+        while len(out) < ncmds:
+            reply = reader.gets()
+            if reply is False:
+                raise ValueError("truncated reply")  # NOTE: callers pass complete replies
+            out.append(reply)
+    return out
