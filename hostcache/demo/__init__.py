@@ -1,0 +1,117 @@
+"""``hostcache demo``: the end-to-end main job on the embedded defaults.
+
+Builds two synthetic embedding tables, loads them into the parameter server, brings up the
+node's shared host caches (through ``hostcache serve`` when installed), runs N replica
+processes of a small ranking model on a Zipf request stream, and reports per-tier hit
+rates, throughput, latency and the memory the shared host cache saves (docs/demo.md).
+
+This module only defines the command line; the run itself (torch, the ``gpu`` layers,
+matplotlib) is imported when the command runs, so ``import hostcache`` stays light.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TextIO
+
+from .config import DemoConfig, DemoError
+
+__all__ = ["DemoConfig", "DemoError", "configure", "config_from_args", "run"]
+
+HELP = "run the end-to-end demo: N replicas sharing the node's host caches (docs/demo.md)"
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    """Add the demo's flags to ``p``."""
+    d = DemoConfig(prefix="x")
+    p.add_argument("--replicas", type=int, default=d.replicas,
+                   help=f"replica processes (default {d.replicas})")
+    p.add_argument("--seconds", type=float, default=d.seconds,
+                   help=f"seconds every replica serves (default {d.seconds:g})")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="where the models and their private caches run (default: cuda when "
+                        "available, else cpu)")
+    p.add_argument("--ps", metavar="URL", default=None,
+                   help="parameter server URL, e.g. redis://127.0.0.1:6379/0 (default: an "
+                        "embedded file:// store in the state directory)")
+    p.add_argument("--rows", type=int, default=d.rows,
+                   help=f"rows of each of the two tables (default {d.rows:,})")
+    p.add_argument("--dim", type=int, default=d.dim, help=f"row length (default {d.dim})")
+    p.add_argument("--alpha", type=float, default=d.alpha,
+                   help=f"Zipf exponent of key popularity (default {d.alpha:g})")
+    p.add_argument("--batch", type=int, default=d.batch,
+                   help=f"requests per batch (default {d.batch})")
+    p.add_argument("--history", type=int, default=d.history,
+                   help=f"mean items in a request's history bag (default {d.history})")
+    p.add_argument("--host-fraction", type=float, default=d.host_fraction,
+                   help="shared host cache size as a fraction of a table's rows "
+                        f"(default {d.host_fraction:g})")
+    p.add_argument("--gpu-cache-mib", type=float, default=d.gpu_cache_mib,
+                   help="private device cache per table per replica, MiB "
+                        f"(default {d.gpu_cache_mib:g})")
+    p.add_argument("--threads", type=int, default=d.threads,
+                   help=f"torch threads per replica (default {d.threads})")
+    p.add_argument("--out", default=d.out_dir, metavar="DIR",
+                   help=f"where demo.json and demo.png go (default ./{d.out_dir})")
+    p.add_argument("--state-dir", default=None, metavar="DIR",
+                   help="directory for the embedded parameter server and the service state "
+                        "(default: a temporary directory, removed at the end)")
+    p.add_argument("--prefix", default=None,
+                   help="table name prefix (default demo<pid>-)")
+    p.add_argument("--no-service", action="store_true",
+                   help="create the host caches in the demo process instead of starting "
+                        "`hostcache serve`")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--json", action="store_true",
+                   help="print the JSON report instead of the table")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of tables, keys, model")
+
+
+def config_from_args(args: argparse.Namespace) -> DemoConfig:
+    """The :class:`DemoConfig` of parsed ``hostcache demo`` arguments.
+
+    Raises:
+        BadArgumentError: a flag is out of range (``--device cuda`` without CUDA too).
+    """
+    from ..errors import BadArgumentError
+
+    device = args.device
+    if device is None or device == "cuda":
+        import torch
+
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        elif not torch.cuda.is_available():
+            raise BadArgumentError("--device cuda needs CUDA, which torch reports unavailable "
+                                   "here; pass --device cpu")
+    extra = {} if args.prefix is None else {"prefix": args.prefix}
+    if args.prefix is not None:
+        from ..segment import check_name
+
+        check_name(args.prefix + "user")
+    return DemoConfig(
+        replicas=args.replicas, seconds=args.seconds, device=device, ps_url=args.ps,
+        rows=args.rows, dim=args.dim, alpha=args.alpha, batch=args.batch,
+        history=args.history, host_fraction=args.host_fraction,
+        gpu_cache_mib=args.gpu_cache_mib, threads=args.threads, out_dir=args.out,
+        state_dir=args.state_dir, use_service=not args.no_service,
+        progress=not args.no_progress and not args.json, seed=args.seed, **extra,
+    )
+
+
+def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    """Run ``hostcache demo``: the summary table (or ``--json``) to ``out``; exit status."""
+    import json
+
+    from .report import format_summary
+    from .run import run_demo
+
+    cfg = config_from_args(args)
+    report = run_demo(cfg)
+    if args.json:
+        print(json.dumps(report, indent=2), file=out)
+    else:
+        format_summary(report, out)
+        print(f"\n  wrote {report['outputs']['json']} and {report['outputs']['png']}", file=out)
+    return 0
