@@ -397,9 +397,10 @@ def build_config(
         raise ServiceConfigError("hostcache", "no tables configured: add [[hostcache]] or "
                                  "[[linear]] entries to the config (or --hostcache SPEC)")
     seen: set[str] = set()
-    for t in tables:
+    for (_, _, where), t in zip(entries, tables, strict=True):
         if t.name in seen:
-            raise ServiceConfigError(f"{t.kind}.name", f"table name {t.name!r} appears twice")
+            raise ServiceConfigError(f"{where}.name", f"table name {t.name!r} appears twice; "
+                                     "every table of a node needs its own name")
         seen.add(t.name)
     return ServiceConfig(tables=tables, **node)
 
