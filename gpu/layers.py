@@ -184,7 +184,7 @@ class _NVBase(torch.nn.Module):
         storage: Any = None, weight_init: torch.Tensor | None = None,
         optimize_for_training: bool = False, device: object = None,
         default_row: Any = None, insert_policy: InsertPolicy | None = None,
-        table: str | None = None,
+        table: str | None = None, validate: bool = True,
     ) -> None:
         super().__init__()
         self.num_embeddings = _positive("num_embeddings", num_embeddings)
@@ -205,6 +205,8 @@ class _NVBase(torch.nn.Module):
             gpu_cache_size=gpu_cache_size, host_cache=host_cache, storage=storage,
             weight_init=weight_init, table=table, default_row=default_row,
             insert_policy=insert_policy)
+        self.validate = bool(validate)
+        self._tiers.validate = self.validate
 
     def _write_args(self, keys: object, values: object | None) -> tuple[torch.Tensor, Any]:
         if not isinstance(keys, torch.Tensor) or keys.dtype != torch.int64 or keys.dim() != 1:
@@ -270,6 +272,10 @@ class NVEmbedding(_NVBase):
             KeyNotFoundError (and StorageUnavailableError while the PS is down).
         insert_policy: Hierarchical/LinearUVM: which misses enter the caches.
         table: the parameter server table name when ``storage`` is a URL.
+        validate: check keys (linear tables: in range) and offsets on the host before each
+            lookup, raising typed errors (one device sync each). ``False`` skips the syncs
+            on CUDA: out-of-range keys then read as zero rows instead of raising. The CPU
+            always checks.
     """
 
     @torch.no_grad()
@@ -298,5 +304,6 @@ class NVEmbeddingBag(_NVBase):
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,  # noqa: A002
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         keys, full, weights = bags(input, offsets, per_sample_weights, self.mode,
-                                   self.include_last_offset, self.data_type, self.device)
+                                   self.include_last_offset, self.data_type, self.device,
+                                   self.validate)
         return self._tiers.pooled(keys, full, weights, self.mode)

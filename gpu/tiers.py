@@ -64,6 +64,13 @@ class Tiers:
         self.default_rows = 0
         self.invalidated_keys = 0
         self.full_invalidations = 0
+        #: check keys/offsets on the host (one sync each); off: out-of-range keys read as
+        #: zero rows (the kernels mask them), no sync. The CPU always checks.
+        self.validate = True
+
+    def _checked(self, keys: torch.Tensor, num_rows: int) -> None:
+        if self.validate or self.device.type == "cpu":
+            check_range(keys, num_rows)
 
     @contextmanager
     def _cache_op(self) -> Iterator[None]:
@@ -185,7 +192,7 @@ class DeviceTable(Tiers):
         self._lookups = 0
 
     def rows(self, keys: torch.Tensor) -> torch.Tensor:
-        check_range(keys, self.num_rows)
+        self._checked(keys, self.num_rows)
         self._lookups += keys.numel()
         if self.cache.backend == "triton":
             return self.cache.lookup_linear(keys, self.table, validate=False)[0]
@@ -193,7 +200,7 @@ class DeviceTable(Tiers):
 
     def pooled(self, keys: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
                mode: PoolingMode) -> torch.Tensor:
-        check_range(keys, self.num_rows)
+        self._checked(keys, self.num_rows)
         self._lookups += keys.numel()
         if mode != "max" and self.cache.backend == "triton":
             return self.cache.lookup_linear_pooled(
@@ -247,18 +254,18 @@ class LinearTiers(Tiers):
         self.num_rows = int(self.table.shape[0])
 
     def rows(self, keys: torch.Tensor) -> torch.Tensor:
-        check_range(keys, self.num_rows)
+        self._checked(keys, self.num_rows)
         with self._cache_op():
             since = self._sync()
             values, hit = self.cache.lookup_linear(keys, self.table, validate=False)
-        self._admit_misses(keys, hit, since)
+        self._admit_misses(keys, hit, since, values)
         return values
 
     def pooled(self, keys: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
                mode: PoolingMode) -> torch.Tensor:
         if mode == "max":
             return super().pooled(keys, offsets, weights, mode)
-        check_range(keys, self.num_rows)
+        self._checked(keys, self.num_rows)
         with self._cache_op():
             since = self._sync()
             out, hit = self.cache.lookup_linear_pooled(keys, offsets, self.table, mode, weights,
@@ -266,11 +273,20 @@ class LinearTiers(Tiers):
         self._admit_misses(keys, hit, since)
         return out
 
-    def _admit_misses(self, keys: torch.Tensor, hit: torch.Tensor, since: int) -> None:
-        if self.cache.capacity == 0 or bool(hit.all()):
+    def _admit_misses(self, keys: torch.Tensor, hit: torch.Tensor, since: int,
+                      values: torch.Tensor | None = None) -> None:
+        """Admit the missed keys' rows (already read by the lookup when ``values`` is given;
+        duplicates are fine: insert keeps one copy of a key)."""
+        if self.cache.capacity == 0:
             return
-        missed = torch.unique(keys[~hit])
-        rows = self.table.index_select(0, missed.to(self.table.device)).to(self.device)
+        miss = (~hit).nonzero().squeeze(1)  # one sync: how many missed
+        if miss.numel() == 0:
+            return
+        missed = keys.index_select(0, miss)
+        if values is not None:
+            rows = values.index_select(0, miss)
+        else:
+            rows = self.table.index_select(0, missed.to(self.table.device)).to(self.device)
         self._admit(missed, rows, since, self._policy.gpu)
 
     def update(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -9,9 +9,20 @@ import pytest
 
 from hostcache import segment
 
+#: every test table of this pytest session (and its xdist workers, which inherit the
+#: environment) starts with ``t-<session token>-``: the leak check then looks at this
+#: session's tables only, not at those of another session running beside it.
+SESSION = os.environ.setdefault("NVEC_TEST_SESSION", uuid.uuid4().hex[:6])
+PREFIX = f"t-{SESSION}-"
+
+
+def fresh_name(tag: str = "") -> str:
+    """A new table name of this test session (``t-<session>-<tag><random>``)."""
+    return f"{PREFIX}{tag}{uuid.uuid4().hex[:10]}"
+
 
 def _ours() -> set[str]:
-    return set(segment.list_names())
+    return {name for name in segment.list_names() if name.startswith(PREFIX)}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -31,7 +42,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if hasattr(session.config, "workerinput"):
         return  # an xdist worker: the controller checks once all workers are done
     before = getattr(session.config, "_nvec_segments_before", set())
-    leaked = sorted(name for name in _ours() - before if name.startswith("t-"))
+    leaked = sorted(_ours() - before)
     for name in leaked:
         segment.unlink(name)
     if leaked:
@@ -41,8 +52,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 @pytest.fixture
 def table_name() -> str:
-    """A fresh table name; every test table starts with ``t-`` for the leak check."""
-    return f"t-{uuid.uuid4().hex[:12]}"
+    """A fresh table name of this session (checked for leaks at the end of the session)."""
+    return fresh_name()
 
 
 @pytest.fixture

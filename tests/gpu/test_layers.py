@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,6 +23,7 @@ from gpu import (
     StorageUnavailableError,
 )
 from hostcache import HostCache, SharedMemBlock
+from tests.conftest import fresh_name
 
 ROWS, DIM = 64, 8
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -34,7 +34,7 @@ def stack(
     layer_type: LayerType, weights: torch.Tensor, tmp_path: Any, device: str, **kw: Any
 ) -> Iterator[dict[str, Any]]:
     """Layer arguments for ``layer_type`` over ``weights``; cleans shared tables up."""
-    name = f"t-{uuid.uuid4().hex[:12]}"
+    name = fresh_name()
     dtype = weights.dtype
     owned: list[Any] = []
     try:

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from hostcache import BadArgumentError, GeometryMismatchError, HandleClosedError, HostCache
 from hostcache.hashing import bucket_of
 from hostcache.layout import EMPTY_KEY
+from tests.conftest import fresh_name
 
 DIM = 4
 
@@ -131,7 +132,7 @@ def test_more_new_keys_than_ways_in_one_batch_is_best_effort(table_name: str) ->
 @given(seed=st.integers(0, 2**31 - 1))
 def test_small_cache_never_returns_a_stale_or_foreign_row(seed: int) -> None:
     """Under eviction pressure a hit always carries the latest row written for its key."""
-    name = f"t-small-{os.getpid()}-{seed}"
+    name = fresh_name("small-")
     gen = torch.Generator().manual_seed(seed)
     with HostCache.create(name, capacity=32, dim=DIM, ways=4) as hc:
         try:
