@@ -67,7 +67,7 @@ def redis_benchmark(host: str, port: int, test: str, n: int) -> float | None:
     return None
 
 
-def bench_redis(url: str, batch: int, dim: int, reps: int, bench_n: int) -> None:
+def bench_redis(url: str, batch: int, dim: int, reps: int, bench_n: int, rounds: int) -> None:
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 6379
     cmd = (f"redis-benchmark -h {host} -p {port} -t get,set -d 512 -P 64 -n {bench_n} -q "
@@ -132,9 +132,14 @@ def bench_redis(url: str, batch: int, dim: int, reps: int, bench_n: int) -> None
                     p.execute_command(cmd, *args)
         p.execute()
 
+    mem0 = int(r.info("memory")["used_memory"])
     for cmd in ("HSET", "HMGET", "MSET", "MGET"):
         rate = best_rate(lambda c=cmd: run_layout(c), batch, reps)
-        emit(bench="layout", op=cmd, rows_per_s=rate, note="one pipeline, 1024 keys/command")
+        mem = int(r.info("memory")["used_memory"])
+        extra = {"bytes_per_row": (mem - mem0) / batch} if cmd.endswith("SET") else {}
+        mem0 = mem
+        emit(bench="layout", op=cmd, rows_per_s=rate, note="one pipeline, 1024 keys/command",
+             **extra)
     r.delete(*[f"{table}:h:{{{p}}}" for p in range(64)])
     for i in range(0, batch, 4096):
         r.delete(*plain[i:i + 4096])
@@ -151,9 +156,18 @@ def bench_redis(url: str, batch: int, dim: int, reps: int, bench_n: int) -> None
         ps.insert(keys, vals)
         ins_over = best_rate(lambda: ps.insert(keys, vals), batch, reps)
         perm = keys[torch.randperm(batch)]
-        look = best_rate(lambda: ps.lookup(perm), batch, reps)
         got, found = ps.lookup(perm[:8])
         assert bool(found.all())
+        # NOTE: the machine is shared and noisy: alternate the ceiling and psclient lookups
+        # in rounds and compare each round's pair (and the best of each).
+        ratios, looks, gets = [], [], []
+        for _ in range(rounds):
+            g = redis_benchmark(host, port, "get", bench_n)
+            look = best_rate(lambda: ps.lookup(perm), batch, reps)
+            looks.append(look)
+            if g:
+                gets.append(g)
+                ratios.append(look / g)
         ps.drop()
     emit(bench="psclient-redis", op="insert-new", rows_per_s=ins_new,
          vs_redis_benchmark_set=ins_new / rb_set if rb_set else None,
@@ -161,9 +175,11 @@ def bench_redis(url: str, batch: int, dim: int, reps: int, bench_n: int) -> None
     emit(bench="psclient-redis", op="insert-overwrite", rows_per_s=ins_over,
          vs_redis_benchmark_set=ins_over / rb_set if rb_set else None,
          vs_naive=ins_over / naive_ins, note="overwrites also append keys to the change feed")
-    emit(bench="psclient-redis", op="lookup", rows_per_s=look,
-         vs_redis_benchmark_get=look / rb_get if rb_get else None, vs_naive=look / naive_look,
-         goal=">= 0.70 of redis-benchmark get")
+    emit(bench="psclient-redis", op="lookup", rows_per_s=max(looks),
+         redis_benchmark_get_best=max(gets) if gets else None,
+         vs_redis_benchmark_get_best=max(looks) / max(gets) if gets else None,
+         vs_redis_benchmark_get_per_round=[round(x, 3) for x in ratios],
+         vs_naive=max(looks) / naive_look, goal=">= 0.70 of redis-benchmark get")
 
 
 def bench_file(batch: int, dim: int, reps: int, total: int) -> None:
@@ -243,7 +259,8 @@ def main() -> None:
          cpus=os.cpu_count(), date=time.strftime("%Y-%m-%d"))
     if not a.skip_redis:
         try:
-            bench_redis(a.url, a.batch, a.dim, reps, 200_000 if a.quick else 1_000_000)
+            bench_redis(a.url, a.batch, a.dim, reps, 200_000 if a.quick else 1_000_000,
+                        2 if a.quick else 5)
         except (redis.RedisError, psclient.PSClientError) as e:
             emit(bench="psclient-redis", skipped=f"no Redis at {a.url}: {e}")
     bench_file(a.batch, a.dim, reps, a.batch * (2 if a.quick else 8))

@@ -30,7 +30,7 @@ class ParameterServer(ABC):
 
     _closed = True  # class-level defaults so close()/repr work after a failed __init__
     _table = "<unopened>"
-    _schema: TableSchema | None = None
+    _schema: TableSchema
 
     def __init__(self, table: str, schema: TableSchema) -> None:
         self._table = table
@@ -202,7 +202,7 @@ class ParameterServer(ABC):
         self.close()
 
     def __repr__(self) -> str:
-        if self._schema is None:
+        if getattr(self, "_schema", None) is None:
             return f"{type(self).__name__}(table={self._table!r}, unopened)"
         return (f"{type(self).__name__}(table={self.table!r}, dim={self.dim}, "
                 f"dtype={self._schema.dtype}{', closed' if self._closed else ''})")

@@ -30,7 +30,7 @@ def header(argc: int, *leading: bytes) -> bytes:
 
 def pack(*args: bytes | str | int) -> bytes:
     """Encode one small command (control commands: UNLINK, HLEN, ...)."""
-    return hiredis.pack_command(args)
+    return hiredis.pack_command(args)  # type: ignore[arg-type]
 
 
 def field_records(keys: np.ndarray) -> np.ndarray:
@@ -60,7 +60,7 @@ def field_value_records(keys: np.ndarray, rows: np.ndarray) -> np.ndarray:
 
 def as_buffer(rec: np.ndarray) -> memoryview:
     """The raw bytes of a contiguous slice of records, without a copy."""
-    return memoryview(np.ascontiguousarray(rec).view(np.uint8))
+    return memoryview(np.ascontiguousarray(rec).view(np.uint8))  # type: ignore[arg-type]
 
 
 def decode_row_replies(buf: bytearray, size: int, ncmds: int, row_bytes: int
@@ -96,7 +96,7 @@ def decode_row_replies(buf: bytearray, size: int, ncmds: int, row_bytes: int
         pos = end
     if len(out) < ncmds:
         reader = hiredis.Reader()
-        reader.feed(buf, pos, size - pos)
+        reader.feed(buf, pos, size - pos)  # type: ignore[arg-type]
         while len(out) < ncmds:
             reply = reader.gets()
             if reply is False:
