@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 import redis
 import redis.exceptions as rex
@@ -81,7 +81,8 @@ def split_options(url: str, options: dict[str, Any]) -> tuple[str, dict[str, Any
         else:
             known = sorted(TABLE_OPTIONS) + sorted(_CONN_OPTIONS)
             raise BadArgumentError(f"unknown Redis option {name!r}: use one of {known}")
-    return urlunsplit(parts._replace(query="")), table, conn
+    # NOTE: not urlunsplit: it turns unix:///path into unix:/path
+    return url.split("?", 1)[0], table, conn
 
 
 def _redis_kwargs(conn: dict[str, Any]) -> dict[str, Any]:
@@ -140,12 +141,13 @@ def cluster_factory(url: str, conn: dict[str, Any]) -> Any:
 
 
 def redact(url: str) -> str:
-    """The URL without its password (for messages and logs)."""
-    parts = urlsplit(url)
-    if "@" not in parts.netloc:
-        return urlunsplit(parts._replace(query=urlencode({})))
-    _, host = parts.netloc.rsplit("@", 1)
-    return urlunsplit(parts._replace(netloc=f"***@{host}", query=""))
+    """The URL without its password and query (for messages and logs)."""
+    base = url.split("?", 1)[0]
+    scheme, sep, rest = base.partition("://")
+    netloc, slash, path = rest.partition("/")
+    if "@" in netloc:
+        netloc = "***@" + netloc.rsplit("@", 1)[1]
+    return f"{scheme}{sep}{netloc}{slash}{path}"
 
 
 @contextlib.contextmanager

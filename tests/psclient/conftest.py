@@ -151,3 +151,62 @@ def shared_redis(redis_url: str) -> str:
     except redis.RedisError as e:
         pytest.skip(f"needs a Redis server at {redis_url} (--redis-url): {e}")
     return redis_url
+
+
+@pytest.fixture
+def tls_redis(tmp_path: Path) -> Iterator[tuple[str, str]]:
+    """A private TLS-only redis-server with a throwaway CA; yields (rediss URL, CA file)."""
+    openssl = shutil.which("openssl")
+    if REDIS_SERVER is None or openssl is None:
+        pytest.skip("needs redis-server (built with TLS) and openssl")
+    d = tmp_path / "tls"
+    d.mkdir()
+    ca_key, ca, key, csr, crt = (str(d / n) for n in ("ca.key", "ca.crt", "s.key", "s.csr",
+                                                      "s.crt"))
+
+    def ossl(*args: str) -> None:
+        subprocess.run([openssl, *args], check=True, capture_output=True, timeout=30)
+
+    ossl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca,
+         "-days", "1", "-subj", "/CN=psclient-test-ca")
+    ossl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr,
+         "-subj", "/CN=127.0.0.1")
+    ext = d / "ext.cnf"
+    ext.write_text("subjectAltName=IP:127.0.0.1\n")
+    ossl("x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial",
+         "-out", crt, "-days", "1", "-extfile", str(ext))
+    port = free_port()
+    proc = subprocess.Popen(
+        [REDIS_SERVER, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+         "--save", "", "--dir", str(d), "--tls-cert-file", crt, "--tls-key-file", key,
+         "--tls-ca-cert-file", ca, "--tls-auth-clients", "no"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        client = redis.Redis(host="127.0.0.1", port=port, ssl=True, ssl_ca_certs=ca,
+                              socket_timeout=1)
+        wait_until(client.ping, 10, f"TLS redis-server on port {port}")
+        client.close()
+        yield f"rediss://127.0.0.1:{port}/0", ca
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+@pytest.fixture
+def unix_redis(tmp_path: Path) -> Iterator[str]:
+    """A private redis-server on a unix socket only; yields its unix:// URL."""
+    if REDIS_SERVER is None:
+        pytest.skip("needs the redis-server binary (apt-get install redis-server)")
+    sock = tmp_path / "r.sock"
+    srv = RedisProc(tmp_path / "redis-unix", 0, "--unixsocket", str(sock),
+                    "--unixsocketperm", "700")
+    assert REDIS_SERVER is not None
+    srv.workdir.mkdir(parents=True, exist_ok=True)
+    srv.proc = subprocess.Popen(
+        [REDIS_SERVER, "--port", "0", "--save", "", "--dir", str(srv.workdir), *srv.args],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = redis.Redis(unix_socket_path=str(sock), socket_timeout=1)
+    wait_until(client.ping, 10, "redis-server on a unix socket")
+    client.close()
+    yield f"unix://{sock}"
+    srv.kill()

@@ -7,6 +7,7 @@ import os
 import signal
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -138,6 +139,18 @@ def test_load_sources(file_url: str, tmp_path: Path) -> None:
         with pytest.raises(psclient.BadValuesError, match="dim 8"):
             ps.load(torch.zeros(4, 3), progress=False)
         assert ps.size() == 3050
+
+
+def test_wrong_length_value_names_table_and_key(file_url: str) -> None:
+    from psclient.codec import be_key_bytes
+
+    with psclient.connect(file_url, table="corrupt", dim=4) as ps:
+        ps.insert(torch.tensor([1, 2, 3]), torch.ones(3, 4))
+        # NOTE: reaching into the store is the only way to plant a bad value in-process
+        with ps._env.begin(write=True, db=ps._rows) as txn:
+            txn.put(be_key_bytes(np.array([2], dtype=np.int64))[0], b"xyz")
+        with pytest.raises(psclient.CorruptValueError, match="'corrupt', key 2: .* 3 bytes"):
+            ps.lookup(torch.tensor([1, 2, 3]))
 
 
 def test_drop_removes_table(file_url: str) -> None:

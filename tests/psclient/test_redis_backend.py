@@ -194,6 +194,24 @@ def test_auth_password_protected_server(auth_redis: RedisProc, table_name: str) 
         assert ps.lookup(torch.tensor([1]))[1].all()
 
 
+def test_tls_and_unix_socket_urls(tls_redis: tuple[str, str], unix_redis: str,
+                                  table_name: str) -> None:
+    url, ca = tls_redis
+    keys = torch.arange(3000)
+    vals = torch.randn(3000, 8)
+    with psclient.connect(url, table=table_name, dim=8, ssl_ca_certs=ca) as ps:
+        ps.insert(keys, vals)
+        got, found = ps.lookup(keys)
+        assert found.all() and torch.equal(got, vals)
+    with pytest.raises(psclient.PSUnavailableError):   # plain TCP to a TLS-only port
+        psclient.connect(url.replace("rediss://", "redis://"), table=table_name,
+                         socket_timeout=0.5, retries=0)
+    with psclient.connect(unix_redis, table=table_name, dim=8) as ps:
+        ps.insert(keys, vals)
+        got, found = ps.lookup(keys)
+        assert found.all() and torch.equal(got, vals)
+
+
 def test_outage_mid_batch_raises_typed_error_then_recovers(private_redis: RedisProc,
                                                            table_name: str) -> None:
     ps = psclient.connect(private_redis.url, table=table_name, dim=64, socket_timeout=1.0,
