@@ -99,3 +99,19 @@ def test_schema_round_trip_and_errors() -> None:
     old = TableSchema(dim=8, dtype="float16", partitions=32, layout=0)
     with pytest.raises(psclient.SchemaMismatchError, match="layout version 0"):
         old.check("t", dim=None, dtype=None, partitions=None)
+
+
+def test_decode_row_replies_fast_path_then_hiredis_fallback() -> None:
+    rows = [bytes([i]) * 4 for i in range(3)]
+    full = b"*2\r\n$4\r\n" + rows[0] + b"\r\n$4\r\n" + rows[1] + b"\r\n"
+    miss = b"*2\r\n$-1\r\n$4\r\n" + rows[2] + b"\r\n"
+    err = b"-MOVED 12 127.0.0.1:7001\r\n"
+    buf = bytearray(full + full + miss + full + err)
+    out = resp.decode_row_replies(buf, len(buf), 5, 4)
+    assert isinstance(out[0], np.ndarray) and isinstance(out[1], np.ndarray)
+    assert out[0].tobytes() == rows[0] + rows[1]
+    assert out[2] == [None, rows[2]]               # from the first irregular reply on: hiredis
+    assert out[3] == [rows[0], rows[1]]
+    assert isinstance(out[4], hiredis.ReplyError) and "MOVED" in str(out[4])
+    wrong_len = bytearray(b"*1\r\n$3\r\nabc\r\n")
+    assert resp.decode_row_replies(wrong_len, len(wrong_len), 1, 4) == [[b"abc"]]
