@@ -436,7 +436,7 @@ COMMANDS: tuple[Command, ...] = (
     Command("create", "create a table and leave it on the node", _create_args, _create),
     Command("rm", "remove a table from the node", _rm_args, _rm),
     Command("serve", "run the node service (docs/service.md)", serve_cmd.configure, serve_cmd.run),
-    Command("demo", demo_cmd.HELP, demo_cmd.configure, demo_cmd.run),
+    Command("demo", demo_cmd.HELP, demo_cmd.configure, demo_cmd.run_command),
 )
 
 

@@ -17,7 +17,7 @@ from typing import TextIO
 
 from .config import DemoConfig, DemoError
 
-__all__ = ["DemoConfig", "DemoError", "configure", "config_from_args", "run"]
+__all__ = ["HELP", "DemoConfig", "DemoError", "config_from_args", "configure", "run_command"]
 
 HELP = "run the end-to-end demo: N replicas sharing the node's host caches (docs/demo.md)"
 
@@ -100,7 +100,7 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
     )
 
 
-def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+def run_command(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     """Run ``hostcache demo``: the summary table (or ``--json``) to ``out``; exit status."""
     import json
 

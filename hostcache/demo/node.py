@@ -141,16 +141,21 @@ def service_available() -> bool:
     return importlib.util.find_spec("hostcache.service.node") is not None
 
 
+def check_names_free(cfg: DemoConfig) -> None:
+    """Raise :class:`DemoError` if a segment of one of the demo's names exists."""
+    for name in cfg.table_names:
+        if segment.exists(name):
+            raise DemoError(f"a table named {name!r} already exists on this node; pass "
+                            f"another --prefix or remove it with `hostcache rm {name}`")
+
+
 def start_node(cfg: DemoConfig, ps_url: str, state_dir: str) -> Node:
     """Create the shared host caches: through the node service if possible, else here.
 
     Raises:
         DemoError: a table of that name exists on this node, or the service failed.
     """
-    for name in cfg.table_names:
-        if segment.exists(name):
-            raise DemoError(f"a table named {name!r} already exists on this node; pass "
-                            f"another --prefix or remove it with `hostcache rm {name}`")
+    check_names_free(cfg)
     if cfg.use_service and service_available():
         return _start_service(cfg, ps_url, state_dir)
     return _start_local(cfg)
@@ -197,7 +202,9 @@ def _start_service(cfg: DemoConfig, ps_url: str, state_dir: str) -> Node:
         f.write(service_toml(cfg, ps_url, state_dir))
     cmd = [sys.executable, "-m", "hostcache.cli", "serve", "--config", path]
     logger.info("starting the node service: %s", " ".join(cmd))
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+    # NOTE: its own process group, so a Ctrl-C reaches only the demo, which stops the
+    # replicas first and then the service (SIGTERM), in that order.
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, process_group=0)
     node = Node("service", cfg.table_names, process=proc)
     try:
         node.metrics_url = _wait_service(proc, cfg, os.path.join(state_dir, "service"))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import time
 import traceback
 from typing import Any
@@ -55,38 +56,82 @@ def counters(model: Any) -> dict[str, list[int]]:
     return out
 
 
-def replica_main(cfg: DemoConfig, rid: int, ps_url: str, queue: Any, go: Any,
-                 stop: Any) -> None:
+def replica_main(cfg: DemoConfig, rid: int, ps_url: str, queue: Any, tables_ready: Any,
+                 go: Any, stop: Any) -> None:
     """Body of replica process ``rid`` (the target of a spawned ``Process``)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    status = 0
     try:
-        _serve(cfg, rid, ps_url, queue, go, stop)
+        _serve(cfg, rid, ps_url, queue, tables_ready, go, stop)
     except BaseException:  # noqa: BLE001 - reported to the parent, which fails the run
         queue.put(("error", rid, traceback.format_exc()))
-        raise SystemExit(1) from None
+        status = 1
+    # NOTE: every handle is closed and the messages are flushed to the pipe; skip the
+    # interpreter's teardown (over a second with torch loaded), which only delays the
+    # parent's join.
+    queue.close()
+    queue.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
-def _serve(cfg: DemoConfig, rid: int, ps_url: str, queue: Any, go: Any, stop: Any) -> None:
+def _wait(event: Any, stop: Any, parent: int) -> bool:
+    """Wait for ``event``; False if ``stop`` was set or the parent died first."""
+    while not event.wait(timeout=0.2):
+        if stop.is_set() or os.getppid() != parent:
+            return False
+    return not stop.is_set()
+
+
+def _serve(cfg: DemoConfig, rid: int, ps_url: str, queue: Any, tables_ready: Any, go: Any,
+           stop: Any) -> None:
     from psclient import connect
 
     from ..cache import HostCache
     from .memory import process_memory
     from .model import build_model
-    from .workload import RequestStream
 
     torch.set_num_threads(cfg.threads)
     parent = os.getppid()
     device = replica_device(cfg, rid)
-    hosts = {s: HostCache.attach(cfg.table_name(s), dim=cfg.dim) for s, _ in TABLES}
-    stores = {s: connect(ps_url, table=cfg.table_name(s)) for s, _ in TABLES}
-    model = build_model(cfg, device, hosts, stores)
+    hosts: dict[str, Any] = {}
+    stores: dict[str, Any] = {}
+    model = None
+    if not _wait(tables_ready, stop, parent):
+        return
+    try:
+        for s, _ in TABLES:
+            hosts[s] = HostCache.attach(cfg.table_name(s), dim=cfg.dim)
+            stores[s] = connect(ps_url, table=cfg.table_name(s))
+        model = build_model(cfg, device, hosts, stores)
+        queue.put(("ready", rid, os.getpid()))
+        if not _wait(go, stop, parent):
+            return
+        result = _serve_requests(cfg, rid, device, model, queue, stop, parent)
+        result["memory"] = process_memory("self", cfg.table_names).as_dict()
+        queue.put(("done", rid, result))
+        # keep mapping the segments until every replica has measured (or the parent is gone)
+        while not stop.wait(timeout=1.0) and os.getppid() == parent:
+            pass
+    finally:
+        if model is not None:
+            model.close()
+        for h in hosts.values():
+            h.close()
+        for ps in stores.values():
+            ps.close()
+
+
+def _serve_requests(cfg: DemoConfig, rid: int, device: torch.device, model: Any, queue: Any,
+                    stop: Any, parent: int) -> dict[str, Any]:
+    """Serve until the time is up (or stop / parent gone); the replica's result."""
+    from .workload import RequestStream
+
     stream = RequestStream(cfg.rows, cfg.rows, cfg.alpha, batch=cfg.batch,
                            history=cfg.history, popularity_seed=cfg.seed,
                            seed=cfg.seed * 7919 + 101 * (rid + 1))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    queue.put(("ready", rid, os.getpid()))
-    go.wait()
-
     latencies: list[float] = []
     requests = keys = 0
     scores = torch.zeros((), device=device)
@@ -112,8 +157,9 @@ def _serve(cfg: DemoConfig, rid: int, ps_url: str, queue: Any, go: Any, stop: An
             queue.put(("tick", rid, now - start, requests, keys, counters(model)))
             next_tick = now + half_tick
     elapsed = time.monotonic() - start
-    names = cfg.table_names
-    result = {
+    final = counters(model)
+    queue.put(("tick", rid, elapsed, requests, keys, final))
+    return {
         "pid": os.getpid(),
         "device": str(device),
         "elapsed_s": elapsed,
@@ -122,18 +168,7 @@ def _serve(cfg: DemoConfig, rid: int, ps_url: str, queue: Any, go: Any, stop: An
         "keys": keys,
         "batches": len(latencies),
         "latencies_s": latencies,
-        "counters": counters(model),
+        "counters": final,
         "score_sum": float(scores),  # NOTE: keeps the model's output observable
-        "memory": process_memory("self", names).as_dict(),
         "device_cache_bytes": cfg.gpu_cache_bytes * len(TABLES),
     }
-    queue.put(("tick", rid, elapsed, requests, keys, result["counters"]))
-    queue.put(("done", rid, result))
-    # keep mapping the segments until every replica has measured (or the parent is gone)
-    while not stop.wait(timeout=1.0) and os.getppid() == parent:
-        pass
-    model.close()
-    for h in hosts.values():
-        h.close()
-    for ps in stores.values():
-        ps.close()

@@ -29,7 +29,7 @@ from ..cache import HostCache
 from ..errors import HostCacheError
 from .config import TABLES, DemoConfig, DemoError
 from .memory import segment_file_bytes, segment_resident_bytes
-from .node import Node, drop_tables, load_tables, ps_url_for, start_node
+from .node import Node, check_names_free, drop_tables, load_tables, ps_url_for, start_node
 from .replica import COUNTER_FIELDS, replica_main
 
 logger = logging.getLogger(__name__)
@@ -73,19 +73,33 @@ class Fleet:
         self.cfg = cfg
         ctx = mp.get_context("spawn")
         self.queue = ctx.Queue()
+        #: set once the parameter-server tables and the host caches exist
+        self.tables_ready = ctx.Event()
         self.go = ctx.Event()
         self.stop_event = ctx.Event()
         self.replicas = [
             _Replica(ctx.Process(
-                target=replica_main, args=(cfg, rid, ps_url, self.queue, self.go,
-                                           self.stop_event),
+                target=replica_main, args=(cfg, rid, ps_url, self.queue, self.tables_ready,
+                                           self.go, self.stop_event),
                 name=f"hostcache-demo-replica-{rid}", daemon=True))
             for rid in range(cfg.replicas)
         ]
 
     def start(self) -> None:
-        for r in self.replicas:
-            r.process.start()
+        """Start the replicas with SIGINT ignored, so Ctrl-C reaches only this process.
+
+        NOTE: an ignored SIGINT survives exec, and Python installs its KeyboardInterrupt
+        handler only where SIGINT is at its default: the replicas never see Ctrl-C, even
+        while importing; this process stops them.
+        """
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+        try:
+            for r in self.replicas:
+                r.process.start()
+        finally:
+            if main:
+                signal.signal(signal.SIGINT, previous)
 
     def _get(self, timeout: float) -> tuple[Any, ...] | None:
         try:
@@ -186,12 +200,16 @@ class Fleet:
         return Sample(t, sum(r.requests for r in self.replicas),
                       sum(r.keys for r in self.replicas), counters, self._resident())
 
-    def stop(self) -> None:
-        """Stop every replica: ask, then terminate, then kill; joins them all."""
+    def stop(self, grace: float = 10.0) -> None:
+        """Stop every replica: ask, wait ``grace`` seconds, terminate, kill; joins them all."""
         self.stop_event.set()
-        for r in self.replicas:
-            if r.process.pid is not None:
-                r.process.join(timeout=10)
+        deadline = time.monotonic() + grace
+        started = [r for r in self.replicas if r.process.pid is not None]
+        while time.monotonic() < deadline and any(r.process.is_alive() for r in started):
+            # NOTE: drain the queue meanwhile: a child exits only once its queued messages
+            # are in the pipe, and a full pipe would hold it forever.
+            while self._get(0.05) is not None:
+                pass
         for r in self.replicas:
             if r.process.is_alive():
                 logger.warning("replica pid %d did not stop; terminating it", r.process.pid)
@@ -228,6 +246,15 @@ def _host_node_stats(cfg: DemoConfig, node: Node) -> dict[str, Any]:
         out[name] = {**st.as_dict(), "segment_bytes": segment_file_bytes(name),
                      "resident_bytes": segment_resident_bytes(name)}
     return out
+
+
+def _teardown(fleet: Fleet, nodes: list[Node], interrupted: Any) -> None:
+    """Stop the replicas first (quickly after an interruption), then the node."""
+    try:
+        fleet.stop(grace=2.0 if interrupted() else 10.0)
+    finally:
+        for node in nodes:
+            node.stop()
 
 
 @contextlib.contextmanager
@@ -271,6 +298,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     t0 = time.monotonic()
     timings: dict[str, float] = {}
     os.makedirs(cfg.out_dir, exist_ok=True)
+    interrupted = False
     with _signals_raise(), contextlib.ExitStack() as stack:
         try:
             if cfg.state_dir is None:
@@ -280,15 +308,19 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                 state_dir = cfg.state_dir
                 os.makedirs(state_dir, exist_ok=True)
             ps_url = ps_url_for(cfg, state_dir)
+            check_names_free(cfg)
             created: list[str] = []
             stack.callback(drop_tables, ps_url, created)
+            # the replicas import torch while the tables load and the service starts
+            fleet = Fleet(cfg, ps_url)
+            nodes: list[Node] = []
+            stack.callback(_teardown, fleet, nodes, lambda: interrupted)
+            fleet.start()
             load_tables(cfg, ps_url, created)
             timings["load_s"] = time.monotonic() - t0
             node = start_node(cfg, ps_url, state_dir)
-            stack.callback(node.stop)
-            fleet = Fleet(cfg, ps_url)
-            stack.callback(fleet.stop)
-            fleet.start()
+            nodes.append(node)
+            fleet.tables_ready.set()
             fleet.wait_ready()
             timings["start_s"] = time.monotonic() - t0 - timings["load_s"]
             samples, _ = fleet.serve()
@@ -298,8 +330,12 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             results = [r.result for r in fleet.replicas if r.result is not None]
             node_kind = node.kind
         except KeyboardInterrupt:
+            interrupted = True
             raise DemoInterruptedError("interrupted (Ctrl-C); every process and segment it "
                                        "started was removed") from None
+        except DemoInterruptedError:
+            interrupted = True
+            raise
         finally:
             _shield_cleanup()
     timings["total_s"] = time.monotonic() - t0
