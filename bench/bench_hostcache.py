@@ -145,13 +145,17 @@ def rate(batch: int, seconds: float, row_bytes: int) -> dict[str, float]:
 def filled_cache(name: str, num_keys: int, dim: int) -> tuple[HostCache, torch.Tensor]:
     """A cache holding (nearly) ``num_keys`` keys; returns it and the keys it holds."""
     hc = HostCache.create(name, capacity=2 * num_keys, dim=dim)
-    gen = torch.Generator().manual_seed(dim)
-    keys = torch.randint(0, 1 << 40, (num_keys,), generator=gen).unique()
-    keys = keys[torch.randperm(keys.numel(), generator=gen)]
-    for chunk in keys.split(65_536):
-        hc.insert(chunk, torch.randn(chunk.numel(), dim, generator=gen))
-    present = keys[hc.contains(keys)]
-    return hc, present
+    try:
+        gen = torch.Generator().manual_seed(dim)
+        keys = torch.randint(0, 1 << 40, (num_keys,), generator=gen).unique()
+        keys = keys[torch.randperm(keys.numel(), generator=gen)]
+        for chunk in keys.split(65_536):
+            hc.insert(chunk, torch.randn(chunk.numel(), dim, generator=gen))
+        return hc, keys[hc.contains(keys)]
+    except BaseException:
+        hc.close()
+        HostCache.unlink(name)
+        raise
 
 
 def lookup_case(
@@ -270,10 +274,11 @@ def bench_readers(
     dim = 128
     hc, present = filled_cache(name, table_bytes // (dim * 4), dim)
     mb_name = name + "-linear"
-    mb = SharedMemBlock.create(mb_name, num_rows=present.numel(), dim=dim)
+    mb: SharedMemBlock | None = None
     ctx = mp.get_context("spawn")
     procs: list[Any] = []
     try:
+        mb = SharedMemBlock.create(mb_name, num_rows=present.numel(), dim=dim)
         mb.tensor.copy_(hc.lookup(present)[0])
         cmds = [ctx.Queue() for _ in range(2)]
         out = ctx.Queue()
@@ -322,9 +327,10 @@ def bench_readers(
                 p.kill()
                 p.join()
         hc.close()
-        mb.close()
         HostCache.unlink(name)
-        SharedMemBlock.unlink(mb_name)
+        if mb is not None:
+            mb.close()
+            SharedMemBlock.unlink(mb_name)
 
 
 # -- 3. hit rate against exact LRU -------------------------------------------------------------
