@@ -179,6 +179,7 @@ def bench_redis(url: str, batch: int, dim: int, reps: int, bench_n: int, rounds:
          redis_benchmark_get_best=max(gets) if gets else None,
          vs_redis_benchmark_get_best=max(looks) / max(gets) if gets else None,
          vs_redis_benchmark_get_per_round=[round(x, 3) for x in ratios],
+         vs_redis_benchmark_get_median=float(np.median(ratios)) if ratios else None,
          vs_naive=max(looks) / naive_look, goal=">= 0.70 of redis-benchmark get")
 
 
