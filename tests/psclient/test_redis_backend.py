@@ -45,7 +45,8 @@ def ps_factory(shared_redis: str, table_name: str):  # noqa: ANN201
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=model.OPS)
 def test_differential_against_dict(ps_factory, ops: list) -> None:  # noqa: ANN001
-    ps = ps_factory("-diff", dim=model.DIM, partitions=4)
+    # tiny chunks and pipelines: every batch spans several commands, pipelines and threads
+    ps = ps_factory("-diff", dim=model.DIM, partitions=4, chunk_keys=3, pipeline_keys=4)
     model.check_against_dict(ps, ops)
 
 
@@ -64,6 +65,9 @@ def test_large_batch_round_trip_across_partitions_and_pipelines(ps_factory) -> N
     dup = torch.tensor([keys[0].item()] * 3)
     ps.insert(dup, torch.stack([torch.full((32,), float(i)) for i in range(3)]).half())
     assert ps.lookup(dup[:1])[0][0, 0] == 2.0
+    many = torch.full((250,), keys[1].item())       # spans three 100-key commands
+    ps.insert(many, torch.arange(250, dtype=torch.float16)[:, None].expand(250, 32))
+    assert ps.lookup(many[:1])[0][0, 0] == 249.0
 
 
 def test_schema_stored_and_checked(ps_factory, shared_redis: str, table_name: str) -> None:  # noqa: ANN001
