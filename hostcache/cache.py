@@ -35,6 +35,20 @@ _COUNTER_CAP = 1 << 30
 _PROTECTED = torch.iinfo(torch.int32).max
 
 
+def _matching_way(match: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(found, way) from a [N, ways] bool match (a key sits in at most one way).
+
+    With 8 ways the row of 8 bools is read as one int64 (byte ``w`` holds bit ``8 w``), so
+    finding the way is one float exponent instead of an argmax over 8 columns.
+    """
+    if match.shape[1] == 8 and match.is_contiguous():
+        bits = match.view(torch.uint8).view(torch.int64).squeeze(1)
+        found = bits != 0
+        way = ((torch.frexp(bits.to(torch.float64))[1] - 1) >> 3).clamp_(min=0)
+        return found, way
+    return match.any(dim=1), match.to(torch.uint8).argmax(dim=1)
+
+
 class HostCache(SharedTable):
     """One embedding cache shared by every process of the node.
 
@@ -130,14 +144,15 @@ class HostCache(SharedTable):
         bucket = bucket_of(keys, self.geometry.num_buckets)
         ver_bucket = self._versions2.index_select(0, bucket)  # NOTE: versions before keys
         key_bucket = self._keys2.index_select(0, bucket)
-        match = key_bucket == keys[:, None]
-        way = match.to(torch.uint8).argmax(dim=1)
+        found, way = _matching_way(key_bucket == keys[:, None])
         slot = bucket * ways + way
         ver_before = ver_bucket.gather(1, way[:, None]).squeeze(1)
         values = self._rows.index_select(0, slot)
         ver_after = self._versions.index_select(0, slot)  # NOTE: rows before the re-read
-        hit = match.any(dim=1) & (ver_before == ver_after) & ((ver_before & 1) == 0)
-        values.masked_fill_(~hit[:, None], 0)
+        hit = found & (ver_before == ver_after) & ((ver_before & 1) == 0)
+        miss = (~hit).nonzero().squeeze(1)
+        if miss.numel():
+            values.index_fill_(0, miss, 0)
         hit_slots = slot[hit]
         n_hits = int(hit_slots.numel())
         if n_hits:
@@ -159,9 +174,8 @@ class HostCache(SharedTable):
         """(bucket, found, slot) of each key; exact under the writer lock."""
         ways = self.geometry.ways
         bucket = bucket_of(keys, self.geometry.num_buckets)
-        match = self._keys2.index_select(0, bucket) == keys[:, None]
-        slot = bucket * ways + match.to(torch.uint8).argmax(dim=1)
-        return bucket, match.any(dim=1), slot
+        found, way = _matching_way(self._keys2.index_select(0, bucket) == keys[:, None])
+        return bucket, found, bucket * ways + way
 
     # -- writes --------------------------------------------------------------------------
 

@@ -190,12 +190,24 @@ def open_lock_file(name: str, *, mode: int = 0o600) -> int:
     """Open (creating if needed) the writer-lock file beside the segment; returns a fd."""
     path = lock_path(name)
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, mode)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+        os.fchmod(fd, mode)  # exact mode whatever the umask (a group must be able to write)
+    except FileExistsError:
+        fd = _open_existing_lock(path)
     except PermissionError as e:
         raise SegmentPermissionError(
             f"no permission to open the lock file {path}; run as the table's owner"
         ) from e
     return _Fd(fd)
+
+
+def _open_existing_lock(path: str) -> int:
+    try:
+        return os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except PermissionError as e:
+        raise SegmentPermissionError(
+            f"no permission to open the lock file {path}; run as the table's owner"
+        ) from e
 
 
 class _Fd(int):

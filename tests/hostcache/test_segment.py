@@ -50,10 +50,16 @@ def test_segment_and_lock_file_are_0600_by_default(table_name: str) -> None:
     assert not os.path.exists(segment.lock_path(table_name))
 
 
-def test_explicit_group_mode_is_exact(table_name: str) -> None:
-    with SharedMemBlock.create(table_name, num_rows=4, dim=2, mode=0o660):
+def test_explicit_group_mode_is_exact_whatever_the_umask(table_name: str) -> None:
+    old = os.umask(0o022)
+    try:
+        block = SharedMemBlock.create(table_name, num_rows=4, dim=2, mode=0o660)
+    finally:
+        os.umask(old)
+    with block:
         try:
-            assert stat.S_IMODE(os.stat(segment.shm_path(table_name)).st_mode) == 0o660
+            for path in (segment.shm_path(table_name), segment.lock_path(table_name)):
+                assert stat.S_IMODE(os.stat(path).st_mode) == 0o660, path
         finally:
             SharedMemBlock.unlink(table_name)
 
