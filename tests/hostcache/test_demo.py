@@ -1,0 +1,254 @@
+"""``hostcache demo``: the request stream, /proc memory figures, flags, and short real runs.
+
+The end-to-end runs start real processes (the node service, spawned replicas) and take
+several seconds each; they are marked ``slow``. Table names start with the ``table_name``
+fixture's ``t-`` prefix, so the session's leak check covers them too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hostcache import HostCache, segment
+from hostcache.cli import main
+from hostcache.demo.config import DemoConfig
+from hostcache.demo.memory import process_memory, segment_file_bytes, segment_resident_bytes
+from hostcache.demo.workload import RequestStream, ZipfKeys
+from hostcache.errors import BadArgumentError
+
+ROOT = Path(__file__).resolve().parents[2]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def demo_cmd(prefix: str, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "hostcache.cli", "demo", "--prefix", prefix, "--out",
+            str(out), "--rows", "20000", "--no-progress", *extra]
+
+
+def our_segments(prefix: str) -> list[str]:
+    return [n for n in segment.list_names() if n.startswith(prefix)]
+
+
+# -- pieces ----------------------------------------------------------------------------------
+
+
+def test_request_batches_are_well_formed_bags() -> None:
+    stream = RequestStream(1000, 500, 1.05, batch=64, history=8, popularity_seed=3, seed=4)
+    for _ in range(3):
+        req = stream.next()
+        assert req.size == 64
+        assert req.user_keys.shape == (64,) and req.user_offsets.tolist() == list(range(64))
+        offs = req.item_offsets
+        assert offs.shape == (128,) and int(offs[0]) == 0
+        lengths = torch.diff(torch.cat([offs, torch.tensor([req.item_keys.numel()])]))
+        assert bool((lengths >= 1).all())
+        assert lengths[64:].tolist() == [1] * 64  # one candidate item per request
+        assert int(lengths[:64].max()) <= 2 * 8 - 1
+        assert 0 <= int(req.user_keys.min()) and int(req.user_keys.max()) < 1000
+        assert 0 <= int(req.item_keys.min()) and int(req.item_keys.max()) < 500
+        assert req.num_keys == 64 + req.item_keys.numel()
+
+
+def test_replicas_share_popularity_but_not_draws() -> None:
+    a = ZipfKeys(10_000, 1.05, popularity_seed=7, seed=1)
+    b = ZipfKeys(10_000, 1.05, popularity_seed=7, seed=2)
+    ka, kb = a.sample(20_000), b.sample(20_000)
+    assert not torch.equal(ka, kb)
+    assert int(torch.bincount(ka).argmax()) == int(torch.bincount(kb).argmax())
+    assert 0 < a.top_share(10) < a.top_share(100) < a.top_share(10_000) == pytest.approx(1.0)
+    other = ZipfKeys(10_000, 1.05, popularity_seed=8, seed=1)
+    assert int(torch.bincount(other.sample(20_000)).argmax()) != int(torch.bincount(ka).argmax())
+
+
+def test_resident_memory_counts_written_pages_once(table_name: str) -> None:
+    hc = HostCache.create(table_name, capacity=50_000, dim=64)
+    try:
+        size = segment_file_bytes(table_name)
+        before = segment_resident_bytes(table_name)
+        assert 0 < before < size / 4  # sparse: only the header and the key array are written
+        hc.insert(torch.arange(40_000), torch.ones(40_000, 64))
+        after = segment_resident_bytes(table_name)
+        assert after - before >= 40_000 * 64 * 4 * 0.9
+        mem = process_memory("self", [table_name])
+        (mapping,) = mem.segments
+        assert mapping.name == table_name and mapping.size >= size
+        assert 0 < mapping.rss <= after + 4096 and 0 < mapping.pss <= mapping.rss
+        assert mem.rss >= mapping.rss and 0 < mem.uss <= mem.rss
+    finally:
+        hc.close()
+        HostCache.unlink(table_name)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("replicas", 0), ("seconds", 0.0), ("rows", 10), ("host_fraction", 1.5),
+     ("device", "tpu"), ("alpha", -1.0), ("ps_url", "localhost:6379")],
+)
+def test_config_rejects_bad_values(field: str, value: object) -> None:
+    with pytest.raises(BadArgumentError, match=field.replace("_", "-").split("-url")[0]):
+        DemoConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_bad_flag_is_one_line_and_creates_nothing(
+        capsys: pytest.CaptureFixture[str], table_name: str, tmp_path: Path) -> None:
+    rc = main(["demo", "--replicas", "0", "--prefix", table_name, "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.startswith("hostcache: error: --replicas must be") and err.count("\n") == 1
+    assert our_segments(table_name) == []
+
+
+def test_taken_name_is_refused_and_left_alone(
+        capsys: pytest.CaptureFixture[str], table_name: str, tmp_path: Path) -> None:
+    prefix = table_name + "-"
+    hc = HostCache.create(prefix + "user", capacity=64, dim=8)
+    try:
+        rc = main(["demo", "--prefix", prefix, "--out", str(tmp_path / "o"), "--state-dir",
+                   str(tmp_path / "s"), "--rows", "20000", "--no-progress"])
+        err = capsys.readouterr().err
+        assert rc == 2 and "already exists" in err
+        assert segment.exists(prefix + "user")  # someone else's table: not removed
+        assert our_segments(prefix) == [prefix + "user"]
+        assert not (tmp_path / "s" / "ps").exists()  # nothing was loaded
+    finally:
+        hc.close()
+        HostCache.unlink(prefix + "user")
+
+
+def test_import_hostcache_does_not_import_gpu() -> None:
+    code = ("import sys, hostcache, hostcache.cli, hostcache.demo; "
+            "assert 'gpu' not in sys.modules, 'gpu imported'; "
+            "assert 'matplotlib' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+# -- end to end ------------------------------------------------------------------------------
+
+
+def check_report(report: dict, replicas: int, prefix: str) -> None:
+    for scope in ("run", "window"):
+        for tier in ("gpu", "host", "ps"):
+            rate = report["hit_rates"][scope][tier]
+            assert rate is not None and 0.0 <= rate <= 1.0, (scope, tier, rate)
+    assert report["hit_rates"]["run"]["ps"] == 1.0  # every table row was loaded
+    assert report["throughput"]["requests_per_s"] > 0
+    assert report["throughput"]["keys_per_s"] > report["throughput"]["requests_per_s"]
+    lat = report["latency_ms"]
+    assert 0 < lat["p50"] <= lat["p99"]
+    mem = report["memory"]
+    assert mem["shared_resident_bytes"] > 0
+    assert mem["shared_resident_bytes"] <= mem["shared_virtual_bytes"]
+    assert mem["private_equivalent_bytes"] == replicas * mem["shared_resident_bytes"]
+    assert len(report["replicas"]) == replicas
+    for r in report["replicas"]:
+        assert r["requests"] > 0 and r["segment_rss_bytes"] > 0
+        assert 0 < r["segment_pss_bytes"] <= r["segment_rss_bytes"]
+    # sharing, measured: every replica maps the same pages, and their PSS adds up to at
+    # most the segments' resident size (the rest is charged to the node process)
+    assert mem["replicas_segment_pss_bytes"] <= mem["shared_resident_bytes"] * 1.05
+    assert len(report["series"]["t_s"]) >= 2
+    assert report["leaked_segments"] == []
+    assert our_segments(prefix) == []
+
+
+@pytest.mark.slow
+def test_demo_command_end_to_end_with_the_service(
+        capsys: pytest.CaptureFixture[str], table_name: str, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    prefix = table_name + "-"
+    out = tmp_path / "out"
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where its state dir goes
+    rc = main(demo_cmd(prefix, out, "--replicas", "2", "--seconds", "2", "--device",
+                       "cpu")[3:])
+    stdout, err = capsys.readouterr()
+    assert rc == 0, err[-3000:]
+    assert "shared host cache" in stdout and "requests/s" in stdout
+    report = json.loads((out / "demo.json").read_text())
+    assert report["node"] == "service"
+    check_report(report, 2, prefix)
+    png = (out / "demo.png").read_bytes()
+    assert png.startswith(PNG_MAGIC) and len(png) > 10_000
+    assert not any(tmp_path.glob("hostcache-demo-*"))  # its state dir was removed
+
+
+@pytest.mark.slow
+def test_demo_in_process_without_the_service(table_name: str, tmp_path: Path) -> None:
+    from hostcache.demo.run import run_demo
+
+    prefix = table_name + "-"
+    cfg = DemoConfig(replicas=1, seconds=2.0, rows=20_000, prefix=prefix, progress=False,
+                     out_dir=str(tmp_path / "out"), state_dir=str(tmp_path / "state"),
+                     use_service=False, tick=0.25)
+    report = run_demo(cfg)
+    assert report["node"] == "local"
+    check_report(report, 1, prefix)
+    assert json.loads((tmp_path / "out" / "demo.json").read_text())["node"] == "local"
+    # the state dir was given: it stays, but the demo's PS tables were dropped
+    from psclient import TableNotFoundError, connect
+
+    for suffix in ("user", "item"):
+        with pytest.raises(TableNotFoundError):
+            connect(f"file://{tmp_path / 'state' / 'ps'}", table=prefix + suffix)
+
+
+def _children(pid: int) -> set[int]:
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            kids = (task / "children").read_text().split()
+        except OSError:
+            continue
+        for k in map(int, kids):
+            found |= {k} | _children(k)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.slow
+def test_ctrl_c_removes_every_process_and_segment(table_name: str, tmp_path: Path) -> None:
+    prefix = table_name + "-"
+    proc = subprocess.Popen(
+        demo_cmd(prefix, tmp_path / "out", "--replicas", "2", "--seconds", "60"),
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        process_group=0, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        # wait for the run to be under way: both segments exist and both replicas run
+        deadline = time.monotonic() + 90
+        kids: set[int] = set()
+        while time.monotonic() < deadline and proc.poll() is None:
+            kids = _children(proc.pid)
+            if len(our_segments(prefix)) == 2 and len(kids) >= 3:  # service + 2 replicas
+                break
+            time.sleep(0.1)  # polling another process's progress
+        assert proc.poll() is None and len(kids) >= 3
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 2, err[-2000:]
+    assert "interrupted" in err
+    assert our_segments(prefix) == []
+    deadline = time.monotonic() + 10  # orphans would be reparented, not gone: wait for exit
+    while [k for k in kids if _alive(k)] and time.monotonic() < deadline:
+        time.sleep(0.05)  # polling for other processes' exit
+    assert not [k for k in kids if _alive(k)]
+    assert not (tmp_path / "out" / "demo.json").exists()
