@@ -233,6 +233,7 @@ def replica(host: str, ps_url: str, key_space: int, stop: Any, out: Any,
             continue
         lookups += 1
         nkeys += keys.numel()
+        time.sleep(0.001)  # pacing, so a 2-core machine keeps room for the others
         real = rows[:, 0] != -1.0  # default rows (key not in the PS) are not checked
         bad += bad_rows(keys[real], rows[real])
         if before is not None:
@@ -474,7 +475,7 @@ def test_redis_down_hits_served_misses_by_policy_no_update_lost(
 
 @pytest.mark.slow
 def test_soak_service_replicas_updater_and_crashes(node: dict[str, Any]) -> None:
-    seconds = float(os.environ.get("NVEC_SOAK_SECONDS", "15"))
+    seconds = float(os.environ.get("NVEC_SOAK_SECONDS", "10"))
     svc = start_service(node, capacity=512)  # smaller than the key space: evictions too
     stop, out = new_stop_flag(), CTX.Queue()
     acked = CTX.RawArray("q", 1000)  # acknowledged version per key

@@ -9,10 +9,13 @@ The loop (``FeedFollower.run``):
 3. poll ``ps.changes(cursor)``; apply the keys; save the cursor (atomically); wait
    ``poll_interval`` when the feed is idle (never a busy spin), none while it has entries.
 
-Applying changes. Host cache: ``erase(keys)`` (appended to the invalidation ring, so every
-replica's GPU cache drops them and the next lookup reads the new row from the PS); the same
-keys are erased once more ``settle`` seconds later, which drops a stale row that a replica
-read from the PS just before the write and inserted just after the first erase. Linear
+Applying changes. Host cache: the changed keys are read from the PS, and every cached key
+whose row differs from the PS's row is erased (appended to the invalidation ring, so every
+replica's GPU cache drops it and the next lookup reads the new row from the PS); a key that
+already holds the PS's row (this node's own replica wrote it through) is left alone, since
+erasing it only opens a window for a replica's stale fill. The same check runs once more
+``settle`` seconds later, which drops a stale row that a replica read from the PS just
+before the write and inserted just after the first erase. Linear
 table: the rows are read from the PS and written with ``write`` (announced the same way).
 ``ChangeFeedGapError``: the host cache is cleared (every replica drops everything), a linear
 table reloaded from the PS, and the loop resumes from ``err.cursor``.
@@ -38,6 +41,7 @@ import torch
 
 from ..cache import HostCache
 from ..memblock import SharedMemBlock
+from ..table import C_HITS, C_LOOKUPS, C_MISSES
 from .config import TableConfig
 from .warmup import reload_linear
 
@@ -227,7 +231,7 @@ class FeedFollower(threading.Thread):
 
     def _apply(self, ps: Any, keys: torch.Tensor) -> None:
         if isinstance(self.table, HostCache):
-            self.table.erase(keys)
+            self._invalidate(ps, keys)
             if self._settle > 0:
                 self._recent.append((time.monotonic() + self._settle, keys))
         else:
@@ -246,9 +250,31 @@ class FeedFollower(threading.Thread):
         due = []
         while self._recent and self._recent[0][0] <= now:
             due.append(self._recent.popleft()[1])
-        if due:
-            assert isinstance(self.table, HostCache)
-            self.table.erase(torch.unique(torch.cat(due)))
+        if due and self._ps is not None:
+            self._invalidate(self._ps, torch.unique(torch.cat(due)))
+
+    def _invalidate(self, ps: Any, keys: torch.Tensor) -> None:
+        """Erase the cached keys whose row is not the PS's current row.
+
+        NOTE: a key this node's own replicas just updated (PS first, then the host cache)
+        already holds the PS's row: erasing it would only open a window in which a replica
+        that read the PS before that update inserts the old row. PS read first, host second:
+        a row equal to the PS's is at least as new as the change being applied.
+        """
+        assert isinstance(self.table, HostCache)
+        hc = self.table
+        values, found = ps.lookup(keys)
+        cached, hit = hc.lookup(keys)
+        # the probe is not traffic: take it out of this process's counter slot again
+        n_hit = int(hit.sum())
+        c = hc._counters
+        c[C_LOOKUPS] -= 1
+        c[C_HITS] -= n_hit
+        c[C_MISSES] -= keys.numel() - n_hit
+        same = hit & found & (cached == values).all(dim=1)
+        stale = keys[~same]
+        if stale.numel():
+            hc.erase(stale)
 
     def _reset(self, ps: Any) -> None:
         """Forget every row that may be stale: clear a host cache, reload a linear table."""
