@@ -142,14 +142,18 @@ class HostCache(SharedTable):
         self._live()
         ways = self.geometry.ways
         bucket = bucket_of(keys, self.geometry.num_buckets)
-        ver_bucket = self._versions2.index_select(0, bucket)  # NOTE: versions before keys
-        key_bucket = self._keys2.index_select(0, bucket)
-        found, way = _matching_way(key_bucket == keys[:, None])
+        found, way = _matching_way(self._keys2.index_select(0, bucket) == keys[:, None])
         slot = bucket * ways + way
-        ver_before = ver_bucket.gather(1, way[:, None]).squeeze(1)
+        # NOTE: seqlock window: version, row, key, version. A hit needs an even version
+        # that did not change and the key still in place inside the window, so the row
+        # belongs to the key even if writers moved keys between the probe and the window.
+        ver_before = self._versions.index_select(0, slot)
         values = self._rows.index_select(0, slot)
-        ver_after = self._versions.index_select(0, slot)  # NOTE: rows before the re-read
-        hit = found & (ver_before == ver_after) & ((ver_before & 1) == 0)
+        key_inside = self._keys.index_select(0, slot)
+        ver_after = self._versions.index_select(0, slot)
+        hit = (
+            found & (key_inside == keys) & (ver_before == ver_after) & ((ver_before & 1) == 0)
+        )
         miss = (~hit).nonzero().squeeze(1)
         if miss.numel():
             values.index_fill_(0, miss, 0)

@@ -51,9 +51,11 @@ word  name                 meaning
 Process slot (16 int64 words): pid, then the counters ``COUNTER_NAMES`` in order.
 
 Seqlock protocol per slot (host cache): a writer, holding the writer lock, makes the
-version odd, writes key and row, then makes it even again. A reader reads the version,
-the key and the row, then the version again; a changed or odd version is a miss. A reader
-therefore never returns a torn or foreign row. On x86 (TSO) stores are seen in program
+version odd, writes key and row, then makes it even again. A reader finds the slot by
+its bucket's keys, then reads the slot's version, row and key, then the version again; a
+changed or odd version, or another key inside that window, is a miss. A reader therefore
+never returns a torn or foreign row. (GPU readers read the bucket's versions before its
+keys instead; both orders are correct against the same writer.) On x86 (TSO) stores are seen in program
 order and loads are not reordered with loads, and every torch op is a separate call (a
 compiler barrier), so no extra fence is needed; GPU readers use system-scope loads.
 
