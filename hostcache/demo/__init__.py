@@ -62,10 +62,21 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-service", action="store_true",
                    help="create the host caches in the demo process instead of starting "
                         "`hostcache serve`")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--attach", action="store_true",
+                      help="replicas only: use the host caches of a running `hostcache serve` "
+                           "and tables already in --ps (docker-compose.yml runs it so)")
+    mode.add_argument("--load-only", action="store_true",
+                      help="build the tables, load them into --ps (kept; a table already "
+                           "loaded is left alone) and exit")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--json", action="store_true",
                    help="print the JSON report instead of the table")
-    p.add_argument("--seed", type=int, default=d.seed, help="seed of tables, keys, model")
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help="seed of the tables, the key popularity and the model")
+    p.add_argument("--stream-seed", type=int, default=d.stream_seed,
+                   help="seed of the request draws only: give each demo attached to one node "
+                        "its own (--attach)")
 
 
 def config_from_args(args: argparse.Namespace) -> DemoConfig:
@@ -96,7 +107,9 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
         history=args.history, host_fraction=args.host_fraction,
         gpu_cache_mib=args.gpu_cache_mib, threads=args.threads, out_dir=args.out,
         state_dir=args.state_dir, use_service=not args.no_service,
-        progress=not args.no_progress and not args.json, seed=args.seed, **extra,
+        progress=not args.no_progress and not args.json, seed=args.seed,
+        stream_seed=args.stream_seed,
+        mode="attach" if args.attach else "load" if args.load_only else "all", **extra,
     )
 
 
@@ -109,6 +122,10 @@ def run_command(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
 
     cfg = config_from_args(args)
     report = run_demo(cfg)
+    if cfg.mode == "load":
+        print(f"tables {', '.join(report['tables'])} are in {report['ps_url']} (loaded "
+              f"{report['loaded']} now, in {report['timing']['total_s']:.1f} s)", file=out)
+        return 0
     if args.json:
         print(json.dumps(report, indent=2), file=out)
     else:

@@ -13,6 +13,9 @@ from typing import Any, Literal
 from ..errors import BadArgumentError, HostCacheError
 
 Device = Literal["cpu", "cuda"]
+#: ``"all"``: everything in one command; ``"attach"``: replicas only, on a node whose
+#: service and parameter-server tables already exist; ``"load"``: load the tables, exit.
+Mode = Literal["all", "attach", "load"]
 
 #: the two embedding tables of the demo's ranking model: (suffix, what it holds)
 TABLES: tuple[tuple[str, str], ...] = (("user", "one row per user"), ("item", "one row per item"))
@@ -66,6 +69,11 @@ class DemoConfig:
     progress: bool = True
     #: seed of the table contents, the key popularity and the model weights.
     seed: int = 0
+    #: mixed into the replicas' request draws only (not the tables, the key popularity or
+    #: the model): demos attached to one node (``--attach``) each pass another value.
+    stream_seed: int = 0
+    #: what this run does (see :data:`Mode`).
+    mode: Mode = "all"
 
     def __post_init__(self) -> None:
         def bad(name: str, what: str, value: object) -> BadArgumentError:
@@ -95,6 +103,12 @@ class DemoConfig:
             raise bad("gpu_cache_mib", "a size in MiB >= 0", self.gpu_cache_mib)
         if not 0.05 <= self.tick <= 10:
             raise bad("tick", "seconds in [0.05, 10]", self.tick)
+        if self.mode not in ("all", "attach", "load"):
+            raise bad("mode", "'all', 'attach' or 'load'", self.mode)
+        if self.mode != "all" and self.ps_url is None and self.state_dir is None:
+            raise BadArgumentError(
+                "--attach and --load-only share tables with other commands: pass --ps URL "
+                "(e.g. redis://127.0.0.1:6379/0) or --state-dir DIR (its file:// store)")
         if self.ps_url is not None and "://" not in self.ps_url:
             raise bad("ps", "a URL such as redis://127.0.0.1:6379/0", self.ps_url)
 

@@ -51,34 +51,49 @@ def ps_url_for(cfg: DemoConfig, state_dir: str) -> str:
     return cfg.ps_url or "file://" + os.path.join(os.path.abspath(state_dir), "ps")
 
 
-def load_tables(cfg: DemoConfig, ps_url: str, created: list[str]) -> None:
+def load_tables(cfg: DemoConfig, ps_url: str, created: list[str], *,
+                keep_loaded: bool = False) -> int:
     """Build the demo's tables and load them into the parameter server at ``ps_url``.
 
     Appends each table's name to ``created`` before writing it (to drop at the end, also
-    after an interruption).
+    after an interruption). Returns the number of tables loaded.
+
+    Args:
+        cfg: the demo settings.
+        ps_url: the parameter server.
+        created: receives the names of the tables this call creates.
+        keep_loaded: a table that already holds exactly ``cfg.rows`` rows is left as it
+            is (``--load-only`` run twice); otherwise an existing table is an error.
 
     Raises:
         DemoError: a table of that name already exists there, or the store fails.
     """
     from psclient import PSClientError, connect
 
+    loaded = 0
     try:
         for i, (suffix, _) in enumerate(TABLES):
             name = cfg.table_name(suffix)
             ps = connect(ps_url, table=name, dim=cfg.dim, dtype=torch.float32)
             try:
-                if ps.size():
+                size = ps.size()
+                if keep_loaded and size == cfg.rows:
+                    logger.info("table %s already holds %d rows: kept", name, size)
+                    continue
+                if size:
                     raise DemoError(
-                        f"parameter-server table {name!r} at {ps_url} already holds rows; "
-                        "pass another --prefix or drop that table"
+                        f"parameter-server table {name!r} at {ps_url} already holds {size:,} "
+                        "rows; pass another --prefix or drop that table"
                     )
                 created.append(name)
+                loaded += 1
                 rows = build_rows(cfg.rows, cfg.dim, seed=cfg.seed * 1000 + i)
                 ps.load(rows, progress=cfg.progress, batch_size=1 << 16)
             finally:
                 ps.close()
     except PSClientError as e:
         raise DemoError(f"loading the tables into {ps_url} failed: {e}") from e
+    return loaded
 
 
 def drop_tables(ps_url: str, names: list[str]) -> None:
@@ -96,7 +111,8 @@ def drop_tables(ps_url: str, names: list[str]) -> None:
 class Node:
     """The node side of the demo: who created the host caches and how to remove them."""
 
-    #: ``"service"`` (``hostcache serve``) or ``"local"`` (created by the demo process).
+    #: ``"service"`` (``hostcache serve``), ``"local"`` (created by the demo process) or
+    #: ``"attached"`` (``--attach``: someone else's node; nothing is removed).
     kind: str
     names: list[str]
     #: this process's handles (kept open so the node counts as a user of each segment).
@@ -159,6 +175,27 @@ def start_node(cfg: DemoConfig, ps_url: str, state_dir: str) -> Node:
     if cfg.use_service and service_available():
         return _start_service(cfg, ps_url, state_dir)
     return _start_local(cfg)
+
+
+def attach_node(cfg: DemoConfig, ps_url: str) -> Node:
+    """``--attach``: check that the node's host caches and the PS tables exist.
+
+    Raises:
+        DemoError: a table is missing or has another geometry than the flags say.
+    """
+    from psclient import PSClientError, connect
+
+    node = Node("attached", [])
+    try:
+        for name in cfg.table_names:
+            node.handles.append(HostCache.attach(name, dim=cfg.dim, dtype=torch.float32))
+            connect(ps_url, table=name).close()
+    except (HostCacheError, PSClientError) as e:
+        node.stop()
+        raise DemoError(f"--attach needs the node's tables {cfg.table_names} (started by "
+                        f"`hostcache serve`) and the same tables at {ps_url} (loaded by "
+                        f"`hostcache demo --load-only`): {e}") from e
+    return node
 
 
 def _start_local(cfg: DemoConfig) -> Node:

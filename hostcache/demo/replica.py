@@ -130,7 +130,7 @@ def _serve_requests(cfg: DemoConfig, rid: int, device: torch.device, model: Any,
 
     stream = RequestStream(cfg.rows, cfg.rows, cfg.alpha, batch=cfg.batch,
                            history=cfg.history, popularity_seed=cfg.seed,
-                           seed=cfg.seed * 7919 + 101 * (rid + 1))
+                           seed=cfg.seed * 7919 + 101 * (rid + 1) + 1_000_003 * cfg.stream_seed)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     latencies: list[float] = []
     requests = keys = 0

@@ -169,8 +169,9 @@ def format_summary(report: dict[str, Any], out: TextIO) -> None:
     c = report["config"]
     n = len(report["replicas"])
     ps = "embedded file:// store" if c["ps_url"].startswith("file://") else c["ps_url"]
-    node = ("the node service (hostcache serve)" if report["node"] == "service"
-            else "host caches created by the demo")
+    node = {"service": "the node service (hostcache serve)",
+            "attached": "attached to a running node service",
+            }.get(report["node"], "host caches created by the demo")
     hr = report["hit_rates"]
     th = report["throughput"]
     lat = report["latency_ms"]

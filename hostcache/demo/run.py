@@ -29,7 +29,15 @@ from ..cache import HostCache
 from ..errors import HostCacheError
 from .config import TABLES, DemoConfig, DemoError
 from .memory import segment_file_bytes, segment_resident_bytes
-from .node import Node, check_names_free, drop_tables, load_tables, ps_url_for, start_node
+from .node import (
+    Node,
+    attach_node,
+    check_names_free,
+    drop_tables,
+    load_tables,
+    ps_url_for,
+    start_node,
+)
 from .replica import COUNTER_FIELDS, replica_main
 
 logger = logging.getLogger(__name__)
@@ -308,7 +316,12 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                 state_dir = cfg.state_dir
                 os.makedirs(state_dir, exist_ok=True)
             ps_url = ps_url_for(cfg, state_dir)
-            check_names_free(cfg)
+            if cfg.mode == "load":
+                n = load_tables(cfg, ps_url, [], keep_loaded=True)
+                return {"mode": "load", "ps_url": ps_url, "tables": cfg.table_names,
+                        "loaded": n, "timing": {"total_s": time.monotonic() - t0}}
+            if cfg.mode == "all":
+                check_names_free(cfg)
             created: list[str] = []
             stack.callback(drop_tables, ps_url, created)
             # the replicas import torch while the tables load and the service starts
@@ -316,9 +329,13 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             nodes: list[Node] = []
             stack.callback(_teardown, fleet, nodes, lambda: interrupted)
             fleet.start()
-            load_tables(cfg, ps_url, created)
+            if cfg.mode == "attach":
+                node = attach_node(cfg, ps_url)
+            else:
+                load_tables(cfg, ps_url, created)
             timings["load_s"] = time.monotonic() - t0
-            node = start_node(cfg, ps_url, state_dir)
+            if cfg.mode == "all":
+                node = start_node(cfg, ps_url, state_dir)
             nodes.append(node)
             fleet.tables_ready.set()
             fleet.wait_ready()
@@ -339,7 +356,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         finally:
             _shield_cleanup()
     timings["total_s"] = time.monotonic() - t0
-    leaked = [n for n in cfg.table_names if segment.exists(n)]
+    leaked = [] if cfg.mode == "attach" else [n for n in cfg.table_names if segment.exists(n)]
     report = build_report(cfg, ps_url, node_kind, results, samples, host_node, timings,
                           leaked)
     t_write = time.monotonic()
