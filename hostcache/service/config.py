@@ -119,7 +119,7 @@ def _dtype(where: str, value: object) -> str:
 
 def _warmup(where: str, value: object) -> Warmup:
     if value in ("none", "all"):
-        return value  # type: ignore[return-value]
+        return "none" if value == "none" else "all"
     if isinstance(value, str) and value.isdigit():
         value = int(value)
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:

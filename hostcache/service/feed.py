@@ -164,6 +164,7 @@ class FeedFollower(threading.Thread):
         if self._ps is None:
             from psclient import connect
 
+            assert self.cfg.ps_url is not None  # only tables with a ps_url get a follower
             self._ps = connect(self.cfg.ps_url, table=self.cfg.ps_name, dim=self.cfg.dim,
                                dtype=self.cfg.torch_dtype, **self.cfg.ps_options)
             logger.info("table %s: connected to parameter server table %s", self.cfg.name,

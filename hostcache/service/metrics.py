@@ -65,8 +65,9 @@ class NodeCollector:
     def collect(self) -> Iterator[Metric]:
         snaps = self._snapshot()
         for name, doc, kind, key in TABLE_METRICS:
-            fam: Metric = (CounterMetricFamily(name, doc, labels=["table", "kind"]) if kind == "c"
-                           else GaugeMetricFamily(name, doc, labels=["table", "kind"]))
+            fam: CounterMetricFamily | GaugeMetricFamily = (
+                CounterMetricFamily(name, doc, labels=["table", "kind"]) if kind == "c"
+                else GaugeMetricFamily(name, doc, labels=["table", "kind"]))
             for s in snaps:
                 if s.get(key) is not None:
                     fam.add_metric([s["table"], s["kind"]], float(s[key]))
@@ -121,7 +122,7 @@ class EndpointServer:
     def __init__(self, host: str, port: int, snapshot: Callable[[], list[dict[str, Any]]],
                  health: Callable[[], tuple[bool, dict[str, Any]]]) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(NodeCollector(snapshot))  # type: ignore[arg-type]
+        self.registry.register(NodeCollector(snapshot))
         self._server = ThreadingHTTPServer((host, port), _handler(self.registry, health))
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever,

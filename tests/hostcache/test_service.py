@@ -329,6 +329,7 @@ def test_metrics_and_healthz_content(node_cfg: Any) -> None:
     try:
         hc = HostCache.attach(t.name)
         hc.lookup(torch.arange(100))  # 50 warm hits, 50 misses
+        wait_until(lambda: run.service.followers[t.name].state.up, 10, "the first feed poll")
         _, body = http_get(run.url + "/metrics")
         lab = f'{{kind="hostcache",table="{t.name}"}}'
         for line in (f"nvec_table_capacity_rows{lab} 1024.0", f"nvec_table_size_rows{lab} 50.0",
