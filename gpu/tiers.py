@@ -345,7 +345,7 @@ class HierarchicalTiers(Tiers):
             return values
         miss = (~hit).nonzero().squeeze(1)
         ukeys, inverse = torch.unique(keys[miss], return_inverse=True)
-        urows, cacheable = self._fetch(ukeys)
+        urows, cacheable = self._fetch(ukeys, since)
         values[miss] = urows[inverse]
         self._admit(ukeys[cacheable], urows[cacheable], since, self._policy.gpu)
         return values
@@ -361,7 +361,7 @@ class HierarchicalTiers(Tiers):
             return out
         miss = (~hit).nonzero().squeeze(1)
         ukeys, inverse = torch.unique(keys[miss], return_inverse=True)
-        urows, cacheable = self._fetch(ukeys)
+        urows, cacheable = self._fetch(ukeys, since)
         contrib = urows[inverse]
         if weights is not None:
             contrib = contrib * weights[miss, None]
@@ -382,8 +382,11 @@ class HierarchicalTiers(Tiers):
             return values, hit
         return self.host.lookup(keys)
 
-    def _fetch(self, ukeys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows of distinct missed keys from the lower tiers: (rows, found)."""
+    def _fetch(self, ukeys: torch.Tensor, since: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of distinct missed keys from the lower tiers: (rows, found).
+
+        ``since`` is the ring cursor taken before anything was read: fills of keys
+        announced after it are refused (their rows may predate the change)."""
         n = ukeys.numel()
         if self.host is not None:
             rows, found = self._host_lookup(ukeys)
@@ -395,7 +398,7 @@ class HierarchicalTiers(Tiers):
             found = torch.zeros(n, dtype=torch.bool, device=self.device)
         need = ~found
         if self.ps is not None and bool(need.any()):
-            self._fetch_ps(ukeys, rows, found, need)
+            self._fetch_ps(ukeys, rows, found, need, since)
         missing = ~found
         if bool(missing.any()):
             if self._default is None:
@@ -410,7 +413,7 @@ class HierarchicalTiers(Tiers):
         return rows, found
 
     def _fetch_ps(self, ukeys: torch.Tensor, rows: torch.Tensor, found: torch.Tensor,
-                  need: torch.Tensor) -> None:
+                  need: torch.Tensor, since: int) -> None:
         from psclient import PSClientError
 
         need_keys = ukeys[need].cpu()
@@ -435,7 +438,7 @@ class HierarchicalTiers(Tiers):
             if self._policy.host < 1.0:
                 admit &= torch.rand(admit.numel()) < self._policy.host
             if bool(admit.any()):
-                self.host.insert(need_keys[admit], values[admit], overwrite=False)
+                self.host.insert(need_keys[admit], values[admit], overwrite=False, since=since)
                 self._host[2] += int(admit.sum())
 
     # -- writes -----------------------------------------------------------------------------

@@ -133,10 +133,13 @@ class HostCache(SharedTable):
 
     # -- reads ---------------------------------------------------------------------------
 
-    def lookup(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def lookup(
+        self, keys: torch.Tensor, *, count: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of ``keys`` (int64 CPU [N]): ``(values [N, dim], hit bool [N])``.
 
         Missing keys give zero rows. Never takes a lock; never returns a torn row.
+        ``count=False`` is a peek: no hit counters or policy counters change.
         """
         keys = check_cache_keys(keys)
         self._live()
@@ -157,6 +160,8 @@ class HostCache(SharedTable):
         miss = (~hit).nonzero().squeeze(1)
         if miss.numel():
             values.index_fill_(0, miss, 0)
+        if not count:
+            return values, hit
         hit_slots = slot[hit]
         n_hits = int(hit_slots.numel())
         if n_hits:
@@ -202,7 +207,12 @@ class HostCache(SharedTable):
         self._versions[slots] += 1  # even again: the new contents are committed
 
     def insert(
-        self, keys: torch.Tensor, values: torch.Tensor, *, overwrite: bool = True
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        *,
+        overwrite: bool = True,
+        since: int | None = None,
     ) -> None:
         """Insert rows, best effort: evicts by policy.
 
@@ -213,14 +223,35 @@ class HostCache(SharedTable):
                 drops them). ``False`` leaves cached keys as they are: the safe way to fill
                 the cache with rows read from a parameter server, since a concurrent
                 ``update`` that got there first is never overwritten with an older row.
+            since: a ring cursor (:attr:`change_cursor`) taken before the rows were read:
+                keys announced since then are not inserted (their rows may be older than
+                the change), and nothing is if the ring overflowed since. Together with
+                ``overwrite=False`` this makes a fill from the parameter server safe
+                against any concurrent update, here or on another node.
 
         When more new keys than ``ways`` fall in one bucket in one batch, the extra ones
         are not inserted.
         """
-        self._upsert(keys, values, overwrite=overwrite, announce_new=False)
+        self._upsert(keys, values, overwrite=overwrite, announce_new=False, since=since)
+
+    def announce(self, keys: torch.Tensor) -> None:
+        """Append keys to the invalidation ring without touching rows: tell every process
+        that these keys changed elsewhere (a node service following a parameter server's
+        change feed announces keys it does not hold, so in-flight fills of them are refused).
+        """
+        keys = check_cache_keys(keys)
+        if keys.numel():
+            with self._writing():
+                self.ring.append(torch.unique(keys))
 
     def _upsert(
-        self, keys: torch.Tensor, values: torch.Tensor, *, overwrite: bool, announce_new: bool
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        *,
+        overwrite: bool,
+        announce_new: bool,
+        since: int | None = None,
     ) -> torch.Tensor:
         """Write present keys (if ``overwrite``) and place absent ones; bool [N] present."""
         keys = check_cache_keys(keys)
@@ -230,6 +261,14 @@ class HostCache(SharedTable):
         ways = self.geometry.ways
         with self._writing():
             ukeys, last, inverse = dedup_last(keys)
+            if since is not None:
+                changed, _, overflowed = self.ring.changes_since(since)
+                if overflowed:
+                    return torch.zeros(keys.numel(), dtype=torch.bool)
+                if changed.numel():
+                    fresh = ~torch.isin(ukeys, changed)
+                    ukeys, last = ukeys[fresh], last[fresh]
+                    inverse = None
             urows = values.index_select(0, last)
             bucket, found, slot = self._find(ukeys)
             old_slots = slot[found]
@@ -245,6 +284,8 @@ class HostCache(SharedTable):
             c = self._counters
             c[C_INSERTS] += (int(found.sum()) if overwrite else 0) + written
             c[C_EVICTIONS] += evicted
+        if inverse is None:  # some keys were refused: report the found ones by key
+            return torch.isin(keys, ukeys[found])
         return found[inverse]
 
     def _insert_new(

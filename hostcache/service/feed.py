@@ -41,7 +41,6 @@ import torch
 
 from ..cache import HostCache
 from ..memblock import SharedMemBlock
-from ..table import C_HITS, C_LOOKUPS, C_MISSES
 from .config import TableConfig
 from .warmup import reload_linear
 
@@ -265,17 +264,13 @@ class FeedFollower(threading.Thread):
         assert isinstance(self.table, HostCache)
         hc = self.table
         values, found = ps.lookup(keys)
-        cached, hit = hc.lookup(keys)
-        # the probe is not traffic: take it out of this process's counter slot again
-        n_hit = int(hit.sum())
-        c = hc._counters
-        c[C_LOOKUPS] -= 1
-        c[C_HITS] -= n_hit
-        c[C_MISSES] -= keys.numel() - n_hit
+        cached, hit = hc.lookup(keys, count=False)  # a peek: not traffic
         same = hit & found & (cached == values).all(dim=1)
-        stale = keys[~same]
-        if stale.numel():
-            hc.erase(stale)
+        if bool((~same).any()):
+            hc.erase(keys[~same & hit])
+            # keys not cached here are announced too: a replica filling one of them from a
+            # read made before the change has its fill refused (HostCache.insert since=)
+            hc.announce(keys[~hit])
 
     def _reset(self, ps: Any) -> None:
         """Forget every row that may be stale: clear a host cache, reload a linear table."""

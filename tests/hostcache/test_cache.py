@@ -306,3 +306,27 @@ def test_update_insert_missing_announces_every_key(cache: HostCache) -> None:
     assert found.tolist() == [True, False]
     assert sorted(cache.changes_since(start)[0].tolist()) == [1, 2]
     assert cache.lookup(torch.tensor([2]))[1].item()
+
+
+def test_fill_since_a_cursor_refuses_keys_announced_meanwhile(cache: HostCache) -> None:
+    """A fill read before a change (announced or written) never lands after it."""
+    keys = torch.tensor([1, 2, 3])
+    cursor = cache.change_cursor  # a replica takes the cursor, then reads the PS (old rows)
+    cache.announce(torch.tensor([2]))  # another node changed key 2 (the service announces)
+    cache.update(torch.tensor([3]), rows_for(torch.tensor([3]), 5), insert_missing=True)
+    cache.insert(keys, rows_for(keys, 0), overwrite=False, since=cursor)
+    values, hit = cache.lookup(keys)
+    assert hit.tolist() == [True, False, True]
+    assert torch.equal(values[2], rows_for(torch.tensor([3]), 5)[0])  # the update stands
+    cache.clear()  # overflow: a fill from before a clear is refused entirely
+    cache.insert(keys, rows_for(keys, 0), overwrite=False, since=cursor)
+    assert not cache.lookup(keys)[1].any()
+
+
+def test_peek_changes_no_counter(cache: HostCache) -> None:
+    cache.insert(torch.tensor([1]), rows_for(torch.tensor([1])))
+    before = cache.stats()
+    _, hit = cache.lookup(torch.tensor([1, 2]), count=False)
+    assert hit.tolist() == [True, False]
+    after = cache.stats()
+    assert (after.hits, after.misses, after.lookups) == (before.hits, before.misses, before.lookups)
