@@ -108,9 +108,13 @@ def filled_cache(slots: int, gen: torch.Generator) -> tuple[GPUCache, torch.Tens
 def run_lookup(args: argparse.Namespace, gen: torch.Generator) -> None:
     slots = (1 << 21) if args.quick else (1 << 24)
     cache, keys, slot_of = filled_cache(slots, gen)
-    emb = torch.nn.Embedding(cache.capacity, DIM, device="cuda")
-    bag = torch.nn.EmbeddingBag(cache.capacity, DIM, mode="sum", include_last_offset=True,
-                                _weight=emb.weight, device="cuda")
+    # NOTE: the baselines read the cache's own rows (same table size, same values), so the
+    # pooled check can compare with EmbeddingBag over the slots of the looked-up keys.
+    table = cache._rows
+    emb = torch.nn.Embedding.from_pretrained(table, freeze=True)
+    bag = torch.nn.EmbeddingBag.from_pretrained(table, freeze=True, mode="sum",
+                                                include_last_offset=True)
+    plain = GPUCache(0, DIM, torch.float32, "cuda")  # the GPULayer path: a plain gather
     perm = torch.randperm(keys.numel(), device="cuda", generator=gen)
     with torch.no_grad():
         for dist, alpha in (("zipf", 1.05), ("uniform", 0.0)):
@@ -119,49 +123,97 @@ def run_lookup(args: argparse.Namespace, gen: torch.Generator) -> None:
                 q, idx = keys[pick], slot_of[pick]
                 got, hit = cache.lookup(q)
                 assert bool(hit.all()) and torch.equal(got, cache.gather(idx))
+                assert torch.equal(got, emb(idx))
+                got0, hit0 = plain.lookup_linear(idx, table, validate=False)
+                assert not bool(hit0.any()) and torch.equal(got0, got)
                 t = bench(lambda q=q: cache.lookup(q), args.quick)
                 tb = bench(lambda idx=idx: emb(idx), args.quick)
+                t0 = bench(lambda idx=idx: plain.lookup_linear(idx, table, validate=False),
+                           args.quick)
                 emit(bench="lookup", dist=dist, batch=n, hit_rate=1.0,
                      baseline="torch.nn.Embedding", **figures(n, t, tb))
+                emit(bench="plain_gather", what="GPUCache(0).lookup_linear (GPULayer path)",
+                     dist=dist, batch=n, baseline="torch.nn.Embedding", **figures(n, t0, tb))
             n = 256 * 1024
             pick = perm[zipf_ranks(keys.numel(), n, alpha, gen)]
             q, idx = keys[pick], slot_of[pick]
             offsets = torch.arange(0, n + 1, 1024, device="cuda")
             ref = bag(idx, offsets)
             got, hit = cache.lookup_pooled(q, offsets, "sum")
+            assert bool(hit.all())
             torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-3)
+            got0, _ = plain.lookup_linear_pooled(idx, offsets, table, "sum")
+            torch.testing.assert_close(got0, ref, rtol=1e-4, atol=1e-3)
             t = bench(lambda q=q, o=offsets: cache.lookup_pooled(q, o, "sum"), args.quick)
             t_nv = bench(lambda q=q, o=offsets: cache.lookup_pooled(q, o, "sum", validate=False),
                          args.quick)
+            t0 = bench(lambda i=idx, o=offsets: plain.lookup_linear_pooled(
+                i, o, table, "sum", validate=False), args.quick)
             tb = bench(lambda idx=idx, o=offsets: bag(idx, o), args.quick)
             emit(bench="pooled", dist=dist, bags=256, bag_size=1024, mode="sum",
                  baseline="torch.nn.EmbeddingBag", unvalidated_ratio=round(tb / t_nv, 3),
                  **figures(n, t, tb))
+            emit(bench="plain_pooled", what="GPUCache(0).lookup_linear_pooled (GPULayer path)",
+                 dist=dist, bags=256, bag_size=1024, mode="sum",
+                 baseline="torch.nn.EmbeddingBag", **figures(n, t0, tb))
     if args.sweep:
-        sweep(args, cache, keys, gen)
+        sweep(args, cache, keys, slot_of, gen)
 
 
-def sweep(args: argparse.Namespace, cache: GPUCache, keys: torch.Tensor,
+def sweep(args: argparse.Namespace, cache: GPUCache, keys: torch.Tensor, slot_of: torch.Tensor,
           gen: torch.Generator) -> None:
+    """Tile sizes and stages left out, by difference: kernel launches only, no validation."""
+    from hostcache.layout import EMPTY_KEY
+
     kernels = kernel_module("cache_kernels", interpret=False)
     saved = dict(kernels.CONFIG)
-    q = keys[zipf_ranks(keys.numel(), 1 << 20, 1.05, gen)]
-    for bk in (16, 32, 64):
-        for warps in (2, 4, 8):
-            kernels.CONFIG.update(lookup_block_k=bk, lookup_warps=warps)
-            t = bench(lambda: cache.lookup(q), True)
-            emit(bench="sweep_lookup", block_k=bk, warps=warps, batch=q.numel(),
-                 mkps=round(q.numel() / t / 1e6, 1))
+    c = cache
+    for dist, alpha in (("zipf", 1.05), ("uniform", 0.0)):
+        pick = zipf_ranks(keys.numel(), 1 << 20, alpha, gen)
+        q, idx = keys[pick], slot_of[pick]
+        n = q.numel()
+
+        def run(count: bool, gather: bool = True, q: torch.Tensor = q) -> Any:
+            c._will_count(q.numel())
+            return kernels.lookup(q, c._tkeys, c._counters, c._rows, c._hits, c.num_buckets,
+                                  c.ways, empty=EMPTY_KEY, gather=gather, count=count,
+                                  want_slots=False)
+
+        def plain(idx: torch.Tensor = idx) -> Any:
+            return kernels.lookup(idx, c._tkeys, c._counters, c._rows, c._hits, 0, c.ways,
+                                  empty=EMPTY_KEY, gather=True, count=False, want_slots=False,
+                                  table=c._rows)
+
+        t_emb = bench(lambda idx=idx: torch.nn.functional.embedding(idx, c._rows), True)
+        for bk, warps, stream in ((16, 4, 0), (32, 4, 0), (32, 4, 1), (32, 8, 0), (64, 4, 0),
+                                  (64, 8, 0), (64, 8, 1), (128, 8, 0)):
+            kernels.CONFIG.update(lookup_block_k=bk, lookup_warps=warps,
+                                  lookup_stream=stream)
+            row = {}
+            for what, fn in (("full", lambda: run(True)), ("no_count",
+                             lambda: run(False)), ("probe_only",
+                             lambda: run(True, False)), ("plain_gather", plain)):
+                row[what] = round(n / bench(fn, True) / 1e6, 1)
+            emit(bench="sweep_lookup", dist=dist, block_k=bk, warps=warps,
+                 stream=stream, batch=n, emb_mkps=round(n / t_emb / 1e6, 1), **row)
+        kernels.CONFIG.update(saved)
     n = 256 * 1024
-    q = keys[zipf_ranks(keys.numel(), n, 1.05, gen)]
+    pick = zipf_ranks(keys.numel(), n, 1.05, gen)
+    q, idx = keys[pick], slot_of[pick]
     offsets = torch.arange(0, n + 1, 1024, device="cuda")
-    for bk in (32, 64, 128):
-        for warps in (4, 8):
-            for bd in (0, 64):
-                kernels.CONFIG.update(pooled_block_k=bk, pooled_warps=warps, pooled_block_d=bd)
-                t = bench(lambda: cache.lookup_pooled(q, offsets, validate=False), True)
-                emit(bench="sweep_pooled", block_k=bk, warps=warps, block_d=bd or DIM,
-                     mkps=round(n / t / 1e6, 1))
+    plain0 = GPUCache(0, DIM, torch.float32, "cuda")
+    t_bag = bench(lambda: torch.nn.functional.embedding_bag(
+        idx, c._rows, offsets, mode="sum", include_last_offset=True), True)
+    for bk, warps, programs in ((64, 8, 256), (64, 8, 1024), (64, 8, 2048), (64, 8, 4096),
+                                (32, 4, 2048), (32, 8, 4096), (128, 8, 2048), (64, 4, 2048)):
+        kernels.CONFIG.update(pooled_block_k=bk, pooled_warps=warps,
+                              pooled_programs=programs)
+        t = bench(lambda: cache.lookup_pooled(q, offsets, validate=False), True)
+        t0 = bench(lambda: plain0.lookup_linear_pooled(idx, offsets, c._rows,
+                                                        validate=False), True)
+        emit(bench="sweep_pooled", block_k=bk, warps=warps, programs=programs,
+             split=kernels.pooled_split(n, 256, 1), mkps=round(n / t / 1e6, 1),
+             plain_mkps=round(n / t0 / 1e6, 1), bag_mkps=round(n / t_bag / 1e6, 1))
     kernels.CONFIG.clear()
     kernels.CONFIG.update(saved)
 

@@ -26,6 +26,7 @@ import time
 import uuid
 
 import torch
+import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -108,6 +109,8 @@ def bench_lookups(capacity: int, batches: list[int], reps: int, ceiling: float) 
             emit(bench="host_tier_table", capacity=capacity, rows=int(present.numel()),
                  GiB=hc.geometry.total_size / 2**30, fill_s=fill_s)
             rows = reg.rows()
+            g = reg.geometry
+            kern = hk._kernels(interpret=False)
             gen = torch.Generator(device="cuda").manual_seed(0)
             for alpha in (1.05, 0.0):
                 for batch in batches:
@@ -116,17 +119,44 @@ def bench_lookups(capacity: int, batches: list[int], reps: int, ceiling: float) 
                     unique = int(torch.unique(q).numel())
                     values, hit = hk.hostcache_lookup(reg, q)
                     assert bool(hit.all()) and torch.equal(values[:, 0], q.to(torch.float32))
+                    sorted_slots = torch.unique(slots)  # ascending = page order
+
+                    def variant(q=q, **cfg):
+                        def run_variant():
+                            saved = dict(hk.CONFIG)
+                            hk.CONFIG.update(cfg)
+                            try:
+                                return hk.hostcache_lookup(reg, q)
+                            finally:
+                                hk.CONFIG.update(saved)
+                        return run_variant
+
+                    def sort_only(q=q):
+                        skey = torch.empty_like(q)
+                        kern._sort_key_kernel[(triton.cdiv(q.numel(), 1024),)](
+                            q, skey, q.numel(), g.num_buckets, SHIFT=32, BLOCK=1024)
+                        return torch.sort(skey).indices
+
                     runs = {
                         "ours": lambda q=q: hk.hostcache_lookup(reg, q),
+                        "ours_bk32": variant(block_k=32),
+                        "ours_bk64_w8": variant(block_k=64, warps=8),
+                        "ours_unique_then_sort": variant(one_sort_max=0),
+                        "ours_one_sort": variant(one_sort_max=1 << 40),
                         "ours_no_dedup": lambda q=q: hk.hostcache_lookup(reg, q, dedup=False),
-                        "ours_no_sort": lambda q=q: hk.hostcache_lookup(
-                            reg, q, dedup=False, sort=False),
                         "ours_no_fence": lambda q=q: hk._lookup_triton(reg, q, fence=False),
+                        "stage_probe_only": lambda q=q: hk._lookup_triton(reg, q, gather=False),
+                        "stage_sort_only": sort_only,
+                        "ref_sorted_index_select_unique_rows": lambda s=sorted_slots:
+                            rows.index_select(0, s),
                         "baseline_index_select": lambda s=slots: rows.index_select(0, s),
                         "baseline_torch_probe": lambda q=q: hk.hostcache_lookup(
                             reg, q, backend="torch"),
                     }
-                    secs = {k: cuda_time(fn, reps) for k, fn in runs.items()}
+                    if batch <= 65536:
+                        runs["ours_no_sort"] = lambda q=q: hk.hostcache_lookup(
+                            reg, q, dedup=False, sort=False)
+                    secs = {w: cuda_time(f, reps) for w, f in runs.items()}
                     base = secs["baseline_index_select"]
                     for what, s in secs.items():
                         gbps = batch * ROW_BYTES / s / 1e9

@@ -37,6 +37,7 @@ PoolMode = Literal["sum", "mean"]
 
 #: element types a cache row may have.
 ROW_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_INT32_MAX = (1 << 31) - 1
 #: set NVEC_FORCE_TRITON=1 to make ``backend="auto"`` run the Triton kernels on CPU tensors
 #: too (through Triton's interpreter; slow, for tests).
 FORCE_TRITON_ENV = "NVEC_FORCE_TRITON"
@@ -143,6 +144,8 @@ class GPUCache:
         self._lookups = 0
         self._inserts = self._evictions = self._updates = self._erases = 0
         self._kernels: ModuleType | None = None
+        #: keys counted by the kernels since the counters were last clamped in full.
+        self._unclamped = 0
         use_triton = backend == "triton" or (backend == "auto" and (
             os.environ.get(FORCE_TRITON_ENV, "") == "1"
             or (dev.type == "cuda" and triton_available())))
@@ -239,6 +242,18 @@ class GPUCache:
 
     # ------------------------------------------------------------------ lookups
 
+    def _will_count(self, n: int) -> None:
+        """Before a kernel adds up to ``n`` unsaturated hits to the counters.
+
+        The kernels add without saturating (``gpu.cache_kernels``: a stored counter ``c``
+        means ``min(c, COUNTER_MAX)``); clamp every counter before the adds counted since
+        the last clamp could overflow int32. One pass over the counters per ~10^9 keys.
+        """
+        if self._unclamped + n > _INT32_MAX - twin.COUNTER_MAX:
+            self._counters.clamp_max_(twin.COUNTER_MAX)
+            self._unclamped = 0
+        self._unclamped += n
+
     def probe(self, keys: torch.Tensor, *, record: bool = True) -> torch.Tensor:
         """Slots holding ``keys`` (bookkeeping only, no row is moved).
 
@@ -251,9 +266,11 @@ class GPUCache:
         """
         keys = self._check_keys(keys)
         if self._kernels is not None:
+            if record:
+                self._will_count(keys.numel())
             _, hit, slots = self._kernels.lookup(
                 keys, self._tkeys, self._counters, self._rows, self._hits, self.num_buckets,
-                self.ways, empty=EMPTY_KEY, cmax=twin.COUNTER_MAX, gather=False,
+                self.ways, empty=EMPTY_KEY, gather=False,
                 count=record, want_slots=True)
             assert slots is not None
         else:
@@ -277,9 +294,10 @@ class GPUCache:
         keys = self._check_keys(keys)
         self._lookups += keys.numel()
         if self._kernels is not None:
+            self._will_count(keys.numel())
             out, hit, _ = self._kernels.lookup(
                 keys, self._tkeys, self._counters, self._rows, self._hits, self.num_buckets,
-                self.ways, empty=EMPTY_KEY, cmax=twin.COUNTER_MAX, gather=True, count=True,
+                self.ways, empty=EMPTY_KEY, gather=True, count=True,
                 want_slots=False)
             assert out is not None
             return out, hit
@@ -309,9 +327,10 @@ class GPUCache:
             self._check_linear_keys(keys, table.shape[0])
         self._lookups += keys.numel()
         if self._kernels is not None:
+            self._will_count(keys.numel())
             out, hit, _ = self._kernels.lookup(
                 keys, self._tkeys, self._counters, self._rows, self._hits, self.num_buckets,
-                self.ways, empty=EMPTY_KEY, cmax=twin.COUNTER_MAX, gather=True, count=True,
+                self.ways, empty=EMPTY_KEY, gather=True, count=True,
                 want_slots=False, table=table)
             assert out is not None
             return out, hit
@@ -379,10 +398,10 @@ class GPUCache:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         self._lookups += keys.numel()
         if self._kernels is not None:
+            self._will_count(keys.numel())
             return self._kernels.pooled(
                 keys, offsets, w, mv, self._tkeys, self._counters, self._rows, self._hits,
-                self.num_buckets, self.ways, mean=mean, empty=EMPTY_KEY,
-                cmax=twin.COUNTER_MAX, table=table)
+                self.num_buckets, self.ways, mean=mean, empty=EMPTY_KEY, table=table)
         hit, slot = twin.probe(self._tkeys, self.num_buckets, self.ways, keys)
         twin.bump(self._counters, slot, hit)
         twin.count_hits(self._hits, hit)
@@ -456,6 +475,7 @@ class GPUCache:
         """Drop every row (statistics are kept)."""
         self._tkeys.fill_(EMPTY_KEY)
         self._counters.zero_()
+        self._unclamped = 0
 
     # ------------------------------------------------------------------ introspection
 
@@ -471,7 +491,8 @@ class GPUCache:
 
     def state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Copies of ``(keys [slots], counters [slots], rows [slots, dim])`` on the CPU."""
-        return self._tkeys.cpu(), self._counters.cpu(), self._rows.cpu()
+        counters = self._counters.clamp_max(twin.COUNTER_MAX)  # see _will_count
+        return self._tkeys.cpu(), counters.cpu(), self._rows.cpu()
 
     def __repr__(self) -> str:
         return (f"GPUCache(slots={self.capacity}, ways={self.ways}, dim={self.dim}, "

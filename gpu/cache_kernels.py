@@ -6,7 +6,7 @@ interpreted for CPU tensors. Table layout (structure of arrays, slot ``b * WAYS 
 way ``w`` of bucket ``b``):
 
 * ``tkeys``    int64 ``[slots]``, ``EMPTY`` where free;
-* ``counters`` int32 ``[slots]``, the eviction-policy counter (hits, saturating);
+* ``counters`` int32 ``[slots]``, the eviction-policy counter (hits; clamped lazily);
 * ``rows``     ``[slots, dim]`` contiguous;
 * ``stats``    int64 ``[STAT_STRIPES]``, hit counts striped by program id (summed on read).
 
@@ -16,11 +16,21 @@ tile with wide loads. The bucket hash is ``hostcache.hashing.bucket_of`` written
 same integer operations (wrapping int64 multiply, logical shift as arithmetic shift and
 mask), so the CPU twin and these kernels agree bit for bit.
 
-NOTE: hit counters are bumped with integer atomics. A saturating add is an add whose old
-value is checked: an add that found the counter at or above ``CMAX`` is undone by a second
-atomic. Undone adds never see a value under ``CMAX`` after a counted add reached it, so
-the final counter is ``min(initial + hits, CMAX)`` whatever the order: the state equals
-the twin's.
+Counters: a hit adds 1 to its slot's counter. Each program first sums the hits of equal
+slots in its block, then issues one fire-and-forget atomic per distinct slot (the result is
+unused, so it compiles to a ``red``: no warp waits for it), after the row loads and stores:
+same-address atomics serialize in L2, and a Zipf batch hits its hottest slots thousands
+of times. The kernels do
+not saturate: ``GPUCache`` clamps lazily. Saturating adds of non-negative amounts compose,
+``min(min(c + a, CMAX) + b, CMAX) == min(c + a + b, CMAX)``, so a stored counter ``c``
+stands for ``min(c, CMAX)`` as long as it cannot overflow int32; the cache clamps every
+counter it reads (insert planning, ``state()``) and clamps the whole array before the keys
+counted since the last full clamp could push a counter past ``INT32_MAX``. The state is
+therefore exactly the twin's ``min(initial + hits, CMAX)``, whatever the order of the adds.
+
+Pooled lookups split each bag over several programs (``pooled_split``) so that a few
+hundred bags still fill the GPU; each program accumulates a ``[BLOCK_K, BLOCK_D]`` fp32
+tile and reduces it once, and a second launch sums the partial rows in a fixed order.
 """
 
 from __future__ import annotations
@@ -75,9 +85,18 @@ def _probe(tkeys_ptr, keys, kmask, num_buckets, WAYS: tl.constexpr, EMPTY: tl.co
 
 
 @triton.jit
-def _bump(counters_ptr, slot, hit, CMAX: tl.constexpr):
-    old = tl.atomic_add(counters_ptr + slot, 1, mask=hit, sem="relaxed")
-    tl.atomic_add(counters_ptr + slot, -1, mask=hit & (old >= CMAX), sem="relaxed")
+def _bump(counters_ptr, slot, hit, BLOCK_K: tl.constexpr):
+    """Add each hit to its slot's counter: one atomic per distinct slot of the block.
+
+    Duplicates inside the block (Zipf batches repeat hot keys) are summed first, so a hot
+    slot takes one atomic per block instead of one per key: same-address atomics serialize
+    in L2 and were the largest cost of a Zipf lookup. Fire-and-forget (``red``).
+    """
+    i = tl.arange(0, BLOCK_K)
+    same = (slot[:, None] == slot[None, :]) & hit[:, None] & hit[None, :]
+    count = tl.reduce(same.to(tl.int32), 1, _add_combine)
+    first = tl.reduce(tl.where(same, i[None, :], BLOCK_K), 1, _min_combine)
+    tl.atomic_add(counters_ptr + slot, count, mask=hit & (first == i), sem="relaxed")
 
 
 @triton.jit
@@ -86,58 +105,72 @@ def _lookup_kernel(
     out_ptr, hit_ptr, slots_ptr, table_ptr, num_rows, dim,
     HAS_CACHE: tl.constexpr, GATHER: tl.constexpr, LINEAR: tl.constexpr,
     WRITE_SLOTS: tl.constexpr, COUNT: tl.constexpr, WAYS: tl.constexpr,
-    EMPTY: tl.constexpr, CMAX: tl.constexpr, STAT_STRIPES: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+    EMPTY: tl.constexpr, STAT_STRIPES: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, STREAM: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     kmask = offs < n
     keys = tl.load(keys_ptr + offs, mask=kmask, other=EMPTY)
+    d = tl.arange(0, BLOCK_D)
+    if EVEN_D:
+        dmask = tl.full([BLOCK_D], 1, tl.int1)
+    else:
+        dmask = d < dim
     if HAS_CACHE:
         hit, slot = _probe(tkeys_ptr, keys, kmask, num_buckets, WAYS, EMPTY)
+        if GATHER:
+            vals = tl.load(rows_ptr + slot[:, None] * dim + d[None, :],
+                           mask=hit[:, None] & dmask[None, :], other=0.0)
+            if LINEAR:
+                inrange = kmask & (keys >= 0) & (keys < num_rows) & (hit == 0)
+                tval = tl.load(table_ptr + keys[:, None] * dim + d[None, :],
+                               mask=inrange[:, None] & dmask[None, :], other=0.0)
+                vals = tl.where(hit[:, None], vals, tval)
     else:
+        # NOTE: a disabled cache (the GPULayer path) is a plain gather: no probe load, no
+        # cache-row load, no atomics.
         hit = offs < 0
         slot = offs * 0
-    if COUNT:
-        if HAS_CACHE:
-            _bump(counters_ptr, slot, hit, CMAX)
-            nhits = tl.reduce(hit.to(tl.int64), 0, _add_combine)
-            tl.atomic_add(stats_ptr + pid % STAT_STRIPES, nhits)
+        if GATHER:
+            if LINEAR:
+                inrange = kmask & (keys >= 0) & (keys < num_rows)
+                vals = tl.load(table_ptr + keys[:, None] * dim + d[None, :],
+                               mask=inrange[:, None] & dmask[None, :], other=0.0)
+            else:
+                vals = tl.full([BLOCK_K, BLOCK_D], 0, rows_ptr.dtype.element_ty)
+    if GATHER:
+        optr = out_ptr + offs[:, None] * dim + d[None, :]
+        omask = kmask[:, None] & dmask[None, :]
+        if STREAM:
+            tl.store(optr, vals, mask=omask, cache_modifier=".cs")
+        else:
+            tl.store(optr, vals, mask=omask)
+    tl.store(hit_ptr + offs, hit.to(tl.int8), mask=kmask)
     if WRITE_SLOTS:
         tl.store(slots_ptr + offs, tl.where(hit, slot, -1), mask=kmask)
-    if GATHER:
-        d = tl.arange(0, BLOCK_D)
-        if EVEN_D:
-            dmask = tl.full([BLOCK_D], 1, tl.int1)
-        else:
-            dmask = d < dim
-        vals = tl.load(
-            rows_ptr + slot[:, None] * dim + d[None, :], mask=hit[:, None] & dmask[None, :],
-            other=0.0,
-        )
-        if LINEAR:
-            inrange = kmask & (keys >= 0) & (keys < num_rows) & (hit == 0)
-            tval = tl.load(
-                table_ptr + keys[:, None] * dim + d[None, :],
-                mask=inrange[:, None] & dmask[None, :], other=0.0,
-            )
-            vals = tl.where(hit[:, None], vals, tval)
-        tl.store(out_ptr + offs[:, None] * dim + d[None, :], vals,
-                 mask=kmask[:, None] & dmask[None, :])
-    tl.store(hit_ptr + offs, hit.to(tl.int8), mask=kmask)
+    if HAS_CACHE:
+        if COUNT:
+            # NOTE: fire-and-forget (result unused: a `red`, no round trip), issued after the
+            # loads and stores so no warp waits on a contended hot slot; not saturated here
+            # (see the module docstring for the lazy clamp).
+            _bump(counters_ptr, slot, hit, BLOCK_K)
+            nhits = tl.reduce(hit.to(tl.int64), 0, _add_combine)
+            tl.atomic_add(stats_ptr + pid % STAT_STRIPES, nhits, sem="relaxed")
 
 
 @triton.jit
 def _pooled_kernel(
     keys_ptr, offsets_ptr, weights_ptr, miss_ptr, tkeys_ptr, counters_ptr, rows_ptr,
-    stats_ptr, num_buckets, out_ptr, hit_ptr, table_ptr, num_rows, dim,
+    stats_ptr, num_buckets, out_ptr, part_ptr, hit_ptr, table_ptr, num_rows, dim,
     HAS_CACHE: tl.constexpr, HAS_W: tl.constexpr, HAS_MISS: tl.constexpr,
-    LINEAR: tl.constexpr, MEAN: tl.constexpr, WAYS: tl.constexpr, EMPTY: tl.constexpr,
-    CMAX: tl.constexpr, STAT_STRIPES: tl.constexpr, BLOCK_K: tl.constexpr,
+    LINEAR: tl.constexpr, MEAN: tl.constexpr, SPLIT: tl.constexpr, WAYS: tl.constexpr,
+    EMPTY: tl.constexpr, STAT_STRIPES: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
 ):
     bag = tl.program_id(0)
-    dchunk = tl.program_id(1)
+    split = tl.program_id(1)
+    dchunk = tl.program_id(2)
     # NOTE: only the first dim chunk bumps counters, counts hits and writes ``hit``.
     first = tl.full([BLOCK_K], 0, tl.int32) + dchunk == 0
     start = tl.load(offsets_ptr + bag)
@@ -147,48 +180,97 @@ def _pooled_kernel(
         dmask = tl.full([BLOCK_D], 1, tl.int1)  # dim is a multiple of BLOCK_D
     else:
         dmask = d < dim
-    acc = tl.full([BLOCK_D], 0.0, tl.float32)
+    # NOTE: accumulate a [BLOCK_K, BLOCK_D] tile in registers and reduce it across keys once
+    # at the end: a reduction per step would cost a shared-memory round and a barrier.
+    acc = tl.full([BLOCK_K, BLOCK_D], 0.0, tl.float32)
     nhits = tl.full([BLOCK_K], 0, tl.int64)
-    for s in range(start, end, BLOCK_K):
+    # NOTE: a while loop, not range(start, end, step): Triton 3.6's interpreter cannot take
+    # loaded values as range bounds.
+    s = start + split * BLOCK_K
+    while s < end:
         offs = s + tl.arange(0, BLOCK_K).to(tl.int64)
+        s += SPLIT * BLOCK_K
         kmask = offs < end
         keys = tl.load(keys_ptr + offs, mask=kmask, other=EMPTY)
         if HAS_CACHE:
             hit, slot = _probe(tkeys_ptr, keys, kmask, num_buckets, WAYS, EMPTY)
-            _bump(counters_ptr, slot, hit & first, CMAX)
+            vals = tl.load(
+                rows_ptr + slot[:, None] * dim + d[None, :], mask=hit[:, None] & dmask[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            if LINEAR:
+                inrange = kmask & (keys >= 0) & (keys < num_rows) & (hit == 0)
+                tval = tl.load(
+                    table_ptr + keys[:, None] * dim + d[None, :],
+                    mask=inrange[:, None] & dmask[None, :], other=0.0,
+                ).to(tl.float32)
+                vals = tl.where(hit[:, None], vals, tval)
+            if HAS_MISS:
+                mval = tl.load(
+                    miss_ptr + offs[:, None] * dim + d[None, :],
+                    mask=(kmask & (hit == 0))[:, None] & dmask[None, :], other=0.0,
+                ).to(tl.float32)
+                vals = tl.where(hit[:, None], vals, mval)
         else:
             hit = offs < 0
             slot = offs * 0
-        nhits += hit.to(tl.int64)
-        vals = tl.load(
-            rows_ptr + slot[:, None] * dim + d[None, :], mask=hit[:, None] & dmask[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        if LINEAR:
-            inrange = kmask & (keys >= 0) & (keys < num_rows) & (hit == 0)
-            tval = tl.load(
-                table_ptr + keys[:, None] * dim + d[None, :],
-                mask=inrange[:, None] & dmask[None, :], other=0.0,
-            ).to(tl.float32)
-            vals = tl.where(hit[:, None], vals, tval)
-        if HAS_MISS:
-            mval = tl.load(
-                miss_ptr + offs[:, None] * dim + d[None, :],
-                mask=(kmask & (hit == 0))[:, None] & dmask[None, :], other=0.0,
-            ).to(tl.float32)
-            vals = tl.where(hit[:, None], vals, mval)
+            if LINEAR:
+                inrange = kmask & (keys >= 0) & (keys < num_rows)
+                vals = tl.load(
+                    table_ptr + keys[:, None] * dim + d[None, :],
+                    mask=inrange[:, None] & dmask[None, :], other=0.0,
+                ).to(tl.float32)
+            elif HAS_MISS:
+                vals = tl.load(
+                    miss_ptr + offs[:, None] * dim + d[None, :],
+                    mask=kmask[:, None] & dmask[None, :], other=0.0,
+                ).to(tl.float32)
+            else:
+                vals = tl.full([BLOCK_K, BLOCK_D], 0.0, tl.float32)
         if HAS_W:
             w = tl.load(weights_ptr + offs, mask=kmask, other=0.0).to(tl.float32)
             vals = vals * w[:, None]
-        acc += tl.reduce(vals, 0, _add_combine)
+        acc += vals
         tl.store(hit_ptr + offs, hit.to(tl.int8), mask=kmask & first)
-    if MEAN:
-        acc = acc / tl.maximum(end - start, 1).to(tl.float32)
-    tl.store(out_ptr + bag.to(tl.int64) * dim + d, acc.to(out_ptr.dtype.element_ty), mask=dmask)
+        if HAS_CACHE:
+            _bump(counters_ptr, slot, hit & first, BLOCK_K)
+            nhits += hit.to(tl.int64)
+    res = tl.reduce(acc, 0, _add_combine)
+    if SPLIT == 1:
+        if MEAN:
+            res = res / tl.maximum(end - start, 1).to(tl.float32)
+        tl.store(out_ptr + bag.to(tl.int64) * dim + d, res.to(out_ptr.dtype.element_ty),
+                 mask=dmask)
+    else:
+        tl.store(part_ptr + (bag.to(tl.int64) * SPLIT + split) * dim + d, res, mask=dmask)
     if HAS_CACHE:
         total = tl.reduce(nhits, 0, _add_combine)
         if dchunk == 0:
-            tl.atomic_add(stats_ptr + bag % STAT_STRIPES, total)
+            tl.atomic_add(stats_ptr + (bag * SPLIT + split) % STAT_STRIPES, total,
+                          sem="relaxed")
+
+
+@triton.jit
+def _pool_finish_kernel(
+    part_ptr, offsets_ptr, out_ptr, dim, MEAN: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+):
+    """Sums the ``SPLIT`` fp32 partial rows of a bag in a fixed order (deterministic)."""
+    bag = tl.program_id(0)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    if EVEN_D:
+        dmask = tl.full([BLOCK_D], 1, tl.int1)
+    else:
+        dmask = d < dim
+    s = tl.arange(0, SPLIT)
+    p = tl.load(part_ptr + (bag.to(tl.int64) * SPLIT + s)[:, None] * dim + d[None, :],
+                mask=dmask[None, :], other=0.0)
+    res = tl.reduce(p, 0, _add_combine)
+    if MEAN:
+        start = tl.load(offsets_ptr + bag)
+        end = tl.load(offsets_ptr + bag + 1)
+        res = res / tl.maximum(end - start, 1).to(tl.float32)
+    tl.store(out_ptr + bag.to(tl.int64) * dim + d, res.to(out_ptr.dtype.element_ty), mask=dmask)
 
 
 @triton.jit
@@ -212,11 +294,18 @@ def _scatter_rows_kernel(
 CONFIG: dict[str, int] = {
     "lookup_block_k": 32,
     "lookup_warps": 4,
+    "lookup_stream": 0,  # 1: store gathered rows with .cs (streaming, evict first)
     "pooled_block_k": 64,
     "pooled_warps": 8,
     "pooled_block_d": 0,  # 0: the whole row in one program
+    "pooled_programs": 256,  # split bags over about this many programs in all
+    "pooled_max_split": 64,
     "scatter_block_k": 16,
 }
+if triton.knobs.runtime.interpret:
+    # NOTE: the interpreter runs a block's [BLOCK_K, BLOCK_K] duplicate-slot comparison in
+    # numpy: small blocks keep the CPU tests fast (and cover many programs per launch).
+    CONFIG.update(lookup_block_k=8, pooled_block_k=8)
 
 
 def _block_d(dim: int) -> int:
@@ -225,10 +314,13 @@ def _block_d(dim: int) -> int:
 
 def lookup(
     keys: torch.Tensor, tkeys: torch.Tensor, counters: torch.Tensor, rows: torch.Tensor,
-    stats: torch.Tensor, num_buckets: int, ways: int, *, empty: int, cmax: int,
-    gather: bool, count: bool, want_slots: bool, table: torch.Tensor | None = None,
+    stats: torch.Tensor, num_buckets: int, ways: int, *, empty: int, gather: bool,
+    count: bool, want_slots: bool, table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-    """Probe (+ gather, + linear-table misses) of ``keys``: ``(values, hit, slots)``."""
+    """Probe (+ gather, + linear-table misses) of ``keys``: ``(values, hit, slots)``.
+
+    Hit slots' counters get one unsaturated add per key (the caller clamps lazily).
+    """
     n = keys.numel()
     dim = rows.shape[1]
     out = torch.empty((n, dim), dtype=rows.dtype, device=keys.device) if gather else None
@@ -245,19 +337,35 @@ def lookup(
         slots if slots is not None else keys, table if linear else rows,
         table.shape[0] if table is not None else 0, dim,
         HAS_CACHE=num_buckets > 0, GATHER=gather, LINEAR=linear, WRITE_SLOTS=want_slots,
-        COUNT=count, WAYS=ways, EMPTY=empty, CMAX=cmax, STAT_STRIPES=stats.numel(),
-        BLOCK_K=bk, BLOCK_D=bd, EVEN_D=bd == dim, num_warps=CONFIG["lookup_warps"],
+        COUNT=count, WAYS=ways, EMPTY=empty, STAT_STRIPES=stats.numel(),
+        BLOCK_K=bk, BLOCK_D=bd, EVEN_D=bd == dim, STREAM=bool(CONFIG["lookup_stream"]),
+        num_warps=CONFIG["lookup_warps"],
     )
     return out, hit, slots
+
+
+def pooled_split(n: int, nbags: int, dchunks: int) -> int:
+    """Programs per bag (a power of two): enough to fill the GPU, none idle on average."""
+    bk = CONFIG["pooled_block_k"]
+    per_bag = max(1, -(-n // max(nbags, 1)))  # average bag length, rounded up
+    useful = -(-per_bag // bk)  # key blocks of an average bag
+    want = -(-CONFIG["pooled_programs"] // max(nbags * dchunks, 1))
+    split = max(1, min(useful, want, CONFIG["pooled_max_split"]))
+    return 1 << (split.bit_length() - 1)
 
 
 def pooled(
     keys: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
     miss_values: torch.Tensor | None, tkeys: torch.Tensor, counters: torch.Tensor,
     rows: torch.Tensor, stats: torch.Tensor, num_buckets: int, ways: int, *, mean: bool,
-    empty: int, cmax: int, table: torch.Tensor | None = None,
+    empty: int, table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Probe + gather + pool per bag, fused: ``(pooled [B, dim], hit [N])``."""
+    """Probe + gather + pool per bag, fused: ``(pooled [B, dim], hit [N])``.
+
+    Each bag is split over ``pooled_split`` programs (key blocks dealt round robin); with
+    more than one, the programs write fp32 partial rows and a second launch sums them in a
+    fixed order, so results are deterministic.
+    """
     n = keys.numel()
     nbags = offsets.numel() - 1
     dim = rows.shape[1]
@@ -267,17 +375,27 @@ def pooled(
         return out, hit
     bd = CONFIG["pooled_block_d"] or _block_d(dim)
     bd = min(bd, _block_d(dim))
+    nd = triton.cdiv(dim, bd)
+    split = pooled_split(n, nbags, nd)
+    part = (torch.empty((nbags, split, dim), dtype=torch.float32, device=keys.device)
+            if split > 1 else out)
     linear = table is not None
-    _pooled_kernel[(nbags, triton.cdiv(dim, bd))](
+    even_d = dim % bd == 0
+    _pooled_kernel[(nbags, split, nd)](
         keys, offsets, weights if weights is not None else rows,
         miss_values if miss_values is not None else rows, tkeys, counters, rows, stats,
-        max(num_buckets, 1), out, hit.view(torch.int8), table if linear else rows,
+        max(num_buckets, 1), out, part, hit.view(torch.int8), table if linear else rows,
         table.shape[0] if table is not None else 0, dim,
         HAS_CACHE=num_buckets > 0, HAS_W=weights is not None,
-        HAS_MISS=miss_values is not None, LINEAR=linear, MEAN=mean, WAYS=ways, EMPTY=empty,
-        CMAX=cmax, STAT_STRIPES=stats.numel(), BLOCK_K=CONFIG["pooled_block_k"],
-        BLOCK_D=bd, EVEN_D=dim % bd == 0, num_warps=CONFIG["pooled_warps"],
+        HAS_MISS=miss_values is not None, LINEAR=linear, MEAN=mean, SPLIT=split, WAYS=ways,
+        EMPTY=empty, STAT_STRIPES=stats.numel(), BLOCK_K=CONFIG["pooled_block_k"],
+        BLOCK_D=bd, EVEN_D=even_d, num_warps=CONFIG["pooled_warps"],
     )
+    if split > 1:
+        _pool_finish_kernel[(nbags, nd)](
+            part, offsets, out, dim, MEAN=mean, SPLIT=split, BLOCK_D=bd, EVEN_D=even_d,
+            num_warps=4,
+        )
     return out, hit
 
 

@@ -11,7 +11,9 @@ sorts, integer scatters) so the CPU and CUDA tables end in the same state.
 
 Eviction policy, per bucket (LFU with dynamic aging, "lfu-da"):
 
-* a hit adds 1 to its slot's counter, saturating at :data:`COUNTER_MAX`;
+* a hit adds 1 to its slot's counter, saturating at :data:`COUNTER_MAX` (the Triton
+  kernels add without saturating and the cache clamps lazily, with the same result:
+  ``gpu.cache_kernels``);
 * a new key takes a free way, else the way with the lowest counter (ties: lowest way), and
   starts at the victim's counter + 1 (a free way's counter is 0), so a newcomer competes
   with the bucket's current "age" instead of starting below every resident;
@@ -174,7 +176,9 @@ def plan_insert(
     way = torch.arange(ways, device=dev)
     bslots = ubuckets[:, None] * ways + way[None, :]
     bkeys = tkeys[bslots]
-    bcount = counters[bslots]
+    # NOTE: clamped on read: the Triton kernels add hits without saturating (see
+    # gpu.cache_kernels); a stored counter c stands for min(c, COUNTER_MAX).
+    bcount = counters[bslots].clamp_max(COUNTER_MAX)
     old = bcount.amax(dim=1, keepdim=True) >= DECAY_AT
     bcount = torch.where(old, bcount >> 1, bcount)
     bpinned = torch.isin(bkeys, uk[hit])

@@ -16,13 +16,20 @@ row lives at ``rows_off + slot * row_stride`` and its key/version at ``slot * 8`
 arrays, with ``slot = bucket * ways + way``: sorting the keys by *bucket* therefore puts
 the probe's key/version reads and the row reads all in page order at once. So a lookup:
 
-1. deduplicates the batch on the GPU (``torch.unique``: each row crosses the link once);
-2. hashes the distinct keys in a small kernel (same integer ops as ``hostcache.hashing``)
-   and sorts them by bucket (``torch.sort``);
-3. runs one fused kernel over the sorted keys: per key, load the bucket's versions, then
-   its keys, pick the matching way, gather the row, re-load the slot's version, and write
-   the row (zeros on a miss) to the key's output position;
-4. expands the distinct rows back to the batch (``index_select`` in device memory).
+1. batches up to ``CONFIG["one_sort_max"]`` keys: one kernel computes a sort key per key
+   (``bucket << 32 | low hash bits``) and one ``torch.sort`` puts the batch in bucket order
+   with equal keys next to each other (no host sync); the probe kernel visits that order
+   and fetches only the first key of each run, and a second kernel copies its row to the
+   rest of the run in device memory;
+2. larger batches: ``torch.unique`` (each row crosses the link once), a small kernel
+   hashes the distinct keys, ``torch.sort`` orders them by bucket, the probe kernel runs
+   over the distinct keys only, and ``index_select`` expands the rows back to the batch.
+
+Per key, the probe kernel loads the bucket's versions, then its keys, picks the matching
+way, gathers the row, re-loads the slot's version, and writes the row (zeros on a miss)
+to the key's output position. Measured on the H200 machine (2 GiB table, see
+``bench/bench_host_tier.py``): the probe's small reads (64 + 64 + 8 bytes per key), not
+the row reads, take most of the time of a large uniform batch.
 
 Memory ordering (why a row is never torn)
 -----------------------------------------
@@ -105,14 +112,19 @@ if triton is not None:
     _EMPTY: tl.constexpr = tl.constexpr(layout.EMPTY_KEY)
 
     @triton.jit
-    def _bucket_of(k, num_buckets):
-        """``hostcache.hashing.bucket_of``, bit for bit (int64 wrapping multiply)."""
+    def _hash63(k):
+        """The 63-bit hash of ``hostcache.hashing.bucket_of`` (int64 wrapping multiply)."""
         x = k ^ ((k >> 33) & _MASK31)
         x = x * _M1
         x = x ^ ((x >> 33) & _MASK31)
         x = x * _M2
         x = x ^ ((x >> 33) & _MASK31)
-        return (x & _INT64_MAX) % num_buckets
+        return x & _INT64_MAX
+
+    @triton.jit
+    def _bucket_of(k, num_buckets):
+        """``hostcache.hashing.bucket_of``, bit for bit."""
+        return _hash63(k) % num_buckets
 
     # NOTE: reductions use tl.reduce with our own combine functions, not tl.sum/tl.min:
     # those are @triton.jit helpers of triton's stdlib, decorated when triton was imported,
@@ -153,9 +165,46 @@ if triton is not None:
         tl.store(out_ptr + offs, _bucket_of(k, num_buckets), mask=m)
 
     @triton.jit
+    def _sort_key_kernel(keys_ptr, out_ptr, n, num_buckets, SHIFT: tl.constexpr,  # noqa: N803
+                         BLOCK: tl.constexpr):  # noqa: N803
+        """``bucket << SHIFT | low SHIFT bits of the hash``: bucket order, and equal keys
+        (equal hashes) next to each other once sorted."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        x = _hash63(tl.load(keys_ptr + offs, mask=m, other=0))
+        if SHIFT > 0:
+            c = ((x % num_buckets) << SHIFT) | (x & ((1 << SHIFT) - 1))
+        else:
+            c = x % num_buckets
+        tl.store(out_ptr + offs, c, mask=m)
+
+    @triton.jit
+    def _fill_dups_kernel(
+        perm_ptr, head_ptr, out_ptr, hit_ptr, n, dim,
+        BLOCK_K: tl.constexpr,  # noqa: N803
+        BLOCK_D: tl.constexpr,  # noqa: N803
+        EVEN_D: tl.constexpr,  # noqa: N803
+    ):
+        """Duplicates take the row and hit of their run's first key (device memory only)."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+        m = offs < n
+        h = tl.load(head_ptr + offs, mask=m, other=0)
+        dup = m & (h != offs)
+        dst = tl.load(perm_ptr + offs, mask=dup, other=0)
+        src = tl.load(perm_ptr + h, mask=dup, other=0)
+        d = tl.arange(0, BLOCK_D)
+        dmask = (d < BLOCK_D) if EVEN_D else (d < dim)
+        mask = dup[:, None] & dmask[None, :]
+        row = tl.load(out_ptr + src[:, None] * dim + d[None, :], mask=mask, other=0)
+        tl.store(out_ptr + dst[:, None] * dim + d[None, :], row, mask=mask)
+        tl.store(hit_ptr + dst, tl.load(hit_ptr + src, mask=dup, other=0), mask=dup)
+
+    @triton.jit
     def _probe_gather_kernel(
-        keys_ptr,  # int64 [n] keys to look up (sorted by bucket for page order)
-        pos_ptr,  # int64 [n] output row of each key
+        keys_ptr,  # int64 [n] keys to look up (sorted by bucket for page order), or with
+        # PERM the batch's keys in their own order
+        pos_ptr,  # int64 [n] output row of each key (with PERM: the visiting order)
+        head_ptr,  # int64 [n] with DEDUP: i where key i starts a run of equal keys, else 0
         tab_keys_ptr,  # int64 [slots] registered keys
         tab_ver_ptr,  # int64 [slots] registered versions (first read)
         tab_ver2_ptr,  # int64 [slots] versions for the second read (the same, but in tests)
@@ -171,10 +220,23 @@ if triton is not None:
         BLOCK_D: tl.constexpr,  # noqa: N803
         FENCE: tl.constexpr,  # noqa: N803
         EVEN_D: tl.constexpr,  # noqa: N803 - dim == BLOCK_D: no column mask (wide loads)
+        PERM: tl.constexpr = False,  # noqa: N803 - visit keys_ptr[pos_ptr[i]], write there
+        DEDUP: tl.constexpr = False,  # noqa: N803 - with PERM: fetch only a run's first key
+        GATHER: tl.constexpr = True,  # noqa: N803 - False: probe only (for measurements)
     ):
         offs = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
         m = offs < n
-        k = tl.load(keys_ptr + offs, mask=m, other=_EMPTY)
+        if PERM:
+            pos = tl.load(pos_ptr + offs, mask=m, other=0)
+            k = tl.load(keys_ptr + pos, mask=m, other=_EMPTY)
+            if DEDUP:
+                prev = tl.load(pos_ptr + offs - 1, mask=m & (offs > 0), other=0)
+                pk = tl.load(keys_ptr + prev, mask=m & (offs > 0), other=0)
+                head = (offs == 0) | (pk != k)
+                tl.store(head_ptr + offs, tl.where(head, offs, 0), mask=m)
+                m = m & head
+        else:
+            k = tl.load(keys_ptr + offs, mask=m, other=_EMPTY)
         b = _bucket_of(k, num_buckets)
         w = tl.arange(0, WAYS)
         sidx = b[:, None] * WAYS + w[None, :]
@@ -192,18 +254,23 @@ if triton is not None:
         # 3. the row (address depends on the matched way)
         d = tl.arange(0, BLOCK_D)
         dmask = (d < BLOCK_D) if EVEN_D else (d < dim)
-        row = tl.load(
-            rows_ptr + slot[:, None] * row_stride + d[None, :],
-            mask=ok[:, None] & dmask[None, :],
-            other=0,
-            cache_modifier=".cv",
-        )
-        row_sum = tl.reduce(row.to(tl.float32), 1, _add)
-        dep2 = _sys_fence(row_sum.to(tl.int32, bitcast=True), FENCE)
+        if GATHER:
+            row = tl.load(
+                rows_ptr + slot[:, None] * row_stride + d[None, :],
+                mask=ok[:, None] & dmask[None, :],
+                other=0,
+                cache_modifier=".cv",
+            )
+            row_sum = tl.reduce(row.to(tl.float32), 1, _add)
+            dep2 = _sys_fence(row_sum.to(tl.int32, bitcast=True), FENCE)
+        else:
+            row = tl.full([BLOCK_K, BLOCK_D], 0, out_ptr.dtype.element_ty)
+            dep2 = _sys_fence(way, FENCE)
         # 4. the version again, after the row
         v2 = tl.load(tab_ver2_ptr + slot + dep2, mask=ok, other=-1, volatile=True)
         hit = ok & (v2 == v1)
-        pos = tl.load(pos_ptr + offs, mask=m, other=0)
+        if not PERM:
+            pos = tl.load(pos_ptr + offs, mask=m, other=0)
         out = tl.where(hit[:, None], row, 0)
         tl.store(out_ptr + pos[:, None] * dim + d[None, :], out, mask=m[:, None] & dmask[None, :])
         tl.store(hit_ptr + pos, hit, mask=m)
@@ -383,6 +450,17 @@ def _lookup_torch(reg: Any, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return values, hit
 
 
+#: launch settings of the host-tier lookup; the bench overrides them to compare variants.
+CONFIG: dict[str, int] = {
+    "block_k": 0,  # keys per program; 0: 2048 // BLOCK_D, at most 32
+    "warps": 4,
+    # Batches up to this many keys dedup and sort with one sort and no host sync; larger
+    # ones with torch.unique, then a sort of the distinct keys by bucket, so the probe runs
+    # over the distinct keys only (on the H200: faster from 256k keys on, slower at 64k).
+    "one_sort_max": 1 << 17,
+}
+
+
 def _lookup_triton(
     reg: Any,
     keys: torch.Tensor,
@@ -391,6 +469,7 @@ def _lookup_triton(
     sort: bool = True,
     versions_again: torch.Tensor | None = None,
     fence: bool = True,
+    gather: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton probe + gather; ``versions_again`` stands in for the second version read."""
     g = reg.geometry
@@ -399,6 +478,32 @@ def _lookup_triton(
     versions, tab_keys, rows = reg.versions(), reg.keys(), reg.rows()
     ver2 = versions if versions_again is None else versions_again
     dev = keys.device
+    bd = _block_d(g.dim)
+    bk = CONFIG["block_k"] or _block_k(bd)
+    common = dict(WAYS=g.ways, BLOCK_K=bk, BLOCK_D=bd, FENCE=fence and not interpret,
+                  EVEN_D=bd == g.dim, GATHER=gather, num_warps=CONFIG["warps"])
+    n = keys.numel()
+    if sort and 1 < n <= CONFIG["one_sort_max"]:
+        # One sort of (bucket, hash bits): bucket (= host page) order, and equal keys next
+        # to each other; the kernel fetches only the first key of each run of equal keys
+        # and a second kernel copies its row to the others, in device memory.
+        shift = max(0, 62 - max(1, g.num_buckets - 1).bit_length())
+        skey = torch.empty_like(keys)
+        k._sort_key_kernel[(triton.cdiv(n, 1024),)](
+            keys, skey, n, g.num_buckets, SHIFT=min(shift, 32), BLOCK=1024)
+        perm = torch.sort(skey).indices
+        out = torch.empty((n, g.dim), dtype=g.dtype, device=dev)
+        hit = torch.empty(n, dtype=torch.bool, device=dev)
+        head = torch.empty(n, dtype=torch.int64, device=dev) if dedup else perm
+        k._probe_gather_kernel[(triton.cdiv(n, bk),)](
+            keys, perm, head, tab_keys, versions, ver2, rows, out, hit,
+            n, g.num_buckets, rows.stride(0), g.dim, PERM=True, DEDUP=dedup, **common)
+        if dedup:
+            head = torch.cummax(head, 0).values
+            bkf = max(1, min(64, 4096 // bd))
+            k._fill_dups_kernel[(triton.cdiv(n, bkf),)](
+                perm, head, out, hit, n, g.dim, BLOCK_K=bkf, BLOCK_D=bd, EVEN_D=bd == g.dim)
+        return out, hit
     if dedup:
         uniq, inverse = torch.unique(keys, return_inverse=True)
     else:
@@ -416,14 +521,9 @@ def _lookup_triton(
     out = torch.empty((n, g.dim), dtype=g.dtype, device=dev)
     hit = torch.empty(n, dtype=torch.bool, device=dev)
     if n:
-        bd = _block_d(g.dim)
-        bk = _block_k(bd)
         k._probe_gather_kernel[(triton.cdiv(n, bk),)](
-            visit, pos, tab_keys, versions, ver2, rows, out, hit,
-            n, g.num_buckets, rows.stride(0), g.dim,
-            WAYS=g.ways, BLOCK_K=bk, BLOCK_D=bd, FENCE=fence and not interpret,
-            EVEN_D=bd == g.dim,
-        )
+            visit, pos, pos, tab_keys, versions, ver2, rows, out, hit,
+            n, g.num_buckets, rows.stride(0), g.dim, **common)
     if inverse is not None:
         return out.index_select(0, inverse), hit.index_select(0, inverse)
     return out, hit

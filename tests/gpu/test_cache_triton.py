@@ -113,6 +113,66 @@ def test_interpreter_saturating_counters(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 @needs_triton
+@pytest.mark.parametrize("cache_buckets", [0, 6])
+def test_interpreter_split_bags(monkeypatch: pytest.MonkeyPatch, cache_buckets: int) -> None:
+    """Bags split over several programs (partial rows summed by a second launch) pool like
+    the twin: sum, mean, weighted, miss rows, linear misses, an empty bag, a long bag."""
+    from gpu._triton import kernel_module
+
+    kernels = kernel_module("cache_kernels", interpret=True)
+    monkeypatch.setitem(kernels.CONFIG, "pooled_block_k", 4)
+    monkeypatch.setitem(kernels.CONFIG, "pooled_programs", 64)
+    assert kernels.pooled_split(200, 5, 1) == 8
+    gen = torch.Generator().manual_seed(3)
+    a = make("cpu", "torch", buckets=cache_buckets)
+    b = make("cpu", "triton", buckets=cache_buckets)
+    table = torch.randn(60, 12, generator=gen)
+    ins = torch.randint(0, 60, (40,), generator=gen)
+    keys = torch.randint(0, 60, (200,), generator=gen)
+    offsets = torch.tensor([0, 13, 13, 50, 71, 200])
+    w = torch.rand(200, generator=gen)
+    mv = torch.randn(200, 12, generator=gen)
+    for c in (a, b):
+        c.insert(ins, table[ins])
+    for args, kw in [((offsets, "sum"), {}), ((offsets, "mean"), {}), ((offsets, "sum", w), {}),
+                     ((offsets, "sum"), {"miss_values": mv})]:
+        (pa, ha), (pb, hb) = a.lookup_pooled(keys, *args, **kw), b.lookup_pooled(keys, *args, **kw)
+        torch.testing.assert_close(pa, pb)
+        assert torch.equal(ha, hb)
+    (pa, ha) = a.lookup_linear_pooled(keys, offsets, table, "mean")
+    (pb, hb) = b.lookup_linear_pooled(keys, offsets, table, "mean")
+    torch.testing.assert_close(pa, pb)
+    assert torch.equal(ha, hb) and torch.equal(pb[1], torch.zeros(12))
+    for x, y in zip(a.state(), b.state(), strict=True):
+        assert torch.equal(x, y)
+    assert a.stats() == b.stats()
+
+
+@needs_triton
+def test_interpreter_lazy_counter_clamp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernels add hits unsaturated; the cache clamps on read and before an int32
+    overflow could happen: the state stays the twin's, stored counters stay in range."""
+    import gpu.cache as cache_mod
+
+    monkeypatch.setattr(twin, "COUNTER_MAX", 5)
+    monkeypatch.setattr(cache_mod, "_INT32_MAX", 12)  # 7 unclamped adds allowed
+    a = make("cpu", "torch", buckets=2, ways=2)
+    b = make("cpu", "triton", buckets=2, ways=2)
+    for c in (a, b):
+        c.insert(torch.tensor([1, 2, 3]), torch.ones(3, 12))
+    for q in ([1] * 6, [1, 2] * 3, [3], [2] * 7, [1, 3, 3]):
+        for c in (a, b):
+            c.lookup(torch.tensor(q))
+            c.lookup_pooled(torch.tensor(q), torch.tensor([0, len(q)]))
+        assert int(b._counters.max()) <= 12
+        assert torch.equal(a.state()[1], b.state()[1])
+    b.insert(torch.tensor([4, 5]), torch.ones(2, 12))
+    a.insert(torch.tensor([4, 5]), torch.ones(2, 12))
+    for x, y in zip(a.state(), b.state(), strict=True):
+        assert torch.equal(x, y)
+
+
+@needs_triton
 def test_interpreter_disabled_cache() -> None:
     b = make("cpu", "triton", buckets=0)
     table = torch.randn(10, 12)

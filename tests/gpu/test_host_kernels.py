@@ -233,6 +233,27 @@ def test_interpreted_linear_gather(table_name: str, dedup: bool, sort: bool) -> 
         SharedMemBlock.unlink(table_name)
 
 
+@needs_triton
+def test_interpreted_unique_then_sort_path(
+    table_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both batch pipelines (one sort with run copies; unique, then a sort) give the table's
+    own lookup, bit for bit."""
+    hc, keys = _filled_cache(table_name, n=150, capacity=160, dim=5)
+    try:
+        with register(hc, device="cpu") as reg:
+            q = _queries(keys, 120, torch.Generator().manual_seed(9))
+            want_v, want_h = hc.lookup(q)
+            for one_sort_max in (0, 1 << 40):
+                monkeypatch.setitem(hk.CONFIG, "one_sort_max", one_sort_max)
+                values, hit = hk.hostcache_lookup(reg, q, backend="triton")
+                assert torch.equal(hit, want_h)
+                assert torch.equal(values, want_v)
+    finally:
+        hc.close()
+        HostCache.unlink(table_name)
+
+
 # -- CUDA -------------------------------------------------------------------------------
 
 
