@@ -28,7 +28,8 @@ COMPOSE = ROOT / "docker-compose.yml"
 
 @pytest.fixture(scope="module")
 def services() -> dict[str, Any]:
-    return yaml.safe_load(COMPOSE.read_text())["services"]  # type: ignore[no-any-return]
+    services: dict[str, Any] = yaml.safe_load(COMPOSE.read_text())["services"]
+    return services
 
 
 def replicas(services: dict[str, Any]) -> dict[str, Any]:

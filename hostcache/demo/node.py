@@ -254,8 +254,8 @@ def _start_service(cfg: DemoConfig, ps_url: str, state_dir: str) -> Node:
 def _wait_service(proc: subprocess.Popen[bytes], cfg: DemoConfig, service_dir: str) -> str | None:
     """Wait until the service has written its endpoint file and /healthz says ok.
 
-    The service writes ``endpoint.json`` last in its start (after the tables exist);
-    returns its metrics URL.
+    As docs/service.md says a launcher does: the service writes ``endpoint.json`` last in
+    its start (after the tables exist); returns its metrics URL.
     """
     deadline = time.monotonic() + SERVICE_START_TIMEOUT_S
     endpoint = os.path.join(service_dir, "endpoint.json")
@@ -264,7 +264,9 @@ def _wait_service(proc: subprocess.Popen[bytes], cfg: DemoConfig, service_dir: s
             raise DemoError(f"the node service exited with status {proc.returncode} before it "
                             "was ready (its log is above); run the demo with --no-service")
         info = _read_endpoint(endpoint)
-        if info is not None and all(segment.exists(n) for n in cfg.table_names):
+        # NOTE: a crashed service may have left an endpoint file: only our child's counts
+        if info is not None and info.get("pid") == proc.pid and all(
+                segment.exists(n) for n in cfg.table_names):
             url = info.get("url")
             if url is None or _healthy(str(url)):
                 return None if url is None else str(url).rstrip("/")

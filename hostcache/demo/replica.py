@@ -16,6 +16,7 @@ while every one of them still maps the shared segments.
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
 import os
 import signal
 import sys
@@ -93,7 +94,10 @@ def _serve(cfg: DemoConfig, rid: int, ps_url: str, queue: Any, tables_ready: Any
     from .model import build_model
 
     torch.set_num_threads(cfg.threads)
-    parent = os.getppid()
+    parent_process = mp.parent_process()
+    parent = parent_process.pid if parent_process is not None else None
+    if parent is None:
+        parent = os.getppid()
     device = replica_device(cfg, rid)
     hosts: dict[str, Any] = {}
     stores: dict[str, Any] = {}

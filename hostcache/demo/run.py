@@ -111,9 +111,10 @@ class Fleet:
 
     def _get(self, timeout: float) -> tuple[Any, ...] | None:
         try:
-            return self.queue.get(timeout=max(0.0, timeout))  # type: ignore[no-any-return]
+            msg: tuple[Any, ...] = self.queue.get(timeout=max(0.0, timeout))
         except queue_mod.Empty:
             return None
+        return msg
 
     def _check_alive(self) -> None:
         for rid, r in enumerate(self.replicas):

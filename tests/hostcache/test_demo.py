@@ -21,7 +21,7 @@ import torch
 
 from hostcache import HostCache, segment
 from hostcache.cli import main
-from hostcache.demo.config import DemoConfig
+from hostcache.demo.config import DemoConfig, DemoError
 from hostcache.demo.memory import process_memory, segment_file_bytes, segment_resident_bytes
 from hostcache.demo.workload import RequestStream, ZipfKeys
 from hostcache.errors import BadArgumentError
@@ -199,6 +199,41 @@ def test_demo_in_process_without_the_service(table_name: str, tmp_path: Path) ->
     for suffix in ("user", "item"):
         with pytest.raises(TableNotFoundError):
             connect(f"file://{tmp_path / 'state' / 'ps'}", table=prefix + suffix)
+
+
+@pytest.mark.slow
+def test_load_only_then_attach_leaves_the_node_alone(table_name: str, tmp_path: Path) -> None:
+    from hostcache.demo.run import run_demo
+
+    prefix = table_name + "-"
+    state = str(tmp_path / "state")
+    common = {"rows": 20_000, "prefix": prefix, "progress": False, "state_dir": state,
+              "out_dir": str(tmp_path / "out")}
+    first = run_demo(DemoConfig(mode="load", **common))  # type: ignore[arg-type]
+    again = run_demo(DemoConfig(mode="load", **common))  # type: ignore[arg-type]
+    assert (first["loaded"], again["loaded"]) == (2, 0)  # the second run keeps the tables
+    cfg = DemoConfig(mode="attach", replicas=1, seconds=1.5, tick=0.25, **common)  # type: ignore[arg-type]
+    with pytest.raises(DemoError, match="--attach needs the node's tables"):
+        run_demo(cfg)  # no host caches yet: a clear error, nothing created
+    assert our_segments(prefix) == []
+    caches = [HostCache.create(n, capacity=cfg.host_capacity, dim=cfg.dim)
+              for n in cfg.table_names]
+    try:
+        report = run_demo(cfg)
+        assert report["node"] == "attached"
+        assert report["throughput"]["requests_per_s"] > 0
+        assert report["hit_rates"]["run"]["ps"] == 1.0
+        assert sorted(our_segments(prefix)) == sorted(cfg.table_names)  # the node's: kept
+        assert sum(len(c) for c in caches) > 0  # the replica filled the node's caches
+    finally:
+        for c in caches:
+            c.close()
+            HostCache.unlink(c.name)
+    from psclient import connect
+
+    for name in cfg.table_names:  # loaded tables stay in the parameter server
+        with connect(f"file://{state}/ps", table=name) as ps:
+            assert ps.size() == 20_000
 
 
 def _children(pid: int) -> set[int]:
