@@ -31,7 +31,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help=f"seconds every replica serves (default {d.seconds:g})")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="where the models and their private caches run (default: cuda when "
-                        "available, else cpu)")
+                        "torch has CUDA and the gpu extra is installed, else cpu)")
     p.add_argument("--ps", metavar="URL", default=None,
                    help="parameter server URL, e.g. redis://127.0.0.1:6379/0 (default: an "
                         "embedded file:// store in the state directory)")
@@ -79,6 +79,20 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "its own (--attach)")
 
 
+def _cuda_ready() -> str | None:
+    """None when replicas can run on CUDA here, else what is missing."""
+    import importlib.util
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return "CUDA, which torch reports unavailable here"
+    if importlib.util.find_spec("cuda") is None:
+        return ("cuda-python to register the shared host caches with CUDA: install the gpu "
+                "extra (pip install -e '.[gpu]')")
+    return None
+
+
 def config_from_args(args: argparse.Namespace) -> DemoConfig:
     """The :class:`DemoConfig` of parsed ``hostcache demo`` arguments.
 
@@ -88,14 +102,12 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
     from ..errors import BadArgumentError
 
     device = args.device
-    if device is None or device == "cuda":
-        import torch
-
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        elif not torch.cuda.is_available():
-            raise BadArgumentError("--device cuda needs CUDA, which torch reports unavailable "
-                                   "here; pass --device cpu")
+    if device is None:
+        device = "cuda" if _cuda_ready() is None else "cpu"
+    elif device == "cuda":
+        missing = _cuda_ready()
+        if missing is not None:
+            raise BadArgumentError(f"--device cuda needs {missing}; pass --device cpu")
     extra = {} if args.prefix is None else {"prefix": args.prefix}
     if args.prefix is not None:
         from ..segment import check_name

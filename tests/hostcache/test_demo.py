@@ -108,6 +108,16 @@ def test_bad_flag_is_one_line_and_creates_nothing(
     assert our_segments(table_name) == []
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine "
+                    "without CUDA; this one has it")
+def test_device_cuda_without_cuda_is_one_line(
+        capsys: pytest.CaptureFixture[str], table_name: str, tmp_path: Path) -> None:
+    rc = main(["demo", "--device", "cuda", "--prefix", table_name, "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--device cuda needs CUDA" in err and err.count("\n") == 1
+    assert our_segments(table_name) == []
+
+
 def test_taken_name_is_refused_and_left_alone(
         capsys: pytest.CaptureFixture[str], table_name: str, tmp_path: Path) -> None:
     prefix = table_name + "-"
