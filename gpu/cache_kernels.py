@@ -85,18 +85,22 @@ def _probe(tkeys_ptr, keys, kmask, num_buckets, WAYS: tl.constexpr, EMPTY: tl.co
 
 
 @triton.jit
-def _bump(counters_ptr, slot, hit, BLOCK_K: tl.constexpr):
+def _bump(counters_ptr, slot, hit, BLOCK_K: tl.constexpr, AGG: tl.constexpr):
     """Add each hit to its slot's counter: one atomic per distinct slot of the block.
 
-    Duplicates inside the block (Zipf batches repeat hot keys) are summed first, so a hot
-    slot takes one atomic per block instead of one per key: same-address atomics serialize
-    in L2 and were the largest cost of a Zipf lookup. Fire-and-forget (``red``).
+    With ``AGG``, duplicates inside the block (Zipf batches repeat hot keys) are summed
+    first, so a hot slot takes one atomic per block instead of one per key (same-address
+    atomics serialize in L2), at the price of a ``[BLOCK_K, BLOCK_K]`` comparison.
+    Fire-and-forget (``red``) either way.
     """
-    i = tl.arange(0, BLOCK_K)
-    same = (slot[:, None] == slot[None, :]) & hit[:, None] & hit[None, :]
-    count = tl.reduce(same.to(tl.int32), 1, _add_combine)
-    first = tl.reduce(tl.where(same, i[None, :], BLOCK_K), 1, _min_combine)
-    tl.atomic_add(counters_ptr + slot, count, mask=hit & (first == i), sem="relaxed")
+    if AGG:
+        i = tl.arange(0, BLOCK_K)
+        same = (slot[:, None] == slot[None, :]) & hit[:, None] & hit[None, :]
+        count = tl.reduce(same.to(tl.int32), 1, _add_combine)
+        first = tl.reduce(tl.where(same, i[None, :], BLOCK_K), 1, _min_combine)
+        tl.atomic_add(counters_ptr + slot, count, mask=hit & (first == i), sem="relaxed")
+    else:
+        tl.atomic_add(counters_ptr + slot, 1, mask=hit, sem="relaxed")
 
 
 @triton.jit
@@ -106,7 +110,7 @@ def _lookup_kernel(
     HAS_CACHE: tl.constexpr, GATHER: tl.constexpr, LINEAR: tl.constexpr,
     WRITE_SLOTS: tl.constexpr, COUNT: tl.constexpr, WAYS: tl.constexpr,
     EMPTY: tl.constexpr, STAT_STRIPES: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, STREAM: tl.constexpr,
+    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, STREAM: tl.constexpr, AGG: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -154,7 +158,7 @@ def _lookup_kernel(
             # NOTE: fire-and-forget (result unused: a `red`, no round trip), issued after the
             # loads and stores so no warp waits on a contended hot slot; not saturated here
             # (see the module docstring for the lazy clamp).
-            _bump(counters_ptr, slot, hit, BLOCK_K)
+            _bump(counters_ptr, slot, hit, BLOCK_K, AGG)
             nhits = tl.reduce(hit.to(tl.int64), 0, _add_combine)
             tl.atomic_add(stats_ptr + pid % STAT_STRIPES, nhits, sem="relaxed")
 
@@ -166,7 +170,7 @@ def _pooled_kernel(
     HAS_CACHE: tl.constexpr, HAS_W: tl.constexpr, HAS_MISS: tl.constexpr,
     LINEAR: tl.constexpr, MEAN: tl.constexpr, SPLIT: tl.constexpr, WAYS: tl.constexpr,
     EMPTY: tl.constexpr, STAT_STRIPES: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, AGG: tl.constexpr,
 ):
     bag = tl.program_id(0)
     split = tl.program_id(1)
@@ -233,7 +237,7 @@ def _pooled_kernel(
         acc += vals
         tl.store(hit_ptr + offs, hit.to(tl.int8), mask=kmask & first)
         if HAS_CACHE:
-            _bump(counters_ptr, slot, hit & first, BLOCK_K)
+            _bump(counters_ptr, slot, hit & first, BLOCK_K, AGG)
             nhits += hit.to(tl.int64)
     res = tl.reduce(acc, 0, _add_combine)
     if SPLIT == 1:
@@ -295,11 +299,13 @@ CONFIG: dict[str, int] = {
     "lookup_block_k": 32,
     "lookup_warps": 4,
     "lookup_stream": 0,  # 1: store gathered rows with .cs (streaming, evict first)
+    "lookup_agg": 1,  # 1: one counter atomic per distinct slot of a block (see _bump)
     "pooled_block_k": 64,
     "pooled_warps": 8,
     "pooled_block_d": 0,  # 0: the whole row in one program
     "pooled_programs": 256,  # split bags over about this many programs in all
     "pooled_max_split": 64,
+    "pooled_agg": 0,
     "scatter_block_k": 16,
 }
 if triton.knobs.runtime.interpret:
@@ -339,6 +345,7 @@ def lookup(
         HAS_CACHE=num_buckets > 0, GATHER=gather, LINEAR=linear, WRITE_SLOTS=want_slots,
         COUNT=count, WAYS=ways, EMPTY=empty, STAT_STRIPES=stats.numel(),
         BLOCK_K=bk, BLOCK_D=bd, EVEN_D=bd == dim, STREAM=bool(CONFIG["lookup_stream"]),
+        AGG=bool(CONFIG["lookup_agg"]),
         num_warps=CONFIG["lookup_warps"],
     )
     return out, hit, slots
@@ -389,7 +396,8 @@ def pooled(
         HAS_CACHE=num_buckets > 0, HAS_W=weights is not None,
         HAS_MISS=miss_values is not None, LINEAR=linear, MEAN=mean, SPLIT=split, WAYS=ways,
         EMPTY=empty, STAT_STRIPES=stats.numel(), BLOCK_K=CONFIG["pooled_block_k"],
-        BLOCK_D=bd, EVEN_D=even_d, num_warps=CONFIG["pooled_warps"],
+        BLOCK_D=bd, EVEN_D=even_d, AGG=bool(CONFIG["pooled_agg"]),
+        num_warps=CONFIG["pooled_warps"],
     )
     if split > 1:
         _pool_finish_kernel[(nbags, nd)](

@@ -299,13 +299,16 @@ def test_cuda_linear_gather_equals_index_select(table_name: str) -> None:
         SharedMemBlock.unlink(table_name)
 
 
-def _second_process(cache_name: str, block_name: str, keys, idx, out) -> None:
+def _second_process(cache_name: str, block_name: str, keys, idx, out, received) -> None:
     hc = HostCache.attach(cache_name)
     mb = SharedMemBlock.attach(block_name)
     with register(hc, device="cuda") as rc, register(mb, device="cuda") as rb:
         values, hit = hk.hostcache_lookup(rc, keys.cuda())
         rows = hk.linear_gather(rb, idx.cuda())
         out.put((values.cpu(), hit.cpu(), rows.cpu()))
+        # NOTE: tensors travel as shared-memory file descriptors that this process hands
+        # out on request: stay alive until the parent has unpickled them.
+        received.wait(120)
     hc.close()
     mb.close()
 
@@ -322,11 +325,13 @@ def test_second_process_reads_rows_written_by_the_first(table_name: str) -> None
             reg.rows().copy_(gpu_rows)  # written by this process's GPU into host memory
             torch.cuda.synchronize()
         ctx = mp.get_context("spawn")
-        out = ctx.Queue()
+        out, received = ctx.Queue(), ctx.Event()
         idx = torch.randint(0, 1000, (3000,))
-        p = ctx.Process(target=_second_process, args=(table_name, block_name, keys, idx, out))
+        p = ctx.Process(target=_second_process,
+                        args=(table_name, block_name, keys, idx, out, received))
         p.start()
         values, hit, rows = out.get(timeout=120)
+        received.set()
         p.join(timeout=60)
         assert p.exitcode == 0
         want_v, want_h = hc.lookup(keys)
