@@ -274,7 +274,8 @@ def _signals_raise() -> Iterator[None]:
         return
 
     def on_term(signum: int, frame: object) -> None:
-        raise DemoInterruptedError("stopped by SIGTERM")
+        raise DemoInterruptedError("stopped by SIGTERM; every process and segment it started "
+                                   "was removed")
 
     previous = signal.signal(signal.SIGTERM, on_term)
     previous_int = signal.getsignal(signal.SIGINT)
