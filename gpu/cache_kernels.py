@@ -296,7 +296,7 @@ def _scatter_rows_kernel(
 
 #: tile sizes; the bench may override them (``--sweep``) to pick better ones per GPU.
 CONFIG: dict[str, int] = {
-    "lookup_block_k": 32,
+    "lookup_block_k": 16,
     "lookup_warps": 4,
     "lookup_stream": 0,  # 1: store gathered rows with .cs (streaming, evict first)
     "lookup_agg": 1,  # 1: one counter atomic per distinct slot of a block (see _bump)
