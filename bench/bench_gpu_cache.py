@@ -185,17 +185,18 @@ def sweep(args: argparse.Namespace, cache: GPUCache, keys: torch.Tensor, slot_of
                                   table=c._rows)
 
         t_emb = bench(lambda idx=idx: torch.nn.functional.embedding(idx, c._rows), True)
-        for bk, warps, stream in ((16, 4, 0), (32, 4, 0), (32, 4, 1), (32, 8, 0), (64, 4, 0),
-                                  (64, 8, 0), (64, 8, 1), (128, 8, 0)):
+        for bk, warps, stream, agg in ((16, 4, 0, 1), (16, 4, 0, 0), (16, 2, 0, 1),
+                                       (32, 4, 0, 1), (32, 4, 0, 0), (32, 4, 1, 1),
+                                       (64, 8, 0, 0)):
             kernels.CONFIG.update(lookup_block_k=bk, lookup_warps=warps,
-                                  lookup_stream=stream)
+                                  lookup_stream=stream, lookup_agg=agg)
             row = {}
             for what, fn in (("full", lambda: run(True)), ("no_count",
                              lambda: run(False)), ("probe_only",
                              lambda: run(True, False)), ("plain_gather", plain)):
                 row[what] = round(n / bench(fn, True) / 1e6, 1)
             emit(bench="sweep_lookup", dist=dist, block_k=bk, warps=warps,
-                 stream=stream, batch=n, emb_mkps=round(n / t_emb / 1e6, 1), **row)
+                 stream=stream, agg=agg, batch=n, emb_mkps=round(n / t_emb / 1e6, 1), **row)
         kernels.CONFIG.update(saved)
     n = 256 * 1024
     pick = zipf_ranks(keys.numel(), n, 1.05, gen)
