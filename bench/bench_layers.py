@@ -78,31 +78,40 @@ def gpu_layer(device: torch.device, rows: int, batches: list[int], reps: int) ->
     weights = torch.randn(rows, DIM, device=device)
     emb = NVEmbedding(rows, DIM, torch.float32, LayerType.GPULayer, weight_init=weights,
                       device=device)
+    emb_nv = NVEmbedding(rows, DIM, torch.float32, LayerType.GPULayer, storage=weights,
+                         device=device, validate=False)
     base = torch.nn.Embedding.from_pretrained(weights)
     for alpha in (1.05, 0.0):
         z = ZipfKeys(rows, alpha, seed=1)
         for n in batches:
             keys = keys_on(z, n, device)
-            assert torch.equal(emb(keys), base(keys))
-            t = timed(lambda k=keys: emb(k), device, reps)
-            tb = timed(lambda k=keys: base(k), device, reps)
+            assert torch.equal(emb(keys), base(keys)) and torch.equal(emb_nv(keys), base(keys))
+            t = timed(cycle(emb, [keys]), device, reps)
+            t_nv = timed(cycle(emb_nv, [keys]), device, reps)
+            tb = timed(cycle(base, [keys]), device, reps)
             emit(bench="gpulayer_plain", device=device.type, alpha=alpha, batch=n,
                  mkps=n / t / 1e6, gbps=n * ROW_BYTES / t / 1e9, baseline="nn.Embedding",
-                 baseline_mkps=n / tb / 1e6, ratio=tb / t)
+                 baseline_mkps=n / tb / 1e6, ratio=tb / t,
+                 unvalidated_mkps=n / t_nv / 1e6, unvalidated_ratio=tb / t_nv)
     bags, per_bag = (256, 1024) if device.type == "cuda" else (64, 256)
     bag = NVEmbeddingBag(rows, DIM, torch.float32, LayerType.GPULayer, weight_init=weights,
                          device=device, mode="sum")
+    bag_nv = NVEmbeddingBag(rows, DIM, torch.float32, LayerType.GPULayer, storage=weights,
+                            device=device, mode="sum", validate=False)
     base_bag = torch.nn.EmbeddingBag.from_pretrained(weights, mode="sum")
     for alpha in (1.05, 0.0):
         z = ZipfKeys(rows, alpha, seed=2)
         keys = keys_on(z, bags * per_bag, device).view(bags, per_bag)
         torch.testing.assert_close(bag(keys), base_bag(keys), rtol=1e-4, atol=1e-3)
+        torch.testing.assert_close(bag_nv(keys), base_bag(keys), rtol=1e-4, atol=1e-3)
         t = timed(cycle(bag, [keys]), device, reps)
+        t_nv = timed(cycle(bag_nv, [keys]), device, reps)
         tb = timed(cycle(base_bag, [keys]), device, reps)
         n = keys.numel()
         emit(bench="gpulayer_pooled", device=device.type, alpha=alpha, bags=bags,
              keys_per_bag=per_bag, mkps=n / t / 1e6, gbps=n * ROW_BYTES / t / 1e9,
-             baseline="nn.EmbeddingBag", baseline_mkps=n / tb / 1e6, ratio=tb / t)
+             baseline="nn.EmbeddingBag", baseline_mkps=n / tb / 1e6, ratio=tb / t,
+             unvalidated_mkps=n / t_nv / 1e6, unvalidated_ratio=tb / t_nv)
 
 
 def linear_uvm(device: torch.device, rows: int, batches: list[int], reps: int) -> None:
@@ -115,7 +124,8 @@ def linear_uvm(device: torch.device, rows: int, batches: list[int], reps: int) -
             mb.write(idx, torch.randn(idx.numel(), DIM))
         cache_bytes = rows // 10 * (ROW_BYTES + 12)
         emb = NVEmbedding(rows, DIM, torch.float32, LayerType.LinearUVM,
-                          gpu_cache_size=cache_bytes, storage=mb, device=device)
+                          gpu_cache_size=cache_bytes, storage=mb, device=device,
+                          validate=device.type == "cpu")
         table_view = emb._tiers.table  # the registered zero-copy view (CPU: the tensor)
         for n in batches:
             z = ZipfKeys(rows, 1.05, seed=3)
