@@ -39,6 +39,11 @@ from .layer_config import InsertPolicy, LayerStats, PoolingMode, TierStats
 
 logger = logging.getLogger(__name__)
 
+#: admissions wait until this many missed keys (at most 1/64 of the cache) ...
+ADMIT_KEYS = 2048
+#: ... or this many lookups have gathered them
+ADMIT_BATCHES = 8
+
 
 def pool_rows(
     rows: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None, mode: PoolingMode
@@ -61,6 +66,7 @@ class Tiers:
         self.cache = GPUCache(cache_bytes, dim, dtype, device)
         self._lock = threading.RLock()
         self._event: Any = None
+        self._pending = []
         self.default_rows = 0
         self.invalidated_keys = 0
         self.full_invalidations = 0
@@ -105,10 +111,12 @@ class Tiers:
 
     def erase(self, keys: torch.Tensor) -> None:
         with self._cache_op():
+            self._drop_pending()
             self.cache.erase(keys.to(self.device))
 
     def clear(self) -> None:
         with self._cache_op():
+            self._drop_pending()
             self.cache.clear()
 
     # -- shared-table invalidation ----------------------------------------------------------
@@ -134,13 +142,35 @@ class Tiers:
         self._cursor = cursor
         return cursor
 
+    _pending: list[tuple[torch.Tensor, torch.Tensor]]
+    _pending_since: int | None = None
+
     def _admit(self, keys: torch.Tensor, rows: torch.Tensor, since: int, prob: float) -> None:
-        """Insert fetched rows into the GPU cache unless a change was announced meanwhile."""
+        """Insert fetched rows into the GPU cache unless a change was announced meanwhile.
+
+        Admissions are batched: a few misses per lookup wait (their rows already read)
+        until ``ADMIT_KEYS`` keys or ``ADMIT_BATCHES`` lookups have gathered, so that a
+        cache that mostly hits pays one insert per several lookups. Pending rows are
+        checked against the ring from the earliest lookup's cursor when they go in, and
+        dropped by any write through the layer.
+        """
         if self.cache.capacity == 0 or keys.numel() == 0 or prob <= 0.0:
             return
         if prob < 1.0:
             keep = torch.rand(keys.numel(), device=keys.device) < prob
             keys, rows = keys[keep], rows[keep]
+        with self._lock:
+            self._pending.append((keys, rows))
+            if self._pending_since is None:
+                self._pending_since = since
+            waiting = sum(int(k.numel()) for k, _ in self._pending)
+            enough = min(ADMIT_KEYS, max(1, self.cache.capacity // 64))
+            if waiting < enough and len(self._pending) < ADMIT_BATCHES:
+                return
+            keys = torch.cat([k for k, _ in self._pending])
+            rows = torch.cat([r for _, r in self._pending])
+            since = self._pending_since
+            self._drop_pending()
         with self._cache_op():
             if self._shared is not None:
                 changed, _, overflowed = self._shared.changes_since(since)
@@ -150,6 +180,10 @@ class Tiers:
                     keep = ~torch.isin(keys, changed.to(keys.device))
                     keys, rows = keys[keep], rows[keep]
             self.cache.insert(keys, rows)
+
+    def _drop_pending(self) -> None:
+        self._pending = []
+        self._pending_since = None
 
     def gpu_stats(self) -> TierStats:
         s = self.cache.stats()
@@ -294,10 +328,12 @@ class LinearTiers(Tiers):
         if self._block is not None:
             self._block.write(keys.cpu(), values.cpu())  # announced: every cache drops them
             with self._cache_op():
+                self._drop_pending()
                 self._sync()
         else:
             self.table[keys.to(self.table.device)] = values.to(self.table.device)
             with self._cache_op():
+                self._drop_pending()
                 self.cache.erase(keys.to(self.device))
         return torch.ones(keys.numel(), dtype=torch.bool, device=keys.device)
 
@@ -471,6 +507,7 @@ class HierarchicalTiers(Tiers):
             else:  # write-through that announces every key to every process
                 self.host.update(ck[found], cv[found], insert_missing=True)
         with self._cache_op():
+            self._drop_pending()
             self._sync()
             if self.host is None:  # no ring to announce through: drop our own copies
                 self.cache.erase(keys.to(self.device))
@@ -490,6 +527,7 @@ class HierarchicalTiers(Tiers):
         if self.host is not None:
             self.host.clear()
         with self._cache_op():
+            self._drop_pending()
             self._sync()
             self.cache.clear()
 

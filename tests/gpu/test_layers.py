@@ -241,3 +241,29 @@ def test_mismatched_tables_are_refused(table_name, tmp_path) -> None:
         NVEmbedding(ROWS, DIM, torch.float32, LayerType.GPULayer, gpu_cache_size=-1)
     with pytest.raises(BadArgumentError, match="needs a host_cache"):
         NVEmbedding(ROWS, DIM, torch.float32, LayerType.Hierarchical, device="cpu")
+
+
+def test_admissions_are_batched_and_writes_drop_pending_rows(table_name) -> None:
+    """A large cache admits misses in batches (ADMIT_BATCHES lookups), never stale ones."""
+    from gpu import tiers
+
+    weights = torch.randn(ROWS, DIM)
+    with SharedMemBlock.create(table_name, num_rows=ROWS, dim=DIM) as mb:
+        try:
+            mb.write(torch.arange(ROWS), weights)
+            layer = NVEmbedding(ROWS, DIM, torch.float32, LayerType.LinearUVM, storage=mb,
+                                gpu_cache_size=(1 << 17) * (DIM * 4 + 12), device="cpu")
+            keys = torch.arange(10)
+            for _ in range(tiers.ADMIT_BATCHES - 1):
+                assert torch.equal(layer(keys), weights[:10])
+            assert layer.stats().gpu.inserts == 0  # waiting to be admitted together
+            layer.update(keys[:2], torch.zeros(2, DIM))  # a write drops what was waiting
+            assert layer._tiers._pending == []
+            for _ in range(tiers.ADMIT_BATCHES):
+                out = layer(keys)
+            assert layer.stats().gpu.inserts == 10
+            assert torch.equal(layer(keys)[2:], weights[2:10]) and not layer(keys)[:2].any()
+            assert layer.stats().gpu.hits >= 20
+            assert torch.equal(out[2:], weights[2:10])
+        finally:
+            SharedMemBlock.unlink(table_name)
