@@ -28,7 +28,8 @@ from hostcache.layout import EMPTY_KEY
 
 from . import cache_twin as twin
 from ._triton import kernel_module, triton_available
-from .errors import BadArgumentError, CUDAUnavailableError
+from .devices import resolve_device, same_device
+from .errors import BadArgumentError
 
 logger = logging.getLogger(__name__)
 
@@ -65,10 +66,6 @@ class GPUCacheStats:
     erases: int
     #: ``hits / (hits + misses)``, 0.0 before the first lookup.
     hit_rate: float
-
-
-def _same_device(t: torch.Tensor, device: torch.device) -> bool:
-    return t.device.type == device.type and (device.type == "cpu" or t.device.index == device.index)
 
 
 class GPUCache:
@@ -116,19 +113,7 @@ class GPUCache:
         if backend not in ("auto", "torch", "triton"):
             raise BadArgumentError(
                 f"backend must be 'auto', 'torch' or 'triton'; got {backend!r}")
-        try:
-            dev = torch.device(device)
-        except (RuntimeError, TypeError) as e:
-            raise BadArgumentError(f"device must be 'cpu' or a CUDA device; got {device!r}") from e
-        if dev.type == "cuda":
-            if not torch.cuda.is_available():
-                raise CUDAUnavailableError(
-                    f"device {device!r} needs CUDA, which torch.cuda reports unavailable; "
-                    "use device='cpu'")
-            if dev.index is None:
-                dev = torch.device("cuda", torch.cuda.current_device())
-        elif dev.type != "cpu":
-            raise BadArgumentError(f"device must be 'cpu' or a CUDA device; got {device!r}")
+        dev = resolve_device(device)
         self.dim = dim
         self.dtype = dtype
         self.device = dev
@@ -164,7 +149,7 @@ class GPUCache:
             raise BadArgumentError(
                 f"{what} must be a 1-D int64 tensor; got {keys.dtype} of shape "
                 f"{tuple(keys.shape)} (use keys.long().reshape(-1))")
-        if not _same_device(keys, self.device):
+        if not same_device(keys, self.device):
             raise BadArgumentError(
                 f"{what} are on {keys.device} but the cache is on {self.device}; "
                 f"move them with .to({str(self.device)!r})")
@@ -180,7 +165,7 @@ class GPUCache:
         if values.dtype != self.dtype:
             raise BadArgumentError(
                 f"{what} must be {self.dtype}; got {values.dtype} (convert with .to())")
-        if not _same_device(values, self.device):
+        if not same_device(values, self.device):
             raise BadArgumentError(
                 f"{what} are on {values.device} but the cache is on {self.device}")
         return values.contiguous()
@@ -192,7 +177,7 @@ class GPUCache:
                    else type(table).__name__)
             raise BadArgumentError(
                 f"table must be a [num_rows, {self.dim}] {self.dtype} tensor; got {got}")
-        if not _same_device(table, self.device):
+        if not same_device(table, self.device):
             raise BadArgumentError(
                 f"table is on {table.device} but the cache is on {self.device}; on CUDA pass "
                 "a zero-copy CUDA view of the registered host table")
@@ -217,7 +202,7 @@ class GPUCache:
             raise BadArgumentError(
                 "offsets must be a 1-D int64 tensor of B + 1 bag boundaries "
                 "(include_last_offset semantics)")
-        if not _same_device(offsets, self.device):
+        if not same_device(offsets, self.device):
             raise BadArgumentError(f"offsets are on {offsets.device}, not {self.device}")
         offsets = offsets.contiguous()
         if validate:
@@ -233,7 +218,7 @@ class GPUCache:
                     or not weights.is_floating_point():
                 raise BadArgumentError(
                     f"per_sample_weights must be a float tensor of shape ({n},)")
-            if not _same_device(weights, self.device):
+            if not same_device(weights, self.device):
                 raise BadArgumentError(
                     f"per_sample_weights are on {weights.device}, not {self.device}")
             w = weights.contiguous()

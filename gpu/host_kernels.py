@@ -69,11 +69,8 @@ GPU lookups do not bump the tables' LFU counters nor its hit/miss statistics.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
-import sys
-import threading
 from types import ModuleType
 from typing import Any, Literal
 
@@ -81,7 +78,8 @@ import torch
 
 from hostcache import hashing, layout
 
-from .errors import BadArgumentError, GPUError
+from ._triton import kernel_module
+from .errors import BadArgumentError, TritonUnavailableError
 
 try:  # NOTE: optional: the module imports (and its CPU twin works) without triton
     import triton
@@ -98,7 +96,7 @@ Backend = Literal["auto", "torch", "triton"]
 BACKEND_ENV = "NVEC_HOST_KERNELS"
 
 
-class TritonNotInstalledError(GPUError):
+class TritonNotInstalledError(TritonUnavailableError):
     """The Triton path was asked for but ``triton`` cannot be imported."""
 
 
@@ -300,10 +298,6 @@ if triton is not None:
         tl.store(out_ptr + pos[:, None] * dim + d[None, :], row, mask=mask)
 
 
-_VARIANTS: dict[bool, ModuleType] = {}
-_VARIANTS_LOCK = threading.Lock()
-
-
 def _kernels(interpret: bool) -> ModuleType:
     """This module with its kernels decorated for CUDA or for the Triton interpreter."""
     if triton is None:
@@ -311,30 +305,9 @@ def _kernels(interpret: bool) -> ModuleType:
             "the Triton kernels need the triton package (`pip install triton`); on CPU "
             "tensors use backend='torch' (the default)"
         )
-    with _VARIANTS_LOCK:
-        mod = _VARIANTS.get(interpret)
-        if mod is not None:
-            return mod
-        from triton import knobs
-
-        # NOTE: triton decides compiled vs interpreted when @triton.jit runs, so each
-        # variant is this file executed again as its own module with the knob set.
-        name = f"{__package__}._host_kernels_{'interpreted' if interpret else 'compiled'}"
-        spec = importlib.util.spec_from_file_location(name, __file__)
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        previous = knobs.runtime.interpret
-        knobs.runtime.interpret = interpret
-        try:
-            sys.modules[name] = mod
-            spec.loader.exec_module(mod)
-        except BaseException:
-            sys.modules.pop(name, None)
-            raise
-        finally:
-            knobs.runtime.interpret = previous
-        _VARIANTS[interpret] = mod
-        return mod
+    # NOTE: the compiled variant is this module itself (decorated at import); the
+    # interpreted one is this file executed again with Triton's interpret knob on.
+    return kernel_module("host_kernels", interpret=interpret)
 
 
 # -- argument checks ---------------------------------------------------------------------

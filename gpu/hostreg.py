@@ -51,7 +51,8 @@ from typing import Any, Literal
 
 import torch
 
-from .errors import BadArgumentError, CUDAUnavailableError, GPUError
+from .devices import resolve_device
+from .errors import BadArgumentError, GPUError
 
 logger = logging.getLogger(__name__)
 
@@ -480,34 +481,6 @@ def _wants_cuda(device: object) -> bool:
         return False
 
 
-def _resolve_device(device: object) -> torch.device:
-    if device is None:
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-    try:
-        dev = torch.device(device)  # type: ignore[call-overload]
-    except (RuntimeError, TypeError) as e:
-        raise BadArgumentError(
-            f"device must be 'cpu', 'cuda', 'cuda:N' or an int; got {device!r}"
-        ) from e
-    if dev.type == "cpu":
-        return dev
-    if dev.type != "cuda":
-        raise BadArgumentError(f"device must be a CPU or CUDA device; got {dev}")
-    if not torch.cuda.is_available():
-        raise CUDAUnavailableError(
-            f"device {dev} was asked for but torch.cuda is not available here; pass "
-            "device='cpu' (CPU views, no CUDA call) or run on a GPU machine"
-        )
-    index = torch.cuda.current_device() if dev.index is None else dev.index
-    if not 0 <= index < torch.cuda.device_count():
-        raise BadArgumentError(
-            f"device {dev}: this process sees {torch.cuda.device_count()} CUDA device(s)"
-        )
-    return torch.device("cuda", index)
-
-
 def register(
     table: Any, device: object = None, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES
 ) -> HostRegistration:
@@ -541,7 +514,7 @@ def register(
     if _wants_cuda(device):
         # NOTE: before anything that could initialise CUDA in a forked child
         _refuse_if_forked(f"register table {table.name!r} with CUDA")
-    dev = _resolve_device(device)
+    dev = resolve_device(device)
     if dev.type == "cuda":
         if buffer.data_ptr() % PAGE or buffer.numel() % PAGE:
             raise BadArgumentError(
@@ -590,7 +563,7 @@ def pointer_is_registered(address: int, device: object = None) -> bool:
 
     Uses ``cudaPointerGetAttributes``; for tests and diagnostics (no CUDA: always False).
     """
-    dev = _resolve_device(device)
+    dev = resolve_device(device)
     if dev.type != "cuda":
         return False
     from . import _cuda

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .devices import same_device
 from .errors import BadArgumentError
 from .layer_config import PoolingMode
 
@@ -21,12 +22,6 @@ def check_keys(keys: object, device: torch.device, *, name: str = "input") -> to
         raise BadArgumentError(f"{name} is on {keys.device}; the layer is on {device}: move it "
                                f"with .to({str(device)!r})")
     return keys
-
-
-def same_device(t: torch.Tensor, device: torch.device) -> bool:
-    return t.device.type == device.type and (
-        device.type == "cpu" or t.device.index == device.index
-    )
 
 
 def check_range(keys: torch.Tensor, num_rows: int, *, name: str = "input") -> None:

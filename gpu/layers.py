@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from .errors import BadArgumentError, CUDAUnavailableError
+from .devices import resolve_device
+from .errors import BadArgumentError
 from .inputs import bags, check_keys, check_values
 from .layer_config import InsertPolicy, LayerStats, LayerType, PoolingMode
 from .tiers import DeviceTable, HierarchicalTiers, LinearTiers, Tiers
@@ -34,28 +35,6 @@ from .tiers import DeviceTable, HierarchicalTiers, LinearTiers, Tiers
 logger = logging.getLogger(__name__)
 
 TABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _device(device: object) -> torch.device:
-    if device is None:
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-    try:
-        dev = torch.device(device)  # type: ignore[arg-type]
-    except (RuntimeError, TypeError) as e:
-        raise BadArgumentError(f"device must be 'cpu' or a CUDA device; got {device!r}") from e
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise CUDAUnavailableError(
-                f"device {device!r} needs CUDA, which torch.cuda reports unavailable; "
-                "pass device='cpu'"
-            )
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-    elif dev.type != "cpu":
-        raise BadArgumentError(f"device must be 'cpu' or a CUDA device; got {device!r}")
-    return dev
 
 
 def _positive(name: str, value: object, *, zero: bool = False) -> int:
@@ -199,7 +178,7 @@ class _NVBase(torch.nn.Module):
                                    "serve inference (pass False)")
         self.data_type = data_type
         self.layer_type = layer_type
-        self.device = _device(device)
+        self.device = resolve_device(device)
         self._tiers = _build_tiers(
             num_embeddings, embedding_size, data_type, layer_type, self.device,
             gpu_cache_size=gpu_cache_size, host_cache=host_cache, storage=storage,
