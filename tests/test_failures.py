@@ -12,15 +12,13 @@ import json
 import multiprocessing as mp
 import os
 import random
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +27,10 @@ import pytest
 import torch
 
 from hostcache import HostCache, layout, segment
+from tests.servers import REDIS_SERVER, RedisProc, wait_until
 
 CTX = mp.get_context("spawn")
 DIM = 4
-REDIS_SERVER = shutil.which("redis-server")
 
 
 # -- helpers shared with tests/hostcache/test_service.py --------------------------------------
@@ -49,24 +47,6 @@ def bad_rows(keys: torch.Tensor, rows: torch.Tensor) -> int:
     """Rows that are torn (halves disagree) or foreign (another key's)."""
     torn = (rows[:, 0] != rows[:, 2]) | (rows[:, 1] != rows[:, 3])
     return int((torn | (rows[:, 0] != keys.to(torch.float32))).sum())
-
-
-def wait_until(pred: Callable[[], Any], timeout: float, what: str) -> Any:
-    """Poll ``pred`` until it returns something truthy; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def http_get(url: str) -> tuple[int, str]:
@@ -140,45 +120,6 @@ class ServiceProc:
         assert self.proc is not None
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(30)
-
-
-class RedisProc:
-    """A PRIVATE redis-server (AOF, fsync always) on a free loopback port in a tmp dir."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.workdir, self.port = workdir, free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> RedisProc:
-        import redis
-
-        assert REDIS_SERVER is not None
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(
-            [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.workdir)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port, socket_timeout=1)
-
-        def up() -> bool:
-            try:
-                return bool(client.ping())
-            except redis.RedisError:
-                return False
-
-        wait_until(up, 20, f"redis-server on port {self.port}")
-        client.close()
-        return self
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-        self.proc = None
 
 
 def new_stop_flag() -> Any:
@@ -424,7 +365,8 @@ def test_redis_down_hits_served_misses_by_policy_no_update_lost(
     import psclient
     from gpu import LayerType, NVEmbedding, StorageUnavailableError, StorageWriteError
 
-    redis = RedisProc(tmp_path / "redis").start()
+    redis = RedisProc(tmp_path / "redis", None, "--appendonly", "yes", "--appendfsync",
+                      "always").start()
     name = node["name"]
     fast = {"socket_timeout": 0.5, "socket_connect_timeout": 0.5, "retries": 0}
     node["ps_url"] = redis.url

@@ -28,6 +28,7 @@ from hostcache.service import (
     build_config,
 )
 from hostcache.service.config import with_overrides
+from tests.servers import wait_until
 from tests.test_failures import (
     CTX,
     DIM,
@@ -38,7 +39,6 @@ from tests.test_failures import (
     reap_children,
     rows_of,
     spawn_replicas,
-    wait_until,
     write_config,
 )
 
