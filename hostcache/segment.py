@@ -104,6 +104,14 @@ def _map(name: str, memory: posix_ipc.SharedMemory, size: int) -> Mapping:
         mm = mmap.mmap(memory.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         memory.close_fd()
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        # NOTE: random row reads are TLB-bound with 4 KiB pages. Huge pages take effect
+        # where /dev/shm is mounted with huge=advise (or always): `mount -o
+        # remount,huge=advise /dev/shm`; elsewhere this is a no-op.
+        try:
+            mm.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
     buffer = torch.frombuffer(mm, dtype=torch.uint8)
     header = np.frombuffer(mm, dtype=np.int64, count=layout.HEADER_WORDS)
     return Mapping(name=name, mm=mm, buffer=buffer, header=header)
