@@ -95,6 +95,6 @@ class _OneProcessMPI:
 
 
 try:  # pragma: no cover - depends on the machine
-    from mpi4py import MPI  # type: ignore[import-not-found]
+    from mpi4py import MPI
 except ImportError:
-    MPI = _OneProcessMPI()  # type: ignore[assignment]
+    MPI = _OneProcessMPI()

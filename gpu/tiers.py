@@ -505,6 +505,7 @@ class HierarchicalTiers(Tiers):
             elif self.ps is None and op == "update":
                 found = self.host.update(ck, cv)
             else:  # write-through that announces every key to every process
+                assert cv is not None
                 self.host.update(ck[found], cv[found], insert_missing=True)
         with self._cache_op():
             self._drop_pending()

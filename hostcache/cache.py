@@ -14,6 +14,8 @@ counters pass 2**30 has them halved.
 
 from __future__ import annotations
 
+from typing import Self
+
 import torch
 
 from . import layout
@@ -70,7 +72,7 @@ class HostCache(SharedTable):
         policy: str = "lfu-da",
         ring_capacity: int = layout.DEFAULT_RING_CAPACITY,
         mode: int = 0o600,
-    ) -> HostCache:
+    ) -> Self:
         """Create the named cache on this node.
 
         Args:
@@ -108,7 +110,7 @@ class HostCache(SharedTable):
     @classmethod
     def attach(
         cls, name: str, *, dim: int | None = None, dtype: torch.dtype | None = None
-    ) -> HostCache:
+    ) -> Self:
         """Attach the named cache; geometry comes from its header.
 
         ``dim``/``dtype``, when given, must match the header (else GeometryMismatchError).
@@ -260,7 +262,8 @@ class HostCache(SharedTable):
             return torch.zeros(0, dtype=torch.bool)
         ways = self.geometry.ways
         with self._writing():
-            ukeys, last, inverse = dedup_last(keys)
+            ukeys, last, inverse_or_none = dedup_last(keys)
+            inverse: torch.Tensor | None = inverse_or_none
             if since is not None:
                 changed, _, overflowed = self.ring.changes_since(since)
                 if overflowed:

@@ -70,6 +70,7 @@ from __future__ import annotations
 import time
 import zlib
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -238,7 +239,7 @@ def plan(
     return _replace(geo, total_size=total)
 
 
-def _replace(geo: Geometry, **changes: int) -> Geometry:
+def _replace(geo: Geometry, **changes: Any) -> Geometry:
     from dataclasses import replace
 
     return replace(geo, **changes)

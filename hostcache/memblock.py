@@ -10,6 +10,8 @@ made straight into :attr:`tensor` are invisible to those caches (call :meth:`wri
 
 from __future__ import annotations
 
+from typing import Self
+
 import torch
 
 from . import layout
@@ -33,7 +35,7 @@ class SharedMemBlock(SharedTable):
         dtype: torch.dtype = torch.float32,
         ring_capacity: int = layout.DEFAULT_RING_CAPACITY,
         mode: int = 0o600,
-    ) -> SharedMemBlock:
+    ) -> Self:
         """Create the named linear table (rows start zeroed).
 
         Raises:
@@ -54,7 +56,7 @@ class SharedMemBlock(SharedTable):
         num_rows: int | None = None,
         dim: int | None = None,
         dtype: torch.dtype | None = None,
-    ) -> SharedMemBlock:
+    ) -> Self:
         """Attach the named linear table; geometry comes from its header."""
         return cls._attach_segment(name, capacity=num_rows, dim=dim, dtype=dtype)
 

@@ -194,7 +194,7 @@ def attach(name: str) -> tuple[Mapping, layout.Geometry]:
     return mapping, geo
 
 
-def open_lock_file(name: str, *, mode: int = 0o600) -> int:
+def open_lock_file(name: str, *, mode: int = 0o600) -> _Fd:
     """Open (creating if needed) the writer-lock file beside the segment; returns a fd."""
     path = lock_path(name)
     try:

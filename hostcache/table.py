@@ -256,14 +256,15 @@ class SharedTable:
             counts += self._procs[:, 1 : 1 + _N_COUNTERS].sum(axis=0)
         else:
             counts = np.array(self._counters, copy=True)
+        named = {name: int(c) for name, c in zip(layout.COUNTER_NAMES, counts, strict=True)}
         return TableStats(
-            self.name,
-            layout.KIND_NAMES[self.KIND],
-            scope,
-            self.geometry.capacity,
-            self._size(),
-            *(int(c) for c in counts),
+            name=self.name,
+            kind=layout.KIND_NAMES[self.KIND],
+            scope=scope,
+            capacity=self.geometry.capacity,
+            size=self._size(),
             processes=len(set(self.attached_pids())),
+            **named,
         )
 
     def _size(self) -> int:
