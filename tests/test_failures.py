@@ -417,7 +417,7 @@ def test_redis_down_hits_served_misses_by_policy_no_update_lost(
 
 @pytest.mark.slow
 def test_soak_service_replicas_updater_and_crashes(node: dict[str, Any]) -> None:
-    seconds = float(os.environ.get("NVEC_SOAK_SECONDS", "10"))
+    seconds = float(os.environ.get("NVEC_SOAK_SECONDS", "40"))
     svc = start_service(node, capacity=512)  # smaller than the key space: evictions too
     stop, out = new_stop_flag(), CTX.Queue()
     acked = CTX.RawArray("q", 1000)  # acknowledged version per key

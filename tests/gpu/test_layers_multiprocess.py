@@ -17,10 +17,11 @@ ROWS, DIM = 256, 8
 
 
 class Replica:
-    def __init__(self, layer_type: str, table: str, ps_url: str | None) -> None:
+    def __init__(self, layer_type: str, table: str, ps_url: str | None, device: str) -> None:
         self.commands, self.answers = CTX.Queue(), CTX.Queue()
         self.proc = CTX.Process(target=replica.serve,
-                                args=(layer_type, table, ps_url, self.commands, self.answers))
+                                args=(layer_type, table, ps_url, device, self.commands,
+                                      self.answers))
         self.proc.start()
         assert self.answers.get(timeout=120) == "ready"
 
@@ -35,8 +36,19 @@ class Replica:
         assert self.proc.exitcode == 0
 
 
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(),
+        reason="needs a CUDA GPU (each replica registers the shared tables with it)")]),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layer_type", ["LinearUVM", "Hierarchical"])
-def test_read_after_write_across_processes(table_name: str, tmp_path, layer_type: str) -> None:
+def test_read_after_write_across_processes(
+    table_name: str, tmp_path, layer_type: str, device: str
+) -> None:
     weights = torch.randn(ROWS, DIM)
     ps_url = None
     if layer_type == "LinearUVM":
@@ -49,8 +61,8 @@ def test_read_after_write_across_processes(table_name: str, tmp_path, layer_type
             ps.load(weights, progress=False)
     a = b = None
     try:
-        a = Replica(layer_type, table_name, ps_url)
-        b = Replica(layer_type, table_name, ps_url)
+        a = Replica(layer_type, table_name, ps_url, device)
+        b = Replica(layer_type, table_name, ps_url, device)
         keys = torch.arange(0, 64)
         for _ in range(2):  # b caches the rows privately
             assert torch.equal(b.call("lookup", keys), weights[keys])
