@@ -178,7 +178,7 @@ end
 return table.concat(out)
 """
 
-_DEFAULTS = {"chunk_keys": 512, "pipeline_keys": 4096, "changes_maxlen": 1000,
+_DEFAULTS = {"chunk_keys": 512, "pipeline_keys": 1024, "changes_maxlen": 1000,
              "feed_entry_keys": 4096, "prefix": "psc", "max_workers": 4}
 
 
