@@ -358,7 +358,7 @@ class RedisParameterServer(ParameterServer):
     def _lookup(self, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         order, ks, cmds = self._batch(b"HMGET", keys, None)
         n, rb = keys.size, self._schema.row_bytes
-        values = np.empty((n, rb), dtype=np.uint8)
+        values = np.empty(n, dtype=f"V{rb}")  # NOTE: one element per row (fast scatter)
         found = np.zeros(n, dtype=bool)
         rec_len = len(b"$%d\r\n" % rb) + rb + 2
 
@@ -372,12 +372,16 @@ class RedisParameterServer(ParameterServer):
             return [None] * len(mine)
 
         self._run(cmds, job)
-        out = torch.from_numpy(values).view(self._schema.torch_dtype).reshape(n, self.dim)
+        flat = values.view(np.uint8)
+        out = torch.from_numpy(flat).view(self._schema.torch_dtype).reshape(n, self.dim)
         return out, torch.from_numpy(found)
 
     def _place(self, dest: np.ndarray, reply: Any, keys: np.ndarray, values: np.ndarray,
                found: np.ndarray) -> None:
-        """Write one HMGET reply (fast row view or decoded list) to rows ``dest`` of the output."""
+        """Write one HMGET reply (fast row view or decoded list) to rows ``dest`` of the output.
+
+        ``values`` is the output as a 1-D ``V<row_bytes>`` array (one element per row).
+        """
         if isinstance(reply, np.ndarray):
             values[dest] = reply
             found[dest] = True
@@ -396,10 +400,9 @@ class RedisParameterServer(ParameterServer):
                 f"table {self._table!r}, key {key}: stored value has {int(lengths[bad[0]])} "
                 f"bytes, expected {self._schema.row_bytes} (dim {self.dim} x "
                 f"{self._schema.dtype}); rewrite it with insert() or drop the table")
-        values[dest[~hit]] = 0
+        values.view(np.uint8).reshape(values.size, -1)[dest[~hit]] = 0
         if rows:
-            values[dest[hit]] = np.fromiter(rows, dtype=f"V{self._schema.row_bytes}",
-                                            count=len(rows)).view(np.uint8).reshape(len(rows), -1)
+            values[dest[hit]] = np.fromiter(rows, dtype=values.dtype, count=len(rows))
         found[dest] = hit
 
     def _insert(self, keys: np.ndarray, values: torch.Tensor) -> None:
