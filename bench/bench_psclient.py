@@ -53,13 +53,18 @@ def best_rate(fn: Callable[[], object], rows: int, reps: int) -> float:
     return rows / best
 
 
-def redis_benchmark(host: str, port: int, test: str, n: int) -> float | None:
+def redis_benchmark(host: str, port: int, test: str, n: int, keyspace: int = 0,
+                    db: int = 0) -> float | None:
+    """redis-benchmark's rows/s for ``test``; ``keyspace`` > 0 adds ``-r keyspace`` (random
+    keys ``key:%012d`` below it) instead of one hot key."""
     exe = shutil.which("redis-benchmark")
     if exe is None:
         return None
+    rand = ["-r", str(keyspace)] if keyspace else []
     out = subprocess.run(
-        [exe, "-h", host, "-p", str(port), "-t", test, "-d", "512", "-P", "64", "-n", str(n),
-         "-q", "--csv"], capture_output=True, text=True, timeout=120, check=True).stdout
+        [exe, "-h", host, "-p", str(port), "--dbnum", str(db), "-t", test, "-d", "512",
+         "-P", "64", "-n", str(n), *rand, "-q", "--csv"],
+        capture_output=True, text=True, timeout=120, check=True).stdout
     for line in out.splitlines():
         cells = [c.strip('"') for c in line.split(",")]
         if cells[0].upper() == test.upper():
@@ -70,12 +75,22 @@ def redis_benchmark(host: str, port: int, test: str, n: int) -> float | None:
 def bench_redis(url: str, batch: int, dim: int, reps: int, bench_n: int, rounds: int) -> None:
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 6379
-    cmd = (f"redis-benchmark -h {host} -p {port} -t get,set -d 512 -P 64 -n {bench_n} -q "
-           "--csv")
-    rb_get = redis_benchmark(host, port, "get", bench_n)
-    rb_set = redis_benchmark(host, port, "set", bench_n)
-    emit(bench="redis-benchmark", op="get", rows_per_s=rb_get, command=cmd)
+    db = int(parts.path.strip("/") or 0)
+    cmd = (f"redis-benchmark -h {host} -p {port} --dbnum {db} -t get,set -d 512 -P 64 "
+           f"-n {bench_n} -q --csv")
+    rb_get = redis_benchmark(host, port, "get", bench_n, db=db)
+    rb_set = redis_benchmark(host, port, "set", bench_n, db=db)
+    emit(bench="redis-benchmark", op="get", rows_per_s=rb_get, command=cmd,
+         note="one hot key (key:__rand_int__): every GET reads the same cached 512 bytes")
     emit(bench="redis-benchmark", op="set", rows_per_s=rb_set, command=cmd)
+    # NOTE: the same ceiling over a working set like psclient's: `batch` distinct 512-byte
+    # keys (key:000000000000 ...), written first by SET -r, read by GET -r (random keys).
+    rnd_names = [b"key:%012d" % i for i in range(batch)]
+    redis_benchmark(host, port, "set", 16 * batch, keyspace=batch, db=db)
+    rb_get_rnd = redis_benchmark(host, port, "get", bench_n, keyspace=batch, db=db)
+    emit(bench="redis-benchmark", op="get-random", rows_per_s=rb_get_rnd,
+         command=f"{cmd.replace('get,set', 'get')} -r {batch}",
+         note=f"random keys over {batch} stored 512-byte values (psclient's working set)")
 
     rng = np.random.default_rng(0)
     keys = torch.from_numpy(rng.choice(2**40, size=batch, replace=False).astype(np.int64))
@@ -160,15 +175,20 @@ def bench_redis(url: str, batch: int, dim: int, reps: int, bench_n: int, rounds:
         assert bool(found.all())
         # NOTE: the machine is shared and noisy: alternate the ceiling and psclient lookups
         # in rounds and compare each round's pair (and the best of each).
-        ratios, looks, gets = [], [], []
+        ratios, looks, gets, ratios_rnd, gets_rnd = [], [], [], [], []
         for _ in range(rounds):
-            g = redis_benchmark(host, port, "get", bench_n)
+            g = redis_benchmark(host, port, "get", bench_n, db=db)
+            g_rnd = redis_benchmark(host, port, "get", bench_n, keyspace=batch, db=db)
             look = best_rate(lambda: ps.lookup(perm), batch, reps)
             looks.append(look)
-            if g:
+            if g and g_rnd:
                 gets.append(g)
                 ratios.append(look / g)
+                gets_rnd.append(g_rnd)
+                ratios_rnd.append(look / g_rnd)
         ps.drop()
+    for i in range(0, batch, 4096):
+        r.unlink(*rnd_names[i:i + 4096])
     emit(bench="psclient-redis", op="insert-new", rows_per_s=ins_new,
          vs_redis_benchmark_set=ins_new / rb_set if rb_set else None,
          vs_naive=ins_new / naive_ins)
@@ -180,6 +200,9 @@ def bench_redis(url: str, batch: int, dim: int, reps: int, bench_n: int, rounds:
          vs_redis_benchmark_get_best=max(looks) / max(gets) if gets else None,
          vs_redis_benchmark_get_per_round=[round(x, 3) for x in ratios],
          vs_redis_benchmark_get_median=float(np.median(ratios)) if ratios else None,
+         redis_benchmark_get_random_best=max(gets_rnd) if gets_rnd else None,
+         vs_redis_benchmark_get_random_best=max(looks) / max(gets_rnd) if gets_rnd else None,
+         vs_redis_benchmark_get_random_per_round=[round(x, 3) for x in ratios_rnd],
          vs_naive=max(looks) / naive_look, goal=">= 0.70 of redis-benchmark get")
 
 
