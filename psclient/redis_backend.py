@@ -218,6 +218,7 @@ class RedisParameterServer(ParameterServer):
         schema = self._open_schema(table, dim, dtype, opts.get("partitions"))
         super().__init__(table, schema)
         self._part_keys = [f"{pre}:{{{table}:{p}}}".encode() for p in range(schema.partitions)]
+        self._part_bulks = [resp.bulk(k) for k in self._part_keys]
         self._node_of: list[Any] | None = None
 
     # -- schema --------------------------------------------------------------------------
@@ -336,17 +337,21 @@ class RedisParameterServer(ParameterServer):
             rec = resp.field_value_records(ks, rows[order])
             per_key = 2
         ck = self._opts["chunk_keys"]
+        size = rec.dtype.itemsize
+        raw = resp.as_buffer(rec)  # NOTE: one buffer; commands send slices of it (no copy)
+        if name == b"EVAL":
+            lead, nlead = resp.bulk(b"EVAL") + resp.bulk(_UPDATE_LUA) + resp.bulk(b"1"), 4
+        else:
+            lead, nlead = resp.bulk(name), 2
         cmds: list[Cmd] = []
+        bl = bounds.tolist()
         for p in np.flatnonzero(bounds[1:] > bounds[:-1]).tolist():
-            a, b = int(bounds[p]), int(bounds[p + 1])
-            pkey = self._part_keys[p]
+            a, b = bl[p], bl[p + 1]
+            tail = self._part_bulks[p]
             for s in range(a, b, ck):
                 e = min(b, s + ck)
-                if name == b"EVAL":
-                    head = resp.header(4 + per_key * (e - s), b"EVAL", _UPDATE_LUA, b"1", pkey)
-                else:
-                    head = resp.header(2 + per_key * (e - s), name, pkey)
-                cmds.append(Cmd(p, s, e, [head, resp.as_buffer(rec[s:e])]))
+                head = b"*%d\r\n%b%b" % (nlead + per_key * (e - s), lead, tail)
+                cmds.append(Cmd(p, s, e, [head, raw[s * size:e * size]]))
         return order, ks, cmds
 
     def _control(self, *args: bytes | str) -> list[Cmd]:
