@@ -47,6 +47,19 @@ def test_partition_is_spread_and_grouped() -> None:
     assert bounds[0] == 0 and bounds[-1] == 1000 and (np.diff(bounds) >= 0).all()
 
 
+@given(st.lists(st.integers(-50, 50), min_size=1, max_size=200),
+       st.sampled_from([1, 3, 64, 65_536, 70_000]))
+def test_group_by_partition_is_a_stable_sort_by_partition(keys: list[int], parts: int) -> None:
+    # NOTE: up to 2**16 partitions take the uint16 radix sort, above it the int64 sort;
+    # stability keeps duplicate keys in batch order (the last of duplicates wins)
+    arr = np.array(keys, dtype=np.int64)
+    part = partition_of(arr, parts)
+    order, bounds = group_by_partition(arr, parts)
+    model = sorted(range(len(keys)), key=lambda i: int(part[i]))
+    assert order.tolist() == model
+    assert bounds.tolist() == [0, *np.cumsum(np.bincount(part, minlength=parts)).tolist()]
+
+
 def test_pinned_partition_values() -> None:
     # NOTE: changing the hash moves every stored key: bump LAYOUT_VERSION with it
     got = partition_of(np.array([0, 1, 12345, -7], dtype=np.int64), 64).tolist()
@@ -109,6 +122,7 @@ def test_decode_row_replies_fast_path_then_hiredis_fallback() -> None:
     buf = bytearray(full + full + miss + full + err)
     out = resp.decode_row_replies(buf, len(buf), 5, 4)
     assert isinstance(out[0], np.ndarray) and isinstance(out[1], np.ndarray)
+    assert out[0].dtype == np.dtype("V4") and out[0].shape == (2,)  # one element per row
     assert out[0].tobytes() == rows[0] + rows[1]
     assert out[2] == [None, rows[2]]               # from the first irregular reply on: hiredis
     assert out[3] == [rows[0], rows[1]]
