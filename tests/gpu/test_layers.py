@@ -267,3 +267,42 @@ def test_admissions_are_batched_and_writes_drop_pending_rows(table_name) -> None
             assert torch.equal(out[2:], weights[2:10])
         finally:
             SharedMemBlock.unlink(table_name)
+
+
+@pytest.mark.parametrize(
+    ("layer_type", "kwargs", "match"),
+    [
+        (LayerType.GPULayer, {"optimize_for_training": True}, "optimize_for_training"),
+        (LayerType.GPULayer, {"gpu_cache_size": 1024}, "gpu_cache_size"),
+        (LayerType.GPULayer, {"host_cache": "x"}, "host_cache"),
+        (LayerType.GPULayer, {"default_row": 0.0}, "default_row"),
+        (LayerType.GPULayer, {"weight_init": torch.zeros(ROWS, DIM + 1)}, "weight_init"),
+        (LayerType.GPULayer, {"weight_init": torch.zeros(ROWS, DIM),
+                              "storage": torch.zeros(ROWS, DIM)}, "not both"),
+        (LayerType.GPULayer, {"storage": [1, 2]}, "storage"),
+        (LayerType.LinearUVM, {"storage": None}, "SharedMemBlock"),
+        (LayerType.LinearUVM, {"weight_init": torch.zeros(ROWS, DIM)}, "weight_init"),
+        (LayerType.Hierarchical, {"storage": 5}, "ParameterServer"),
+        (LayerType.Hierarchical, {"host_cache": 5}, "HostCache"),
+        (LayerType.Hierarchical, {"storage": "file:///tmp/x"}, "table="),
+        (LayerType.GPULayer, {"insert_policy": "always"}, "InsertPolicy"),
+        (LayerType.GPULayer, {"device": "tpu"}, "device"),
+    ],
+)
+def test_bad_constructor_arguments_name_the_argument(layer_type, kwargs, match) -> None:
+    with pytest.raises(BadArgumentError, match=match):
+        NVEmbedding(ROWS, DIM, torch.float32, layer_type, **{"device": "cpu", **kwargs})
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.5, True, "1"])
+def test_insert_policy_probabilities_are_checked(value) -> None:
+    with pytest.raises(BadArgumentError, match="probability"):
+        InsertPolicy(host=value)
+
+
+def test_default_row_of_the_wrong_shape_is_refused(tmp_path) -> None:
+    weights = torch.randn(ROWS, DIM)
+    with stack(LayerType.Hierarchical, weights, tmp_path, "cpu") as kw:
+        with pytest.raises(BadArgumentError, match="default_row"):
+            NVEmbedding(ROWS, DIM, torch.float32, LayerType.Hierarchical, device="cpu",
+                        default_row=torch.zeros(DIM + 1), **kw)
