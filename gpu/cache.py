@@ -276,20 +276,7 @@ class GPUCache:
 
     def lookup(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of ``keys``: ``(values [N, dim], hit bool [N])``; misses give zero rows."""
-        keys = self._check_keys(keys)
-        self._lookups += keys.numel()
-        if self._kernels is not None:
-            self._will_count(keys.numel())
-            out, hit, _ = self._kernels.lookup(
-                keys, self._tkeys, self._counters, self._rows, self._hits, self.num_buckets,
-                self.ways, empty=EMPTY_KEY, gather=True, count=True,
-                want_slots=False)
-            assert out is not None
-            return out, hit
-        hit, slot = twin.probe(self._tkeys, self.num_buckets, self.ways, keys)
-        twin.bump(self._counters, slot, hit)
-        twin.count_hits(self._hits, hit)
-        return twin.gather(self._rows, slot, hit), hit
+        return self._lookup_rows(self._check_keys(keys), None)
 
     def lookup_linear(
         self, keys: torch.Tensor, table: torch.Tensor, *, validate: bool = True
@@ -310,6 +297,12 @@ class GPUCache:
         table = self._check_table(table)
         if validate:
             self._check_linear_keys(keys, table.shape[0])
+        return self._lookup_rows(keys, table)
+
+    def _lookup_rows(
+        self, keys: torch.Tensor, table: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Probe + gather (+ misses from row ``key`` of ``table``), counted as a lookup."""
         self._lookups += keys.numel()
         if self._kernels is not None:
             self._will_count(keys.numel())
@@ -322,6 +315,8 @@ class GPUCache:
         hit, slot = twin.probe(self._tkeys, self.num_buckets, self.ways, keys)
         twin.bump(self._counters, slot, hit)
         twin.count_hits(self._hits, hit)
+        if table is None:
+            return twin.gather(self._rows, slot, hit), hit
         return twin.gather_linear(self._rows, slot, hit, keys, table), hit
 
     def lookup_pooled(
