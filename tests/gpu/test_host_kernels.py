@@ -203,7 +203,7 @@ def test_version_changed_between_the_reads_is_a_miss(table_name: str, bump: int)
 
 @needs_triton
 def test_env_var_selects_the_interpreter(table_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    hc, keys = _filled_cache(table_name, n=30, capacity=64, dim=3)
+    hc, keys = _filled_cache(table_name, n=30, capacity=1024, dim=3)
     try:
         monkeypatch.setenv(hk.BACKEND_ENV, "triton")
         sys.modules.pop("gpu.host_kernels_interpreted", None)
