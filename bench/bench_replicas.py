@@ -13,7 +13,8 @@ over all replicas), per-tier hit rates over the measured window, and memory from
 (each replica's unique set size and its RSS / PSS of the host segments; the segments'
 resident bytes from their /dev/shm files). A line per configuration, then the
 shared/private ratio per N. On a machine with CUDA the same runs again with
-``device="cuda"``.
+``device="cuda"``, replica r on GPU ``r % device_count`` (one replica per GPU on a
+multi-GPU machine; ``--devices cuda`` skips the CPU runs).
 
 Replicas use one torch thread each and stay alive across configurations (spawned once).
 Each configuration runs ``--rounds`` times (shared and private alternating, each round
@@ -62,6 +63,8 @@ def replica(rank: int, ps_url: str, table: str, commands: Any, replies: Any) -> 
     replies.put(("up", rank))
     while (spec := commands.get()) is not None:
         device = torch.device(spec["device"])
+        if device.type == "cuda" and device.index is None:  # one replica per GPU
+            device = torch.device("cuda", rank % torch.cuda.device_count())
         hc = HostCache.attach(spec["cache"])
         emb = NVEmbedding(ps.size(), ps.dim, torch.float32, LayerType.Hierarchical,
                           gpu_cache_size=spec["gpu_cache_bytes"], host_cache=hc, storage=ps,
@@ -186,6 +189,7 @@ def configuration(pool: Pool, *, device: str, n: int, mode: str, run: int,
 
     return {
         "bench": "replicas", "device": device, "replicas": n, "mode": mode,
+        "gpus": min(n, torch.cuda.device_count()) if device == "cuda" else 0,
         "host_capacity_total": per_cache * len(names), "host_capacity_per_cache": per_cache,
         "keys_per_s": sum(g["keys"] / g["elapsed_s"] for g in got),
         "hit_rate_gpu": rate(total("gpu")), "hit_rate_host": rate(total("host")),
@@ -216,6 +220,8 @@ def main() -> None:
     p.add_argument("--replicas", default="1,2,4", help="replica counts (default 1,2,4)")
     p.add_argument("--rows", type=int, help="keys in the table (default 500k; quick 200k)")
     p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--devices", default="cpu,cuda",
+                   help="device kinds to run (default cpu,cuda; cuda only where available)")
     p.add_argument("--alpha", type=float, default=1.05)
     p.add_argument("--batch", type=int, default=8192, help="keys per lookup")
     p.add_argument("--host-fraction", type=float, default=0.2,
@@ -233,7 +239,7 @@ def main() -> None:
     args.seconds = args.seconds if args.seconds is not None else (1.5 if args.quick else 5.0)
     args.rounds = args.rounds or (1 if args.quick else 3)
     counts = [int(x) for x in args.replicas.split(",")]
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    devices = [d for d in args.devices.split(",") if d != "cuda" or torch.cuda.is_available()]
     capacity = int(args.rows * args.host_fraction)
 
     from psclient import connect

@@ -1,12 +1,17 @@
 """The seed document's Python snippet (SEED-resource-sharing.txt), run against this project.
 
-What changed: the imports (pynve -> this project's ``gpu`` package; mpi4py's MPI falls back
-to a one-process COMM_WORLD when mpi4py is not installed), the table is scaled from 2**30
-rows to 2**22 (1 TiB -> 4 GiB) so that it fits in one node's shared memory, and the
-snippet's ``...`` is filled in with a lookup that checks the rows it reads.
+What changed: the imports (pynve -> this project's ``gpu`` package; ``gpu.compat.MPI`` is
+mpi4py's under mpirun, a COMM_WORLD over torch.distributed under torchrun, and a
+one-process COMM_WORLD when run alone), the table is scaled from 2**30 rows to 2**22
+(1 TiB -> 4 GiB) so that it fits the GPUs of one small machine, and the snippet's ``...``
+is filled in with a lookup that checks the rows it reads.
 
-Run: ``python examples/seed_linear_uvm.py`` on a CUDA machine, or
-``mpirun -n N python examples/seed_linear_uvm.py`` for one process per GPU.
+``MPIMemBlock`` is a ``gpu.DistMemBlock``: each rank's shard lives in its GPU's memory and
+every rank maps all shards into one range (rows on another GPU are read over NVLink).
+
+Run: ``python examples/seed_linear_uvm.py`` on a CUDA machine, or one process per GPU with
+``torchrun --nproc-per-node N examples/seed_linear_uvm.py`` or
+``mpirun -n N python examples/seed_linear_uvm.py``.
 """
 
 import gc

@@ -7,6 +7,7 @@ Every path has a CPU twin with identical results: ``device="cpu"`` makes no CUDA
 from __future__ import annotations
 
 from .cache import GPUCache, GPUCacheStats
+from .distmem import DestructionOrderError, DistMemBlock
 from .errors import (
     BadArgumentError,
     CUDAUnavailableError,
@@ -21,6 +22,8 @@ from .layers import NVEmbedding, NVEmbeddingBag
 __all__ = [
     "BadArgumentError",
     "CUDAUnavailableError",
+    "DestructionOrderError",
+    "DistMemBlock",
     "GPUCache",
     "GPUCacheStats",
     "GPUError",

@@ -1,24 +1,26 @@
 """Names the seed's snippet uses (``pynve.nve``), so it runs with only its imports changed.
 
-``DataType_t`` maps the seed's element types to torch dtypes. ``MPIMemBlock`` here is the
-node-local stand-in: every process of the node shares one ``SharedMemBlock`` (the table in
-host memory, read zero-copy by each GPU), which is what one GPU (or one node) needs; the
-table sharded over several GPUs' memory is the multi-GPU issue's ``DistMemBlock``.
-``MPI`` is mpi4py's when it is installed, else a one-process ``COMM_WORLD``.
+``DataType_t`` maps the seed's element types to torch dtypes. ``MPIMemBlock`` is a
+:class:`gpu.DistMemBlock` over an MPI communicator: each rank puts one shard in the memory
+of its GPU (``rank % device_count``, the seed's convention) and maps everyone's into one
+range; without CUDA the CPU twin does the same with host-memory shards.
+
+``MPI`` is mpi4py's when the process was launched by an MPI launcher; under torchrun it is
+a ``COMM_WORLD`` over ``torch.distributed`` (gloo), so the seed's snippet runs unchanged
+with either launcher; alone, it is a one-process ``COMM_WORLD``.
 """
 
 from __future__ import annotations
 
 import enum
 import os
-import uuid
 from typing import Any
 
 import torch
 
-from hostcache import SharedMemBlock
-
+from .distmem import DistMemBlock
 from .errors import BadArgumentError
+from .groups import TorchGroup
 
 
 class DataType_t(enum.Enum):  # noqa: N801 - the seed's name
@@ -37,45 +39,26 @@ def _torch_dtype(dtype: object) -> torch.dtype:
     raise BadArgumentError(f"dtype must be a DataType_t or torch.dtype; got {dtype!r}")
 
 
-class NodeMemBlock(SharedMemBlock):
-    """A SharedMemBlock that the rank which created it removes when it closes it."""
-
-    _owner = False
-
-    def close(self) -> None:
-        owner, name = self._owner, self.name
-        self._owner = False
-        super().close()
-        if owner:
-            try:
-                SharedMemBlock.unlink(name)
-            except Exception:  # noqa: BLE001 - already removed by someone else
-                pass
-
-
 def MPIMemBlock(  # noqa: N802 - the seed's name
-    embedding_dim: int, num_rows: int, dtype: object = DataType_t.Float32, *, comm: Any = None
-) -> NodeMemBlock:
-    """``MPIMemBlock(embedding_dim, num_rows, dtype)``: one linear table for every rank of
-    the node, in shared memory. Rank 0 creates it (and removes it when it closes it); the
-    other ranks attach it by the name rank 0 broadcasts (``NVEC_MEMBLOCK_NAME`` names it)."""
+    embedding_dim: int, num_rows: int, dtype: object = DataType_t.Float32, *, comm: Any = None,
+    name: str | None = None,
+) -> DistMemBlock:
+    """``MPIMemBlock(embedding_dim, num_rows, dtype)``: the seed's sharded linear table.
+
+    Collective over ``comm`` (default ``MPI.COMM_WORLD``): one shard per rank on GPU
+    ``rank % torch.cuda.device_count()`` (the CPU without CUDA). Destroy it on every rank,
+    after the layers that use it (``comm.Barrier(); del layer; del memblock``)."""
     comm = comm if comm is not None else MPI.COMM_WORLD
-    rank = comm.Get_rank()
-    name = os.environ.get("NVEC_MEMBLOCK_NAME") or f"memblock-{uuid.uuid4().hex[:12]}"
-    if comm.Get_size() > 1:
-        name = comm.bcast(name, root=0)
-    torch_dtype = _torch_dtype(dtype)
-    if rank == 0:
-        block = NodeMemBlock.create(name, num_rows=num_rows, dim=embedding_dim, dtype=torch_dtype)
-        block._owner = True
-    comm.Barrier()
-    if rank != 0:
-        block = NodeMemBlock.attach(name, num_rows=num_rows, dim=embedding_dim, dtype=torch_dtype)
-    return block
+    if torch.cuda.is_available():
+        device: object = torch.device("cuda", comm.Get_rank() % torch.cuda.device_count())
+    else:
+        device = "cpu"
+    return DistMemBlock(num_rows, embedding_dim, _torch_dtype(dtype), devices=device,
+                        group=comm, name=name)
 
 
 class _OneProcessComm:
-    """mpi4py's COMM_WORLD for a single process (when mpi4py is not installed)."""
+    """mpi4py's COMM_WORLD for a single process."""
 
     def Get_rank(self) -> int:  # noqa: N802 - mpi4py's names
         return 0
@@ -89,12 +72,58 @@ class _OneProcessComm:
     def bcast(self, obj: Any, root: int = 0) -> Any:
         return obj
 
+    def allgather(self, obj: Any) -> list[Any]:
+        return [obj]
 
-class _OneProcessMPI:
-    COMM_WORLD = _OneProcessComm()
+
+class _TorchComm:
+    """mpi4py's COMM_WORLD over torch.distributed (for processes launched by torchrun)."""
+
+    def __init__(self) -> None:
+        self._group: TorchGroup | None = None
+
+    def _g(self) -> TorchGroup:
+        if self._group is None:
+            self._group = TorchGroup(None)  # initialises the default group from the env
+        return self._group
+
+    def Get_rank(self) -> int:  # noqa: N802 - mpi4py's names
+        return self._g().rank
+
+    def Get_size(self) -> int:  # noqa: N802
+        return self._g().size
+
+    def Barrier(self) -> None:  # noqa: N802
+        self._g().barrier()
+
+    def bcast(self, obj: Any, root: int = 0) -> Any:
+        if root != 0:
+            raise BadArgumentError("this COMM_WORLD broadcasts from rank 0 only")
+        return self._g().bcast(obj)
+
+    def allgather(self, obj: Any) -> list[Any]:
+        return self._g().allgather(obj)
 
 
-try:  # pragma: no cover - depends on the machine
-    from mpi4py import MPI
-except ImportError:
-    MPI = _OneProcessMPI()
+class _StandInMPI:
+    def __init__(self, comm: Any) -> None:
+        self.COMM_WORLD = comm
+
+
+def _launched_by_mpi() -> bool:
+    return any(k.startswith(("OMPI_COMM_WORLD", "PMI_", "PMIX_", "MPI_LOCALRANKID"))
+               for k in os.environ)
+
+
+def _pick_mpi() -> Any:
+    if "TORCHELASTIC_RUN_ID" in os.environ and not _launched_by_mpi():
+        return _StandInMPI(_TorchComm())
+    try:  # pragma: no cover - depends on the machine
+        import mpi4py.MPI
+
+        return mpi4py.MPI
+    except ImportError:
+        return _StandInMPI(_OneProcessComm())
+
+
+MPI = _pick_mpi()

@@ -134,7 +134,6 @@ def _check_device_support(index: int) -> None:
     from . import _cuda
 
     rt = _cuda.runtime()
-    _cuda.call("cudaSetDevice", index)
     attr = rt.cudaDeviceAttr.cudaDevAttrHostRegisterSupported
     supported = _cuda.call("cudaDeviceGetAttribute", attr, index)
     if not supported:
@@ -241,12 +240,14 @@ class _Pinned:
 
 
 # NOTE: one registration per mapped address per process: CUDA refuses to register a range
-# twice, so a second register() of the same mapping shares the first one's registration.
+# twice, so a second register() of the same mapping shares the first one's registration,
+# also for another GPU (a portable registration serves every device of the process, at
+# the same device address under unified addressing).
 _LIVE: dict[tuple[int, int, str], weakref.ref[_Pinned]] = {}
 
 
 def _shared_pinned(name: str, buffer: torch.Tensor, device: torch.device, chunk: int) -> _Pinned:
-    key = (int(buffer.data_ptr()), int(buffer.numel()), str(device))
+    key = (int(buffer.data_ptr()), int(buffer.numel()), device.type)
     with _STATE_LOCK:
         ref = _LIVE.get(key)
         pinned = ref() if ref is not None else None
@@ -294,18 +295,18 @@ class _DeviceArray:
 
 def _cuda_view(
     pinned: _Pinned, offset: int, shape: tuple[int, ...], strides: tuple[int, ...],
-    dtype: torch.dtype,
+    dtype: torch.dtype, device: torch.device,
 ) -> torch.Tensor:
     base_dtype = torch.int16 if dtype == torch.bfloat16 else dtype
     size = torch.empty((), dtype=dtype).element_size()
     ptr = pinned.device_address + offset
     byte_strides = tuple(s * size for s in strides)
     holder = _DeviceArray(pinned, ptr, shape, byte_strides, _TYPESTR[base_dtype])
-    view = torch.as_tensor(holder, device=pinned.device)
-    if view.data_ptr() != ptr or view.device != pinned.device:
+    view = torch.as_tensor(holder, device=device)
+    if view.data_ptr() != ptr or view.device != device:
         raise HostRegError(
             f"table {pinned.name!r}: torch copied the registered memory instead of viewing "
-            f"it (got {view.device} at {view.data_ptr():#x}, wanted {pinned.device} at "
+            f"it (got {view.device} at {view.data_ptr():#x}, wanted {device} at "
             f"{ptr:#x}); report this together with your torch version"
         )
     return view.view(dtype) if dtype != base_dtype else view
@@ -320,11 +321,11 @@ class HostRegistration:
 
     _pinned: _Pinned | None = None  # class default: close() works after a failed __init__
 
-    def __init__(self, table: Any, pinned: _Pinned) -> None:
+    def __init__(self, table: Any, pinned: _Pinned, device: torch.device) -> None:
         self.table = table
         self.name: str = table.name
         self.geometry = table.geometry
-        self.device = pinned.device
+        self.device = device
         self._pinned = pinned
         self._pinned_ref = weakref.ref(pinned)
         self._pid = os.getpid()
@@ -384,13 +385,13 @@ class HostRegistration:
         self, offset: int, shape: tuple[int, ...], strides: tuple[int, ...], dtype: torch.dtype
     ) -> torch.Tensor:
         pinned = self._live()
-        if pinned.device.type == "cpu":
+        if self.device.type == "cpu":
             size = torch.empty((), dtype=dtype).element_size()
             nbytes = (sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) + 1) * size
             raw = pinned.buffer[offset : offset + nbytes]
             flat = raw.view(dtype)
             return flat.as_strided(shape, strides)
-        return _cuda_view(pinned, offset, shape, strides, dtype)
+        return _cuda_view(pinned, offset, shape, strides, dtype, self.device)
 
     def rows(self) -> torch.Tensor:
         """``[slots, dim]`` rows in the table's dtype (row stride = the layout's, padded)."""
@@ -526,7 +527,7 @@ def register(
         _check_device_support(int(dev.index or 0))
     pinned = _shared_pinned(table.name, buffer, dev, chunk_bytes)
     logger.debug("table %s: registered %d bytes for %s", table.name, pinned.size, dev)
-    return HostRegistration(table, pinned)
+    return HostRegistration(table, pinned, dev)
 
 
 def _table_buffer(table: Any) -> torch.Tensor:

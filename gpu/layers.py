@@ -61,6 +61,9 @@ def _build_tiers(
 ) -> Tiers:
     from hostcache import HostCache, SharedMemBlock
 
+    from .distmem import DistMemBlock
+
+    linear_blocks = (SharedMemBlock, DistMemBlock)
     policy = insert_policy if insert_policy is not None else InsertPolicy()
     if not isinstance(policy, InsertPolicy):
         raise BadArgumentError("insert_policy must be a gpu.InsertPolicy")
@@ -80,7 +83,7 @@ def _build_tiers(
                                    "table is GPU-accessible; it has no cache)")
         if weight_init is not None and storage is not None:
             raise BadArgumentError("pass weight_init or storage for a GPULayer, not both")
-        if isinstance(storage, SharedMemBlock):
+        if isinstance(storage, linear_blocks):
             _check_geometry("storage", storage.dim, storage.dtype, dim, dtype,
                             storage.num_rows, num_embeddings)
             return DeviceTable(storage, dim, dtype, device)
@@ -99,11 +102,12 @@ def _build_tiers(
             else:
                 weights = src.detach().to(device).clone()
         else:
-            raise BadArgumentError("storage of a GPULayer must be a tensor or a SharedMemBlock")
+            raise BadArgumentError("storage of a GPULayer must be a tensor, a SharedMemBlock "
+                                   "or a DistMemBlock")
         return DeviceTable(weights, dim, dtype, device)
 
     if layer_type is LayerType.LinearUVM:
-        if isinstance(storage, SharedMemBlock):
+        if isinstance(storage, linear_blocks):
             _check_geometry("storage", storage.dim, storage.dtype, dim, dtype,
                             storage.num_rows, num_embeddings)
         elif isinstance(storage, torch.Tensor) and device.type == "cpu":
@@ -111,8 +115,8 @@ def _build_tiers(
                             storage.shape[0], num_embeddings)
         else:
             raise BadArgumentError(
-                "storage of a LinearUVM layer must be a hostcache.SharedMemBlock (or, on the "
-                "CPU, a [num_embeddings, dim] tensor)"
+                "storage of a LinearUVM layer must be a hostcache.SharedMemBlock, a "
+                "gpu.DistMemBlock (or, on the CPU, a [num_embeddings, dim] tensor)"
             )
         return LinearTiers(storage, dim, dtype, device, gpu_cache_size, policy)
 
@@ -242,7 +246,8 @@ class NVEmbedding(_NVBase):
         layer_type: a :class:`LayerType`.
         gpu_cache_size: bytes of this layer's GPU cache (LinearUVM, Hierarchical).
         host_cache: Hierarchical: a shared :class:`hostcache.HostCache` or its name.
-        storage: GPULayer: a tensor or SharedMemBlock; LinearUVM: a SharedMemBlock;
+        storage: GPULayer: a tensor, SharedMemBlock or DistMemBlock; LinearUVM: a
+            SharedMemBlock or DistMemBlock (a table sharded over GPUs);
             Hierarchical: a :class:`psclient.ParameterServer` or a URL.
         weight_init: GPULayer: initial table ``[num_embeddings, embedding_size]``.
         optimize_for_training: must be False (inference only).

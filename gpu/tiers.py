@@ -198,13 +198,37 @@ class Tiers:
 
 
 def _registered_rows(table: Any, device: torch.device) -> tuple[Any, torch.Tensor]:
-    """(registration or None, rows view on ``device``) of a SharedMemBlock."""
+    """(registration or None, rows view on ``device``) of a SharedMemBlock or DistMemBlock."""
+    from .distmem import DistMemBlock
+
+    if isinstance(table, DistMemBlock):
+        return None, table.view(device)  # already mapped for its devices
     if device.type == "cpu":
         return None, table.tensor
     from .hostreg import register
 
     reg = register(table, device)
     return reg, reg.rows()
+
+
+def _write_linear(block: Any, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Write rows of a shared linear table; the write is announced to every process."""
+    from .distmem import DistMemBlock
+
+    if isinstance(block, DistMemBlock):
+        block.write(keys, values)  # on the device, no host round trip
+    else:
+        block.write(keys.cpu(), values.cpu())
+
+
+def _add_user(block: Any, tiers: Tiers) -> None:
+    if hasattr(block, "add_user"):  # a DistMemBlock: closing it first is an order error
+        block.add_user(tiers)
+
+
+def _remove_user(block: Any, tiers: Tiers) -> None:
+    if hasattr(block, "remove_user"):
+        block.remove_user(tiers)
 
 
 class DeviceTable(Tiers):
@@ -222,6 +246,7 @@ class DeviceTable(Tiers):
         else:  # a SharedMemBlock: one copy serves every process of the node
             self._block = table
             self._reg, self.table = _registered_rows(table, device)
+            _add_user(table, self)
         self.num_rows = int(self.table.shape[0])
         self._lookups = 0
 
@@ -245,7 +270,7 @@ class DeviceTable(Tiers):
     def update(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         check_range(keys, self.num_rows, name="keys")
         if self._block is not None:
-            self._block.write(keys.cpu(), values.cpu())  # announced to other processes
+            _write_linear(self._block, keys, values)  # announced to other processes
         else:
             self.table[keys.to(self.table.device)] = values.to(self.table.device)
         return torch.ones(keys.numel(), dtype=torch.bool, device=keys.device)
@@ -266,6 +291,7 @@ class DeviceTable(Tiers):
         if self._reg is not None:
             self._reg.close()
             self._reg = None
+        _remove_user(self._block, self)
 
 
 class LinearTiers(Tiers):
@@ -284,6 +310,7 @@ class LinearTiers(Tiers):
         else:
             self._block = storage
             self._reg, self.table = _registered_rows(storage, device)
+            _add_user(storage, self)
             self._follow(storage)
         self.num_rows = int(self.table.shape[0])
 
@@ -326,7 +353,7 @@ class LinearTiers(Tiers):
     def update(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         check_range(keys, self.num_rows, name="keys")
         if self._block is not None:
-            self._block.write(keys.cpu(), values.cpu())  # announced: every cache drops them
+            _write_linear(self._block, keys, values)  # announced: every cache drops them
             with self._cache_op():
                 self._drop_pending()
                 self._sync()
@@ -348,6 +375,7 @@ class LinearTiers(Tiers):
         if self._reg is not None:
             self._reg.close()
             self._reg = None
+        _remove_user(self._block, self)
 
 
 class HierarchicalTiers(Tiers):

@@ -17,7 +17,7 @@ import torch
 from . import layout
 from .segment import Mapping, check_mode
 from .table import C_HITS, C_LOOKUPS, C_UPDATES, SharedTable
-from .validate import check_indices, check_values, dedup_last
+from .validate import check_indices, check_keys, check_values, dedup_last
 
 
 class SharedMemBlock(SharedTable):
@@ -111,6 +111,14 @@ class SharedMemBlock(SharedTable):
         idx = check_indices(indices, self.num_rows)
         with self._writing():
             self.ring.append(torch.unique(idx))
+
+    def announce(self, keys: torch.Tensor) -> None:
+        """Append any int64 keys to the invalidation ring, unchecked against the rows: a
+        journal for a table kept elsewhere (``gpu.DistMemBlock`` announces its rows here)."""
+        keys = check_keys(keys)
+        if keys.numel():
+            with self._writing():
+                self.ring.append(torch.unique(keys))
 
     def _repair(self) -> None:
         # a dead writer may have changed rows without logging them: everyone drops all

@@ -36,18 +36,22 @@ class Replica:
         assert self.proc.exitcode == 0
 
 
+#: (replica a's device, replica b's device)
 DEVICES = [
-    "cpu",
-    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    ("cpu", "cpu"),
+    pytest.param(("cuda", "cuda"), marks=[pytest.mark.gpu, pytest.mark.skipif(
         not torch.cuda.is_available(),
         reason="needs a CUDA GPU (each replica registers the shared tables with it)")]),
+    pytest.param(("cuda:0", "cuda:1"), marks=[pytest.mark.multigpu, pytest.mark.skipif(
+        torch.cuda.device_count() < 2,
+        reason="needs two CUDA GPUs (one replica per GPU, each registering the tables)")]),
 ]
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layer_type", ["LinearUVM", "Hierarchical"])
 def test_read_after_write_across_processes(
-    table_name: str, tmp_path, layer_type: str, device: str
+    table_name: str, tmp_path, layer_type: str, device: tuple[str, str]
 ) -> None:
     weights = torch.randn(ROWS, DIM)
     ps_url = None
@@ -61,8 +65,8 @@ def test_read_after_write_across_processes(
             ps.load(weights, progress=False)
     a = b = None
     try:
-        a = Replica(layer_type, table_name, ps_url, device)
-        b = Replica(layer_type, table_name, ps_url, device)
+        a = Replica(layer_type, table_name, ps_url, device[0])
+        b = Replica(layer_type, table_name, ps_url, device[1])
         keys = torch.arange(0, 64)
         for _ in range(2):  # b caches the rows privately
             assert torch.equal(b.call("lookup", keys), weights[keys])

@@ -29,6 +29,25 @@ def test_seed_snippet_runs_and_leaves_no_segment() -> None:
     assert set(segment.list_names()) == before
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="the seed's snippet picks a CUDA device: needs a CUDA GPU")
+def test_seed_snippet_runs_under_torchrun_one_process_per_gpu() -> None:
+    """Two ranks (on two GPUs, or both on the one GPU) share one sharded MPIMemBlock."""
+    from ..servers import free_port
+
+    before = set(segment.list_names())
+    ranks = max(2, torch.cuda.device_count())
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
+         f"--master-port={free_port()}", str(EXAMPLE)],
+        capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [ln for ln in result.stdout.splitlines() if "rows read correctly" in ln]
+    assert sorted(ln.split(":")[0] for ln in lines) == [f"rank {r}" for r in range(ranks)]
+    assert set(segment.list_names()) == before
+
+
 def test_seed_snippet_differs_from_the_seed_only_where_documented() -> None:
     """Every line of the seed's code after the imports is in the example, in order."""
     seed = Path(__file__).resolve().parents[3] / "shared" / "SEED-resource-sharing.txt"
