@@ -136,7 +136,9 @@ def scenario_mpi(rank: int, world: int, dev: torch.device, name: str) -> Any:
 
     comm = _TorchComm()
     block = MPIMemBlock(16, 1000, comm=comm, name=name)
-    assert block.world_size == world and block.devices == [dev]
+    # the seed's rule: rank r on GPU r % count (the CPU twin without CUDA)
+    want = device_of("cuda" if torch.cuda.is_available() else "cpu", rank)
+    assert block.world_size == world and block.devices == [want]
     if rank == 0:
         block.write(torch.arange(1000), expected_rows(1000, 16))
     comm.Barrier()
