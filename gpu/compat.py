@@ -110,13 +110,17 @@ class _StandInMPI:
         self.COMM_WORLD = comm
 
 
+#: variables an MPI launcher sets for each rank it starts (Open MPI, MPICH/Hydra, PMIx)
+_MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
+
+
 def _launched_by_mpi() -> bool:
-    return any(k.startswith(("OMPI_COMM_WORLD", "PMI_", "PMIX_", "MPI_LOCALRANKID"))
-               for k in os.environ)
+    return any(k in os.environ for k in _MPI_RANK_VARS)
 
 
 def _pick_mpi() -> Any:
-    if "TORCHELASTIC_RUN_ID" in os.environ and not _launched_by_mpi():
+    torchrun = "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
+    if torchrun and not _launched_by_mpi():
         return _StandInMPI(_TorchComm())
     try:  # pragma: no cover - depends on the machine
         import mpi4py.MPI
