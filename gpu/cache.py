@@ -122,12 +122,20 @@ class GPUCache:
         self.slot_bytes = 8 + 4 + self.row_bytes
         self.num_buckets = capacity_bytes // self.slot_bytes // ways
         self.capacity = self.num_buckets * ways
-        self._tkeys = torch.full((self.capacity,), EMPTY_KEY, dtype=torch.int64, device=dev)
-        self._counters = torch.zeros(self.capacity, dtype=torch.int32, device=dev)
-        self._rows = torch.zeros((self.capacity, dim), dtype=dtype, device=dev)
+        # NOTE: one slot more than the table: the trash slot that insert plans write where
+        # a batch position writes nothing (gpu.cache_twin.InsertPlan); views hide it.
+        self._tkeys_all = torch.full((self.capacity + 1,), EMPTY_KEY, dtype=torch.int64,
+                                     device=dev)
+        self._counters_all = torch.zeros(self.capacity + 1, dtype=torch.int32, device=dev)
+        self._rows_all = torch.zeros((self.capacity + 1, dim), dtype=dtype, device=dev)
+        self._tkeys = self._tkeys_all[: self.capacity]
+        self._counters = self._counters_all[: self.capacity]
+        self._rows = self._rows_all[: self.capacity]
         self._hits = torch.zeros(twin.STAT_STRIPES, dtype=torch.int64, device=dev)
         self._lookups = 0
-        self._inserts = self._evictions = self._updates = self._erases = 0
+        self._updates = self._erases = 0
+        # inserts, evictions, dropped keys: counted on the device (insert makes no sync)
+        self._insert_stats = torch.zeros(3, dtype=torch.int64, device=dev)
         self._kernels: ModuleType | None = None
         #: keys counted by the kernels since the counters were last clamped in full.
         self._unclamped = 0
@@ -396,38 +404,37 @@ class GPUCache:
     # ------------------------------------------------------------------ writes
 
     def _scatter(self, target: torch.Tensor, values: torch.Tensor, src: torch.Tensor) -> None:
+        """``rows[target] = values[src]``; ``target`` may name the trash slot."""
         if self._kernels is not None:
-            self._kernels.scatter_rows(self._rows, target, values, src)
+            self._kernels.scatter_rows(self._rows_all, target, values, src)
         else:
-            self._rows[target] = values[src]
+            self._rows_all[target] = values[src]
 
-    def insert(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def insert(self, keys: torch.Tensor, values: torch.Tensor, *, validate: bool = True
+               ) -> None:
         """Insert or overwrite rows (best effort: a full bucket evicts by policy).
 
         Duplicate keys keep their last occurrence; see ``gpu.cache_twin`` for the batch
-        rules. Keys already cached are overwritten in place.
+        rules. Keys already cached are overwritten in place. No host sync with
+        ``validate=False`` (then a key equal to the empty marker is stored as an empty slot,
+        i.e. dropped, instead of raising).
 
         Raises:
             BadArgumentError: Bad keys/values, or a key equal to the reserved empty marker.
         """
         keys = self._check_keys(keys)
         values = self._check_rows(values, keys.numel())
-        if keys.numel() == 0:
+        if keys.numel() == 0 or self.num_buckets == 0:
             return
-        if bool((keys == EMPTY_KEY).any()):
+        if validate and bool((keys == EMPTY_KEY).any()):
             raise BadArgumentError(
                 f"key {EMPTY_KEY} (INT64_MIN) is reserved for empty slots; remap it")
         plan = twin.plan_insert(self._tkeys, self._counters, self.num_buckets, self.ways, keys)
-        self._scatter(plan.present_slots, values, plan.present_src)
-        if plan.new_slots.numel():
-            self._counters[plan.decay_slots] = plan.decay_counters
-            self._tkeys[plan.new_slots] = plan.new_keys
-            self._counters[plan.new_slots] = plan.new_counters
-            self._scatter(plan.new_slots, values, plan.new_src)
-        self._inserts += plan.new_slots.numel()
-        self._evictions += plan.evictions
-        if plan.dropped:
-            logger.debug("insert dropped %d keys: their buckets were full", plan.dropped)
+        self._counters_all[plan.decay_target] = plan.decay_values
+        self._tkeys_all[plan.key_target] = plan.new_keys
+        self._counters_all[plan.key_target] = plan.new_counters
+        self._scatter(plan.row_target, values, plan.row_src)
+        self._insert_stats += torch.stack([plan.placed, plan.evictions, plan.dropped])
 
     def update(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """Overwrite the rows of keys that are cached; others are ignored.
@@ -464,9 +471,10 @@ class GPUCache:
         hits = int(self._hits.sum())
         size = int((self._tkeys != EMPTY_KEY).sum()) if self.capacity else 0
         misses = self._lookups - hits
+        inserts, evictions, _dropped = (int(x) for x in self._insert_stats.tolist())
         return GPUCacheStats(
             capacity=self.capacity, size=size, hits=hits, misses=misses,
-            inserts=self._inserts, evictions=self._evictions, updates=self._updates,
+            inserts=inserts, evictions=evictions, updates=self._updates,
             erases=self._erases, hit_rate=hits / self._lookups if self._lookups else 0.0)
 
     def state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -130,73 +130,87 @@ def last_occurrence(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
 
 @dataclass
 class InsertPlan:
-    """Where an insert batch goes. All index tensors are on the cache's device."""
+    """Where an insert batch goes, as full-length tensors with no data-dependent shape.
 
-    #: slots of keys already present, and the batch positions whose rows overwrite them.
-    present_slots: torch.Tensor
-    present_src: torch.Tensor
-    #: slots new keys take, the keys, their batch positions and their starting counters.
-    new_slots: torch.Tensor
+    Planning makes no host sync (no boolean indexing, no ``unique``): every tensor has one
+    entry per batch key (``decay_*``: per key and way), and an entry that writes nothing
+    targets the *trash slot* ``capacity``, one slot past the table that the cache keeps
+    for this purpose (its contents are meaningless). Entries that write a real slot never
+    collide, except ``decay_*`` entries of one bucket, which write identical values.
+    """
+
+    #: slot whose row each batch position writes (present keys: their slot; placed new
+    #: keys: the slot they take; trash otherwise) and the batch position of that row.
+    row_target: torch.Tensor
+    row_src: torch.Tensor
+    #: slot each placed new key takes (trash otherwise), the key, its starting counter.
+    key_target: torch.Tensor
     new_keys: torch.Tensor
-    new_src: torch.Tensor
     new_counters: torch.Tensor
-    #: buckets touched by new keys and their counters after decay ([Bt * ways]).
-    decay_slots: torch.Tensor
-    decay_counters: torch.Tensor
-    evictions: int
-    dropped: int
+    #: the touched buckets' counters after decay ([N * ways]; trash where not touched).
+    decay_target: torch.Tensor
+    decay_values: torch.Tensor
+    #: 0-d int64 tensors: new keys placed, residents evicted, new keys dropped.
+    placed: torch.Tensor
+    evictions: torch.Tensor
+    dropped: torch.Tensor
 
 
 def plan_insert(
     tkeys: torch.Tensor, counters: torch.Tensor, num_buckets: int, ways: int,
     keys: torch.Tensor,
 ) -> InsertPlan:
-    """Decide, deterministically, where every key of an insert batch goes."""
-    dev = keys.device
-    empty_i64 = torch.empty(0, dtype=torch.int64, device=dev)
-    uk, last, _ = last_occurrence(keys)
-    hit, slot = probe(tkeys, num_buckets, ways, uk)
-    present_slots, present_src = slot[hit], last[hit]
-    fresh = ~hit
-    new_keys, new_src = uk[fresh], last[fresh]
-    m = new_keys.numel()
-    if m == 0 or num_buckets == 0:
-        return InsertPlan(present_slots, present_src, empty_i64, empty_i64, empty_i64,
-                          torch.empty(0, dtype=counters.dtype, device=dev), empty_i64,
-                          torch.empty(0, dtype=counters.dtype, device=dev), 0, m)
-    # NOTE: uk is sorted, and the stable sort by bucket keeps ascending keys inside a bucket.
-    bucket = bucket_of(new_keys, num_buckets)
-    order = torch.sort(bucket, stable=True).indices
-    bucket, new_keys, new_src = bucket[order], new_keys[order], new_src[order]
-    ubuckets, counts = torch.unique_consecutive(bucket, return_counts=True)
-    group = torch.repeat_interleave(torch.arange(ubuckets.numel(), device=dev), counts)
-    starts = torch.cumsum(counts, 0) - counts
-    rank = torch.arange(m, device=dev) - starts[group]
+    """Decide, deterministically and without a host sync, where every key goes.
 
+    ``num_buckets`` must be positive and ``keys`` non-empty (the caller returns early).
+    """
+    dev = keys.device
+    n = keys.numel()
+    trash = tkeys.numel()
+    # last occurrence of each key: a stable sort keeps equal keys in batch order
+    ks, src = torch.sort(keys, stable=True)
+    is_last = torch.ones(n, dtype=torch.bool, device=dev)
+    is_last[:-1] = ks[1:] != ks[:-1]
+    hit, slot = probe(tkeys, num_buckets, ways, ks)
+    present = is_last & hit
+    fresh = is_last & ~hit
+    # new keys by bucket; ascending keys inside a bucket (ks is sorted, the sort is stable)
+    skey = torch.where(fresh, bucket_of(ks, num_buckets), num_buckets)
+    sb, order = torch.sort(skey, stable=True)
+    ks, src, slot = ks[order], src[order], slot[order]
+    present, fresh = present[order], fresh[order]
+    rank = torch.arange(n, device=dev) - torch.searchsorted(sb, sb)
+    bucket = torch.where(fresh, sb, 0)
     way = torch.arange(ways, device=dev)
-    bslots = ubuckets[:, None] * ways + way[None, :]
+    bslots = bucket[:, None] * ways + way[None, :]
     bkeys = tkeys[bslots]
     # NOTE: clamped on read: the Triton kernels add hits without saturating (see
     # gpu.cache_kernels); a stored counter c stands for min(c, COUNTER_MAX).
     bcount = counters[bslots].clamp_max(COUNTER_MAX)
     old = bcount.amax(dim=1, keepdim=True) >= DECAY_AT
     bcount = torch.where(old, bcount >> 1, bcount)
-    bpinned = torch.isin(bkeys, uk[hit])
+    # a way holding a key of this batch is pinned: never a victim
+    mark = torch.zeros(trash + 1, dtype=torch.bool, device=dev)
+    mark[torch.where(present, slot, trash)] = True
+    mark[trash] = False
+    bpinned = mark[bslots]
     score = torch.where(bkeys == EMPTY_KEY, -1, bcount.to(torch.int64))
     score = torch.where(bpinned, 1 << 40, score)
     way_order = torch.sort(score, dim=1, stable=True).indices
     avail = ways - bpinned.sum(dim=1)
-    ok = rank < avail[group]
-    pick = way_order[group, rank.clamp_max(ways - 1)]
-    g_ok, pick_ok = group[ok], pick[ok]
-    new_slots = bslots[g_ok, pick_ok]
-    victims = bkeys[g_ok, pick_ok]
-    new_counters = (bcount[g_ok, pick_ok] + 1).clamp_max(COUNTER_MAX)
-    evictions = int((victims != EMPTY_KEY).sum())
-    placed = new_slots.numel()
-    return InsertPlan(present_slots, present_src, new_slots, new_keys[ok], new_src[ok],
-                      new_counters, bslots.reshape(-1), bcount.reshape(-1), evictions,
-                      m - placed)
+    ok = fresh & (rank < avail)
+    pick = way_order.gather(1, rank.clamp(0, ways - 1)[:, None])
+    new_slot = bucket * ways + pick.squeeze(1)
+    victim = bkeys.gather(1, pick).squeeze(1)
+    new_counters = (bcount.gather(1, pick).squeeze(1) + 1).clamp_max(COUNTER_MAX)
+    key_target = torch.where(ok, new_slot, trash)
+    row_target = torch.where(ok, new_slot, torch.where(present, slot, trash))
+    # a bucket decays when a new key is placed in it (every fresh row of it has one avail)
+    decay_target = torch.where((fresh & (avail > 0))[:, None], bslots, trash).reshape(-1)
+    placed = ok.sum()
+    return InsertPlan(row_target, src, key_target, ks, new_counters, decay_target,
+                      bcount.reshape(-1), placed, (ok & (victim != EMPTY_KEY)).sum(),
+                      fresh.sum() - placed)
 
 
 def plan_update(

@@ -152,7 +152,8 @@ class Tiers:
         until ``ADMIT_KEYS`` keys or ``ADMIT_BATCHES`` lookups have gathered, so that a
         cache that mostly hits pays one insert per several lookups. Pending rows are
         checked against the ring from the earliest lookup's cursor when they go in, and
-        dropped by any write through the layer.
+        dropped by any write through the layer. A round never admits more keys than the
+        cache has slots: beyond that, a random sample of the miss occurrences goes in.
         """
         if self.cache.capacity == 0 or keys.numel() == 0 or prob <= 0.0:
             return
@@ -179,7 +180,12 @@ class Tiers:
                 if changed.numel():
                     keep = ~torch.isin(keys, changed.to(keys.device))
                     keys, rows = keys[keep], rows[keep]
-            self.cache.insert(keys, rows)
+            if keys.numel() > self.cache.capacity:
+                # NOTE: more than the cache holds would only overwrite itself: admit a random
+                # sample of the miss occurrences, so keys that missed often are likelier in
+                keep = torch.randperm(keys.numel(), device=keys.device)[: self.cache.capacity]
+                keys, rows = keys[keep], rows[keep]
+            self.cache.insert(keys, rows, validate=False)
 
     def _drop_pending(self) -> None:
         self._pending = []
