@@ -429,6 +429,12 @@ class GPUCache:
         if validate and bool((keys == EMPTY_KEY).any()):
             raise BadArgumentError(
                 f"key {EMPTY_KEY} (INT64_MIN) is reserved for empty slots; remap it")
+        if self._kernels is not None:
+            self._kernels.insert(keys, values, self._tkeys, self._counters, self._rows_all,
+                                 self._insert_stats, self.num_buckets, self.ways,
+                                 empty=EMPTY_KEY, cmax=twin.COUNTER_MAX,
+                                 decay_at=twin.DECAY_AT)
+            return
         plan = twin.plan_insert(self._tkeys, self._counters, self.num_buckets, self.ways, keys)
         self._counters_all[plan.decay_target] = plan.decay_values
         self._tkeys_all[plan.key_target] = plan.new_keys
