@@ -296,3 +296,24 @@ def test_fork_after_cuda_init_is_refused(cache: HostCache) -> None:
         assert reg.rows().is_cuda  # the parent's registration is unaffected
     finally:
         reg.close()
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two or more CUDA GPUs")
+def test_one_process_registers_once_for_every_gpu(block: SharedMemBlock) -> None:
+    """Layers on several GPUs of one process share one portable registration."""
+    block.write(torch.arange(300), torch.arange(1500, dtype=torch.float16).view(300, 5))
+    regs = [register(block, f"cuda:{d}") for d in range(torch.cuda.device_count())]
+    views = [r.rows() for r in regs]
+    assert len({v.data_ptr() for v in views}) == 1  # one device address for every GPU
+    assert [v.device.index for v in views] == list(range(len(regs)))
+    for v in views:
+        assert torch.equal(v[:300].cpu(), block.tensor)
+    views[1][7] = 9.0  # a write through one GPU's view is the host row
+    torch.cuda.synchronize(1)
+    assert float(block.tensor[7, 0]) == 9.0 and float(views[0][7, 0].cpu()) == 9.0
+    del views
+    for r in regs:
+        r.close()
+    gc.collect()
+    assert not pointer_is_registered(block.buffer.data_ptr(), "cuda:0")
