@@ -43,6 +43,9 @@ logger = logging.getLogger(__name__)
 ADMIT_KEYS = 2048
 #: ... or this many lookups have gathered them
 ADMIT_BATCHES = 8
+#: at most this many of a GPU lookup's host-cache hits are reported to the host cache's
+#: eviction policy (weighted by hits / sample), so its counters see the GPU's traffic.
+HOST_TOUCH_SAMPLE = 4096
 
 
 def pool_rows(
@@ -448,9 +451,25 @@ class HierarchicalTiers(Tiers):
             from .host_kernels import hostcache_lookup
 
             values, hit = hostcache_lookup(self._reg, keys)
-            self.host.count_lookup(keys.numel(), int(hit.sum()))
+            hits = int(hit.sum())
+            self.host.count_lookup(keys.numel(), hits)
+            self._touch_host(keys, hit, hits)
             return values, hit
         return self.host.lookup(keys)
+
+    def _touch_host(self, keys: torch.Tensor, hit: torch.Tensor, hits: int) -> None:
+        """Report the GPU's host-cache hits to its eviction policy, as a CPU lookup does.
+
+        A sample of at most ``HOST_TOUCH_SAMPLE`` hit keys goes to the CPU, each counted
+        ``hits / sample`` times: the policy sees the traffic without a full copy."""
+        if hits == 0:
+            return
+        hk = keys[hit]
+        weight = 1
+        if hits > HOST_TOUCH_SAMPLE:
+            pick = torch.randint(0, hits, (HOST_TOUCH_SAMPLE,), device=hk.device)
+            hk, weight = hk[pick], max(1, round(hits / HOST_TOUCH_SAMPLE))
+        self.host.touch(hk.cpu(), weight)
 
     def _fetch(self, ukeys: torch.Tensor, since: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of distinct missed keys from the lower tiers: (rows, found).

@@ -19,6 +19,7 @@ from typing import Self
 import torch
 
 from . import layout
+from .errors import BadArgumentError
 from .hashing import bucket_of
 from .segment import Mapping, check_mode
 from .table import (
@@ -174,6 +175,21 @@ class HostCache(SharedTable):
         c[C_HITS] += n_hits
         c[C_MISSES] += keys.numel() - n_hits
         return values, hit
+
+    def touch(self, keys: torch.Tensor, weight: int = 1) -> None:
+        """Count ``weight`` hits of each cached key in the eviction policy, as a lookup
+        would, without reading rows or changing hit counters (for reads made elsewhere: a
+        GPU kernel reading the segment reports a sample of its hits here)."""
+        keys = check_cache_keys(keys)
+        if isinstance(weight, bool) or not isinstance(weight, int) or weight < 1:
+            raise BadArgumentError(f"weight must be an int >= 1; got {weight!r}")
+        self._live()
+        _, found, slot = self._find(keys)
+        slot = slot[found]
+        if slot.numel():
+            # racy across processes by design, like lookup's (approximate frequencies)
+            self._policy.index_add_(0, slot, torch.full((slot.numel(),), weight,
+                                                        dtype=torch.int32))
 
     def contains(self, keys: torch.Tensor) -> torch.Tensor:
         """bool [N]: whether each key is cached now (no counters touched)."""

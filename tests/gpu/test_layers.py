@@ -306,3 +306,32 @@ def test_default_row_of_the_wrong_shape_is_refused(tmp_path) -> None:
         with pytest.raises(BadArgumentError, match="default_row"):
             NVEmbedding(ROWS, DIM, torch.float32, LayerType.Hierarchical, device="cpu",
                         default_row=torch.zeros(DIM + 1), **kw)
+
+
+def test_gpu_host_hits_reach_the_host_policy_weighted_by_the_sample(
+        table_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a CUDA layer does after its kernel read the host cache (run here on the CPU):
+    a sample of the hits, weighted, bumps the host cache's eviction counters."""
+    from gpu import tiers
+    from hostcache.hashing import bucket_of
+
+    monkeypatch.setattr(tiers, "HOST_TOUCH_SAMPLE", 2)
+    with HostCache.create(table_name, capacity=64, dim=4, ways=4) as hc:
+        try:
+            cand = torch.arange(200_000)
+            b = bucket_of(cand, hc.geometry.num_buckets)
+            same = cand[b == b[0]][:7]
+            hc.insert(same[:4], torch.zeros(4, 4))
+            layer = NVEmbedding(1 << 20, 4, torch.float32, LayerType.Hierarchical,
+                                host_cache=hc, device="cpu")
+            # 60 hits of same[1] (a sample of 2, each counted 30 times), none of the others
+            keys = torch.cat([same[1].repeat(60), same[[0, 2, 3]]])
+            hit = torch.zeros(keys.numel(), dtype=torch.bool)
+            hit[:60] = True
+            layer._tiers._touch_host(keys, hit, 60)
+            for k in same[4:7]:  # each newcomer evicts a cold way, never same[1]
+                hc.insert(k[None], torch.zeros(1, 4))
+            assert hc.contains(same).tolist() == [False, True, False, False, True, True, True]
+            layer.close()
+        finally:
+            HostCache.unlink(table_name)

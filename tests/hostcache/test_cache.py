@@ -115,6 +115,27 @@ def test_eviction_takes_the_coldest_way(table_name: str) -> None:
             HostCache.unlink(table_name)
 
 
+def test_touch_counts_hits_for_eviction_like_lookup_without_reading(table_name: str) -> None:
+    with HostCache.create(table_name, capacity=64, dim=DIM, ways=4) as hc:
+        try:
+            same = keys_in_one_bucket(hc, 5)
+            first = same[:4]
+            hc.insert(first, rows_for(first))
+            before = hc.stats()
+            hc.touch(first[[0, 1, 3]], weight=3)  # as hot as three lookups each
+            hc.touch(torch.tensor([10**15]))  # absent: ignored
+            after = hc.stats()
+            assert (after.hits, after.misses) == (before.hits, before.misses)
+            hc.insert(same[4:5], rows_for(same[4:5]))
+            _, hit = hc.lookup(same)
+            assert hit.tolist() == [True, True, False, True, True]  # the untouched one went
+            for bad in (0, -1, 1.5, True):
+                with pytest.raises(BadArgumentError):
+                    hc.touch(first, weight=bad)
+        finally:
+            HostCache.unlink(table_name)
+
+
 def test_more_new_keys_than_ways_in_one_batch_is_best_effort(table_name: str) -> None:
     with HostCache.create(table_name, capacity=64, dim=DIM, ways=4) as hc:
         try:
