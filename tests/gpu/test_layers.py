@@ -188,6 +188,92 @@ def test_threads_give_the_same_results_as_serial(tmp_path) -> None:
             assert torch.equal(out, weights[keys])
 
 
+STREAM_DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (one stream per thread)")])]
+
+
+def _on_own_stream(device: str, fn: Any) -> Any:
+    """Run ``fn`` on a stream of this thread's own (CUDA); results copied to the CPU."""
+    if device == "cpu":
+        return fn()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        out = fn()
+        out = out.cpu()  # synchronises this stream only
+    return out
+
+
+@pytest.mark.parametrize("device", STREAM_DEVICES)
+@pytest.mark.parametrize("layer_type", [LayerType.LinearUVM, LayerType.Hierarchical])
+def test_threads_on_their_own_streams_match_serial(tmp_path, device: str,
+                                                   layer_type: LayerType) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    weights = torch.randn(ROWS, DIM)
+    with stack(layer_type, weights, tmp_path, device) as kw:
+        layer = NVEmbedding(ROWS, DIM, torch.float32, layer_type, device=device, **kw)
+        gen = torch.Generator().manual_seed(3)
+        batches = [torch.randint(0, ROWS, (512,), generator=gen) for _ in range(48)]
+
+        def look(keys: torch.Tensor) -> torch.Tensor:
+            return _on_own_stream(device, lambda: layer(keys.to(device)))
+
+        with ThreadPoolExecutor(4) as pool:
+            outs = list(pool.map(look, batches))
+        for keys, out in zip(batches, outs, strict=True):
+            assert torch.equal(out.cpu(), weights[keys])
+        layer.close()
+
+
+@pytest.mark.parametrize("device", STREAM_DEVICES)
+def test_one_threads_misses_never_hold_up_anothers_hits(tmp_path, device: str) -> None:
+    """Thread A's lookup waits inside the parameter server; thread B's hits still return."""
+    import threading
+
+    weights = torch.randn(ROWS, DIM)
+    with stack(LayerType.Hierarchical, weights, tmp_path, device) as kw:
+        layer = NVEmbedding(ROWS, DIM, torch.float32, LayerType.Hierarchical, device=device,
+                            **kw)
+        hot = torch.arange(8)
+        layer(hot.to(device))  # cached now (GPU cache and host cache)
+        ps = kw["storage"]
+        real_lookup = ps.lookup
+        entered, release = threading.Event(), threading.Event()
+
+        def gated_lookup(keys: torch.Tensor) -> Any:
+            entered.set()
+            assert release.wait(60), "the test never released the parameter server"
+            return real_lookup(keys)
+
+        ps.lookup = gated_lookup  # the real PS, held at the door until released
+        box: dict[str, Any] = {}
+
+        cold = torch.tensor([ROWS - 1, ROWS - 2])
+
+        def a() -> None:
+            box["a"] = _on_own_stream(device, lambda: layer(cold.to(device)))
+
+        def b() -> None:
+            box["b"] = _on_own_stream(device, lambda: layer(hot.to(device)))
+
+        ta = threading.Thread(target=a)
+        ta.start()
+        try:
+            assert entered.wait(60), "thread A never reached the parameter server"
+            tb = threading.Thread(target=b)  # while A waits at the parameter server
+            tb.start()
+            tb.join(60)  # a bound for a failure, not a synchronisation: B must not block
+            b_finished_while_a_waited = not tb.is_alive()
+        finally:
+            release.set()
+            ta.join(60)
+        tb.join(60)
+        assert b_finished_while_a_waited, "B's hits waited for A's misses"
+        assert torch.equal(box["b"].cpu(), weights[hot])
+        assert torch.equal(box["a"].cpu(), weights[cold])
+        layer.close()
+
+
 @pytest.mark.parametrize(
     ("call", "match"),
     [
