@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             emit(bench="multigpu", gpus=min(world, n), ranks=world, batch=batch,
                  rows=args.rows, dim=DIM,
                  table_gib=args.rows * DIM * 4 / 2**30, cache_fraction=args.cache_fraction,
-                 alpha=args.alpha, remote_share=(world - 1) / world,
+                 alpha=args.alpha, remote_share=(min(world, n) - 1) / min(world, n),
                  mkps_per_gpu={k: round(v, 1) for k, v in mean.items()},
                  hit_rate={k[:-9]: round(sum(r[k] for r in recs) / world, 4)
                            for k in recs[0] if k.endswith("_hit_rate")},
