@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
                  kernel_vs_hbm=round(mean["kernel"] / mean["hbm"], 2) if "hbm" in mean
                  else None,
                  kernel_cache_of=recs[0]["kernel_cache_of"], aggregate_mkps=round(agg, 1),
-                 scaling_per_gpu_vs_first=round(agg / world / base[batch], 2))
+                 scaling_per_rank_vs_first=round(agg / world / base[batch], 2))
     return 0
 
 
