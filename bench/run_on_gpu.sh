@@ -2,13 +2,7 @@
 # One GPU-machine run: the GPU tests and the GPU benchmarks, output under $OUT (default ./out).
 # Usage: bash bench/run_on_gpu.sh [quick]   (wheels the machine lacks may be in .whl/)
 set -uo pipefail
-OUT=${OUT:-out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
-fi
-export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1
-Q=${1:-}; [ "$Q" = quick ] && Q=--quick || Q=
+source "$(dirname "$0")/device_env.sh" "$@"
 nvidia-smi -L | tee "$OUT/env.txt"
 python3 -c 'import torch, triton; print(torch.__version__, triton.__version__)' | tee -a "$OUT/env.txt"
 timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/hostcache/test_cache.py \

@@ -3,14 +3,7 @@
 # under torchrun (and mpirun where installed), bench_multigpu and replicas one per GPU.
 # Usage: bash bench/run_on_multigpu.sh [quick]   (wheels the machine lacks may be in .whl/)
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
-fi
-export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1
-Q=${1:-}; [ "$Q" = quick ] && Q=--quick || Q=
+source "$(dirname "$0")/device_env.sh" "$@"
 { nvidia-smi -L; nvidia-smi topo -m; python3 -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.device_count())'
   python3 -c 'from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])' 2>&1 | tail -1
   command -v mpirun || echo "no mpirun"; } 2>&1 | tee "$OUT/env.txt"
