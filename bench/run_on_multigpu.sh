@@ -7,7 +7,7 @@ source "$(dirname "$0")/device_env.sh" "$@"
 { nvidia-smi -L; nvidia-smi topo -m; python3 -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.device_count())'
   python3 -c 'from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])' 2>&1 | tail -1
   command -v mpirun || echo "no mpirun"; } 2>&1 | tee "$OUT/env.txt"
-timeout 420 python3 -m pytest -q -p no:cacheprovider -x tests/gpu tests/hostcache/test_cache.py \
+timeout 420 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/hostcache/test_cache.py \
   2>&1 | tail -30 | tee "$OUT/gpu_tests.log"
 if command -v mpirun >/dev/null; then
   timeout 120 mpirun --allow-run-as-root -n 2 python3 examples/seed_linear_uvm.py 2>&1 \
