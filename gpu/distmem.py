@@ -192,6 +192,14 @@ class DistMemBlock:
             raise BadArgumentError(f"dim must be a positive int; got {dim!r}")
         if dtype not in DTYPES:
             raise BadArgumentError(f"dtype must be one of {DTYPES}; got {dtype!r}")
+        if name is not None:
+            from hostcache import HostCacheError
+            from hostcache.segment import check_name
+
+            try:
+                check_name(name)
+            except HostCacheError as e:
+                raise BadArgumentError(f"name: {e}") from e
         g = as_group(group)
         devs = _resolve_devices(devices, solo=g.size == 1)
         kind = devs[0].type
@@ -220,11 +228,10 @@ class DistMemBlock:
         total = num_rows * self.row_bytes
         self.shard_bytes = _round_up(-(-total // self.num_shards), self.granularity)
         self.size = self.shard_bytes * self.num_shards
-        first = sum(counts[: g.rank])
         self.name = g.bcast(name or f"distmem-{uuid.uuid4().hex[:12]}")
         rng = _Range(vmm)
         try:
-            self._build(vmm, rng, devs, first, timeout)
+            self._build(vmm, rng, devs, timeout)
             error = None
         except (GPUError, OSError) as e:
             rng.release()
@@ -252,7 +259,7 @@ class DistMemBlock:
                      self.shard_bytes, self.base)
 
     def _build(self, vmm: CudaVMM | HostVMM, rng: _Range, devs: list[torch.device],
-               first: int, timeout: float) -> None:
+               timeout: float) -> None:
         local: list[int] = []
         for d in devs:
             h = vmm.create(self.shard_bytes, d.index or 0)
@@ -309,7 +316,9 @@ class DistMemBlock:
                 journal = SharedMemBlock.create(self.name, num_rows=1, dim=1,
                                                 dtype=torch.float32)
             except Exception as e:  # noqa: BLE001 - reported to every rank below
-                err = e
+                err = BadArgumentError(f"cannot create the block's journal segment "
+                                       f"{self.name!r}: {e}; pick another name= or remove "
+                                       f"the old segment (hostcache rm {self.name})")
         failed = self.group.bcast(None if err is None else str(err))
         if failed is not None:
             if err is not None:

@@ -7,6 +7,7 @@ on several GPUs (marked ``multigpu``: rank r's shard on GPU r, read over NVLink)
 
 from __future__ import annotations
 
+import gc
 import pickle
 
 import pytest
@@ -78,7 +79,7 @@ def test_write_last_duplicate_wins_and_is_announced(table_name) -> None:
 
 @pytest.mark.parametrize("bad", [
     dict(num_rows=0), dict(num_rows=-3), dict(dim=0), dict(dtype=torch.int64),
-    dict(devices=[]), dict(group="mpi"), dict(devices="tpu"),
+    dict(devices=[]), dict(group="mpi"), dict(devices="tpu"), dict(name="bad/name"),
 ])
 def test_bad_arguments_raise_typed_errors(bad, table_name) -> None:
     args = dict(num_rows=10, dim=4, dtype=torch.float32, devices="cpu", name=table_name)
@@ -86,6 +87,24 @@ def test_bad_arguments_raise_typed_errors(bad, table_name) -> None:
     with pytest.raises(GPUError):
         DistMemBlock(args.pop("num_rows"), args.pop("dim"), args.pop("dtype"), **args)
     assert table_name not in segment.list_names()  # no journal left behind
+
+
+def shard_mappings() -> int:
+    """Mappings of CPU-twin shards (memfds named nvec-distmem) in this process."""
+    with open("/proc/self/maps") as f:
+        return sum("nvec-distmem" in line for line in f)
+
+
+def test_a_name_in_use_is_refused_and_nothing_stays_mapped(table_name) -> None:
+    before = shard_mappings()
+    with DistMemBlock(10, 4, devices="cpu", name=table_name):
+        inside = shard_mappings()
+        assert inside > before
+        with pytest.raises(BadArgumentError, match="journal"):
+            DistMemBlock(10, 4, devices="cpu", name=table_name)
+        assert shard_mappings() == inside  # the refused block unmapped its shards
+    assert shard_mappings() == before
+    assert table_name not in segment.list_names()
 
 
 def test_bad_rows_and_values_change_nothing(table_name) -> None:
@@ -113,6 +132,10 @@ def test_view_outlives_close_and_closed_block_refuses(table_name) -> None:
     assert table_name not in segment.list_names()
     with pytest.raises(GPUError):
         block.read(torch.tensor([1]))
+    mapped = shard_mappings()
+    del view
+    gc.collect()
+    assert shard_mappings() < mapped  # the last view gone: unmapped
 
 
 @pytest.mark.parametrize("layer_cls", [NVEmbedding, NVEmbeddingBag])
