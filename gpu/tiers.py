@@ -46,6 +46,10 @@ ADMIT_BATCHES = 8
 #: at most this many of a GPU lookup's host-cache hits are reported to the host cache's
 #: eviction policy (weighted by hits / sample), so its counters see the GPU's traffic.
 HOST_TOUCH_SAMPLE = 4096
+#: once the GPU cache has been offered as many keys as it has slots, one admission round
+#: may bring in at most this fraction of its slots (a random sample of the round's miss
+#: occurrences): a small cache then keeps its hot rows when lookups miss many cold keys.
+WARM_ROUND_FRACTION = 1 / 8
 
 
 def pool_rows(
@@ -145,6 +149,7 @@ class Tiers:
         self._cursor = cursor
         return cursor
 
+    _admitted = 0  # keys sent to the GPU cache's insert so far
     _pending: list[tuple[torch.Tensor, torch.Tensor]]
     _pending_since: int | None = None
 
@@ -156,7 +161,8 @@ class Tiers:
         cache that mostly hits pays one insert per several lookups. Pending rows are
         checked against the ring from the earliest lookup's cursor when they go in, and
         dropped by any write through the layer. A round never admits more keys than the
-        cache has slots: beyond that, a random sample of the miss occurrences goes in.
+        cache has slots, and once the cache is warm not more than ``WARM_ROUND_FRACTION``
+        of them: beyond that, a random sample of the miss occurrences goes in.
         """
         if self.cache.capacity == 0 or keys.numel() == 0 or prob <= 0.0:
             return
@@ -183,11 +189,15 @@ class Tiers:
                 if changed.numel():
                     keep = ~torch.isin(keys, changed.to(keys.device))
                     keys, rows = keys[keep], rows[keep]
-            if keys.numel() > self.cache.capacity:
-                # NOTE: more than the cache holds would only overwrite itself: admit a random
-                # sample of the miss occurrences, so keys that missed often are likelier in
-                keep = torch.randperm(keys.numel(), device=keys.device)[: self.cache.capacity]
+            cap = self.cache.capacity
+            if self._admitted >= cap:  # warm: a round replaces at most a fraction
+                cap = max(1, int(cap * WARM_ROUND_FRACTION))
+            if keys.numel() > cap:
+                # NOTE: admit a random sample of the miss occurrences, so keys that missed
+                # often are likelier in
+                keep = torch.randperm(keys.numel(), device=keys.device)[:cap]
                 keys, rows = keys[keep], rows[keep]
+            self._admitted += keys.numel()
             self.cache.insert(keys, rows, validate=False)
 
     def _drop_pending(self) -> None:
