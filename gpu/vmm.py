@@ -97,12 +97,6 @@ class CudaVMM:
         prop.requestedHandleTypes = self._fd_type
         return prop
 
-    def _current(self, device: int) -> None:
-        import torch
-
-        torch.cuda.set_device(device)
-        torch.cuda.current_stream(device)  # makes the primary context current here
-
     def check_device(self, device: int) -> None:
         drv = self._drv
         dev = _check("cuDeviceGet", drv.cuDeviceGet(device))
@@ -135,9 +129,12 @@ class CudaVMM:
                           drv.cuMemGetAllocationGranularity(self._prop(device), flag)))
 
     def create(self, size: int, device: int) -> int:
-        self._current(device)
-        handle = _check("cuMemCreate", self._drv.cuMemCreate(size, self._prop(device), 0),
-                        f"{size} bytes on cuda:{device}; is the GPU's memory full?")
+        import torch
+
+        with torch.cuda.device(device):  # its primary context current; restored after
+            torch.cuda.current_stream(device)
+            handle = _check("cuMemCreate", self._drv.cuMemCreate(size, self._prop(device), 0),
+                            f"{size} bytes on cuda:{device}; is the GPU's memory full?")
         return int(handle)
 
     def export(self, handle: int) -> int:
