@@ -212,3 +212,30 @@ def test_cuda_large_batch_matches_cpu_twin() -> None:
     torch.testing.assert_close(pa, pb.cpu(), rtol=1e-5, atol=1e-4)
     for x, y in zip(a.state(), b.state(), strict=True):
         assert torch.equal(x, y)
+
+
+@needs_triton
+@pytest.mark.parametrize("ways", [1, 4, 8])
+def test_interpreter_insert_decays_and_evicts_like_the_twin(ways: int) -> None:
+    """Inserts into hot, full buckets (counters past the decay threshold) and batches with
+    duplicates and keys already present: the Triton insert's placements are the twin's."""
+    from gpu.cache_twin import DECAY_AT
+
+    a = make("cpu", "torch", ways=ways, dim=12, buckets=3)
+    b = make("cpu", "triton", ways=ways, dim=12, buckets=3)
+    gen = torch.Generator().manual_seed(ways)
+    halved = False
+    for step in range(12):
+        keys = torch.randint(-30, 30, (int(torch.randint(1, 40, (1,), generator=gen)),),
+                             generator=gen)
+        vals = torch.randn(keys.numel(), 12, generator=gen)
+        for c in (a, b):
+            c.insert(keys, vals)
+            if step % 3 == 2:  # make every resident hot: the next insert halves its bucket
+                c._counters += DECAY_AT
+        for x, y in zip(a.state(), b.state(), strict=True):
+            assert torch.equal(x, y), step
+        counters = a.state()[1]
+        halved |= bool(((counters >= DECAY_AT // 2) & (counters < DECAY_AT)).any())
+    assert halved, "no bucket was decayed: the test lost its point"
+    assert a.stats() == b.stats() and a.stats().evictions > 0
