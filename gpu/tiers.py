@@ -125,6 +125,7 @@ class Tiers:
         with self._cache_op():
             self._drop_pending()
             self.cache.clear()
+            self._admitted = 0  # empty again: fill it at full speed
 
     # -- shared-table invalidation ----------------------------------------------------------
 
@@ -142,6 +143,7 @@ class Tiers:
         keys, cursor, overflowed = self._shared.changes_since(self._cursor)
         if overflowed:
             self.cache.clear()
+            self._admitted = 0  # empty again: fill it at full speed
             self.full_invalidations += 1
         elif keys.numel():
             self.cache.erase(keys.to(self.device))
@@ -262,7 +264,7 @@ class DeviceTable(Tiers):
         self._reg = None
         if isinstance(table, torch.Tensor):
             self.table = table
-        else:  # a SharedMemBlock: one copy serves every process of the node
+        else:  # a SharedMemBlock or DistMemBlock: one copy serves every process
             self._block = table
             self._reg, self.table = _registered_rows(table, device)
             _add_user(table, self)
@@ -594,6 +596,7 @@ class HierarchicalTiers(Tiers):
             self._drop_pending()
             self._sync()
             self.cache.clear()
+            self._admitted = 0  # empty again: fill it at full speed
 
     def stats(self) -> LayerStats:
         host = TierStats(self._host[0], self._host[1], self._host[2]) if self.host else None
