@@ -399,11 +399,10 @@ class DistMemBlock:
         v = self.view()
         idx, vals = idx.to(v.device), vals.to(v.device)
         if idx.numel() > 1:  # duplicates: the last one wins (index_copy_ picks any)
-            uniq, inv = torch.unique(idx, return_inverse=True)
-            pos = torch.arange(idx.numel(), device=idx.device)
-            last = torch.zeros(uniq.numel(), dtype=torch.int64, device=idx.device)
-            last.scatter_reduce_(0, inv, pos, reduce="amax", include_self=False)
-            idx, vals = uniq, vals.index_select(0, last)
+            from .cache_twin import last_occurrence
+
+            idx, last, _ = last_occurrence(idx)
+            vals = vals.index_select(0, last)
         v.index_copy_(0, idx, vals)
         if v.device.type == "cuda":
             torch.cuda.synchronize(v.device)  # the rows are in place before the news
