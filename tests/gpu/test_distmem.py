@@ -202,3 +202,43 @@ def test_group_geometry_mismatch_raises_on_every_rank() -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_mpimemblock_over_a_communicator(kind) -> None:
     run_ranks("mpi", kind)
+
+
+class _HalfGroup:
+    """One member of a two-rank group whose other member never shows up (the socket and the
+    timeout are real; only the group's collectives are this process's alone)."""
+
+    size = 2
+
+    def __init__(self, rank: int, bcast_value: object = None) -> None:
+        self.rank = rank
+        self._bcast_value = bcast_value
+
+    def bcast(self, obj: object) -> object:
+        return obj if self._bcast_value is None else self._bcast_value
+
+
+def test_exchange_times_out_with_a_typed_error_naming_the_missing_rank() -> None:
+    from gpu.groups import GroupError, exchange_fds
+
+    with pytest.raises(GroupError, match=r"ranks \[1\] did not connect"):
+        exchange_fds(_HalfGroup(0), {}, [], timeout=0.2)  # type: ignore[arg-type]
+
+
+def test_exchange_with_an_unreachable_rank_0_raises_a_typed_error(tmp_path) -> None:
+    from gpu.groups import GroupError, exchange_fds
+
+    group = _HalfGroup(1, bcast_value=(str(tmp_path / "nobody-listens"), "token"))
+    with pytest.raises(GroupError, match="cannot reach rank 0"):
+        exchange_fds(group, {}, [], timeout=0.2)  # type: ignore[arg-type]
+
+
+def test_torch_group_without_torchrun_env_says_how_to_launch(monkeypatch) -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(BadArgumentError, match="torchrun"):
+        DistMemBlock(10, 4, devices="cpu", group="torch")
