@@ -157,19 +157,20 @@ class HostCache(SharedTable):
         values = self._rows.index_select(0, slot)
         key_inside = self._keys.index_select(0, slot)
         ver_after = self._versions.index_select(0, slot)
-        hit = (
-            found & (key_inside == keys) & (ver_before == ver_after) & ((ver_before & 1) == 0)
-        )
-        miss = (~hit).nonzero().squeeze(1)
-        if miss.numel():
-            values.index_fill_(0, miss, 0)
+        hit = key_inside == keys
+        hit &= found
+        hit &= ver_before == ver_after
+        hit &= (ver_before & 1) == 0
+        n_hits = int(hit.sum())
+        if n_hits < keys.numel():
+            values.index_fill_(0, (~hit).nonzero().squeeze(1), 0)
         if not count:
             return values, hit
-        hit_slots = slot[hit]
-        n_hits = int(hit_slots.numel())
         if n_hits:
-            # policy counters: racy across processes by design (approximate frequencies)
-            self._policy.index_add_(0, hit_slots, torch.ones(n_hits, dtype=torch.int32))
+            # policy counters: racy across processes by design (approximate frequencies).
+            # Every key's slot gets its hit bit (0 for a miss) in one pass, with no
+            # boolean compaction of the hit slots.
+            self._policy.index_add_(0, slot, hit.to(torch.int32))
         c = self._counters
         c[C_LOOKUPS] += 1
         c[C_HITS] += n_hits
