@@ -139,11 +139,24 @@ def linear_uvm(device: torch.device, rows: int, batches: list[int], reps: int) -
             keys = stream[0]
             assert torch.equal(emb(keys), table_view.index_select(0, keys))
             tb = timed(lambda k=keys: table_view.index_select(0, k), device, reps)
+            extra: dict[str, Any] = {}
+            if emb._tiers.cache.backend == "triton":
+                # the same layer with its misses read by a second, page-ordered launch
+                from gpu._triton import kernel_module
+
+                kernels = kernel_module("cache_kernels", interpret=device.type != "cuda")
+                kernels.CONFIG["linear_sorted_misses"] = 1
+                try:
+                    assert torch.equal(emb(keys), table_view.index_select(0, keys))
+                    ts = timed(cycle(emb, stream), device, reps)
+                finally:
+                    kernels.CONFIG["linear_sorted_misses"] = 0
+                extra = {"sorted_misses_mkps": n / ts / 1e6, "sorted_misses_ratio": tb / ts}
             emit(bench="linear_uvm", device=device.type, alpha=1.05, batch=n, rows=rows,
                  cache_fraction=0.1, gpu_hit_rate=hits / max(1, hits + misses),
                  mkps=n / t / 1e6, gbps=n * ROW_BYTES / t / 1e9,
                  baseline="zero-copy index_select, no cache", baseline_mkps=n / tb / 1e6,
-                 ratio=tb / t)
+                 ratio=tb / t, **extra)
         emb.close()
     finally:
         mb.close()

@@ -28,6 +28,15 @@ counter it reads (insert planning, ``state()``) and clamps the whole array befor
 counted since the last full clamp could push a counter past ``INT32_MAX``. The state is
 therefore exactly the twin's ``min(initial + hits, CMAX)``, whatever the order of the adds.
 
+Linear-table misses (``lookup(..., table=...)``, the LinearUVM path) are read in the probe
+launch by default: a block of keys waits for its few host reads. With
+``CONFIG["linear_sorted_misses"] = 1`` they are read by a second launch instead: the probe
+launch gathers the hits (misses read as zero rows), one ``torch.sort`` of the keys with the
+hits replaced by ``INT64_MAX`` puts the misses first and in row (= host page) order, and
+``_miss_gather_kernel`` reads them densely, every lane of a block waiting on the host link
+at once and neighbouring lanes on neighbouring pages. No host sync either way; the rows
+are the same bit for bit.
+
 Pooled lookups split each bag over several programs (``pooled_split``) so that a few
 hundred bags still fill the GPU; each program accumulates a ``[BLOCK_K, BLOCK_D]`` fp32
 tile and reduces it once, and a second launch sums the partial rows in a fixed order.
@@ -293,6 +302,28 @@ def _scatter_rows_kernel(
 
 
 @triton.jit
+def _miss_gather_kernel(
+    skeys_ptr, pos_ptr, n, table_ptr, num_rows, out_ptr, dim,
+    BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+):
+    """out[pos[i]] = table[skeys[i]] for every in-range ``skeys[i]`` (hits were replaced by
+    INT64_MAX, which is out of range, so they and out-of-range keys are left alone)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    kmask = offs < n
+    keys = tl.load(skeys_ptr + offs, mask=kmask, other=-1)
+    valid = kmask & (keys >= 0) & (keys < num_rows)
+    pos = tl.load(pos_ptr + offs, mask=valid, other=0)
+    d = tl.arange(0, BLOCK_D)
+    if EVEN_D:
+        dmask = tl.full([BLOCK_D], 1, tl.int1)
+    else:
+        dmask = d < dim
+    m = valid[:, None] & dmask[None, :]
+    vals = tl.load(table_ptr + keys[:, None] * dim + d[None, :], mask=m)
+    tl.store(out_ptr + pos[:, None] * dim + d[None, :], vals, mask=m)
+
+
+@triton.jit
 def _max_combine(a, b):
     return tl.maximum(a, b)
 
@@ -419,6 +450,8 @@ CONFIG: dict[str, int] = {
     "lookup_warps": 4,
     "lookup_stream": 0,  # 1: store gathered rows with .cs (streaming, evict first)
     "lookup_agg": 1,  # 1: one counter atomic per distinct slot of a block (see _bump)
+    "linear_sorted_misses": 0,  # 1: linear-table misses by a second, page-ordered launch
+    "miss_block_k": 16,
     "pooled_block_k": 64,
     "pooled_warps": 8,
     "pooled_block_d": 0,  # 0: the whole row in one program
@@ -457,6 +490,9 @@ def lookup(
     bk = CONFIG["lookup_block_k"]
     bd = _block_d(dim)
     linear = table is not None
+    sorted_misses = linear and gather and bool(CONFIG["linear_sorted_misses"])
+    if sorted_misses:
+        linear = False  # the probe launch gathers the hits; the misses come next
     _lookup_kernel[(triton.cdiv(n, bk),)](
         keys, n, tkeys, counters, rows, stats, max(num_buckets, 1),
         out if out is not None else keys, hit.view(torch.int8),
@@ -468,7 +504,23 @@ def lookup(
         AGG=bool(CONFIG["lookup_agg"]),
         num_warps=CONFIG["lookup_warps"],
     )
+    if sorted_misses:
+        assert table is not None and out is not None
+        gather_misses(keys, hit, table, out)
     return out, hit, slots
+
+
+def gather_misses(keys: torch.Tensor, hit: torch.Tensor, table: torch.Tensor,
+                  out: torch.Tensor) -> None:
+    """Rows ``out[i] = table[keys[i]]`` where ``hit[i]`` is False and the key is in range,
+    visited in row order (see the module docstring); no host sync."""
+    n, dim = keys.numel(), out.shape[1]
+    skeys, pos = torch.sort(torch.where(hit, hashing.INT64_MAX, keys))
+    bk = CONFIG["miss_block_k"]
+    bd = _block_d(dim)
+    _miss_gather_kernel[(triton.cdiv(n, bk),)](
+        skeys, pos, n, table, table.shape[0], out, dim,
+        BLOCK_K=bk, BLOCK_D=bd, EVEN_D=bd == dim, num_warps=CONFIG["lookup_warps"])
 
 
 def pooled_split(n: int, nbags: int, dchunks: int) -> int:

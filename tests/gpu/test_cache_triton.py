@@ -100,6 +100,28 @@ def test_interpreter_half_rows_and_split_dim(monkeypatch: pytest.MonkeyPatch) ->
 
 
 @needs_triton
+@pytest.mark.parametrize("buckets", [0, 6])
+def test_interpreter_sorted_linear_misses(monkeypatch: pytest.MonkeyPatch, buckets: int) -> None:
+    """Linear-table misses read by the second, page-ordered launch: the same rows, hits,
+    counters and stats as the twin (and as the fused launch)."""
+    from gpu._triton import kernel_module
+
+    kernels = kernel_module("cache_kernels", interpret=True)
+    monkeypatch.setitem(kernels.CONFIG, "linear_sorted_misses", 1)
+    monkeypatch.setitem(kernels.CONFIG, "miss_block_k", 4)  # several programs per batch
+    a = make("cpu", "torch", buckets=buckets)
+    b = make("cpu", "triton", buckets=buckets)
+    assert_same(a, b, run_ops(a, 3, 21), run_ops(b, 3, 21))
+    # out-of-range and negative keys read as zero rows, never as another key's row
+    table = torch.randn(10, 12)
+    keys = torch.tensor([9, -1, 10, 3, 3, 0, 2**62])
+    got, hit = b.lookup_linear(keys, table, validate=False)
+    want, want_hit = a.lookup_linear(keys, table, validate=False)
+    assert torch.equal(got, want) and torch.equal(hit, want_hit)
+    assert torch.equal(got[[1, 2, 6]], torch.zeros(3, 12))
+
+
+@needs_triton
 def test_interpreter_saturating_counters(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(twin, "COUNTER_MAX", 5)
     a = make("cpu", "torch", buckets=1, ways=2)
@@ -190,6 +212,19 @@ def test_cuda_matches_cpu_twin(backend: str) -> None:
         a = make("cpu", "torch", ways=ways, dim=dim, dtype=dtype)
         b = make("cuda", backend, ways=ways, dim=dim, dtype=dtype)
         assert_same(a, b, run_ops(a, 11, 40), run_ops(b, 11, 40))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_sorted_linear_misses_match_cpu_twin(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpu._triton import kernel_module
+
+    kernels = kernel_module("cache_kernels", interpret=False)
+    monkeypatch.setitem(kernels.CONFIG, "linear_sorted_misses", 1)
+    for buckets, dim in [(6, 128), (0, 12)]:
+        a = make("cpu", "torch", buckets=buckets, dim=dim)
+        b = make("cuda", "auto", buckets=buckets, dim=dim)
+        assert_same(a, b, run_ops(a, 13, 42), run_ops(b, 13, 42))
 
 
 @pytest.mark.gpu
