@@ -152,7 +152,9 @@ class Tiers:
         return cursor
 
     _admitted = 0  # keys sent to the GPU cache's insert so far
-    _pending: list[tuple[torch.Tensor, torch.Tensor]]
+    #: admissions waiting for a round: (keys, rows, event recorded on the stream that
+    #: produced them, CUDA only)
+    _pending: list[tuple[torch.Tensor, torch.Tensor, Any]]
     _pending_since: int | None = None
 
     def _admit(self, keys: torch.Tensor, rows: torch.Tensor, since: int, prob: float) -> None:
@@ -171,18 +173,33 @@ class Tiers:
         if prob < 1.0:
             keep = torch.rand(keys.numel(), device=keys.device) < prob
             keys, rows = keys[keep], rows[keep]
+        ready = None
+        if rows.is_cuda:
+            # NOTE: another thread may run the round on its own stream: it waits for this
+            # event before reading these rows (enqueued here, maybe not yet computed)
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(rows.device))
         with self._lock:
-            self._pending.append((keys, rows))
+            self._pending.append((keys, rows, ready))
             if self._pending_since is None:
                 self._pending_since = since
-            waiting = sum(int(k.numel()) for k, _ in self._pending)
+            waiting = sum(int(k.numel()) for k, _, _ in self._pending)
             enough = min(ADMIT_KEYS, max(1, self.cache.capacity // 64))
             if waiting < enough and len(self._pending) < ADMIT_BATCHES:
                 return
-            keys = torch.cat([k for k, _ in self._pending])
-            rows = torch.cat([r for _, r in self._pending])
+            pending = self._pending
             since = self._pending_since
             self._drop_pending()
+        if rows.is_cuda:
+            stream = torch.cuda.current_stream(rows.device)
+            for k, r, ev in pending:
+                stream.wait_event(ev)
+                # the caching allocator must not hand these blocks to their producing
+                # stream again before this stream is done with them
+                k.record_stream(stream)
+                r.record_stream(stream)
+        keys = torch.cat([k for k, _, _ in pending])
+        rows = torch.cat([r for _, r, _ in pending])
         with self._cache_op():
             if self._shared is not None:
                 changed, _, overflowed = self._shared.changes_since(since)
