@@ -50,6 +50,9 @@ HOST_TOUCH_SAMPLE = 4096
 #: may bring in at most this fraction of its slots (a random sample of the round's miss
 #: occurrences): a small cache then keeps its hot rows when lookups miss many cold keys.
 WARM_ROUND_FRACTION = 1 / 8
+#: LinearUVM on CUDA: lookups whose miss count is still on its way to the host; past this
+#: many the oldest is waited for.
+MAX_DEFERRED = 4
 
 
 def pool_rows(
@@ -74,6 +77,7 @@ class Tiers:
         self._lock = threading.RLock()
         self._event: Any = None
         self._pending = []
+        self._deferred = []
         self.default_rows = 0
         self.invalidated_keys = 0
         self.full_invalidations = 0
@@ -189,7 +193,8 @@ class Tiers:
                 return
             pending = self._pending
             since = self._pending_since
-            self._drop_pending()
+            self._pending = []  # the round takes them (deferred candidates stay)
+            self._pending_since = None
         if rows.is_cuda:
             stream = torch.cuda.current_stream(rows.device)
             for k, r, ev in pending:
@@ -208,9 +213,7 @@ class Tiers:
                 if changed.numel():
                     keep = ~torch.isin(keys, changed.to(keys.device))
                     keys, rows = keys[keep], rows[keep]
-            cap = self.cache.capacity
-            if self._admitted >= cap:  # warm: a round replaces at most a fraction
-                cap = max(1, int(cap * WARM_ROUND_FRACTION))
+            cap = self._round_cap()  # warm: a round replaces at most a fraction
             if keys.numel() > cap:
                 # NOTE: admit a random sample of the miss occurrences, so keys that missed
                 # often are likelier in
@@ -220,8 +223,21 @@ class Tiers:
             self.cache.insert(keys, rows, validate=False)
 
     def _drop_pending(self) -> None:
+        """Forget every admission not yet made (a write made their rows stale)."""
         self._pending = []
         self._pending_since = None
+        self._deferred = []
+
+    def _round_cap(self) -> int:
+        """The most keys the next admission round may bring in."""
+        cap = self.cache.capacity
+        if self._admitted >= cap:
+            cap = max(1, int(cap * WARM_ROUND_FRACTION))
+        return cap
+
+    #: (candidate keys, their rows or None, miss count (pinned host tensor on CUDA), ready
+    #: event or None, ring cursor of the lookup), oldest first
+    _deferred: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, Any, int]]
 
     def gpu_stats(self) -> TierStats:
         s = self.cache.stats()
@@ -354,6 +370,7 @@ class LinearTiers(Tiers):
 
     def rows(self, keys: torch.Tensor) -> torch.Tensor:
         self._checked(keys, self.num_rows)
+        self._drain()
         with self._cache_op():
             since = self._sync()
             values, hit = self.cache.lookup_linear(keys, self.table, validate=False)
@@ -365,6 +382,7 @@ class LinearTiers(Tiers):
         if mode == "max":
             return super().pooled(keys, offsets, weights, mode)
         self._checked(keys, self.num_rows)
+        self._drain()
         with self._cache_op():
             since = self._sync()
             out, hit = self.cache.lookup_linear_pooled(keys, offsets, self.table, mode, weights,
@@ -374,19 +392,68 @@ class LinearTiers(Tiers):
 
     def _admit_misses(self, keys: torch.Tensor, hit: torch.Tensor, since: int,
                       values: torch.Tensor | None = None) -> None:
-        """Admit the missed keys' rows (already read by the lookup when ``values`` is given;
-        duplicates are fine: insert keeps one copy of a key)."""
-        if self.cache.capacity == 0:
+        """Offer the missed keys for admission (their rows already read by the lookup when
+        ``values`` is given; duplicates are fine: insert keeps one copy of a key).
+
+        Without a host sync: the misses are moved to the front (in random order when there
+        are more candidates than a round may admit) and their rows copied, all on the
+        stream; only the miss count travels to the host, and the candidates wait in
+        ``_deferred`` until it has arrived (on the CPU at once). The lookup that made them
+        never waits for its own kernel.
+        """
+        if self.cache.capacity == 0 or self._policy.gpu <= 0.0 or keys.numel() == 0:
             return
-        miss = (~hit).nonzero().squeeze(1)  # one sync: how many missed
-        if miss.numel() == 0:
-            return
-        missed = keys.index_select(0, miss)
-        if values is not None:
-            rows = values.index_select(0, miss)
-        else:
-            rows = self.table.index_select(0, missed.to(self.table.device)).to(self.device)
-        self._admit(missed, rows, since, self._policy.gpu)
+        n = keys.numel()
+        prob = self._policy.gpu
+        if prob < 1.0:  # each miss is a candidate with probability prob (as in _admit)
+            hit = hit | (torch.rand(n, device=hit.device) >= prob)
+        take = min(n, self._round_cap())
+        if take == n:  # every miss fits: misses first, in batch order
+            order = torch.argsort(hit.to(torch.uint8), stable=True)
+        else:  # a random sample of the misses fills the round
+            order = torch.argsort(hit.to(torch.float32) + 0.5 * torch.rand(n, device=hit.device))
+            order = order[:take]
+        count = (~hit).sum()
+        cand = keys.index_select(0, order)
+        rows = values.index_select(0, order) if values is not None else None
+        ready = None
+        if count.is_cuda:
+            host = torch.empty((), dtype=count.dtype, pin_memory=True)
+            host.copy_(count, non_blocking=True)
+            count = host
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(hit.device))
+        with self._lock:
+            self._deferred.append((cand, rows, count, ready, since))
+        self._drain()
+
+    def _drain(self) -> None:
+        """Admit deferred candidates whose miss count has arrived (oldest first; past
+        ``MAX_DEFERRED`` waiting, wait for the oldest)."""
+        while True:
+            with self._lock:
+                if not self._deferred:
+                    return
+                cand, rows, count, ready, since = self._deferred[0]
+                if ready is not None and not ready.query():
+                    if len(self._deferred) <= MAX_DEFERRED:
+                        return
+                    ready.synchronize()
+                self._deferred.pop(0)
+            m = min(int(count), cand.numel())
+            if m == 0:
+                continue
+            cand = cand[:m]
+            if rows is None:  # pooled lookups: read the missed rows now
+                rows = self.table.index_select(0, cand.to(self.table.device)).to(self.device)
+            else:
+                rows = rows[:m]
+            if cand.is_cuda:
+                # produced on the lookup's stream (complete: its event has fired); used here
+                stream = torch.cuda.current_stream(cand.device)
+                cand.record_stream(stream)
+                rows.record_stream(stream)
+            self._admit(cand, rows, since, 1.0)  # already sampled by the policy
 
     def update(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         check_range(keys, self.num_rows, name="keys")
@@ -413,6 +480,8 @@ class LinearTiers(Tiers):
         if self._reg is not None:
             self._reg.close()
             self._reg = None
+        with self._lock:
+            self._drop_pending()
         _remove_user(self._block, self)
 
 

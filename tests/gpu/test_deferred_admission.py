@@ -1,0 +1,102 @@
+"""LinearUVM admissions wait for their lookup's miss count (gpu.tiers._drain).
+
+On CUDA the count travels to the host with a non-blocking copy and an event; these tests
+drive the same waiting logic on the CPU with a stand-in for the event (CUDA events do not
+run here): candidates wait until their count has arrived, only the first ``count`` of them
+are admitted, the oldest is waited for past ``MAX_DEFERRED``, and a write drops them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gpu import LayerType, NVEmbedding, tiers
+
+ROWS, DIM = 256, 4
+
+
+class Arrival:
+    """Stands in for the CUDA event recorded after a lookup's miss-count copy."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.waited = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waited = self.done = True
+
+
+def layer_and_table() -> tuple[NVEmbedding, torch.Tensor]:
+    table = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(1))
+    # 64 slots: an admission round starts at once (it waits for capacity // 64 keys)
+    layer = NVEmbedding(ROWS, DIM, torch.float32, LayerType.LinearUVM,
+                        gpu_cache_size=64 * (8 + 4 + DIM * 4), storage=table, device="cpu")
+    return layer, table
+
+
+def defer(layer: NVEmbedding, table: torch.Tensor, keys: list[int], count: int,
+          pooled: bool = False) -> Arrival:
+    t = layer._tiers
+    arrival = Arrival()
+    cand = torch.tensor(keys)
+    rows = None if pooled else table[cand].clone()
+    t._deferred.append((cand, rows, torch.tensor(count), arrival, t._cursor))
+    return arrival
+
+
+def cached(layer: NVEmbedding, keys: list[int]) -> list[bool]:
+    return (layer._tiers.cache.probe(torch.tensor(keys), record=False) >= 0).tolist()
+
+
+def test_candidates_wait_for_their_count_and_only_the_misses_go_in() -> None:
+    layer, table = layer_and_table()
+    arrival = defer(layer, table, [5, 7, 9], count=2)  # 9 was a hit moved behind the misses
+    layer._tiers._drain()
+    assert cached(layer, [5, 7, 9]) == [False, False, False]
+    assert len(layer._tiers._deferred) == 1
+    arrival.done = True
+    out = layer(torch.tensor([1]))  # a lookup drains what has arrived first
+    assert torch.equal(out, table[[1]])
+    assert cached(layer, [5, 7, 9]) == [True, True, False]
+    assert not layer._tiers._deferred
+    # the admitted rows are the table's
+    assert torch.equal(layer(torch.tensor([5, 7])), table[[5, 7]])
+
+
+def test_pooled_candidates_read_their_rows_when_admitted() -> None:
+    layer, table = layer_and_table()
+    defer(layer, table, [11, 12], count=2, pooled=True).done = True
+    layer._tiers._drain()
+    assert cached(layer, [11, 12]) == [True, True]
+    assert torch.equal(layer._tiers.cache.lookup(torch.tensor([11, 12]))[0], table[[11, 12]])
+
+
+def test_past_max_deferred_the_oldest_is_waited_for() -> None:
+    layer, table = layer_and_table()
+    arrivals = [defer(layer, table, [20 + i], count=1) for i in range(tiers.MAX_DEFERRED + 1)]
+    layer._tiers._drain()
+    assert arrivals[0].waited and not any(a.waited for a in arrivals[1:])
+    assert cached(layer, [20, 21]) == [True, False]
+    assert len(layer._tiers._deferred) == tiers.MAX_DEFERRED
+
+
+def test_a_write_through_the_layer_drops_waiting_candidates() -> None:
+    layer, table = layer_and_table()
+    arrival = defer(layer, table, [30, 31], count=2)
+    layer.update(torch.tensor([30]), torch.full((1, DIM), 7.0))
+    assert not layer._tiers._deferred
+    arrival.done = True
+    layer._tiers._drain()
+    assert cached(layer, [30, 31]) == [False, False]
+    assert torch.equal(layer(torch.tensor([30])), torch.full((1, DIM), 7.0))
+
+
+def test_cpu_lookups_leave_nothing_waiting_and_admit_their_misses() -> None:
+    layer, table = layer_and_table()
+    keys = torch.tensor([3, 4, 3, 200])
+    assert torch.equal(layer(keys), table[keys])
+    assert not layer._tiers._deferred
+    assert cached(layer, [3, 4, 200]) == [True, True, True]
