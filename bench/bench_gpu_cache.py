@@ -283,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small tables, short timing")
     parser.add_argument("--sweep", action="store_true", help="also sweep kernel tile sizes")
+    parser.add_argument("--only", choices=["lookup", "linear"], action="append",
+                        help="run only these parts (repeatable); default both")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_gpu_cache needs a CUDA GPU (torch.cuda.is_available() is False); "
@@ -297,9 +299,12 @@ def main(argv: list[str] | None = None) -> int:
     emit(bench="env", device=torch.cuda.get_device_name(), torch=torch.__version__,
          triton=sys.modules["triton"].__version__, quick=args.quick, dim=DIM, dtype="float32")
     t0 = time.perf_counter()
-    run_lookup(args, gen)
-    torch.cuda.empty_cache()
-    run_linear(args, gen)
+    parts = args.only or ["lookup", "linear"]
+    if "lookup" in parts:
+        run_lookup(args, gen)
+        torch.cuda.empty_cache()
+    if "linear" in parts:
+        run_linear(args, gen)
     emit(bench="done", wall_s=round(time.perf_counter() - t0, 1))
     return 0
 
