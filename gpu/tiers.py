@@ -438,8 +438,11 @@ class LinearTiers(Tiers):
                 if ready is not None and not ready.query():
                     if len(self._deferred) <= MAX_DEFERRED:
                         return
-                    ready.synchronize()
+                else:
+                    ready = None
                 self._deferred.pop(0)
+            if ready is not None:
+                ready.synchronize()  # too many waiting: wait for the oldest (lock released)
             m = min(int(count), cand.numel())
             if m == 0:
                 continue
