@@ -169,7 +169,9 @@ class HostCache(SharedTable):
         if n_hits:
             # policy counters: racy across processes by design (approximate frequencies).
             # Every key's slot gets its hit bit (0 for a miss) in one pass, with no
-            # boolean compaction of the hit slots.
+            # boolean compaction of the hit slots; adding 0 is a read and write back,
+            # racy with a writer placing a new key there as a hit's add is (the new key
+            # may keep the old counter: approximate, never a wrong row).
             self._policy.index_add_(0, slot, hit.to(torch.int32))
         c = self._counters
         c[C_LOOKUPS] += 1
