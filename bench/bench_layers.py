@@ -213,17 +213,27 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small sizes, a few seconds")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--only", choices=["gpu", "linear", "hierarchical"], action="append",
+                   help="run only these layer types (repeatable); default all")
     args = p.parse_args(argv)
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    cuda = dev.type == "cuda"
-    if cuda and not args.quick:
-        gpu_layer(dev, rows=1 << 22, batches=[1 << 16, 1 << 18, 1 << 20], reps=20)
-        linear_uvm(dev, rows=1 << 22, batches=[1 << 16, 1 << 18, 1 << 20], reps=10)
-        hierarchical(dev, rows=1 << 18, batch=1 << 16, reps=10)
-    else:
-        gpu_layer(dev, rows=1 << 16, batches=[1 << 12, 1 << 14], reps=3)
-        linear_uvm(dev, rows=1 << 16, batches=[1 << 12], reps=3)
-        hierarchical(dev, rows=1 << 14, batch=1 << 12, reps=3)
+    parts = args.only or ["gpu", "linear", "hierarchical"]
+    full = dev.type == "cuda" and not args.quick
+    if "gpu" in parts:
+        if full:
+            gpu_layer(dev, rows=1 << 22, batches=[1 << 16, 1 << 18, 1 << 20], reps=20)
+        else:
+            gpu_layer(dev, rows=1 << 16, batches=[1 << 12, 1 << 14], reps=3)
+    if "linear" in parts:
+        if full:
+            linear_uvm(dev, rows=1 << 22, batches=[1 << 16, 1 << 18, 1 << 20], reps=10)
+        else:
+            linear_uvm(dev, rows=1 << 16, batches=[1 << 12], reps=3)
+    if "hierarchical" in parts:
+        if full:
+            hierarchical(dev, rows=1 << 18, batch=1 << 16, reps=10)
+        else:
+            hierarchical(dev, rows=1 << 14, batch=1 << 12, reps=3)
     return 0
 
 
