@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One multi-GPU machine run (issue 7): topology, the GPU + multigpu tests, the seed snippet
-# under torchrun (and mpirun where installed), bench_multigpu and replicas one per GPU.
+# One multi-GPU machine run (issue 7): topology, the GPU + multigpu tests (the seed snippet
+# under torchrun among them), the seed snippet under mpirun where installed, bench_multigpu
+# and replicas one per GPU.
 # Usage: bash bench/run_on_multigpu.sh [quick]   (wheels the machine lacks may be in .whl/)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" "$@"

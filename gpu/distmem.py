@@ -466,7 +466,7 @@ class DistMemBlock:
             if not self.group.alive():
                 raise DestructionOrderError(
                     f"the process group of DistMemBlock {self.name!r} was torn down first; "
-                    "close memblocks before destroying the group (close(collective=False) "
+                    "close memblocks before destroying the group (release_local() "
                     "releases this process's mappings only)")
         self._release(collective=True)
 

@@ -1,4 +1,5 @@
-"""The seed's snippet (examples/seed_linear_uvm.py) runs with only its imports changed."""
+"""The seed's snippet (examples/seed_linear_uvm.py) runs with its imports changed (plus
+the documented table size and the filled-in ``...``)."""
 
 from __future__ import annotations
 
