@@ -420,6 +420,7 @@ class DistMemBlock:
 
     @property
     def change_cursor(self) -> int:
+        """The journal's position now: pass it to ``changes_since`` later."""
         self._live()
         return self._journal.change_cursor
 
@@ -435,10 +436,12 @@ class DistMemBlock:
         self._users.add(user)
 
     def remove_user(self, user: Any) -> None:
+        """Forget a layer recorded by ``add_user`` (it no longer reads this block)."""
         self._users.discard(user)
 
     @property
     def closed(self) -> bool:
+        """Whether ``close()`` (or ``release_local()``) has released this block here."""
         return self._closed
 
     def close(self) -> None:

@@ -60,6 +60,7 @@ class TierStats:
 
     @property
     def hit_rate(self) -> float:
+        """Hits over keys looked up (0.0 before the first lookup)."""
         total = self.hits + self.misses
         return self.hits / total if total else 0.0
 
@@ -84,6 +85,7 @@ class LayerStats:
     full_invalidations: int = 0
 
     def as_dict(self) -> dict[str, Any]:
+        """Plain dict (JSON-ready), each tier with its hit rate."""
         out = asdict(self)
         for tier in ("gpu", "host", "storage"):
             stats = getattr(self, tier)

@@ -264,6 +264,8 @@ class NVEmbedding(_NVBase):
 
     @torch.no_grad()
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - torch's name
+        """Rows of ``input`` (int64 keys of any shape): ``[*input.shape, embedding_size]``,
+        as ``torch.nn.functional.embedding``."""
         keys = check_keys(input, self.device)
         rows = self._tiers.rows(keys.reshape(-1).contiguous())
         return rows.view(*keys.shape, self.embedding_size)
@@ -287,6 +289,8 @@ class NVEmbeddingBag(_NVBase):
     @torch.no_grad()
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,  # noqa: A002
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """Pooled rows, one per bag ``[B, embedding_size]``, as
+        ``torch.nn.functional.embedding_bag`` (1-D input with offsets, or 2-D input)."""
         keys, full, weights = bags(input, offsets, per_sample_weights, self.mode,
                                    self.include_last_offset, self.data_type, self.device,
                                    self.validate)

@@ -69,14 +69,17 @@ class SharedMemBlock(SharedTable):
 
     @property
     def num_rows(self) -> int:
+        """Rows of the table."""
         return self.geometry.capacity
 
     @property
     def dim(self) -> int:
+        """Elements per row."""
         return self.geometry.dim
 
     @property
     def dtype(self) -> torch.dtype:
+        """Element type of the rows."""
         return self.geometry.dtype
 
     @property

@@ -52,6 +52,7 @@ class TableStats:
         return self.hits / total if total else 0.0
 
     def as_dict(self) -> dict[str, Any]:
+        """Plain dict (JSON-ready) with the hit rate."""
         return {**asdict(self), "hit_rate": self.hit_rate}
 
 
