@@ -63,6 +63,33 @@ def as_buffer(rec: np.ndarray) -> memoryview:
     return memoryview(np.ascontiguousarray(rec).view(np.uint8))  # type: ignore[arg-type]
 
 
+def _framed(arr: np.ndarray, start: int, m: int, row_bytes: int, head: bytes) -> bool:
+    """Whether ``m`` records ``head + row + CRLF`` start at ``start`` (``m * rec_len`` bytes
+    known to be there).
+
+    The bytes between two rows, record i's CRLF and record i+1's head, are one constant
+    ``CRLF + head`` (6 to 15 bytes): they are compared as two overlapping fixed-width
+    integers per record, read strided straight from the buffer (one pass over the records
+    each), plus the first head and the last CRLF.
+    """
+    hl = len(head)
+    rec_len = hl + row_bytes + 2
+    end = start + m * rec_len
+    if arr[start:start + hl].tobytes() != head or arr[end - 2:end].tobytes() != b"\r\n":
+        return False
+    if m == 1:
+        return True
+    joint = b"\r\n" + head
+    width, dtype = (8, "<u8") if len(joint) >= 8 else (4, "<u4")
+    for off in sorted({0, len(joint) - width}):
+        want = np.frombuffer(joint[off:off + width], dtype=dtype)[0]
+        got = np.ndarray((m - 1,), dtype=dtype, buffer=arr,
+                         offset=start + hl + row_bytes + off, strides=(rec_len,))
+        if not bool((got == want).all()):
+            return False
+    return True
+
+
 def decode_row_replies(buf: bytearray, size: int, ncmds: int, row_bytes: int
                        ) -> list[np.ndarray | Any]:
     """Decode ``ncmds`` HMGET replies from ``buf[:size]`` (complete replies).
@@ -77,7 +104,6 @@ def decode_row_replies(buf: bytearray, size: int, ncmds: int, row_bytes: int
     head = b"$%d\r\n" % row_bytes
     rec_len = len(head) + row_bytes + 2
     arr = np.frombuffer(buf, dtype=np.uint8, count=size)
-    head_arr = np.frombuffer(head, dtype=np.uint8)
     row_type = np.dtype(f"V{row_bytes}")
     out: list[np.ndarray | Any] = []
     pos = 0
@@ -90,9 +116,7 @@ def decode_row_replies(buf: bytearray, size: int, ncmds: int, row_bytes: int
         end = start + m * rec_len
         if m < 0 or end > size:
             break
-        recs = arr[start:end].reshape(m, rec_len)
-        if not ((recs[:, :len(head)] == head_arr).all() and (recs[:, -2] == 13).all()
-                and (recs[:, -1] == 10).all()):
+        if not _framed(arr, start, m, row_bytes, head):
             break
         out.append(np.ndarray((m,), dtype=row_type, buffer=arr, offset=start + len(head),
                               strides=(rec_len,)))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import hiredis
 import numpy as np
 import pytest
@@ -129,3 +131,43 @@ def test_decode_row_replies_fast_path_then_hiredis_fallback() -> None:
     assert isinstance(out[4], hiredis.ReplyError) and "MOVED" in str(out[4])
     wrong_len = bytearray(b"*1\r\n$3\r\nabc\r\n")
     assert resp.decode_row_replies(wrong_len, len(wrong_len), 1, 4) == [[b"abc"]]
+
+
+@pytest.mark.parametrize("row_bytes", [1, 4, 64, 512, 1024, 10**6])
+def test_decode_row_replies_checks_every_records_framing(row_bytes: int) -> None:
+    """Heads ``$N\\r\\n`` of 4 to 10 bytes: a reply whose records are all well framed is a
+    row view; one record of another length, or a broken CRLF anywhere, sends the reply to
+    hiredis (which then reads it as it is)."""
+    rng = np.random.default_rng(row_bytes)
+    rows = [rng.integers(0, 256, row_bytes, dtype=np.uint8).tobytes() for _ in range(5)]
+
+    def reply(values: list[bytes]) -> bytes:
+        return b"*%d\r\n" % len(values) + b"".join(b"$%d\r\n%b\r\n" % (len(v), v)
+                                                  for v in values)
+
+    good = bytearray(reply(rows))
+    out = resp.decode_row_replies(good, len(good), 1, row_bytes)
+    assert isinstance(out[0], np.ndarray) and out[0].tobytes() == b"".join(rows)
+    for i in (0, 2, 4):  # a short value first, in the middle, last
+        bad = list(rows)
+        bad[i] = bad[i][:-1] + b""
+        if not bad[i]:
+            bad[i] = b"xy"
+        buf = bytearray(reply(bad))
+        assert resp.decode_row_replies(buf, len(buf), 1, row_bytes) == [bad]
+    # same lengths, but one record's CRLF is broken: not a row view
+    broken = bytearray(reply(rows))
+    pos = len(b"*5\r\n") + 3 * (len(b"$%d\r\n" % row_bytes) + row_bytes + 2) - 1
+    assert broken[pos] == 10
+    broken[pos] = 11
+    got = resp.decode_row_replies(broken, len(broken), 1, row_bytes)
+    assert not isinstance(got[0], np.ndarray)
+    # same lengths, but a middle record's head ends in another byte than LF
+    hl = len(b"$%d\r\n" % row_bytes)
+    pos = len(b"*5\r\n") + 2 * (hl + row_bytes + 2) + hl - 1
+    broken = bytearray(reply(rows))
+    assert broken[pos] == 10
+    broken[pos] = 11
+    with contextlib.suppress(hiredis.ProtocolError):
+        got = resp.decode_row_replies(broken, len(broken), 1, row_bytes)
+        assert not isinstance(got[0], np.ndarray)
