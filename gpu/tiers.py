@@ -53,6 +53,10 @@ WARM_ROUND_FRACTION = 1 / 8
 #: LinearUVM on CUDA: lookups whose miss count is still on its way to the host; past this
 #: many the oldest is waited for.
 MAX_DEFERRED = 4
+#: LinearUVM: a lookup copies out at most this many times the last known miss count of
+#: candidates (at least ``MIN_CANDIDATES``); beyond it, a random sample of its misses.
+CANDIDATE_HEADROOM = 2
+MIN_CANDIDATES = 1024
 
 
 def pool_rows(
@@ -390,16 +394,19 @@ class LinearTiers(Tiers):
         self._admit_misses(keys, hit, since)
         return out
 
+    #: misses of the latest lookup whose count has arrived (None before the first)
+    _last_misses: int | None = None
+
     def _admit_misses(self, keys: torch.Tensor, hit: torch.Tensor, since: int,
                       values: torch.Tensor | None = None) -> None:
         """Offer the missed keys for admission (their rows already read by the lookup when
         ``values`` is given; duplicates are fine: insert keeps one copy of a key).
 
         Without a host sync: the misses are moved to the front (in random order when there
-        are more candidates than a round may admit) and their rows copied, all on the
-        stream; only the miss count travels to the host, and the candidates wait in
-        ``_deferred`` until it has arrived (on the CPU at once). The lookup that made them
-        never waits for its own kernel.
+        are more of them than a round may admit, or than twice the last known miss count)
+        and their rows copied, all on the stream; only the miss count travels to the host,
+        and the candidates wait in ``_deferred`` until it has arrived (on the CPU at once).
+        The lookup that made them never waits for its own kernel.
         """
         if self.cache.capacity == 0 or self._policy.gpu <= 0.0 or keys.numel() == 0:
             return
@@ -408,6 +415,8 @@ class LinearTiers(Tiers):
         if prob < 1.0:  # each miss is a candidate with probability prob (as in _admit)
             hit = hit | (torch.rand(n, device=hit.device) >= prob)
         take = min(n, self._round_cap())
+        if self._last_misses is not None:  # copy out about as many rows as will miss
+            take = min(take, max(MIN_CANDIDATES, CANDIDATE_HEADROOM * self._last_misses))
         if take == n:  # every miss fits: misses first, in batch order
             order = torch.argsort(hit.to(torch.uint8), stable=True)
         else:  # a random sample of the misses fills the round
@@ -443,7 +452,8 @@ class LinearTiers(Tiers):
                 self._deferred.pop(0)
             if ready is not None:
                 ready.synchronize()  # too many waiting: wait for the oldest (lock released)
-            m = min(int(count), cand.numel())
+            self._last_misses = int(count)
+            m = min(self._last_misses, cand.numel())
             if m == 0:
                 continue
             cand = cand[:m]

@@ -100,3 +100,26 @@ def test_cpu_lookups_leave_nothing_waiting_and_admit_their_misses() -> None:
     assert torch.equal(layer(keys), table[keys])
     assert not layer._tiers._deferred
     assert cached(layer, [3, 4, 200]) == [True, True, True]
+
+
+def test_a_lookup_copies_out_about_as_many_candidates_as_the_last_one_missed() -> None:
+    rows = 1 << 14
+    table = torch.randn(rows, DIM, generator=torch.Generator().manual_seed(2))
+    layer = NVEmbedding(rows, DIM, torch.float32, LayerType.LinearUVM,
+                        # 4 slots per row: no bucket overflows, every candidate goes in
+                        gpu_cache_size=4 * rows * (8 + 4 + DIM * 4), storage=table,
+                        device="cpu")
+    t = layer._tiers
+    layer(torch.arange(10))  # 10 misses: the next lookup expects about that many
+    assert t._last_misses == 10
+    before = t.cache.stats().inserts
+    keys = torch.arange(100, 100 + 3 * tiers.MIN_CANDIDATES)
+    assert torch.equal(layer(keys), table[keys])
+    assert t._last_misses == keys.numel()
+    admitted = t.cache.stats().inserts - before
+    # the 10 that waited for a round, and a random sample of this lookup's 3,072 misses
+    assert admitted == 10 + tiers.MIN_CANDIDATES
+    # the one after copies out up to twice this lookup's misses: all of them fit
+    more = torch.arange(5000, 5000 + 2 * tiers.MIN_CANDIDATES)
+    layer(more)
+    assert bool((t.cache.probe(more, record=False) >= 0).all())
