@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import psclient  # noqa: E402
 from bench.workloads import ZipfKeys  # noqa: E402
-from gpu import InsertPolicy, LayerType, NVEmbedding, NVEmbeddingBag  # noqa: E402
+from gpu import InsertPolicy, LayerType, NVEmbedding, NVEmbeddingBag, tiers  # noqa: E402
 from hostcache import HostCache, SharedMemBlock  # noqa: E402
 
 DIM = 128
@@ -140,6 +140,15 @@ def linear_uvm(device: torch.device, rows: int, batches: list[int], reps: int) -
             assert torch.equal(emb(keys), table_view.index_select(0, keys))
             tb = timed(lambda k=keys: table_view.index_select(0, k), device, reps)
             extra: dict[str, Any] = {}
+            # the same layer with the earlier admissions (one host sync per lookup)
+            tiers.SYNC_FREE_ADMISSION = False
+            try:
+                assert torch.equal(emb(keys), table_view.index_select(0, keys))
+                t_sync = timed(cycle(emb, stream), device, reps)
+            finally:
+                tiers.SYNC_FREE_ADMISSION = True
+            extra.update(synced_admission_mkps=n / t_sync / 1e6,
+                         synced_admission_ratio=tb / t_sync)
             if emb._tiers.cache.backend == "triton":
                 # the same layer with its misses read by a second, page-ordered launch
                 from gpu._triton import kernel_module
@@ -151,7 +160,7 @@ def linear_uvm(device: torch.device, rows: int, batches: list[int], reps: int) -
                     ts = timed(cycle(emb, stream), device, reps)
                 finally:
                     kernels.CONFIG["linear_sorted_misses"] = 0
-                extra = {"sorted_misses_mkps": n / ts / 1e6, "sorted_misses_ratio": tb / ts}
+                extra.update(sorted_misses_mkps=n / ts / 1e6, sorted_misses_ratio=tb / ts)
             emit(bench="linear_uvm", device=device.type, alpha=1.05, batch=n, rows=rows,
                  cache_fraction=0.1, gpu_hit_rate=hits / max(1, hits + misses),
                  mkps=n / t / 1e6, gbps=n * ROW_BYTES / t / 1e9,

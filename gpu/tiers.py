@@ -57,6 +57,9 @@ MAX_DEFERRED = 4
 #: candidates (at least ``MIN_CANDIDATES``); beyond it, a random sample of its misses.
 CANDIDATE_HEADROOM = 2
 MIN_CANDIDATES = 1024
+#: LinearUVM: False takes the earlier path, one host sync per lookup to learn what missed
+#: (kept until the GPU benchmark has compared both: bench_layers measures each)
+SYNC_FREE_ADMISSION = True
 
 
 def pool_rows(
@@ -410,6 +413,17 @@ class LinearTiers(Tiers):
         """
         if self.cache.capacity == 0 or self._policy.gpu <= 0.0 or keys.numel() == 0:
             return
+        if not SYNC_FREE_ADMISSION:
+            miss = (~hit).nonzero().squeeze(1)  # one host sync: how many missed
+            if miss.numel() == 0:
+                return
+            missed = keys.index_select(0, miss)
+            if values is not None:
+                rows = values.index_select(0, miss)
+            else:
+                rows = self.table.index_select(0, missed.to(self.table.device)).to(self.device)
+            self._admit(missed, rows, since, self._policy.gpu)
+            return
         n = keys.numel()
         prob = self._policy.gpu
         if prob < 1.0:  # each miss is a candidate with probability prob (as in _admit)
@@ -424,7 +438,7 @@ class LinearTiers(Tiers):
             order = order[:take]
         count = (~hit).sum()
         cand = keys.index_select(0, order)
-        rows = values.index_select(0, order) if values is not None else None
+        cand_rows = values.index_select(0, order) if values is not None else None
         ready = None
         if count.is_cuda:
             host = torch.empty((), dtype=count.dtype, pin_memory=True)
@@ -433,7 +447,7 @@ class LinearTiers(Tiers):
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(hit.device))
         with self._lock:
-            self._deferred.append((cand, rows, count, ready, since))
+            self._deferred.append((cand, cand_rows, count, ready, since))
         self._drain()
 
     def _drain(self) -> None:

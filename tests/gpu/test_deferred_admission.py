@@ -8,6 +8,7 @@ are admitted, the oldest is waited for past ``MAX_DEFERRED``, and a write drops 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from gpu import LayerType, NVEmbedding, tiers
@@ -94,7 +95,10 @@ def test_a_write_through_the_layer_drops_waiting_candidates() -> None:
     assert torch.equal(layer(torch.tensor([30])), torch.full((1, DIM), 7.0))
 
 
-def test_cpu_lookups_leave_nothing_waiting_and_admit_their_misses() -> None:
+@pytest.mark.parametrize("sync_free", [True, False])
+def test_cpu_lookups_leave_nothing_waiting_and_admit_their_misses(
+        monkeypatch: pytest.MonkeyPatch, sync_free: bool) -> None:
+    monkeypatch.setattr(tiers, "SYNC_FREE_ADMISSION", sync_free)
     layer, table = layer_and_table()
     keys = torch.tensor([3, 4, 3, 200])
     assert torch.equal(layer(keys), table[keys])
