@@ -276,8 +276,11 @@ def test_replica_killed_mid_lookup_or_insert(node: dict[str, Any]) -> None:
         ins.start()
         hc = HostCache.attach(node["name"])
         header = hc._live().header
-        wait_until(lambda: int(header[layout.W_WRITER_PID]) == ins.pid, 30,
-                   "the inserter inside a write section")
+        # NOTE: attaching is a write section too (it claims a counter slot): wait until the
+        # slot is claimed, so the death leaves a slot for the service to reap
+        wait_until(lambda: int(header[layout.W_WRITER_PID]) == ins.pid
+                   and ins.pid in set(int(p) for p in hc._procs[:, 0]), 30,
+                   "the inserter inside a write section, its counter slot claimed")
         os.kill(ins.pid, signal.SIGKILL)  # mid-insert: inside the writer lock
         ins.join(10)
         dead = {victim.pid, ins.pid}
