@@ -172,10 +172,24 @@ def linear_uvm(device: torch.device, rows: int, batches: list[int], reps: int) -
         SharedMemBlock.unlink(name)
 
 
-def hierarchical(device: torch.device, rows: int, batch: int, reps: int) -> None:
+def redis_reachable(url: str) -> str | None:
+    """None when a Redis answers at ``url``, else why not (one line)."""
+    import redis
+
+    try:
+        redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=2).ping()
+    except (redis.RedisError, OSError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def hierarchical(device: torch.device, rows: int, batch: int, reps: int,
+                 ps_url: str | None = None) -> None:
+    """Hierarchical over the file:// PS (``ps_url`` None) or the given Redis URL."""
     name = f"bench-hier-{os.getpid()}"
     with tempfile.TemporaryDirectory() as tmp:
-        ps = psclient.connect(f"file://{tmp}/ps", table=name, dim=DIM, dtype=torch.float32)
+        url = ps_url or f"file://{tmp}/ps"
+        ps = psclient.connect(url, table=name, dim=DIM, dtype=torch.float32)
         t0 = time.perf_counter()
         ps.load(torch.randn(rows, DIM), progress=False)
         load_s = time.perf_counter() - t0
@@ -204,7 +218,8 @@ def hierarchical(device: torch.device, rows: int, batch: int, reps: int) -> None
                 h, m = b.hits - a.hits, b.misses - a.misses
                 return h / max(1, h + m)
 
-            emit(bench="hierarchical_file_ps", device=device.type, alpha=1.05, batch=batch,
+            emit(bench="hierarchical_file_ps" if ps_url is None else "hierarchical_redis_ps",
+                 device=device.type, alpha=1.05, batch=batch,
                  rows=rows, ps_load_s=load_s, ps_load_rows_per_s=rows / load_s,
                  mkps=batch / t / 1e6, gpu_hit_rate=rate(s0.gpu, s1.gpu),
                  host_hit_rate=rate(s0.host, s1.host) if s1.host else None,
@@ -215,6 +230,8 @@ def hierarchical(device: torch.device, rows: int, batch: int, reps: int) -> None
         finally:
             hc.close()
             HostCache.unlink(name)
+            if ps_url is not None:
+                ps.drop()  # a Redis table outlives the run otherwise
             ps.close()
 
 
@@ -224,6 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--only", choices=["gpu", "linear", "hierarchical"], action="append",
                    help="run only these layer types (repeatable); default all")
+    p.add_argument("--redis-url", default=os.environ.get("NVEC_BENCH_REDIS_URL",
+                                                        "redis://127.0.0.1:6379/0"),
+                   help="Redis for the Hierarchical layer's second run (skipped, with a "
+                        "record saying why, when none answers)")
     args = p.parse_args(argv)
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     parts = args.only or ["gpu", "linear", "hierarchical"]
@@ -239,10 +260,15 @@ def main(argv: list[str] | None = None) -> int:
         else:
             linear_uvm(dev, rows=1 << 16, batches=[1 << 12], reps=3)
     if "hierarchical" in parts:
-        if full:
-            hierarchical(dev, rows=1 << 18, batch=1 << 16, reps=10)
-        else:
-            hierarchical(dev, rows=1 << 14, batch=1 << 12, reps=3)
+        why = redis_reachable(args.redis_url)
+        for url in (None, args.redis_url):
+            if url is not None and why is not None:
+                emit(bench="hierarchical_redis_ps", skipped=f"no Redis at {url}: {why}")
+                continue
+            if full:
+                hierarchical(dev, rows=1 << 18, batch=1 << 16, reps=10, ps_url=url)
+            else:
+                hierarchical(dev, rows=1 << 14, batch=1 << 12, reps=3, ps_url=url)
     return 0
 
 
