@@ -2,7 +2,7 @@
 # One GPU-machine run for the LinearUVM path (issues 4 and 5): the GPU tests, the cache
 # kernels' linear part (fused vs page-ordered misses) and the LinearUVM layer (sync-free
 # admissions), output under $OUT (default ./out). Fits one 600 s device call.
-# Usage: bash bench/run_linear_on_gpu.sh [quick]   (wheels the machine lacks may be in .whl/)
+# Usage: bash bench/run_linear_on_gpu.sh [quick]   (first `bash bench/prepare_device.sh` here: .whl/, carried)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" "$@"
 nvidia-smi -L | tee "$OUT/env.txt"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU-machine run: the GPU tests and the GPU benchmarks, output under $OUT (default ./out).
-# Usage: bash bench/run_on_gpu.sh [quick]   (wheels the machine lacks may be in .whl/)
+# Usage: bash bench/run_on_gpu.sh [quick]   (first `bash bench/prepare_device.sh` here: .whl/, carried)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" "$@"
 nvidia-smi -L | tee "$OUT/env.txt"

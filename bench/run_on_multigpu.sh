@@ -2,7 +2,7 @@
 # One multi-GPU machine run (issue 7): topology, the GPU + multigpu tests (the seed snippet
 # under torchrun among them), the seed snippet under mpirun where installed, bench_multigpu
 # and replicas one per GPU.
-# Usage: bash bench/run_on_multigpu.sh [quick]   (wheels the machine lacks may be in .whl/)
+# Usage: bash bench/run_on_multigpu.sh [quick]   (first `bash bench/prepare_device.sh` here: .whl/, carried)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" "$@"
 { nvidia-smi -L; nvidia-smi topo -m; python3 -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.device_count())'
