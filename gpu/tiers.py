@@ -418,10 +418,8 @@ class LinearTiers(Tiers):
             if miss.numel() == 0:
                 return
             missed = keys.index_select(0, miss)
-            if values is not None:
-                rows = values.index_select(0, miss)
-            else:
-                rows = self.table.index_select(0, missed.to(self.table.device)).to(self.device)
+            rows = (values.index_select(0, miss) if values is not None
+                    else self._table_rows(missed))
             self._admit(missed, rows, since, self._policy.gpu)
             return
         n = keys.numel()
@@ -450,6 +448,10 @@ class LinearTiers(Tiers):
             self._deferred.append((cand, cand_rows, count, ready, since))
         self._drain()
 
+    def _table_rows(self, keys: torch.Tensor) -> torch.Tensor:
+        """Rows ``keys`` of the linear table, on the layer's device."""
+        return self.table.index_select(0, keys.to(self.table.device)).to(self.device)
+
     def _drain(self) -> None:
         """Admit deferred candidates whose miss count has arrived (oldest first; past
         ``MAX_DEFERRED`` waiting, wait for the oldest)."""
@@ -471,10 +473,8 @@ class LinearTiers(Tiers):
             if m == 0:
                 continue
             cand = cand[:m]
-            if rows is None:  # pooled lookups: read the missed rows now
-                rows = self.table.index_select(0, cand.to(self.table.device)).to(self.device)
-            else:
-                rows = rows[:m]
+            # pooled lookups did not keep the rows: read the missed ones now
+            rows = self._table_rows(cand) if rows is None else rows[:m]
             if cand.is_cuda:
                 # produced on the lookup's stream (complete: its event has fired); used here
                 stream = torch.cuda.current_stream(cand.device)
