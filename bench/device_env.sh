@@ -11,6 +11,6 @@ Q=${1:-}; [ "$Q" = quick ] && Q=--quick || Q=
 # a packed redis-server (bench/pack_redis.sh) when no Redis answers on 127.0.0.1:6379
 if [ -x .whl/redis/redis-server ] && ! (exec 3<>/dev/tcp/127.0.0.1/6379) 2>/dev/null; then
   LD_LIBRARY_PATH=$PWD/.whl/redis .whl/redis/redis-server --bind 127.0.0.1 --port 6379 \
-    --save "" --appendonly no --daemonize yes --logfile "$PWD/$OUT/redis.log" \
+    --save "" --appendonly no --daemonize yes --logfile "$(cd "$OUT" && pwd)/redis.log" \
     || echo "packed redis-server did not start (see $OUT/redis.log)"
 fi

@@ -48,6 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gpu.devices import on_tensor_device
 from hostcache import hashing
 
 _M1: tl.constexpr = tl.constexpr(hashing.FMIX_M1)
@@ -471,6 +472,7 @@ def _block_d(dim: int) -> int:
     return max(16, triton.next_power_of_2(dim))
 
 
+@on_tensor_device
 def lookup(
     keys: torch.Tensor, tkeys: torch.Tensor, counters: torch.Tensor, rows: torch.Tensor,
     stats: torch.Tensor, num_buckets: int, ways: int, *, empty: int, gather: bool,
@@ -510,6 +512,7 @@ def lookup(
     return out, hit, slots
 
 
+@on_tensor_device
 def gather_misses(keys: torch.Tensor, hit: torch.Tensor, table: torch.Tensor,
                   out: torch.Tensor) -> None:
     """Rows ``out[i] = table[keys[i]]`` where ``hit[i]`` is False and the key is in range,
@@ -533,6 +536,7 @@ def pooled_split(n: int, nbags: int, dchunks: int) -> int:
     return 1 << (split.bit_length() - 1)
 
 
+@on_tensor_device
 def pooled(
     keys: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
     miss_values: torch.Tensor | None, tkeys: torch.Tensor, counters: torch.Tensor,
@@ -579,6 +583,7 @@ def pooled(
     return out, hit
 
 
+@on_tensor_device
 def scatter_rows(
     rows: torch.Tensor, target: torch.Tensor, values: torch.Tensor, src: torch.Tensor
 ) -> None:
@@ -592,6 +597,7 @@ def scatter_rows(
     )
 
 
+@on_tensor_device
 def insert(
     keys: torch.Tensor, values: torch.Tensor, tkeys: torch.Tensor, counters: torch.Tensor,
     rows_all: torch.Tensor, stats: torch.Tensor, num_buckets: int, ways: int, *, empty: int,

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 import torch
 
 from .errors import BadArgumentError, CUDAUnavailableError
@@ -47,3 +51,28 @@ def same_device(t: torch.Tensor, device: torch.device) -> bool:
     return t.device.type == device.type and (
         device.type == "cpu" or t.device.index == device.index
     )
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def on_tensor_device(fn: _F) -> _F:
+    """Run ``fn`` with the CUDA device of its first tensor argument current.
+
+    Triton launches on the current device and stream; a layer or cache on ``cuda:1`` in a
+    process whose current device is ``cuda:0`` would otherwise launch on the wrong GPU
+    (Triton then refuses the pointers). Costs one ``current_device()`` call when the
+    device is already current.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                if a.is_cuda and a.device.index != torch.cuda.current_device():
+                    with torch.cuda.device(a.device):
+                        return fn(*args, **kwargs)
+                break
+        return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]

@@ -79,6 +79,7 @@ import torch
 from hostcache import hashing, layout
 
 from ._triton import kernel_module
+from .devices import on_tensor_device
 from .errors import BadArgumentError, TritonUnavailableError
 
 try:  # NOTE: optional: the module imports (and its CPU twin works) without triton
@@ -434,6 +435,7 @@ CONFIG: dict[str, int] = {
 }
 
 
+@on_tensor_device
 def _lookup_triton(
     reg: Any,
     keys: torch.Tensor,
@@ -546,6 +548,7 @@ def linear_gather(
     return _gather_triton(reg, idx, dedup=dedup, sort=sort)
 
 
+@on_tensor_device
 def _gather_triton(reg: Any, idx: torch.Tensor, *, dedup: bool, sort: bool) -> torch.Tensor:
     g = reg.geometry
     k = _kernels(reg.device.type != "cuda")

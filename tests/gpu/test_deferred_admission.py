@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from gpu import LayerType, NVEmbedding, tiers
+from hostcache import SharedMemBlock
+from tests.conftest import fresh_name
 
 ROWS, DIM = 256, 4
 
@@ -137,25 +139,31 @@ def test_a_round_on_another_stream_waits_for_the_rows_it_admits() -> None:
     stream B runs: B waits for A, so the cache holds the rows, not what the memory held."""
     rows_n = 4096
     table = torch.randn(rows_n, DIM)
-    layer = NVEmbedding(rows_n, DIM, torch.float32, LayerType.LinearUVM,
-                        # 4 slots per row: no bucket overflows, every offered key goes in
-                        gpu_cache_size=4 * rows_n * (8 + 4 + DIM * 4), storage=table.cuda(),
-                        device="cuda")
-    t = layer._tiers
-    a, b = torch.cuda.Stream(), torch.cuda.Stream()
-    keys_a = torch.arange(0, 16, device="cuda")
-    keys_b = torch.arange(16, 16 + 512, device="cuda")  # enough to start a round
-    src = table.cuda()
-    with torch.cuda.stream(a):
-        torch.cuda._sleep(200_000_000)  # A is busy for a while (~0.1 s)
-        rows_a = src[keys_a] * 1.0  # computed only after the sleep
-        t._admit(keys_a, rows_a, t._cursor, 1.0)
-    assert t._pending  # waiting for a round
-    with torch.cuda.stream(b):
-        t._admit(keys_b, src[keys_b], t._cursor, 1.0)  # runs the round on B
-    torch.cuda.synchronize()
-    assert not t._pending
-    got, hit = t.cache.lookup(keys_a)
-    assert bool(hit.all())
-    assert torch.equal(got.cpu(), table[:16])
-    layer.close()
+    block = SharedMemBlock.create(fresh_name(), num_rows=rows_n, dim=DIM)
+    block.write(torch.arange(rows_n), table)
+    try:
+        layer = NVEmbedding(rows_n, DIM, torch.float32, LayerType.LinearUVM,
+                            # 4 slots per row: no bucket overflows, every offered key goes in
+                            gpu_cache_size=4 * rows_n * (8 + 4 + DIM * 4), storage=block,
+                            device="cuda")
+        t = layer._tiers
+        a, b = torch.cuda.Stream(), torch.cuda.Stream()
+        keys_a = torch.arange(0, 16, device="cuda")
+        keys_b = torch.arange(16, 16 + 512, device="cuda")  # enough to start a round
+        src = table.cuda()
+        with torch.cuda.stream(a):
+            torch.cuda._sleep(200_000_000)  # A is busy for a while (~0.1 s)
+            rows_a = src[keys_a] * 1.0  # computed only after the sleep
+            t._admit(keys_a, rows_a, t._cursor, 1.0)
+        assert t._pending  # waiting for a round
+        with torch.cuda.stream(b):
+            t._admit(keys_b, src[keys_b], t._cursor, 1.0)  # runs the round on B
+        torch.cuda.synchronize()
+        assert not t._pending
+        got, hit = t.cache.lookup(keys_a)
+        assert bool(hit.all())
+        assert torch.equal(got.cpu(), table[:16])
+        layer.close()
+    finally:
+        block.close()
+        SharedMemBlock.unlink(block.name)

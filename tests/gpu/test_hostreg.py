@@ -312,7 +312,7 @@ def test_one_process_registers_once_for_every_gpu(block: SharedMemBlock) -> None
     views[1][7] = 9.0  # a write through one GPU's view is the host row
     torch.cuda.synchronize(1)
     assert float(block.tensor[7, 0]) == 9.0 and float(views[0][7, 0].cpu()) == 9.0
-    del views
+    del views, v  # the loop variable holds a view (and the registration) too
     for r in regs:
         r.close()
     gc.collect()

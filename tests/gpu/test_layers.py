@@ -84,6 +84,28 @@ def test_embedding_equals_torch(tmp_path, data, layer_type, dtype, device) -> No
         layer.close()
 
 
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two or more CUDA GPUs")
+@pytest.mark.parametrize("layer_type", LAYER_TYPES)
+def test_a_layer_on_another_gpu_than_the_current_one(tmp_path, layer_type) -> None:
+    """Layers on the last GPU while cuda:0 is current: every kernel runs on the layer's GPU
+    (Triton launches on the current device and would refuse the other GPU's pointers)."""
+    dev = f"cuda:{torch.cuda.device_count() - 1}"
+    weights = torch.randn(ROWS, DIM)
+    torch.cuda.set_device(0)
+    with stack(layer_type, weights, tmp_path, dev) as kw:
+        emb = NVEmbedding(ROWS, DIM, torch.float32, layer_type, device=dev, **kw)
+        bag = NVEmbeddingBag(ROWS, DIM, torch.float32, layer_type, device=dev, **kw)
+        keys = torch.randint(0, ROWS, (3, 40))
+        for _ in range(3):  # misses, admissions, hits
+            assert torch.equal(emb(keys.to(dev)).cpu(), F.embedding(keys, weights))
+            torch.testing.assert_close(bag(keys.to(dev)).cpu(),
+                                       F.embedding_bag(keys, weights, mode="sum"))
+        assert torch.cuda.current_device() == 0
+        emb.close()
+        bag.close()
+
+
 @settings(max_examples=10, deadline=None, suppress_health_check=FIXTURE_OK)
 @given(
     data=st.data(),
