@@ -6,7 +6,7 @@ Every path has a CPU twin with identical results: ``device="cpu"`` makes no CUDA
 
 from __future__ import annotations
 
-from .cache import GPUCache, GPUCacheStats
+from .cache import GPUCache, GPUCacheStats, MissCandidates
 from .distmem import DestructionOrderError, DistMemBlock
 from .errors import (
     BadArgumentError,
@@ -26,6 +26,7 @@ __all__ = [
     "DistMemBlock",
     "GPUCache",
     "GPUCacheStats",
+    "MissCandidates",
     "GPUError",
     "InsertPolicy",
     "KeyNotFoundError",

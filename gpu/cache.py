@@ -68,6 +68,42 @@ class GPUCacheStats:
     hit_rate: float
 
 
+@dataclass(frozen=True)
+class MissCandidates:
+    """Where a linear lookup writes its misses, so that the caller learns them without a
+    host sync: one int64 buffer ``[1 + 2 * cap]`` holding the number of in-range misses
+    (all of them, even past ``cap``), the first ``cap`` missed keys found and their
+    positions in the batch. Duplicated keys appear once per occurrence.
+
+    Which misses come first: batch order on the CPU; on CUDA the order in which the
+    kernel's key blocks ran (a block's misses stay together, in batch order).
+    """
+
+    buffer: torch.Tensor
+
+    @classmethod
+    def empty(cls, cap: int, device: torch.device) -> MissCandidates:
+        """A zeroed buffer for up to ``cap`` candidates (one allocation, one memset)."""
+        return cls(torch.zeros(1 + 2 * cap, dtype=torch.int64, device=device))
+
+    @property
+    def cap(self) -> int:
+        return (self.buffer.numel() - 1) // 2
+
+    @property
+    def count(self) -> torch.Tensor:
+        """``[1]`` int64 on the buffer's device: the lookup's in-range misses."""
+        return self.buffer[:1]
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.buffer[1:1 + self.cap]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.buffer[1 + self.cap:]
+
+
 class GPUCache:
     """A set-associative cache of embedding rows in device memory, sized in bytes.
 
@@ -287,7 +323,8 @@ class GPUCache:
         return self._lookup_rows(self._check_keys(keys), None)
 
     def lookup_linear(
-        self, keys: torch.Tensor, table: torch.Tensor, *, validate: bool = True
+        self, keys: torch.Tensor, table: torch.Tensor, *, validate: bool = True,
+        candidates: MissCandidates | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Hits from the cache, misses from row ``key`` of ``table``, in one launch.
 
@@ -297,6 +334,8 @@ class GPUCache:
                 view of the registered host table).
             validate: Check that every key lies in ``[0, num_rows)`` (one host sync); out of
                 range keys otherwise give zero rows and ``hit = False``.
+            candidates: A zeroed :class:`MissCandidates` on the cache's device that receives
+                the in-range misses (written by the lookup itself: no host sync).
 
         Returns:
             ``(values [N, dim], hit bool [N])``; ``keys[~hit]`` are the keys to insert.
@@ -305,10 +344,21 @@ class GPUCache:
         table = self._check_table(table)
         if validate:
             self._check_linear_keys(keys, table.shape[0])
-        return self._lookup_rows(keys, table)
+        return self._lookup_rows(keys, table, self._check_candidates(candidates))
+
+    def _check_candidates(self, candidates: MissCandidates | None) -> torch.Tensor | None:
+        if candidates is None:
+            return None
+        buf = candidates.buffer
+        if (buf.dtype != torch.int64 or buf.dim() != 1 or buf.numel() % 2 != 1
+                or not buf.is_contiguous() or not same_device(buf, self.device)):
+            raise BadArgumentError(
+                f"candidates must be a MissCandidates.empty(cap, {self.device}) buffer")
+        return buf
 
     def _lookup_rows(
-        self, keys: torch.Tensor, table: torch.Tensor | None
+        self, keys: torch.Tensor, table: torch.Tensor | None,
+        cand: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Probe + gather (+ misses from row ``key`` of ``table``), counted as a lookup."""
         self._lookups += keys.numel()
@@ -317,7 +367,7 @@ class GPUCache:
             out, hit, _ = self._kernels.lookup(
                 keys, self._tkeys, self._counters, self._rows, self._hits, self.num_buckets,
                 self.ways, empty=EMPTY_KEY, gather=True, count=True,
-                want_slots=False, table=table)
+                want_slots=False, table=table, candidates=cand)
             assert out is not None
             return out, hit
         hit, slot = twin.probe(self._tkeys, self.num_buckets, self.ways, keys)
@@ -325,6 +375,8 @@ class GPUCache:
         twin.count_hits(self._hits, hit)
         if table is None:
             return twin.gather(self._rows, slot, hit), hit
+        if cand is not None:
+            twin.collect_misses(cand, keys, hit, table.shape[0])
         return twin.gather_linear(self._rows, slot, hit, keys, table), hit
 
     def lookup_pooled(
@@ -366,8 +418,11 @@ class GPUCache:
         per_sample_weights: torch.Tensor | None = None,
         *,
         validate: bool = True,
+        candidates: MissCandidates | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`lookup_pooled` whose misses read row ``key`` of ``table`` in the same launch.
+
+        ``candidates`` as in :meth:`lookup_linear`.
 
         Returns:
             ``(pooled [B, dim], hit bool [N])``; ``keys[~hit]`` are the keys to insert.
@@ -378,22 +433,26 @@ class GPUCache:
             keys.numel(), offsets, mode, per_sample_weights, None, validate)
         if validate:
             self._check_linear_keys(keys, table.shape[0])
-        return self._pooled(keys, offsets, mode == "mean", w, None, table)
+        return self._pooled(keys, offsets, mode == "mean", w, None, table,
+                            self._check_candidates(candidates))
 
     def _pooled(
         self, keys: torch.Tensor, offsets: torch.Tensor, mean: bool, w: torch.Tensor | None,
-        mv: torch.Tensor | None, table: torch.Tensor | None,
+        mv: torch.Tensor | None, table: torch.Tensor | None, cand: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         self._lookups += keys.numel()
         if self._kernels is not None:
             self._will_count(keys.numel())
             return self._kernels.pooled(
                 keys, offsets, w, mv, self._tkeys, self._counters, self._rows, self._hits,
-                self.num_buckets, self.ways, mean=mean, empty=EMPTY_KEY, table=table)
+                self.num_buckets, self.ways, mean=mean, empty=EMPTY_KEY, table=table,
+                candidates=cand)
         hit, slot = twin.probe(self._tkeys, self.num_buckets, self.ways, keys)
         twin.bump(self._counters, slot, hit)
         twin.count_hits(self._hits, hit)
         if table is not None:
+            if cand is not None:
+                twin.collect_misses(cand, keys, hit, table.shape[0])
             vals = twin.gather_linear(self._rows, slot, hit, keys, table)
         else:
             vals = twin.gather(self._rows, slot, hit)

@@ -28,9 +28,11 @@ counter it reads (insert planning, ``state()``) and clamps the whole array befor
 counted since the last full clamp could push a counter past ``INT32_MAX``. The state is
 therefore exactly the twin's ``min(initial + hits, CMAX)``, whatever the order of the adds.
 
-Linear-table misses (``lookup(..., table=...)``, the LinearUVM path) are read in the probe
-launch by default: a block of keys waits for its few host reads. With
-``CONFIG["linear_sorted_misses"] = 1`` they are read by a second launch instead: the probe
+Linear-table misses (``lookup(..., table=...)``, the LinearUVM path) of small batches are
+read in the probe launch: a block of keys waits for its few host reads. From
+``CONFIG["linear_sorted_misses"]`` keys a batch (0: never) they are read by a second launch
+instead (H200, 2026-11-30: fused 381 vs 214 M keys/s at 64k keys, 288 vs 315 at 256k,
+274 vs 528 at 1M; ``bench_gpu_cache --only linear``): the probe
 launch gathers the hits (misses read as zero rows), one ``torch.sort`` of the keys with the
 hits replaced by ``INT64_MAX`` puts the misses first and in row (= host page) order, and
 ``_miss_gather_kernel`` reads them densely, every lane of a block waiting on the host link
@@ -114,11 +116,24 @@ def _bump(counters_ptr, slot, hit, BLOCK_K: tl.constexpr, AGG: tl.constexpr):
 
 
 @triton.jit
+def _collect(cand_ptr, cap, keys, offs, miss):
+    """Append the ``miss`` keys of a block and their batch positions to the candidate
+    buffer ``[count, keys[cap], positions[cap]]``: one atomic on the count per block; keys
+    past ``cap`` are counted, not stored."""
+    mi = miss.to(tl.int64)
+    base = tl.atomic_add(cand_ptr, tl.reduce(mi, 0, _add_combine), sem="relaxed")
+    pos = base + tl.associative_scan(mi, 0, _add_combine) - mi
+    m = miss & (pos < cap)
+    tl.store(cand_ptr + 1 + pos, keys, mask=m)
+    tl.store(cand_ptr + 1 + cap + pos, offs, mask=m)
+
+
+@triton.jit
 def _lookup_kernel(
     keys_ptr, n, tkeys_ptr, counters_ptr, rows_ptr, stats_ptr, num_buckets,
-    out_ptr, hit_ptr, slots_ptr, table_ptr, num_rows, dim,
+    out_ptr, hit_ptr, slots_ptr, table_ptr, num_rows, dim, cand_ptr, cand_cap,
     HAS_CACHE: tl.constexpr, GATHER: tl.constexpr, LINEAR: tl.constexpr,
-    WRITE_SLOTS: tl.constexpr, COUNT: tl.constexpr, WAYS: tl.constexpr,
+    WRITE_SLOTS: tl.constexpr, COUNT: tl.constexpr, COLLECT: tl.constexpr, WAYS: tl.constexpr,
     EMPTY: tl.constexpr, STAT_STRIPES: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, STREAM: tl.constexpr, AGG: tl.constexpr,
 ):
@@ -171,13 +186,17 @@ def _lookup_kernel(
             _bump(counters_ptr, slot, hit, BLOCK_K, AGG)
             nhits = tl.reduce(hit.to(tl.int64), 0, _add_combine)
             tl.atomic_add(stats_ptr + pid % STAT_STRIPES, nhits, sem="relaxed")
+    if COLLECT:
+        _collect(cand_ptr, cand_cap, keys, offs,
+                 kmask & (hit == 0) & (keys >= 0) & (keys < num_rows))
 
 
 @triton.jit
 def _pooled_kernel(
     keys_ptr, offsets_ptr, weights_ptr, miss_ptr, tkeys_ptr, counters_ptr, rows_ptr,
-    stats_ptr, num_buckets, out_ptr, part_ptr, hit_ptr, table_ptr, num_rows, dim,
-    HAS_CACHE: tl.constexpr, HAS_W: tl.constexpr, HAS_MISS: tl.constexpr,
+    stats_ptr, num_buckets, out_ptr, part_ptr, hit_ptr, table_ptr, num_rows, dim, cand_ptr,
+    cand_cap, HAS_CACHE: tl.constexpr, HAS_W: tl.constexpr, HAS_MISS: tl.constexpr,
+    COLLECT: tl.constexpr,
     LINEAR: tl.constexpr, MEAN: tl.constexpr, SPLIT: tl.constexpr, WAYS: tl.constexpr,
     EMPTY: tl.constexpr, STAT_STRIPES: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, AGG: tl.constexpr,
@@ -249,6 +268,9 @@ def _pooled_kernel(
         if HAS_CACHE:
             _bump(counters_ptr, slot, hit & first, BLOCK_K, AGG)
             nhits += hit.to(tl.int64)
+        if COLLECT:
+            _collect(cand_ptr, cand_cap, keys, offs,
+                     first & kmask & (hit == 0) & (keys >= 0) & (keys < num_rows))
     res = tl.reduce(acc, 0, _add_combine)
     if SPLIT == 1:
         if MEAN:
@@ -451,7 +473,8 @@ CONFIG: dict[str, int] = {
     "lookup_warps": 4,
     "lookup_stream": 0,  # 1: store gathered rows with .cs (streaming, evict first)
     "lookup_agg": 1,  # 1: one counter atomic per distinct slot of a block (see _bump)
-    "linear_sorted_misses": 0,  # 1: linear-table misses by a second, page-ordered launch
+    # linear-table misses by a second, page-ordered launch from this many keys (0: never)
+    "linear_sorted_misses": 1 << 17,
     "miss_block_k": 16,
     "pooled_block_k": 64,
     "pooled_warps": 8,
@@ -472,15 +495,22 @@ def _block_d(dim: int) -> int:
     return max(16, triton.next_power_of_2(dim))
 
 
+def _cand_cap(candidates: torch.Tensor | None) -> int:
+    return 0 if candidates is None else (candidates.numel() - 1) // 2
+
+
 @on_tensor_device
 def lookup(
     keys: torch.Tensor, tkeys: torch.Tensor, counters: torch.Tensor, rows: torch.Tensor,
     stats: torch.Tensor, num_buckets: int, ways: int, *, empty: int, gather: bool,
     count: bool, want_slots: bool, table: torch.Tensor | None = None,
+    candidates: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """Probe (+ gather, + linear-table misses) of ``keys``: ``(values, hit, slots)``.
 
     Hit slots' counters get one unsaturated add per key (the caller clamps lazily).
+    ``candidates``: a zeroed int64 buffer ``[1 + 2 * cap]`` (see ``cache.MissCandidates``)
+    that receives the in-range misses of a linear lookup (count, keys, batch positions).
     """
     n = keys.numel()
     dim = rows.shape[1]
@@ -492,7 +522,8 @@ def lookup(
     bk = CONFIG["lookup_block_k"]
     bd = _block_d(dim)
     linear = table is not None
-    sorted_misses = linear and gather and bool(CONFIG["linear_sorted_misses"])
+    from_n = CONFIG["linear_sorted_misses"]
+    sorted_misses = linear and gather and from_n > 0 and n >= from_n
     if sorted_misses:
         linear = False  # the probe launch gathers the hits; the misses come next
     _lookup_kernel[(triton.cdiv(n, bk),)](
@@ -500,8 +531,10 @@ def lookup(
         out if out is not None else keys, hit.view(torch.int8),
         slots if slots is not None else keys, table if linear else rows,
         table.shape[0] if table is not None else 0, dim,
+        candidates if candidates is not None else keys, _cand_cap(candidates),
         HAS_CACHE=num_buckets > 0, GATHER=gather, LINEAR=linear, WRITE_SLOTS=want_slots,
-        COUNT=count, WAYS=ways, EMPTY=empty, STAT_STRIPES=stats.numel(),
+        COUNT=count, COLLECT=candidates is not None, WAYS=ways,
+        EMPTY=empty, STAT_STRIPES=stats.numel(),
         BLOCK_K=bk, BLOCK_D=bd, EVEN_D=bd == dim, STREAM=bool(CONFIG["lookup_stream"]),
         AGG=bool(CONFIG["lookup_agg"]),
         num_warps=CONFIG["lookup_warps"],
@@ -541,9 +574,10 @@ def pooled(
     keys: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
     miss_values: torch.Tensor | None, tkeys: torch.Tensor, counters: torch.Tensor,
     rows: torch.Tensor, stats: torch.Tensor, num_buckets: int, ways: int, *, mean: bool,
-    empty: int, table: torch.Tensor | None = None,
+    empty: int, table: torch.Tensor | None = None, candidates: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Probe + gather + pool per bag, fused: ``(pooled [B, dim], hit [N])``.
+    """Probe + gather + pool per bag, fused: ``(pooled [B, dim], hit [N])``; ``candidates``
+    as in :func:`lookup`.
 
     Each bag is split over ``pooled_split`` programs (key blocks dealt round robin); with
     more than one, the programs write fp32 partial rows and a second launch sums them in a
@@ -569,8 +603,11 @@ def pooled(
         miss_values if miss_values is not None else rows, tkeys, counters, rows, stats,
         max(num_buckets, 1), out, part, hit.view(torch.int8), table if linear else rows,
         table.shape[0] if table is not None else 0, dim,
+        candidates if candidates is not None else keys, _cand_cap(candidates),
         HAS_CACHE=num_buckets > 0, HAS_W=weights is not None,
-        HAS_MISS=miss_values is not None, LINEAR=linear, MEAN=mean, SPLIT=split, WAYS=ways,
+        HAS_MISS=miss_values is not None,
+        COLLECT=candidates is not None, LINEAR=linear, MEAN=mean,
+        SPLIT=split, WAYS=ways,
         EMPTY=empty, STAT_STRIPES=stats.numel(), BLOCK_K=CONFIG["pooled_block_k"],
         BLOCK_D=bd, EVEN_D=even_d, AGG=bool(CONFIG["pooled_agg"]),
         num_warps=CONFIG["pooled_warps"],

@@ -99,6 +99,20 @@ def gather_linear(
     return torch.where(hit[:, None], vals, tvals)
 
 
+def collect_misses(cand: torch.Tensor, keys: torch.Tensor, hit: torch.Tensor,
+                   num_rows: int) -> None:
+    """The twin of the kernels' candidate collection (``cache.MissCandidates``): count the
+    in-range misses into ``cand[0]``, the first ``cap`` of them (batch order) and their
+    positions after it."""
+    cap = (cand.numel() - 1) // 2
+    pos = (~hit & (keys >= 0) & (keys < num_rows)).nonzero().squeeze(1)
+    cand[0] += pos.numel()
+    pos = pos[:cap]
+    m = pos.numel()
+    cand[1:1 + m] = keys[pos]
+    cand[1 + cap:1 + cap + m] = pos
+
+
 def pool(
     vals: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None, mean: bool,
     out_dtype: torch.dtype,

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from .cache import GPUCache
+from .cache import GPUCache, MissCandidates
 from .errors import KeyNotFoundError, StorageUnavailableError, StorageWriteError
 from .inputs import check_range
 from .layer_config import InsertPolicy, LayerStats, PoolingMode, TierStats
@@ -54,7 +54,7 @@ WARM_ROUND_FRACTION = 1 / 8
 #: many the oldest is waited for.
 MAX_DEFERRED = 4
 #: LinearUVM: a lookup copies out at most this many times the last known miss count of
-#: candidates (at least ``MIN_CANDIDATES``); beyond it, a random sample of its misses.
+#: candidates (at least ``MIN_CANDIDATES``); beyond it, the misses its kernel finds first.
 CANDIDATE_HEADROOM = 2
 MIN_CANDIDATES = 1024
 #: LinearUVM: False takes the earlier path, one host sync per lookup to learn what missed
@@ -378,10 +378,12 @@ class LinearTiers(Tiers):
     def rows(self, keys: torch.Tensor) -> torch.Tensor:
         self._checked(keys, self.num_rows)
         self._drain()
+        cand = self._candidates(keys.numel())
         with self._cache_op():
             since = self._sync()
-            values, hit = self.cache.lookup_linear(keys, self.table, validate=False)
-        self._admit_misses(keys, hit, since, values)
+            values, hit = self.cache.lookup_linear(keys, self.table, validate=False,
+                                                   candidates=cand)
+        self._admit_misses(keys, hit, since, values, cand)
         return values
 
     def pooled(self, keys: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
@@ -390,30 +392,44 @@ class LinearTiers(Tiers):
             return super().pooled(keys, offsets, weights, mode)
         self._checked(keys, self.num_rows)
         self._drain()
+        cand = self._candidates(keys.numel())
         with self._cache_op():
             since = self._sync()
             out, hit = self.cache.lookup_linear_pooled(keys, offsets, self.table, mode, weights,
-                                                      validate=False)
-        self._admit_misses(keys, hit, since)
+                                                      validate=False, candidates=cand)
+        self._admit_misses(keys, hit, since, None, cand)
         return out
 
     #: misses of the latest lookup whose count has arrived (None before the first)
     _last_misses: int | None = None
 
+    def _admits(self, n: int) -> bool:
+        return self.cache.capacity > 0 and self._policy.gpu > 0.0 and n > 0
+
+    def _candidates(self, n: int) -> MissCandidates | None:
+        """A buffer for the misses of a lookup of ``n`` keys (sync-free admissions): room
+        for as many as a round may admit, and at most about twice the last miss count."""
+        if not SYNC_FREE_ADMISSION or not self._admits(n):
+            return None
+        take = min(n, self._round_cap())
+        if self._last_misses is not None:  # room for about as many rows as will miss
+            take = min(take, max(MIN_CANDIDATES, CANDIDATE_HEADROOM * self._last_misses))
+        return MissCandidates.empty(take, self.device)
+
     def _admit_misses(self, keys: torch.Tensor, hit: torch.Tensor, since: int,
-                      values: torch.Tensor | None = None) -> None:
+                      values: torch.Tensor | None, cand: MissCandidates | None) -> None:
         """Offer the missed keys for admission (their rows already read by the lookup when
         ``values`` is given; duplicates are fine: insert keeps one copy of a key).
 
-        Without a host sync: the misses are moved to the front (in random order when there
-        are more of them than a round may admit, or than twice the last known miss count)
-        and their rows copied, all on the stream; only the miss count travels to the host,
-        and the candidates wait in ``_deferred`` until it has arrived (on the CPU at once).
-        The lookup that made them never waits for its own kernel.
+        Without a host sync (``cand`` given): the lookup kernel itself wrote its misses
+        (count, keys, batch positions) into ``cand``; their rows are copied out now, on the
+        stream, and only the count travels to the host. The candidates wait in
+        ``_deferred`` until it has arrived (on the CPU at once): the lookup that made them
+        never waits for its own kernel. Each is admitted with the policy's probability.
         """
-        if self.cache.capacity == 0 or self._policy.gpu <= 0.0 or keys.numel() == 0:
-            return
-        if not SYNC_FREE_ADMISSION:
+        if cand is None:
+            if SYNC_FREE_ADMISSION or not self._admits(keys.numel()):
+                return
             miss = (~hit).nonzero().squeeze(1)  # one host sync: how many missed
             if miss.numel() == 0:
                 return
@@ -422,30 +438,18 @@ class LinearTiers(Tiers):
                     else self._table_rows(missed))
             self._admit(missed, rows, since, self._policy.gpu)
             return
-        n = keys.numel()
-        prob = self._policy.gpu
-        if prob < 1.0:  # each miss is a candidate with probability prob (as in _admit)
-            hit = hit | (torch.rand(n, device=hit.device) >= prob)
-        take = min(n, self._round_cap())
-        if self._last_misses is not None:  # copy out about as many rows as will miss
-            take = min(take, max(MIN_CANDIDATES, CANDIDATE_HEADROOM * self._last_misses))
-        if take == n:  # every miss fits: misses first, in batch order
-            order = torch.argsort(hit.to(torch.uint8), stable=True)
-        else:  # a random sample of the misses fills the round
-            order = torch.argsort(hit.to(torch.float32) + 0.5 * torch.rand(n, device=hit.device))
-            order = order[:take]
-        count = (~hit).sum()
-        cand = keys.index_select(0, order)
-        cand_rows = values.index_select(0, order) if values is not None else None
+        # NOTE: copied now, in stream order: the caller may overwrite ``values`` later
+        cand_rows = values.index_select(0, cand.positions) if values is not None else None
+        count = cand.count
         ready = None
         if count.is_cuda:
-            host = torch.empty((), dtype=count.dtype, pin_memory=True)
+            host = torch.empty(1, dtype=count.dtype, pin_memory=True)
             host.copy_(count, non_blocking=True)
             count = host
             ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(hit.device))
+            ready.record(torch.cuda.current_stream(self.device))
         with self._lock:
-            self._deferred.append((cand, cand_rows, count, ready, since))
+            self._deferred.append((cand.keys, cand_rows, count, ready, since))
         self._drain()
 
     def _table_rows(self, keys: torch.Tensor) -> torch.Tensor:
@@ -480,7 +484,7 @@ class LinearTiers(Tiers):
                 stream = torch.cuda.current_stream(cand.device)
                 cand.record_stream(stream)
                 rows.record_stream(stream)
-            self._admit(cand, rows, since, 1.0)  # already sampled by the policy
+            self._admit(cand, rows, since, self._policy.gpu)
 
     def update(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         check_range(keys, self.num_rows, name="keys")

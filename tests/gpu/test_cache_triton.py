@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from gpu import cache_twin as twin
 from gpu._triton import triton_available
-from gpu.cache import GPUCache
+from gpu.cache import GPUCache, MissCandidates
 
 needs_triton = pytest.mark.skipif(
     not triton_available(), reason="needs the triton package (`pip install triton`); "
@@ -26,6 +26,22 @@ def make(device: str, backend: str, *, buckets: int = 6, ways: int = 4, dim: int
     slot = 8 + 4 + dim * torch.empty((), dtype=dtype).element_size()
     return GPUCache(buckets * ways * slot, dim, dtype, device, ways=ways,
                     backend=backend)  # type: ignore[arg-type]
+
+
+def seen(cand: MissCandidates, keys: torch.Tensor, hit: torch.Tensor,
+         num_rows: int) -> tuple[torch.Tensor, ...]:
+    """What a lookup wrote into ``cand``, checked and in a backend-independent form: the
+    miss count, and (when every miss fit) the missed positions in batch order."""
+    buf, keys, hit = cand.buffer.cpu(), keys.cpu(), hit.cpu()
+    count, cap = int(buf[0]), cand.cap
+    pos, ck = buf[1 + cap:][:min(count, cap)], buf[1:1 + cap][:min(count, cap)]
+    miss = ~hit & (keys >= 0) & (keys < num_rows)
+    assert count == int(miss.sum())
+    assert torch.equal(ck, keys[pos]) and bool(miss[pos].all())
+    assert pos.unique().numel() == pos.numel()  # every occurrence at most once
+    if count <= cap:
+        return torch.tensor([count]), pos.sort().values
+    return (torch.tensor([count]),)
 
 
 def run_ops(cache: GPUCache, seed: int, steps: int, key_range: int = 60) -> Outputs:
@@ -51,9 +67,14 @@ def run_ops(cache: GPUCache, seed: int, steps: int, key_range: int = 60) -> Outp
         elif op == 2:
             res = cache.lookup_pooled(k, o, "sum", w.to(dev), miss_values=v)
         elif op == 3:
-            res = cache.lookup_linear(k, table.to(dev))
+            cand = MissCandidates.empty(step % 5 + 2, dev)  # sometimes fewer than the misses
+            res = cache.lookup_linear(k, table.to(dev), candidates=cand)
+            res = (*res, *seen(cand, k, res[1], key_range))
         elif op == 5:
-            res = (*cache.lookup_linear_pooled(k, o, table.to(dev), "mean"),
+            cand = MissCandidates.empty(40, dev)
+            pooled, hit = cache.lookup_linear_pooled(k, o, table.to(dev), "mean",
+                                                     candidates=cand)
+            res = (pooled, hit, *seen(cand, k, hit, key_range),
                    cache.update(k[: n // 2], v[: n // 2]))
         else:
             cache.erase(k[:3])
