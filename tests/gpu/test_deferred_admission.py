@@ -32,9 +32,16 @@ class Arrival:
         self.waited = self.done = True
 
 
+@pytest.fixture(autouse=True)
+def rounds_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests follow candidates from a lookup to the cache: admission rounds start
+    as soon as one key waits (64 slots * 1/64), not after a quarter of the cache."""
+    monkeypatch.setattr(tiers, "ADMIT_FRACTION", 1 / 64)
+
+
 def layer_and_table() -> tuple[NVEmbedding, torch.Tensor]:
     table = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(1))
-    # 64 slots: an admission round starts at once (it waits for capacity // 64 keys)
+    # 64 slots: an admission round starts at once (see rounds_at_once)
     layer = NVEmbedding(ROWS, DIM, torch.float32, LayerType.LinearUVM,
                         gpu_cache_size=64 * (8 + 4 + DIM * 4), storage=table, device="cpu")
     return layer, table
