@@ -92,7 +92,8 @@ def measure(layers: dict[str, Any], view: torch.Tensor, full: torch.Tensor | Non
     tiers = layers[best]._tiers
     rec["kernel_cache_of"] = best
     rec["kernel_s"] = _time(
-        lambda: tiers.cache.lookup_linear(nxt(), tiers.table, validate=False), reps)
+        lambda: tiers.cache.lookup_linear(nxt(), tiers.table, validate=False,
+                                          host_table=False), reps)
     rec["nocache_s"] = _time(lambda: view.index_select(0, nxt()), reps)
     rec["hbm_s"] = _time(lambda: F.embedding(nxt(), full), reps) if full is not None else None
     return rec

@@ -324,7 +324,7 @@ class GPUCache:
 
     def lookup_linear(
         self, keys: torch.Tensor, table: torch.Tensor, *, validate: bool = True,
-        candidates: MissCandidates | None = None,
+        candidates: MissCandidates | None = None, host_table: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Hits from the cache, misses from row ``key`` of ``table``, in one launch.
 
@@ -336,6 +336,9 @@ class GPUCache:
                 range keys otherwise give zero rows and ``hit = False``.
             candidates: A zeroed :class:`MissCandidates` on the cache's device that receives
                 the in-range misses (written by the lookup itself: no host sync).
+            host_table: ``table`` is a zero-copy view of host memory (large batches then
+                read their misses in page order, see ``gpu.cache_kernels``); pass False for
+                a table in GPU memory (a ``DistMemBlock``). Same results either way.
 
         Returns:
             ``(values [N, dim], hit bool [N])``; ``keys[~hit]`` are the keys to insert.
@@ -344,7 +347,7 @@ class GPUCache:
         table = self._check_table(table)
         if validate:
             self._check_linear_keys(keys, table.shape[0])
-        return self._lookup_rows(keys, table, self._check_candidates(candidates))
+        return self._lookup_rows(keys, table, self._check_candidates(candidates), host_table)
 
     def _check_candidates(self, candidates: MissCandidates | None) -> torch.Tensor | None:
         if candidates is None:
@@ -358,7 +361,7 @@ class GPUCache:
 
     def _lookup_rows(
         self, keys: torch.Tensor, table: torch.Tensor | None,
-        cand: torch.Tensor | None = None,
+        cand: torch.Tensor | None = None, host_table: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Probe + gather (+ misses from row ``key`` of ``table``), counted as a lookup."""
         self._lookups += keys.numel()
@@ -367,7 +370,7 @@ class GPUCache:
             out, hit, _ = self._kernels.lookup(
                 keys, self._tkeys, self._counters, self._rows, self._hits, self.num_buckets,
                 self.ways, empty=EMPTY_KEY, gather=True, count=True,
-                want_slots=False, table=table, candidates=cand)
+                want_slots=False, table=table, candidates=cand, host_table=host_table)
             assert out is not None
             return out, hit
         hit, slot = twin.probe(self._tkeys, self.num_buckets, self.ways, keys)

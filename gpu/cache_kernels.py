@@ -504,13 +504,15 @@ def lookup(
     keys: torch.Tensor, tkeys: torch.Tensor, counters: torch.Tensor, rows: torch.Tensor,
     stats: torch.Tensor, num_buckets: int, ways: int, *, empty: int, gather: bool,
     count: bool, want_slots: bool, table: torch.Tensor | None = None,
-    candidates: torch.Tensor | None = None,
+    candidates: torch.Tensor | None = None, host_table: bool = True,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """Probe (+ gather, + linear-table misses) of ``keys``: ``(values, hit, slots)``.
 
     Hit slots' counters get one unsaturated add per key (the caller clamps lazily).
     ``candidates``: a zeroed int64 buffer ``[1 + 2 * cap]`` (see ``cache.MissCandidates``)
     that receives the in-range misses of a linear lookup (count, keys, batch positions).
+    ``host_table``: the linear table lives in host memory, so large batches read their
+    misses by the page-ordered second launch (a table in GPU memory never does).
     """
     n = keys.numel()
     dim = rows.shape[1]
@@ -523,7 +525,7 @@ def lookup(
     bd = _block_d(dim)
     linear = table is not None
     from_n = CONFIG["linear_sorted_misses"]
-    sorted_misses = linear and gather and from_n > 0 and n >= from_n
+    sorted_misses = linear and gather and host_table and from_n > 0 and n >= from_n
     if sorted_misses:
         linear = False  # the probe launch gathers the hits; the misses come next
     _lookup_kernel[(triton.cdiv(n, bk),)](

@@ -379,6 +379,8 @@ class LinearTiers(Tiers):
             self._reg, self.table = _registered_rows(storage, device)
             _add_user(storage, self)
             self._follow(storage)
+        #: the table is host memory read over the host link (a DistMemBlock is GPU memory)
+        self._host = self._reg is not None
         self.num_rows = int(self.table.shape[0])
 
     def rows(self, keys: torch.Tensor) -> torch.Tensor:
@@ -388,7 +390,7 @@ class LinearTiers(Tiers):
         with self._cache_op():
             since = self._sync()
             values, hit = self.cache.lookup_linear(keys, self.table, validate=False,
-                                                   candidates=cand)
+                                                   candidates=cand, host_table=self._host)
         self._admit_misses(keys, hit, since, values, cand)
         return values
 

@@ -140,6 +140,9 @@ def test_interpreter_sorted_linear_misses(monkeypatch: pytest.MonkeyPatch, bucke
     want, want_hit = a.lookup_linear(keys, table, validate=False)
     assert torch.equal(got, want) and torch.equal(hit, want_hit)
     assert torch.equal(got[[1, 2, 6]], torch.zeros(3, 12))
+    # a table in GPU memory takes the fused launch whatever the batch size: same rows
+    got_dev, hit_dev = b.lookup_linear(keys, table, validate=False, host_table=False)
+    assert torch.equal(got_dev, want) and torch.equal(hit_dev, want_hit)
 
 
 @needs_triton
