@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpu import cache_twin as twin
-from gpu.cache import GPUCache
+from gpu.cache import GPUCache, MissCandidates
 from gpu.errors import BadArgumentError, CUDAUnavailableError, GPUError
 from hostcache.hashing import bucket_of
 from hostcache.layout import EMPTY_KEY
@@ -285,6 +285,11 @@ def test_bad_arguments_raise_typed_errors_and_change_nothing() -> None:
         lambda: cache.lookup_pooled(torch.tensor([1]), torch.tensor([0, 1]), "mean",
                                     torch.ones(1)),
         lambda: cache.gather(torch.tensor([10**6])),
+        lambda: cache.lookup_linear(torch.tensor([1]), torch.randn(50, DIM), candidates=(
+            MissCandidates(torch.zeros(3, dtype=torch.int32)))),
+        lambda: cache.lookup_linear_pooled(torch.tensor([1]), torch.tensor([0, 1]),
+                                           torch.randn(50, DIM),
+                                           candidates=MissCandidates(torch.zeros(4).long())),
         lambda: GPUCache(-1, DIM, torch.float32),
         lambda: GPUCache(1024, 0, torch.float32),
         lambda: GPUCache(1024, DIM, torch.int32),
