@@ -82,9 +82,17 @@ class MissCandidates:
     buffer: torch.Tensor
 
     @classmethod
-    def empty(cls, cap: int, device: torch.device) -> MissCandidates:
-        """A zeroed buffer for up to ``cap`` candidates (one allocation, one memset)."""
-        return cls(torch.zeros(1 + 2 * cap, dtype=torch.int64, device=device))
+    def empty(cls, cap: int, device: object) -> MissCandidates:
+        """A zeroed buffer for up to ``cap`` candidates (one allocation, one memset).
+
+        Raises:
+            BadArgumentError: ``cap`` is not a non-negative int, or a bad device.
+        """
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
+            raise BadArgumentError(f"cap must be a non-negative int; got {cap!r}")
+        # NOTE: a torch.device is taken as is (the layers pass their own, once per lookup)
+        dev = device if isinstance(device, torch.device) else resolve_device(device)
+        return cls(torch.zeros(1 + 2 * cap, dtype=torch.int64, device=dev))
 
     @property
     def cap(self) -> int:

@@ -285,6 +285,8 @@ def test_bad_arguments_raise_typed_errors_and_change_nothing() -> None:
         lambda: cache.lookup_pooled(torch.tensor([1]), torch.tensor([0, 1]), "mean",
                                     torch.ones(1)),
         lambda: cache.gather(torch.tensor([10**6])),
+        lambda: MissCandidates.empty(-1, "cpu"),
+        lambda: MissCandidates.empty(2.5, "cpu"),  # type: ignore[arg-type]
         lambda: cache.lookup_linear(torch.tensor([1]), torch.randn(50, DIM), candidates=(
             MissCandidates(torch.zeros(3, dtype=torch.int32)))),
         lambda: cache.lookup_linear_pooled(torch.tensor([1]), torch.tensor([0, 1]),
