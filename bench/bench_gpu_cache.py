@@ -124,12 +124,12 @@ def run_lookup(args: argparse.Namespace, gen: torch.Generator) -> None:
                 got, hit = cache.lookup(q)
                 assert bool(hit.all()) and torch.equal(got, cache.gather(idx))
                 assert torch.equal(got, emb(idx))
-                got0, hit0 = plain.lookup_linear(idx, table, validate=False)
+                got0, hit0 = plain.lookup_linear(idx, table, validate=False, host_table=False)
                 assert not bool(hit0.any()) and torch.equal(got0, got)
                 t = bench(lambda q=q: cache.lookup(q), args.quick)
                 tb = bench(lambda idx=idx: emb(idx), args.quick)
-                t0 = bench(lambda idx=idx: plain.lookup_linear(idx, table, validate=False),
-                           args.quick)
+                t0 = bench(lambda idx=idx: plain.lookup_linear(idx, table, validate=False,
+                                                               host_table=False), args.quick)
                 emit(bench="lookup", dist=dist, batch=n, hit_rate=1.0,
                      baseline="torch.nn.Embedding", **figures(n, t, tb))
                 emit(bench="plain_gather", what="GPUCache(0).lookup_linear (GPULayer path)",
@@ -162,59 +162,99 @@ def run_lookup(args: argparse.Namespace, gen: torch.Generator) -> None:
 
 def sweep(args: argparse.Namespace, cache: GPUCache, keys: torch.Tensor, slot_of: torch.Tensor,
           gen: torch.Generator) -> None:
-    """Tile sizes and stages left out, by difference: kernel launches only, no validation."""
+    """Tile sizes and stages left out, by difference: kernel launches only, no validation.
+
+    ``sat``: the policy counters set to ``COUNTER_MAX`` first (every slot saturated, the
+    best case of ``skip_saturated``); otherwise they hold what the run counted.
+    """
+    from gpu.cache_twin import COUNTER_MAX
     from hostcache.layout import EMPTY_KEY
 
     kernels = kernel_module("cache_kernels", interpret=False)
     saved = dict(kernels.CONFIG)
     c = cache
+    counted = c._counters.clone()
+
+    def set_counters(sat: int) -> None:
+        if sat:
+            c._counters.fill_(COUNTER_MAX)
+        else:
+            c._counters.copy_(counted)
+
+    lookup_configs = ((16, 4, 1, 0, 0), (16, 4, 0, 0, 0), (16, 4, 1, 1, 0), (16, 4, 1, 1, 1),
+                      (16, 4, 0, 1, 1), (8, 2, 1, 0, 0), (8, 4, 1, 0, 0), (16, 2, 1, 0, 0),
+                      (32, 4, 1, 0, 0), (32, 8, 1, 0, 0), (4, 1, 1, 0, 0), (8, 1, 1, 0, 0))
     for dist, alpha in (("zipf", 1.05), ("uniform", 0.0)):
-        pick = zipf_ranks(keys.numel(), 1 << 20, alpha, gen)
-        q, idx = keys[pick], slot_of[pick]
-        n = q.numel()
+        for n in (1 << 16, 1 << 20):
+            pick = zipf_ranks(keys.numel(), n, alpha, gen)
+            q, idx = keys[pick], slot_of[pick]
 
-        def run(count: bool, gather: bool = True, q: torch.Tensor = q) -> Any:
-            c._will_count(q.numel())
-            return kernels.lookup(q, c._tkeys, c._counters, c._rows, c._hits, c.num_buckets,
-                                  c.ways, empty=EMPTY_KEY, gather=gather, count=count,
-                                  want_slots=False)
+            def run(count: bool, gather: bool = True, q: torch.Tensor = q) -> Any:
+                c._will_count(q.numel())
+                return kernels.lookup(q, c._tkeys, c._counters, c._rows, c._hits,
+                                      c.num_buckets, c.ways, empty=EMPTY_KEY, gather=gather,
+                                      count=count, want_slots=False, cmax=COUNTER_MAX)
 
-        def plain(idx: torch.Tensor = idx) -> Any:
-            return kernels.lookup(idx, c._tkeys, c._counters, c._rows, c._hits, 0, c.ways,
-                                  empty=EMPTY_KEY, gather=True, count=False, want_slots=False,
-                                  table=c._rows)
+            def plain(idx: torch.Tensor = idx) -> Any:
+                return kernels.lookup(idx, c._tkeys, c._counters, c._rows, c._hits, 0, c.ways,
+                                      empty=EMPTY_KEY, gather=True, count=False,
+                                      want_slots=False, table=c._rows, host_table=False,
+                                      cmax=COUNTER_MAX)
 
-        t_emb = bench(lambda idx=idx: torch.nn.functional.embedding(idx, c._rows), True)
-        for bk, warps, stream, agg in ((16, 4, 0, 1), (16, 4, 0, 0), (16, 2, 0, 1),
-                                       (32, 4, 0, 1), (32, 4, 0, 0), (32, 4, 1, 1),
-                                       (64, 8, 0, 0)):
-            kernels.CONFIG.update(lookup_block_k=bk, lookup_warps=warps,
-                                  lookup_stream=stream, lookup_agg=agg)
-            row = {}
-            for what, fn in (("full", lambda: run(True)), ("no_count",
-                             lambda: run(False)), ("probe_only",
-                             lambda: run(True, False)), ("plain_gather", plain)):
-                row[what] = round(n / bench(fn, True) / 1e6, 1)
-            emit(bench="sweep_lookup", dist=dist, block_k=bk, warps=warps,
-                 stream=stream, agg=agg, batch=n, emb_mkps=round(n / t_emb / 1e6, 1), **row)
-        kernels.CONFIG.update(saved)
+            t_emb = bench(lambda idx=idx: torch.nn.functional.embedding(idx, c._rows), True)
+            for bk, warps, agg, skip, sat in lookup_configs:
+                kernels.CONFIG.update(lookup_block_k=bk, lookup_warps=warps, lookup_agg=agg,
+                                      skip_saturated=skip)
+                set_counters(sat)
+                row = {}
+                for what, fn in (("full", lambda: run(True)), ("no_count",
+                                 lambda: run(False)), ("probe_only",
+                                 lambda: run(True, False)), ("plain_gather", plain)):
+                    row[what] = round(n / bench(fn, True) / 1e6, 1)
+                emit(bench="sweep_lookup", dist=dist, block_k=bk, warps=warps, agg=agg,
+                     skip_saturated=skip, saturated=sat, batch=n,
+                     emb_mkps=round(n / t_emb / 1e6, 1),
+                     full_ratio=round(row["full"] * t_emb / n * 1e6, 3), **row)
+            kernels.CONFIG.update(saved)
+            set_counters(0)
     n = 256 * 1024
-    pick = zipf_ranks(keys.numel(), n, 1.05, gen)
-    q, idx = keys[pick], slot_of[pick]
     offsets = torch.arange(0, n + 1, 1024, device="cuda")
-    plain0 = GPUCache(0, DIM, torch.float32, "cuda")
-    t_bag = bench(lambda: torch.nn.functional.embedding_bag(
-        idx, c._rows, offsets, mode="sum", include_last_offset=True), True)
-    for bk, warps, programs in ((64, 8, 256), (64, 8, 1024), (64, 8, 2048), (64, 8, 4096),
-                                (32, 4, 2048), (32, 8, 4096), (128, 8, 2048), (64, 4, 2048)):
-        kernels.CONFIG.update(pooled_block_k=bk, pooled_warps=warps,
-                              pooled_programs=programs)
-        t = bench(lambda: cache.lookup_pooled(q, offsets, validate=False), True)
-        t0 = bench(lambda: plain0.lookup_linear_pooled(idx, offsets, c._rows,
-                                                        validate=False), True)
-        emit(bench="sweep_pooled", block_k=bk, warps=warps, programs=programs,
-             split=kernels.pooled_split(n, 256, 1), mkps=round(n / t / 1e6, 1),
-             plain_mkps=round(n / t0 / 1e6, 1), bag_mkps=round(n / t_bag / 1e6, 1))
+    pooled_configs = ((64, 8, 256, 0, 0, 0), (64, 8, 256, 1, 0, 0), (64, 8, 256, 0, 1, 0),
+                      (64, 8, 256, 0, 1, 1), (64, 8, 256, 1, 1, 1), (32, 4, 256, 0, 0, 0),
+                      (32, 4, 256, 1, 1, 1), (64, 8, 1024, 0, 0, 0), (64, 8, 1024, 0, 1, 1),
+                      (128, 8, 256, 0, 1, 1), (64, 4, 256, 0, 1, 1), (32, 8, 512, 0, 1, 1))
+    for dist, alpha in (("zipf", 1.05), ("uniform", 0.0)):
+        pick = zipf_ranks(keys.numel(), n, alpha, gen)
+        q, idx = keys[pick], slot_of[pick]
+        t_bag = bench(lambda idx=idx: torch.nn.functional.embedding_bag(
+            idx, c._rows, offsets, mode="sum", include_last_offset=True), True)
+
+        def pooled(count: bool, q: torch.Tensor = q) -> Any:
+            c._will_count(q.numel())
+            return kernels.pooled(q, offsets, None, None, c._tkeys, c._counters, c._rows,
+                                  c._hits, c.num_buckets, c.ways, mean=False,
+                                  empty=EMPTY_KEY, count=count, cmax=COUNTER_MAX)
+
+        def plain_pooled(idx: torch.Tensor = idx) -> Any:
+            return kernels.pooled(idx, offsets, None, None, c._tkeys, c._counters, c._rows,
+                                  c._hits, 0, c.ways, mean=False, empty=EMPTY_KEY,
+                                  table=c._rows, cmax=COUNTER_MAX)
+
+        for bk, warps, programs, agg, skip, sat in pooled_configs:
+            kernels.CONFIG.update(pooled_block_k=bk, pooled_warps=warps,
+                                  pooled_programs=programs, pooled_agg=agg,
+                                  skip_saturated=skip)
+            set_counters(sat)
+            t = bench(lambda: pooled(True), True)
+            t_nc = bench(lambda: pooled(False), True)
+            t0 = bench(plain_pooled, True)
+            emit(bench="sweep_pooled", dist=dist, block_k=bk, warps=warps,
+                 programs=programs, agg=agg, skip_saturated=skip, saturated=sat,
+                 split=kernels.pooled_split(n, 256, 1), mkps=round(n / t / 1e6, 1),
+                 ratio=round(t_bag / t, 3), no_count_mkps=round(n / t_nc / 1e6, 1),
+                 plain_mkps=round(n / t0 / 1e6, 1), bag_mkps=round(n / t_bag / 1e6, 1))
+        kernels.CONFIG.update(saved)
+        set_counters(0)
     kernels.CONFIG.clear()
     kernels.CONFIG.update(saved)
 

@@ -308,7 +308,7 @@ class GPUCache:
             _, hit, slots = self._kernels.lookup(
                 keys, self._tkeys, self._counters, self._rows, self._hits, self.num_buckets,
                 self.ways, empty=EMPTY_KEY, gather=False,
-                count=record, want_slots=True)
+                count=record, want_slots=True, cmax=twin.COUNTER_MAX)
             assert slots is not None
         else:
             hit, slots = twin.probe(self._tkeys, self.num_buckets, self.ways, keys)
@@ -378,7 +378,8 @@ class GPUCache:
             out, hit, _ = self._kernels.lookup(
                 keys, self._tkeys, self._counters, self._rows, self._hits, self.num_buckets,
                 self.ways, empty=EMPTY_KEY, gather=True, count=True,
-                want_slots=False, table=table, candidates=cand, host_table=host_table)
+                want_slots=False, table=table, candidates=cand, host_table=host_table,
+                cmax=twin.COUNTER_MAX)
             assert out is not None
             return out, hit
         hit, slot = twin.probe(self._tkeys, self.num_buckets, self.ways, keys)
@@ -457,7 +458,7 @@ class GPUCache:
             return self._kernels.pooled(
                 keys, offsets, w, mv, self._tkeys, self._counters, self._rows, self._hits,
                 self.num_buckets, self.ways, mean=mean, empty=EMPTY_KEY, table=table,
-                candidates=cand)
+                candidates=cand, cmax=twin.COUNTER_MAX)
         hit, slot = twin.probe(self._tkeys, self.num_buckets, self.ways, keys)
         twin.bump(self._counters, slot, hit)
         twin.count_hits(self._hits, hit)

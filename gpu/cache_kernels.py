@@ -97,14 +97,21 @@ def _probe(tkeys_ptr, keys, kmask, num_buckets, WAYS: tl.constexpr, EMPTY: tl.co
 
 
 @triton.jit
-def _bump(counters_ptr, slot, hit, BLOCK_K: tl.constexpr, AGG: tl.constexpr):
+def _bump(counters_ptr, slot, hit, BLOCK_K: tl.constexpr, AGG: tl.constexpr,
+          SKIP_SAT: tl.constexpr, CMAX: tl.constexpr):
     """Add each hit to its slot's counter: one atomic per distinct slot of the block.
 
     With ``AGG``, duplicates inside the block (Zipf batches repeat hot keys) are summed
     first, so a hot slot takes one atomic per block instead of one per key (same-address
     atomics serialize in L2), at the price of a ``[BLOCK_K, BLOCK_K]`` comparison.
-    Fire-and-forget (``red``) either way.
+    Fire-and-forget (``red``) either way. With ``SKIP_SAT``, a slot whose counter already
+    reads ``CMAX`` or more takes no atomic at all (exact: the counter only grows during a
+    launch, so a value read at ``CMAX`` stays saturated, and adds to it change nothing it
+    stands for); a hot slot then costs one cached load per key instead of a serialized add.
     """
+    if SKIP_SAT:
+        c = tl.load(counters_ptr + slot, mask=hit, other=0)
+        hit = hit & (c < CMAX)
     if AGG:
         i = tl.arange(0, BLOCK_K)
         same = (slot[:, None] == slot[None, :]) & hit[:, None] & hit[None, :]
@@ -136,6 +143,7 @@ def _lookup_kernel(
     WRITE_SLOTS: tl.constexpr, COUNT: tl.constexpr, COLLECT: tl.constexpr, WAYS: tl.constexpr,
     EMPTY: tl.constexpr, STAT_STRIPES: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, STREAM: tl.constexpr, AGG: tl.constexpr,
+    SKIP_SAT: tl.constexpr, CMAX: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -183,7 +191,7 @@ def _lookup_kernel(
             # NOTE: fire-and-forget (result unused: a `red`, no round trip), issued after the
             # loads and stores so no warp waits on a contended hot slot; not saturated here
             # (see the module docstring for the lazy clamp).
-            _bump(counters_ptr, slot, hit, BLOCK_K, AGG)
+            _bump(counters_ptr, slot, hit, BLOCK_K, AGG, SKIP_SAT, CMAX)
             nhits = tl.reduce(hit.to(tl.int64), 0, _add_combine)
             tl.atomic_add(stats_ptr + pid % STAT_STRIPES, nhits, sem="relaxed")
     if COLLECT:
@@ -199,7 +207,8 @@ def _pooled_kernel(
     COLLECT: tl.constexpr,
     LINEAR: tl.constexpr, MEAN: tl.constexpr, SPLIT: tl.constexpr, WAYS: tl.constexpr,
     EMPTY: tl.constexpr, STAT_STRIPES: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, AGG: tl.constexpr,
+    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, AGG: tl.constexpr, COUNT: tl.constexpr,
+    SKIP_SAT: tl.constexpr, CMAX: tl.constexpr,
 ):
     bag = tl.program_id(0)
     split = tl.program_id(1)
@@ -266,7 +275,8 @@ def _pooled_kernel(
         acc += vals
         tl.store(hit_ptr + offs, hit.to(tl.int8), mask=kmask & first)
         if HAS_CACHE:
-            _bump(counters_ptr, slot, hit & first, BLOCK_K, AGG)
+            if COUNT:
+                _bump(counters_ptr, slot, hit & first, BLOCK_K, AGG, SKIP_SAT, CMAX)
             nhits += hit.to(tl.int64)
         if COLLECT:
             _collect(cand_ptr, cand_cap, keys, offs,
@@ -472,7 +482,7 @@ CONFIG: dict[str, int] = {
     "lookup_block_k": 16,
     "lookup_warps": 4,
     "lookup_stream": 0,  # 1: store gathered rows with .cs (streaming, evict first)
-    "lookup_agg": 1,  # 1: one counter atomic per distinct slot of a block (see _bump)
+    "lookup_agg": 0,  # 1: one counter atomic per distinct slot of a block (see _bump)
     # linear-table misses by a second, page-ordered launch from this many keys (0: never)
     "linear_sorted_misses": 1 << 17,
     "miss_block_k": 16,
@@ -482,6 +492,7 @@ CONFIG: dict[str, int] = {
     "pooled_programs": 256,  # split bags over about this many programs in all
     "pooled_max_split": 64,
     "pooled_agg": 0,
+    "skip_saturated": 1,  # 1: no counter atomic for a slot already at cmax (see _bump)
     "scatter_block_k": 16,
     "insert_block_k": 32,
 }
@@ -504,11 +515,12 @@ def lookup(
     keys: torch.Tensor, tkeys: torch.Tensor, counters: torch.Tensor, rows: torch.Tensor,
     stats: torch.Tensor, num_buckets: int, ways: int, *, empty: int, gather: bool,
     count: bool, want_slots: bool, table: torch.Tensor | None = None,
-    candidates: torch.Tensor | None = None, host_table: bool = True,
+    candidates: torch.Tensor | None = None, host_table: bool = True, cmax: int,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """Probe (+ gather, + linear-table misses) of ``keys``: ``(values, hit, slots)``.
 
-    Hit slots' counters get one unsaturated add per key (the caller clamps lazily).
+    Hit slots' counters get one unsaturated add per key (the caller clamps lazily), none
+    where a counter already reads ``cmax`` (with ``CONFIG["skip_saturated"]``).
     ``candidates``: a zeroed int64 buffer ``[1 + 2 * cap]`` (see ``cache.MissCandidates``)
     that receives the in-range misses of a linear lookup (count, keys, batch positions).
     ``host_table``: the linear table lives in host memory, so large batches read their
@@ -538,8 +550,8 @@ def lookup(
         COUNT=count, COLLECT=candidates is not None, WAYS=ways,
         EMPTY=empty, STAT_STRIPES=stats.numel(),
         BLOCK_K=bk, BLOCK_D=bd, EVEN_D=bd == dim, STREAM=bool(CONFIG["lookup_stream"]),
-        AGG=bool(CONFIG["lookup_agg"]),
-        num_warps=CONFIG["lookup_warps"],
+        AGG=bool(CONFIG["lookup_agg"]), SKIP_SAT=bool(CONFIG["skip_saturated"]),
+        CMAX=cmax, num_warps=CONFIG["lookup_warps"],
     )
     if sorted_misses:
         assert table is not None and out is not None
@@ -577,6 +589,7 @@ def pooled(
     miss_values: torch.Tensor | None, tkeys: torch.Tensor, counters: torch.Tensor,
     rows: torch.Tensor, stats: torch.Tensor, num_buckets: int, ways: int, *, mean: bool,
     empty: int, table: torch.Tensor | None = None, candidates: torch.Tensor | None = None,
+    count: bool = True, cmax: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Probe + gather + pool per bag, fused: ``(pooled [B, dim], hit [N])``; ``candidates``
     as in :func:`lookup`.
@@ -611,7 +624,8 @@ def pooled(
         COLLECT=candidates is not None, LINEAR=linear, MEAN=mean,
         SPLIT=split, WAYS=ways,
         EMPTY=empty, STAT_STRIPES=stats.numel(), BLOCK_K=CONFIG["pooled_block_k"],
-        BLOCK_D=bd, EVEN_D=even_d, AGG=bool(CONFIG["pooled_agg"]),
+        BLOCK_D=bd, EVEN_D=even_d, AGG=bool(CONFIG["pooled_agg"]), COUNT=count,
+        SKIP_SAT=bool(CONFIG["skip_saturated"]), CMAX=cmax,
         num_warps=CONFIG["pooled_warps"],
     )
     if split > 1:

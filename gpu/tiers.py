@@ -314,6 +314,9 @@ class DeviceTable(Tiers):
             self._block = table
             self._reg, self.table = _registered_rows(table, device)
             _add_user(table, self)
+        #: the table is host memory read over the host link (large batches then read it in
+        #: page order); a tensor or a DistMemBlock is read in one launch
+        self._host = self._reg is not None
         self.num_rows = int(self.table.shape[0])
         self._lookups = 0
 
@@ -321,7 +324,8 @@ class DeviceTable(Tiers):
         self._checked(keys, self.num_rows)
         self._lookups += keys.numel()
         if self.cache.backend == "triton":
-            return self.cache.lookup_linear(keys, self.table, validate=False)[0]
+            return self.cache.lookup_linear(keys, self.table, validate=False,
+                                            host_table=self._host)[0]
         return self.table.index_select(0, keys)
 
     def pooled(self, keys: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,

@@ -159,6 +159,28 @@ def test_interpreter_saturating_counters(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 @needs_triton
+@pytest.mark.parametrize(("skip", "agg"), [(1, 0), (1, 1), (0, 1)])
+def test_interpreter_skips_saturated_counters_exactly(
+        monkeypatch: pytest.MonkeyPatch, skip: int, agg: int) -> None:
+    """Counters that saturate (and buckets that decay) within a few ops: the kernels skip
+    the atomics of saturated slots, or aggregate them per block, and end in the twin's
+    state after every op."""
+    from gpu._triton import kernel_module
+
+    kernels = kernel_module("cache_kernels", interpret=True)
+    monkeypatch.setattr(twin, "COUNTER_MAX", 3)
+    monkeypatch.setattr(twin, "DECAY_AT", 3)
+    monkeypatch.setitem(kernels.CONFIG, "skip_saturated", skip)
+    monkeypatch.setitem(kernels.CONFIG, "lookup_agg", agg)
+    monkeypatch.setitem(kernels.CONFIG, "pooled_agg", agg)
+    a = make("cpu", "torch", buckets=2, ways=4)
+    b = make("cpu", "triton", buckets=2, ways=4)
+    assert_same(a, b, run_ops(a, 11, 21, key_range=12), run_ops(b, 11, 21, key_range=12))
+    counters = b.state()[1]
+    assert int(counters.max()) <= 3 and bool((counters == 3).any())  # some slot saturated
+
+
+@needs_triton
 @pytest.mark.parametrize("cache_buckets", [0, 6])
 def test_interpreter_split_bags(monkeypatch: pytest.MonkeyPatch, cache_buckets: int) -> None:
     """Bags split over several programs (partial rows summed by a second launch) pool like
