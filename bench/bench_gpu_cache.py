@@ -290,20 +290,19 @@ def run_linear(args: argparse.Namespace, gen: torch.Generator) -> None:
         hit_rate = float(hit.float().mean())
         t = bench(lambda q=q: cache.lookup_linear(q, table), args.quick)
         tb = bench(lambda q=q: torch.index_select(table, 0, q), args.quick)
-        # the same lookups with every batch's misses read in the probe launch (fused), and
-        # with every batch's read by a second, page-ordered launch (sorted); the default
-        # picks one by batch size (CONFIG["linear_sorted_misses"])
+        # the same lookups with every batch visited in batch order, or in host-page order;
+        # the default picks by batch size (CONFIG["linear_page_order"])
         kernels = kernel_module("cache_kernels", interpret=False)
-        default = kernels.CONFIG["linear_sorted_misses"]
+        saved = dict(kernels.CONFIG)
         variants = {}
-        for label, from_n in (("fused", 0), ("sorted_misses", 1)):
-            kernels.CONFIG["linear_sorted_misses"] = from_n
+        for label, from_n in (("batch_order", 0), ("page_order", 1)):
+            kernels.CONFIG.update(linear_page_order=from_n)
             try:
                 got_v, hit_v = cache.lookup_linear(q, table)
                 assert torch.equal(got_v, got) and torch.equal(hit_v, hit)
                 t_v = bench(lambda q=q: cache.lookup_linear(q, table), args.quick)
             finally:
-                kernels.CONFIG["linear_sorted_misses"] = default
+                kernels.CONFIG.update(saved)
             variants[f"{label}_mkps"] = round(n / t_v / 1e6, 1)
             variants[f"{label}_ratio"] = round(tb / t_v, 3)
         batches = [perm[zipf_ranks(rows, n, 1.05, gen)] for _ in range(10)]

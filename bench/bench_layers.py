@@ -166,20 +166,24 @@ def linear_uvm(device: torch.device, rows: int, batches: list[int], reps: int) -
             extra.update(synced_admission_mkps=n / t_sync / 1e6,
                          synced_admission_ratio=tb / t_sync)
             if emb._tiers.cache.backend == "triton":
-                # the same layer with every batch's misses read in the probe launch (fused)
-                # and by a second, page-ordered launch (sorted); the default picks by size
+                # the same layer with every batch visited in batch order, or in host-page
+                # order; the default picks by batch size (CONFIG["linear_page_order"])
                 from gpu._triton import kernel_module
 
                 kernels = kernel_module("cache_kernels", interpret=device.type != "cuda")
-                default = kernels.CONFIG["linear_sorted_misses"]
-                for label, from_n in (("fused", 0), ("sorted_misses", 1)):
-                    kernels.CONFIG["linear_sorted_misses"] = from_n
+                saved = dict(kernels.CONFIG)
+                for label, from_n in (("batch_order", 0), ("page_order", 1)):
+                    kernels.CONFIG.update(linear_page_order=from_n)
                     try:
                         assert torch.equal(emb(keys), table_view.index_select(0, keys))
+                        b = emb.stats().gpu
                         ts = timed(cycle(emb, stream), device, reps, wall=True)
+                        a = emb.stats().gpu
                     finally:
-                        kernels.CONFIG["linear_sorted_misses"] = default
-                    extra.update({f"{label}_mkps": n / ts / 1e6, f"{label}_ratio": tb / ts})
+                        kernels.CONFIG.update(saved)
+                    vh, vm = a.hits - b.hits, a.misses - b.misses
+                    extra.update({f"{label}_mkps": n / ts / 1e6, f"{label}_ratio": tb / ts,
+                                  f"{label}_hit_rate": vh / max(1, vh + vm)})
             emit(bench="linear_uvm", device=device.type, alpha=1.05, batch=n, rows=rows,
                  cache_fraction=0.1, gpu_hit_rate=hits / max(1, hits + misses),
                  mkps=n / t / 1e6, gbps=n * ROW_BYTES / t / 1e9,

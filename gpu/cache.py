@@ -39,6 +39,8 @@ PoolMode = Literal["sum", "mean"]
 #: element types a cache row may have.
 ROW_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _INT32_MAX = (1 << 31) - 1
+#: odd multiplier (2^32 / golden ratio) spreading successive lookup counts over the rows
+_GOLDEN = 0x9E3779B1
 #: set NVEC_FORCE_TRITON=1 to make ``backend="auto"`` run the Triton kernels on CPU tensors
 #: too (through Triton's interpreter; slow, for tests).
 FORCE_TRITON_ENV = "NVEC_FORCE_TRITON"
@@ -372,6 +374,9 @@ class GPUCache:
         cand: torch.Tensor | None = None, host_table: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Probe + gather (+ misses from row ``key`` of ``table``), counted as a lookup."""
+        # NOTE: where a large batch is visited in host-page order, start it at a different
+        # row each time (gpu.cache_kernels.page_order)
+        rotate = (self._lookups * _GOLDEN) & _INT32_MAX
         self._lookups += keys.numel()
         if self._kernels is not None:
             self._will_count(keys.numel())
@@ -379,7 +384,7 @@ class GPUCache:
                 keys, self._tkeys, self._counters, self._rows, self._hits, self.num_buckets,
                 self.ways, empty=EMPTY_KEY, gather=True, count=True,
                 want_slots=False, table=table, candidates=cand, host_table=host_table,
-                cmax=twin.COUNTER_MAX)
+                cmax=twin.COUNTER_MAX, rotate=rotate)
             assert out is not None
             return out, hit
         hit, slot = twin.probe(self._tkeys, self.num_buckets, self.ways, keys)

@@ -28,16 +28,17 @@ counter it reads (insert planning, ``state()``) and clamps the whole array befor
 counted since the last full clamp could push a counter past ``INT32_MAX``. The state is
 therefore exactly the twin's ``min(initial + hits, CMAX)``, whatever the order of the adds.
 
-Linear-table misses (``lookup(..., table=...)``, the LinearUVM path) of small batches are
-read in the probe launch: a block of keys waits for its few host reads. From
-``CONFIG["linear_sorted_misses"]`` keys a batch (0: never) they are read by a second launch
-instead (H200, 2026-11-30: fused 381 vs 214 M keys/s at 64k keys, 288 vs 315 at 256k,
-274 vs 528 at 1M; ``bench_gpu_cache --only linear``): the probe
-launch gathers the hits (misses read as zero rows), one ``torch.sort`` of the keys with the
-hits replaced by ``INT64_MAX`` puts the misses first and in row (= host page) order, and
-``_miss_gather_kernel`` reads them densely, every lane of a block waiting on the host link
-at once and neighbouring lanes on neighbouring pages. No host sync either way; the rows
-are the same bit for bit.
+Linear-table misses (``lookup(..., table=...)``, the LinearUVM path) are read in the probe
+launch: a block of keys waits for its few host reads while other blocks gather hits from
+device memory. Small batches are visited in batch order. From ``CONFIG["linear_page_order"]``
+keys a batch over a table in host memory (0: never) is visited in row (= host page) order
+instead (``page_order``: one int32 ``argsort``; each result still goes to its key's batch
+position), so that neighbouring programs read neighbouring host pages. H200, 2026-12-01,
+``bench_gpu_cache --only linear``, 4M-row table, 10% cache, Zipf 1.05, M keys/s (x zero-copy
+``index_select``): batch order 334 (3.07x) / 278 (2.34x) / 277 (2.27x) at 64k / 256k / 1M
+keys; page order 203 (1.87x) / 355 (2.99x) / 642 (5.25x); an earlier variant that read
+only the misses, sorted, in a second launch after the probe: 172 / 298 / 544. No host sync
+either way; the rows are the same bit for bit.
 
 Pooled lookups split each bag over several programs (``pooled_split``) so that a few
 hundred bags still fill the GPU; each program accumulates a ``[BLOCK_K, BLOCK_D]`` fp32
@@ -135,19 +136,26 @@ def _collect(cand_ptr, cap, keys, offs, miss):
     tl.store(cand_ptr + 1 + cap + pos, offs, mask=m)
 
 
-@triton.jit
+# NOTE: sizes that only bound masks are not specialized: a candidate capacity or batch
+# size crossing a multiple of 16 would otherwise compile another variant (seconds) in the
+# middle of serving.
+@triton.jit(do_not_specialize=["n", "num_buckets", "num_rows", "cand_cap"])
 def _lookup_kernel(
     keys_ptr, n, tkeys_ptr, counters_ptr, rows_ptr, stats_ptr, num_buckets,
-    out_ptr, hit_ptr, slots_ptr, table_ptr, num_rows, dim, cand_ptr, cand_cap,
+    out_ptr, hit_ptr, slots_ptr, table_ptr, num_rows, dim, cand_ptr, cand_cap, order_ptr,
     HAS_CACHE: tl.constexpr, GATHER: tl.constexpr, LINEAR: tl.constexpr,
     WRITE_SLOTS: tl.constexpr, COUNT: tl.constexpr, COLLECT: tl.constexpr, WAYS: tl.constexpr,
     EMPTY: tl.constexpr, STAT_STRIPES: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, STREAM: tl.constexpr, AGG: tl.constexpr,
-    SKIP_SAT: tl.constexpr, CMAX: tl.constexpr,
+    SKIP_SAT: tl.constexpr, CMAX: tl.constexpr, ORDERED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     kmask = offs < n
+    if ORDERED:
+        # NOTE: visit the batch in the given order (host-page order, see page_order); every
+        # result still goes to the key's own batch position
+        offs = tl.load(order_ptr + offs, mask=kmask, other=0).to(tl.int64)
     keys = tl.load(keys_ptr + offs, mask=kmask, other=EMPTY)
     d = tl.arange(0, BLOCK_D)
     if EVEN_D:
@@ -199,7 +207,7 @@ def _lookup_kernel(
                  kmask & (hit == 0) & (keys >= 0) & (keys < num_rows))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_buckets", "num_rows", "cand_cap"])
 def _pooled_kernel(
     keys_ptr, offsets_ptr, weights_ptr, miss_ptr, tkeys_ptr, counters_ptr, rows_ptr,
     stats_ptr, num_buckets, out_ptr, part_ptr, hit_ptr, table_ptr, num_rows, dim, cand_ptr,
@@ -335,28 +343,6 @@ def _scatter_rows_kernel(
 
 
 @triton.jit
-def _miss_gather_kernel(
-    skeys_ptr, pos_ptr, n, table_ptr, num_rows, out_ptr, dim,
-    BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-):
-    """out[pos[i]] = table[skeys[i]] for every in-range ``skeys[i]`` (hits were replaced by
-    INT64_MAX, which is out of range, so they and out-of-range keys are left alone)."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
-    kmask = offs < n
-    keys = tl.load(skeys_ptr + offs, mask=kmask, other=-1)
-    valid = kmask & (keys >= 0) & (keys < num_rows)
-    pos = tl.load(pos_ptr + offs, mask=valid, other=0)
-    d = tl.arange(0, BLOCK_D)
-    if EVEN_D:
-        dmask = tl.full([BLOCK_D], 1, tl.int1)
-    else:
-        dmask = d < dim
-    m = valid[:, None] & dmask[None, :]
-    vals = tl.load(table_ptr + keys[:, None] * dim + d[None, :], mask=m)
-    tl.store(out_ptr + pos[:, None] * dim + d[None, :], vals, mask=m)
-
-
-@triton.jit
 def _max_combine(a, b):
     return tl.maximum(a, b)
 
@@ -484,8 +470,9 @@ CONFIG: dict[str, int] = {
     "lookup_stream": 0,  # 1: store gathered rows with .cs (streaming, evict first)
     "lookup_agg": 0,  # 1: one counter atomic per distinct slot of a block (see _bump)
     # linear-table misses by a second, page-ordered launch from this many keys (0: never)
-    "linear_sorted_misses": 1 << 17,
-    "miss_block_k": 16,
+    # from this many keys a batch over a host table is visited in page order (page_order;
+    # 0: never)
+    "linear_page_order": 1 << 17,
     "pooled_block_k": 64,
     "pooled_warps": 8,
     "pooled_block_d": 0,  # 0: the whole row in one program
@@ -502,8 +489,14 @@ if triton.knobs.runtime.interpret:
     CONFIG.update(lookup_block_k=8, pooled_block_k=8, insert_block_k=8)
 
 
+# NOTE: plain integer helpers: triton.cdiv / triton.next_power_of_2 are constexpr
+# functions in Triton 3.6 and cost microseconds of host time per call.
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def _block_d(dim: int) -> int:
-    return max(16, triton.next_power_of_2(dim))
+    return max(16, 1 << (dim - 1).bit_length())
 
 
 def _cand_cap(candidates: torch.Tensor | None) -> int:
@@ -516,6 +509,7 @@ def lookup(
     stats: torch.Tensor, num_buckets: int, ways: int, *, empty: int, gather: bool,
     count: bool, want_slots: bool, table: torch.Tensor | None = None,
     candidates: torch.Tensor | None = None, host_table: bool = True, cmax: int,
+    rotate: int = 0,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """Probe (+ gather, + linear-table misses) of ``keys``: ``(values, hit, slots)``.
 
@@ -523,8 +517,9 @@ def lookup(
     where a counter already reads ``cmax`` (with ``CONFIG["skip_saturated"]``).
     ``candidates``: a zeroed int64 buffer ``[1 + 2 * cap]`` (see ``cache.MissCandidates``)
     that receives the in-range misses of a linear lookup (count, keys, batch positions).
-    ``host_table``: the linear table lives in host memory, so large batches read their
-    misses by the page-ordered second launch (a table in GPU memory never does).
+    ``host_table``: the linear table lives in host memory, so large batches are visited
+    in host-page order (a table in GPU memory never is); ``rotate`` shifts where that order
+    starts (see :func:`page_order`).
     """
     n = keys.numel()
     dim = rows.shape[1]
@@ -536,41 +531,38 @@ def lookup(
     bk = CONFIG["lookup_block_k"]
     bd = _block_d(dim)
     linear = table is not None
-    from_n = CONFIG["linear_sorted_misses"]
-    sorted_misses = linear and gather and host_table and from_n > 0 and n >= from_n
-    if sorted_misses:
-        linear = False  # the probe launch gathers the hits; the misses come next
-    _lookup_kernel[(triton.cdiv(n, bk),)](
+    from_n = CONFIG["linear_page_order"]
+    order = None
+    if table is not None and gather and host_table and 0 < from_n <= n:
+        order = page_order(keys, table.shape[0], rotate)
+    _lookup_kernel[(_cdiv(n, bk),)](
         keys, n, tkeys, counters, rows, stats, max(num_buckets, 1),
         out if out is not None else keys, hit.view(torch.int8),
         slots if slots is not None else keys, table if linear else rows,
         table.shape[0] if table is not None else 0, dim,
         candidates if candidates is not None else keys, _cand_cap(candidates),
+        order if order is not None else keys,
         HAS_CACHE=num_buckets > 0, GATHER=gather, LINEAR=linear, WRITE_SLOTS=want_slots,
         COUNT=count, COLLECT=candidates is not None, WAYS=ways,
         EMPTY=empty, STAT_STRIPES=stats.numel(),
         BLOCK_K=bk, BLOCK_D=bd, EVEN_D=bd == dim, STREAM=bool(CONFIG["lookup_stream"]),
         AGG=bool(CONFIG["lookup_agg"]), SKIP_SAT=bool(CONFIG["skip_saturated"]),
-        CMAX=cmax, num_warps=CONFIG["lookup_warps"],
+        CMAX=cmax, ORDERED=order is not None, num_warps=CONFIG["lookup_warps"],
     )
-    if sorted_misses:
-        assert table is not None and out is not None
-        gather_misses(keys, hit, table, out)
     return out, hit, slots
 
 
-@on_tensor_device
-def gather_misses(keys: torch.Tensor, hit: torch.Tensor, table: torch.Tensor,
-                  out: torch.Tensor) -> None:
-    """Rows ``out[i] = table[keys[i]]`` where ``hit[i]`` is False and the key is in range,
-    visited in row order (see the module docstring); no host sync."""
-    n, dim = keys.numel(), out.shape[1]
-    skeys, pos = torch.sort(torch.where(hit, hashing.INT64_MAX, keys))
-    bk = CONFIG["miss_block_k"]
-    bd = _block_d(dim)
-    _miss_gather_kernel[(triton.cdiv(n, bk),)](
-        skeys, pos, n, table, table.shape[0], out, dim,
-        BLOCK_K=bk, BLOCK_D=bd, EVEN_D=bd == dim, num_warps=CONFIG["lookup_warps"])
+def page_order(keys: torch.Tensor, num_rows: int, rotate: int) -> torch.Tensor:
+    """Batch positions in the order of the keys' rows in a linear table of ``num_rows``
+    rows, starting at row ``rotate`` and wrapping around (keys outside the table land
+    anywhere: the kernel masks them). Neighbouring programs then read neighbouring host
+    pages. The rotation matters when a lookup lists only its first misses
+    (``candidates``): from row 0 every time, the low rows' misses would always be the
+    ones admitted."""
+    r = (keys - rotate) % max(num_rows, 1)
+    if num_rows <= 1 << 31:
+        r = r.to(torch.int32)  # half the radix passes
+    return torch.argsort(r)
 
 
 def pooled_split(n: int, nbags: int, dchunks: int) -> int:
@@ -607,7 +599,7 @@ def pooled(
         return out, hit
     bd = CONFIG["pooled_block_d"] or _block_d(dim)
     bd = min(bd, _block_d(dim))
-    nd = triton.cdiv(dim, bd)
+    nd = _cdiv(dim, bd)
     split = pooled_split(n, nbags, nd)
     part = (torch.empty((nbags, split, dim), dtype=torch.float32, device=keys.device)
             if split > 1 else out)
@@ -645,7 +637,7 @@ def scatter_rows(
     if n == 0:
         return
     bk = CONFIG["scatter_block_k"]
-    _scatter_rows_kernel[(triton.cdiv(n, bk),)](
+    _scatter_rows_kernel[(_cdiv(n, bk),)](
         rows, target, values, src, n, rows.shape[1], BLOCK_K=bk, BLOCK_D=_block_d(rows.shape[1]),
     )
 
@@ -663,7 +655,7 @@ def insert(
     n = keys.numel()
     trash = tkeys.numel()
     bk = CONFIG["insert_block_k"]
-    grid = (triton.cdiv(n, bk),)
+    grid = (_cdiv(n, bk),)
     ks, src = torch.sort(keys, stable=True)
     skey = torch.empty_like(ks)
     slot = torch.empty_like(ks)

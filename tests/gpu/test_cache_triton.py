@@ -120,16 +120,30 @@ def test_interpreter_half_rows_and_split_dim(monkeypatch: pytest.MonkeyPatch) ->
     assert_same(a, b, run_ops(a, 7, 14), run_ops(b, 7, 14))
 
 
+def test_page_order_visits_rows_from_the_rotation_on() -> None:
+    from gpu.cache_kernels import page_order
+
+    keys = torch.tensor([7, 2, 9, 0, 3, 2, 12, -4, 5])
+    for rotate in (0, 3, 10 + 6):
+        order = page_order(keys, 10, rotate)
+        assert sorted(order.tolist()) == list(range(keys.numel()))  # every position once
+        shifted = ((keys[order] - rotate) % 10).tolist()
+        assert shifted == sorted(shifted)
+    # in-range keys from row 3 on, wrapping around: 3, 5, 7, 9, 0, 2, 2
+    inside = [k for k in keys[page_order(keys, 10, 3)].tolist() if 0 <= k < 10]
+    assert inside == [3, 5, 7, 9, 0, 2, 2]
+
+
 @needs_triton
 @pytest.mark.parametrize("buckets", [0, 6])
-def test_interpreter_sorted_linear_misses(monkeypatch: pytest.MonkeyPatch, buckets: int) -> None:
-    """Linear-table misses read by the second, page-ordered launch: the same rows, hits,
-    counters and stats as the twin (and as the fused launch)."""
+def test_interpreter_page_ordered_linear_lookups(monkeypatch: pytest.MonkeyPatch,
+                                                 buckets: int) -> None:
+    """Batches visited in host-page order: the same rows, hits, counters, stats and
+    listed misses as the twin (and as batch order)."""
     from gpu._triton import kernel_module
 
     kernels = kernel_module("cache_kernels", interpret=True)
-    monkeypatch.setitem(kernels.CONFIG, "linear_sorted_misses", 1)
-    monkeypatch.setitem(kernels.CONFIG, "miss_block_k", 4)  # several programs per batch
+    monkeypatch.setitem(kernels.CONFIG, "linear_page_order", 1)
     a = make("cpu", "torch", buckets=buckets)
     b = make("cpu", "triton", buckets=buckets)
     assert_same(a, b, run_ops(a, 3, 21), run_ops(b, 3, 21))
@@ -262,11 +276,12 @@ def test_cuda_matches_cpu_twin(backend: str) -> None:
 
 @pytest.mark.gpu
 @needs_cuda
-def test_cuda_sorted_linear_misses_match_cpu_twin(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cuda_page_ordered_linear_lookups_match_cpu_twin(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     from gpu._triton import kernel_module
 
     kernels = kernel_module("cache_kernels", interpret=False)
-    monkeypatch.setitem(kernels.CONFIG, "linear_sorted_misses", 1)
+    monkeypatch.setitem(kernels.CONFIG, "linear_page_order", 1)
     for buckets, dim in [(6, 128), (0, 12)]:
         a = make("cpu", "torch", buckets=buckets, dim=dim)
         b = make("cuda", "auto", buckets=buckets, dim=dim)
