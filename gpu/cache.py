@@ -346,9 +346,10 @@ class GPUCache:
                 range keys otherwise give zero rows and ``hit = False``.
             candidates: A zeroed :class:`MissCandidates` on the cache's device that receives
                 the in-range misses (written by the lookup itself: no host sync).
-            host_table: ``table`` is a zero-copy view of host memory (large batches then
-                read their misses in page order, see ``gpu.cache_kernels``); pass False for
-                a table in GPU memory (a ``DistMemBlock``). Same results either way.
+            host_table: ``table`` is a zero-copy view of host memory (large batches are
+                then visited in host-page order, see ``gpu.cache_kernels``); pass False for
+                a table in GPU memory (a tensor in HBM, a ``DistMemBlock``). Same results
+                either way.
 
         Returns:
             ``(values [N, dim], hit bool [N])``; ``keys[~hit]`` are the keys to insert.

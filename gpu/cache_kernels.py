@@ -16,12 +16,14 @@ tile with wide loads. The bucket hash is ``hostcache.hashing.bucket_of`` written
 same integer operations (wrapping int64 multiply, logical shift as arithmetic shift and
 mask), so the CPU twin and these kernels agree bit for bit.
 
-Counters: a hit adds 1 to its slot's counter. Each program first sums the hits of equal
-slots in its block, then issues one fire-and-forget atomic per distinct slot (the result is
-unused, so it compiles to a ``red``: no warp waits for it), after the row loads and stores:
-same-address atomics serialize in L2, and a Zipf batch hits its hottest slots thousands
-of times. The kernels do
-not saturate: ``GPUCache`` clamps lazily. Saturating adds of non-negative amounts compose,
+Counters: a hit adds 1 to its slot's counter with a fire-and-forget atomic (the result is
+unused, so it compiles to a ``red``: no warp waits for it), issued after the row loads and
+stores. Same-address atomics serialize in L2, and a Zipf batch hits its hottest slots
+thousands of times, so a slot whose counter already reads ``CMAX`` gets no atomic at all
+(``CONFIG["skip_saturated"]``; the hot slots saturate within a few batches); summing equal
+slots per block first (``lookup_agg`` / ``pooled_agg``) is a switch, off by default (H200:
+slower than the skip). The kernels do not saturate: ``GPUCache`` clamps lazily.
+Saturating adds of non-negative amounts compose,
 ``min(min(c + a, CMAX) + b, CMAX) == min(c + a + b, CMAX)``, so a stored counter ``c``
 stands for ``min(c, CMAX)`` as long as it cannot overflow int32; the cache clamps every
 counter it reads (insert planning, ``state()``) and clamps the whole array before the keys
@@ -100,7 +102,7 @@ def _probe(tkeys_ptr, keys, kmask, num_buckets, WAYS: tl.constexpr, EMPTY: tl.co
 @triton.jit
 def _bump(counters_ptr, slot, hit, BLOCK_K: tl.constexpr, AGG: tl.constexpr,
           SKIP_SAT: tl.constexpr, CMAX: tl.constexpr):
-    """Add each hit to its slot's counter: one atomic per distinct slot of the block.
+    """Add each hit to its slot's counter (fire-and-forget atomics).
 
     With ``AGG``, duplicates inside the block (Zipf batches repeat hot keys) are summed
     first, so a hot slot takes one atomic per block instead of one per key (same-address
@@ -469,7 +471,6 @@ CONFIG: dict[str, int] = {
     "lookup_warps": 4,
     "lookup_stream": 0,  # 1: store gathered rows with .cs (streaming, evict first)
     "lookup_agg": 0,  # 1: one counter atomic per distinct slot of a block (see _bump)
-    # linear-table misses by a second, page-ordered launch from this many keys (0: never)
     # from this many keys a batch over a host table is visited in page order (page_order;
     # 0: never)
     "linear_page_order": 1 << 17,

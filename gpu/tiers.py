@@ -314,8 +314,8 @@ class DeviceTable(Tiers):
             self._block = table
             self._reg, self.table = _registered_rows(table, device)
             _add_user(table, self)
-        #: the table is host memory read over the host link (large batches then read it in
-        #: page order); a tensor or a DistMemBlock is read in one launch
+        #: the table is host memory read over the host link (large batches are then visited
+        #: in page order); a tensor or a DistMemBlock is read in batch order
         self._host = self._reg is not None
         self.num_rows = int(self.table.shape[0])
         self._lookups = 0

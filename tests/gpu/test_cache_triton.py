@@ -120,6 +120,7 @@ def test_interpreter_half_rows_and_split_dim(monkeypatch: pytest.MonkeyPatch) ->
     assert_same(a, b, run_ops(a, 7, 14), run_ops(b, 7, 14))
 
 
+@needs_triton
 def test_page_order_visits_rows_from_the_rotation_on() -> None:
     from gpu.cache_kernels import page_order
 
