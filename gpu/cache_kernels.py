@@ -150,6 +150,7 @@ def _lookup_kernel(
     EMPTY: tl.constexpr, STAT_STRIPES: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, STREAM: tl.constexpr, AGG: tl.constexpr,
     SKIP_SAT: tl.constexpr, CMAX: tl.constexpr, ORDERED: tl.constexpr,
+    WRITE_HIT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -193,7 +194,8 @@ def _lookup_kernel(
             tl.store(optr, vals, mask=omask, cache_modifier=".cs")
         else:
             tl.store(optr, vals, mask=omask)
-    tl.store(hit_ptr + offs, hit.to(tl.int8), mask=kmask)
+    if WRITE_HIT:
+        tl.store(hit_ptr + offs, hit.to(tl.int8), mask=kmask)
     if WRITE_SLOTS:
         tl.store(slots_ptr + offs, tl.where(hit, slot, -1), mask=kmask)
     if HAS_CACHE:
@@ -548,9 +550,39 @@ def lookup(
         EMPTY=empty, STAT_STRIPES=stats.numel(),
         BLOCK_K=bk, BLOCK_D=bd, EVEN_D=bd == dim, STREAM=bool(CONFIG["lookup_stream"]),
         AGG=bool(CONFIG["lookup_agg"]), SKIP_SAT=bool(CONFIG["skip_saturated"]),
-        CMAX=cmax, ORDERED=order is not None, num_warps=CONFIG["lookup_warps"],
+        CMAX=cmax, ORDERED=order is not None, WRITE_HIT=True,
+        num_warps=CONFIG["lookup_warps"],
     )
     return out, hit, slots
+
+
+@on_tensor_device
+def gather(keys: torch.Tensor, table: torch.Tensor, *, host_table: bool) -> torch.Tensor:
+    """Rows ``table[keys]`` (zero rows for keys outside the table): the GPULayer lookup.
+
+    The lookup kernel with no cache to probe and no hit flags to write, launched with as
+    little host work as possible (a 64k-key call is bound by it); large batches over a
+    host table are visited in page order, as in :func:`lookup`.
+    """
+    n = keys.numel()
+    dim = table.shape[1]
+    out = torch.empty((n, dim), dtype=table.dtype, device=keys.device)
+    if n == 0:
+        return out
+    bk = CONFIG["lookup_block_k"]
+    bd = _block_d(dim)
+    from_n = CONFIG["linear_page_order"]
+    order = page_order(keys, table.shape[0], 0) if host_table and 0 < from_n <= n else None
+    _lookup_kernel[(_cdiv(n, bk),)](
+        keys, n, keys, keys, table, keys, 1, out, keys, keys, table, table.shape[0], dim,
+        keys, 0, order if order is not None else keys,
+        HAS_CACHE=False, GATHER=True, LINEAR=True, WRITE_SLOTS=False, COUNT=False,
+        COLLECT=False, WAYS=1, EMPTY=0, STAT_STRIPES=1, BLOCK_K=bk, BLOCK_D=bd,
+        EVEN_D=bd == dim, STREAM=bool(CONFIG["lookup_stream"]), AGG=False, SKIP_SAT=False,
+        CMAX=0, ORDERED=order is not None, WRITE_HIT=False,
+        num_warps=CONFIG["lookup_warps"],
+    )
+    return out
 
 
 def page_order(keys: torch.Tensor, num_rows: int, rotate: int) -> torch.Tensor:

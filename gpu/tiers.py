@@ -319,20 +319,26 @@ class DeviceTable(Tiers):
         self._host = self._reg is not None
         self.num_rows = int(self.table.shape[0])
         self._lookups = 0
+        #: the kernels read rows at ``key * dim``: a strided view (a user's storage tensor)
+        #: takes torch's gathers instead
+        self._kernels = (self.cache._kernels if self.table.stride(-1) == 1
+                         and self.table.stride(0) == dim else None)
 
     def rows(self, keys: torch.Tensor) -> torch.Tensor:
         self._checked(keys, self.num_rows)
         self._lookups += keys.numel()
-        if self.cache.backend == "triton":
-            return self.cache.lookup_linear(keys, self.table, validate=False,
-                                            host_table=self._host)[0]
+        if self._kernels is not None:
+            # NOTE: straight to the gather launch: there is no cache to probe, and the table
+            # and keys are checked already (GPUCache's own checks cost ~10 us of host time a
+            # call, and a 64k-key lookup is bound by host time)
+            return self._kernels.gather(keys, self.table, host_table=self._host)
         return self.table.index_select(0, keys)
 
     def pooled(self, keys: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
                mode: PoolingMode) -> torch.Tensor:
         self._checked(keys, self.num_rows)
         self._lookups += keys.numel()
-        if mode != "max" and self.cache.backend == "triton":
+        if mode != "max" and self._kernels is not None:
             return self.cache.lookup_linear_pooled(
                 keys, offsets, self.table, mode, weights, validate=False)[0]
         return F.embedding_bag(keys, self.table, offsets, mode=mode, per_sample_weights=weights,

@@ -22,6 +22,8 @@ from gpu import (
     NVEmbeddingBag,
     StorageUnavailableError,
 )
+from gpu._triton import triton_available
+from gpu.cache import FORCE_TRITON_ENV
 from hostcache import HostCache, SharedMemBlock
 from tests.conftest import fresh_name
 
@@ -443,3 +445,37 @@ def test_gpu_host_hits_reach_the_host_policy_weighted_by_the_sample(
             layer.close()
         finally:
             HostCache.unlink(table_name)
+
+
+@pytest.mark.skipif(not triton_available(), reason="needs the triton package (its CPU "
+                    "interpreter runs the GPULayer kernels on CPU tensors)")
+def test_gpulayer_kernels_read_contiguous_and_strided_tables(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPULayer lookups through the Triton gather (forced onto CPU tensors): a table in a
+    tensor and a strided view of one (read by torch's gathers instead, same rows) equal
+    F.embedding / F.embedding_bag; the gather in batch and in page order."""
+    from gpu._triton import kernel_module
+
+    monkeypatch.setenv(FORCE_TRITON_ENV, "1")
+    kernels = kernel_module("cache_kernels", interpret=True)
+    monkeypatch.setitem(kernels.CONFIG, "linear_page_order", 1)  # every batch, page order
+    gen = torch.Generator().manual_seed(4)
+    wide = torch.randn(ROWS, 2 * DIM, generator=gen)
+    keys = torch.randint(0, ROWS, (37,), generator=gen)
+    offsets = torch.tensor([0, 5, 5, 30])
+    for w in (wide[:, :DIM].contiguous(), wide[:, DIM:]):
+        emb = NVEmbedding(ROWS, DIM, torch.float32, LayerType.GPULayer, storage=w,
+                          device="cpu")
+        assert (emb._tiers._kernels is not None) == w.is_contiguous()
+        assert torch.equal(emb(keys), F.embedding(keys, w))
+        bag = NVEmbeddingBag(ROWS, DIM, torch.float32, LayerType.GPULayer, storage=w,
+                             device="cpu")
+        torch.testing.assert_close(bag(keys, offsets),
+                                   F.embedding_bag(keys, w, offsets, mode="sum"))
+    # the gather itself, in batch and in page order: out-of-range keys read zero rows
+    table = wide[:, :DIM].contiguous()
+    odd = torch.cat([keys, torch.tensor([-1, ROWS, 3])])
+    want = F.embedding(odd.clamp(0, ROWS - 1), table)
+    want[[37, 38]] = 0
+    for host_table in (False, True):
+        assert torch.equal(kernels.gather(odd, table, host_table=host_table), want)
