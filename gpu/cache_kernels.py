@@ -534,10 +534,7 @@ def lookup(
     bk = CONFIG["lookup_block_k"]
     bd = _block_d(dim)
     linear = table is not None
-    from_n = CONFIG["linear_page_order"]
-    order = None
-    if table is not None and gather and host_table and 0 < from_n <= n:
-        order = page_order(keys, table.shape[0], rotate)
+    order = _visit_order(keys, table, host_table, rotate) if gather else None
     _lookup_kernel[(_cdiv(n, bk),)](
         keys, n, tkeys, counters, rows, stats, max(num_buckets, 1),
         out if out is not None else keys, hit.view(torch.int8),
@@ -571,8 +568,7 @@ def gather(keys: torch.Tensor, table: torch.Tensor, *, host_table: bool) -> torc
         return out
     bk = CONFIG["lookup_block_k"]
     bd = _block_d(dim)
-    from_n = CONFIG["linear_page_order"]
-    order = page_order(keys, table.shape[0], 0) if host_table and 0 < from_n <= n else None
+    order = _visit_order(keys, table, host_table, 0)
     _lookup_kernel[(_cdiv(n, bk),)](
         keys, n, keys, keys, table, keys, 1, out, keys, keys, table, table.shape[0], dim,
         keys, 0, order if order is not None else keys,
@@ -583,6 +579,16 @@ def gather(keys: torch.Tensor, table: torch.Tensor, *, host_table: bool) -> torc
         num_warps=CONFIG["lookup_warps"],
     )
     return out
+
+
+def _visit_order(keys: torch.Tensor, table: torch.Tensor | None, host_table: bool,
+                 rotate: int) -> torch.Tensor | None:
+    """The order a lookup visits its batch in: None (batch order), or page order for a
+    batch of ``CONFIG["linear_page_order"]`` keys or more over a table in host memory."""
+    from_n = CONFIG["linear_page_order"]
+    if table is None or not host_table or not 0 < from_n <= keys.numel():
+        return None
+    return page_order(keys, table.shape[0], rotate)
 
 
 def page_order(keys: torch.Tensor, num_rows: int, rotate: int) -> torch.Tensor:
