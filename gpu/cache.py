@@ -78,7 +78,9 @@ class MissCandidates:
     positions in the batch. Duplicated keys appear once per occurrence.
 
     Which misses come first: batch order on the CPU; on CUDA the order in which the
-    kernel's key blocks ran (a block's misses stay together, in batch order).
+    kernel's key blocks ran (a block's misses stay together, in the order the block visits
+    them: batch order, or host-page order from a rotating start row for large batches over
+    a host table, see ``gpu.cache_kernels.page_order``).
     """
 
     buffer: torch.Tensor
