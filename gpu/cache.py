@@ -237,8 +237,13 @@ class GPUCache:
             raise BadArgumentError(
                 f"table is on {table.device} but the cache is on {self.device}; on CUDA pass "
                 "a zero-copy CUDA view of the registered host table")
-        if table.stride(1) != 1 or table.stride(0) != self.dim:
-            raise BadArgumentError("table rows must be contiguous (stride (dim, 1))")
+        # NOTE: rows may be padded (a SharedMemBlock rounds them up to 16 bytes): the kernels
+        # step by stride(0); only the elements of a row must be contiguous
+        if table.shape[0] > 1 and table.stride(0) < self.dim or (
+                self.dim > 1 and table.stride(1) != 1):
+            raise BadArgumentError(
+                f"table rows must each be contiguous and not overlap (strides (>= {self.dim}, "
+                f"1)); got strides {tuple(table.stride())}: pass table.contiguous()")
         return table
 
     def _check_linear_keys(self, keys: torch.Tensor, num_rows: int) -> None:
@@ -343,7 +348,8 @@ class GPUCache:
         Args:
             keys: int64 ``[N]`` row indices of the linear table, on the cache's device.
             table: ``[num_rows, dim]`` rows of the cache's dtype (on CUDA, a zero-copy CUDA
-                view of the registered host table).
+                view of the registered host table); rows may be padded (any row stride
+                ``>= dim``), the elements of a row contiguous.
             validate: Check that every key lies in ``[0, num_rows)`` (one host sync); out of
                 range keys otherwise give zero rows and ``hit = False``.
             candidates: A zeroed :class:`MissCandidates` on the cache's device that receives

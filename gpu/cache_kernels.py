@@ -32,9 +32,12 @@ therefore exactly the twin's ``min(initial + hits, CMAX)``, whatever the order o
 
 Linear-table misses (``lookup(..., table=...)``, the LinearUVM path) are read in the probe
 launch: a block of keys waits for its few host reads while other blocks gather hits from
-device memory. Small batches are visited in batch order. From ``CONFIG["linear_page_order"]``
-keys a batch over a table in host memory (0: never) is visited in row (= host page) order
-instead (``page_order``: one int32 ``argsort``; each result still goes to its key's batch
+device memory. The table's rows may be padded: row ``k`` starts ``k * table.stride(0)``
+elements in (a ``SharedMemBlock`` rounds rows up to 16 bytes).
+
+Small batches are visited in batch order. From ``CONFIG["linear_page_order"]`` keys a
+batch over a table in host memory (0: never) is visited in row (= host page) order instead
+(``page_order``: one int32 ``argsort``; each result still goes to its key's batch
 position), so that neighbouring programs read neighbouring host pages. H200, 2026-12-01,
 ``bench_gpu_cache --only linear``, 4M-row table, 10% cache, Zipf 1.05, M keys/s (x zero-copy
 ``index_select``): batch order 334 (3.07x) / 278 (2.34x) / 277 (2.27x) at 64k / 256k / 1M
@@ -144,8 +147,8 @@ def _collect(cand_ptr, cap, keys, offs, miss):
 @triton.jit(do_not_specialize=["n", "num_buckets", "num_rows", "cand_cap"])
 def _lookup_kernel(
     keys_ptr, n, tkeys_ptr, counters_ptr, rows_ptr, stats_ptr, num_buckets,
-    out_ptr, hit_ptr, slots_ptr, table_ptr, num_rows, dim, cand_ptr, cand_cap, order_ptr,
-    HAS_CACHE: tl.constexpr, GATHER: tl.constexpr, LINEAR: tl.constexpr,
+    out_ptr, hit_ptr, slots_ptr, table_ptr, num_rows, tstride, dim, cand_ptr, cand_cap,
+    order_ptr, HAS_CACHE: tl.constexpr, GATHER: tl.constexpr, LINEAR: tl.constexpr,
     WRITE_SLOTS: tl.constexpr, COUNT: tl.constexpr, COLLECT: tl.constexpr, WAYS: tl.constexpr,
     EMPTY: tl.constexpr, STAT_STRIPES: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, STREAM: tl.constexpr, AGG: tl.constexpr,
@@ -172,7 +175,7 @@ def _lookup_kernel(
                            mask=hit[:, None] & dmask[None, :], other=0.0)
             if LINEAR:
                 inrange = kmask & (keys >= 0) & (keys < num_rows) & (hit == 0)
-                tval = tl.load(table_ptr + keys[:, None] * dim + d[None, :],
+                tval = tl.load(table_ptr + keys[:, None] * tstride + d[None, :],
                                mask=inrange[:, None] & dmask[None, :], other=0.0)
                 vals = tl.where(hit[:, None], vals, tval)
     else:
@@ -183,7 +186,7 @@ def _lookup_kernel(
         if GATHER:
             if LINEAR:
                 inrange = kmask & (keys >= 0) & (keys < num_rows)
-                vals = tl.load(table_ptr + keys[:, None] * dim + d[None, :],
+                vals = tl.load(table_ptr + keys[:, None] * tstride + d[None, :],
                                mask=inrange[:, None] & dmask[None, :], other=0.0)
             else:
                 vals = tl.full([BLOCK_K, BLOCK_D], 0, rows_ptr.dtype.element_ty)
@@ -214,8 +217,8 @@ def _lookup_kernel(
 @triton.jit(do_not_specialize=["num_buckets", "num_rows", "cand_cap"])
 def _pooled_kernel(
     keys_ptr, offsets_ptr, weights_ptr, miss_ptr, tkeys_ptr, counters_ptr, rows_ptr,
-    stats_ptr, num_buckets, out_ptr, part_ptr, hit_ptr, table_ptr, num_rows, dim, cand_ptr,
-    cand_cap, HAS_CACHE: tl.constexpr, HAS_W: tl.constexpr, HAS_MISS: tl.constexpr,
+    stats_ptr, num_buckets, out_ptr, part_ptr, hit_ptr, table_ptr, num_rows, tstride, dim,
+    cand_ptr, cand_cap, HAS_CACHE: tl.constexpr, HAS_W: tl.constexpr, HAS_MISS: tl.constexpr,
     COLLECT: tl.constexpr,
     LINEAR: tl.constexpr, MEAN: tl.constexpr, SPLIT: tl.constexpr, WAYS: tl.constexpr,
     EMPTY: tl.constexpr, STAT_STRIPES: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -255,7 +258,7 @@ def _pooled_kernel(
             if LINEAR:
                 inrange = kmask & (keys >= 0) & (keys < num_rows) & (hit == 0)
                 tval = tl.load(
-                    table_ptr + keys[:, None] * dim + d[None, :],
+                    table_ptr + keys[:, None] * tstride + d[None, :],
                     mask=inrange[:, None] & dmask[None, :], other=0.0,
                 ).to(tl.float32)
                 vals = tl.where(hit[:, None], vals, tval)
@@ -271,7 +274,7 @@ def _pooled_kernel(
             if LINEAR:
                 inrange = kmask & (keys >= 0) & (keys < num_rows)
                 vals = tl.load(
-                    table_ptr + keys[:, None] * dim + d[None, :],
+                    table_ptr + keys[:, None] * tstride + d[None, :],
                     mask=inrange[:, None] & dmask[None, :], other=0.0,
                 ).to(tl.float32)
             elif HAS_MISS:
@@ -502,6 +505,12 @@ def _block_d(dim: int) -> int:
     return max(16, 1 << (dim - 1).bit_length())
 
 
+def _row_stride(table: torch.Tensor | None, dim: int) -> int:
+    """Elements from one row of a linear table to the next (its rows may be padded, as a
+    ``SharedMemBlock``'s are to 16 bytes; elements within a row are contiguous)."""
+    return dim if table is None else table.stride(0)
+
+
 def _cand_cap(candidates: torch.Tensor | None) -> int:
     return 0 if candidates is None else (candidates.numel() - 1) // 2
 
@@ -539,7 +548,7 @@ def lookup(
         keys, n, tkeys, counters, rows, stats, max(num_buckets, 1),
         out if out is not None else keys, hit.view(torch.int8),
         slots if slots is not None else keys, table if linear else rows,
-        table.shape[0] if table is not None else 0, dim,
+        table.shape[0] if table is not None else 0, _row_stride(table, dim), dim,
         candidates if candidates is not None else keys, _cand_cap(candidates),
         order if order is not None else keys,
         HAS_CACHE=num_buckets > 0, GATHER=gather, LINEAR=linear, WRITE_SLOTS=want_slots,
@@ -570,8 +579,8 @@ def gather(keys: torch.Tensor, table: torch.Tensor, *, host_table: bool) -> torc
     bd = _block_d(dim)
     order = _visit_order(keys, table, host_table, 0)
     _lookup_kernel[(_cdiv(n, bk),)](
-        keys, n, keys, keys, table, keys, 1, out, keys, keys, table, table.shape[0], dim,
-        keys, 0, order if order is not None else keys,
+        keys, n, keys, keys, table, keys, 1, out, keys, keys, table, table.shape[0],
+        table.stride(0), dim, keys, 0, order if order is not None else keys,
         HAS_CACHE=False, GATHER=True, LINEAR=True, WRITE_SLOTS=False, COUNT=False,
         COLLECT=False, WAYS=1, EMPTY=0, STAT_STRIPES=1, BLOCK_K=bk, BLOCK_D=bd,
         EVEN_D=bd == dim, STREAM=bool(CONFIG["lookup_stream"]), AGG=False, SKIP_SAT=False,
@@ -648,7 +657,7 @@ def pooled(
         keys, offsets, weights if weights is not None else rows,
         miss_values if miss_values is not None else rows, tkeys, counters, rows, stats,
         max(num_buckets, 1), out, part, hit.view(torch.int8), table if linear else rows,
-        table.shape[0] if table is not None else 0, dim,
+        table.shape[0] if table is not None else 0, _row_stride(table, dim), dim,
         candidates if candidates is not None else keys, _cand_cap(candidates),
         HAS_CACHE=num_buckets > 0, HAS_W=weights is not None,
         HAS_MISS=miss_values is not None,

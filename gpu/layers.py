@@ -30,7 +30,7 @@ from .devices import resolve_device
 from .errors import BadArgumentError
 from .inputs import bags, check_keys, check_values
 from .layer_config import InsertPolicy, LayerStats, LayerType, PoolingMode
-from .tiers import DeviceTable, HierarchicalTiers, LinearTiers, Tiers
+from .tiers import DeviceTable, HierarchicalTiers, LinearTiers, Tiers, write_linear
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,29 @@ def _check_geometry(what: str, dim: int, dtype: torch.dtype, want_dim: int,
         raise BadArgumentError(f"{what} has {got}; the layer has {want}")
 
 
+def _tensor_geometry(what: str, t: object, dim: int, dtype: torch.dtype,
+                     rows: int) -> torch.Tensor:
+    """``t`` as a ``[rows, dim]`` tensor of ``dtype``, or a BadArgumentError naming ``what``."""
+    if not isinstance(t, torch.Tensor):
+        raise BadArgumentError(f"{what} must be a [{rows}, {dim}] tensor; got "
+                               f"{type(t).__name__}")
+    two_d = t.dim() == 2
+    _check_geometry(what, t.shape[-1] if two_d else -1, t.dtype, dim, dtype,
+                    t.shape[0] if two_d else -1, rows)
+    return t
+
+
+def _write_init(storage: Any, init: torch.Tensor | None) -> None:
+    """Write ``weight_init`` into the layer's table (a shared block's write is announced
+    to every process's caches, as any write through the block)."""
+    if init is None:
+        return
+    if isinstance(storage, torch.Tensor):
+        storage.copy_(init.detach())
+    else:
+        write_linear(storage, torch.arange(init.shape[0]), init.detach())
+
+
 def _build_tiers(
     num_embeddings: int, dim: int, dtype: torch.dtype, layer_type: LayerType, device: torch.device,
     *, gpu_cache_size: int, host_cache: Any, storage: Any, weight_init: Any, table: str | None,
@@ -73,34 +96,30 @@ def _build_tiers(
     if layer_type is not LayerType.Hierarchical and default_row is not None:
         raise BadArgumentError("default_row is only used by LayerType.Hierarchical (a linear "
                                "table has every row)")
-    if layer_type is not LayerType.GPULayer and weight_init is not None:
-        raise BadArgumentError("weight_init is only used by LayerType.GPULayer; load rows into "
-                               "the storage instead")
+    if layer_type is LayerType.Hierarchical and weight_init is not None:
+        raise BadArgumentError("weight_init is not used by LayerType.Hierarchical: load the "
+                               "rows into the parameter server (ps.load) instead")
+    init = None if weight_init is None else _tensor_geometry(
+        "weight_init", weight_init, dim, dtype, num_embeddings)
 
     if layer_type is LayerType.GPULayer:
         if gpu_cache_size:
             raise BadArgumentError("gpu_cache_size must be 0 for LayerType.GPULayer (the whole "
                                    "table is GPU-accessible; it has no cache)")
-        if weight_init is not None and storage is not None:
-            raise BadArgumentError("pass weight_init or storage for a GPULayer, not both")
         if isinstance(storage, linear_blocks):
             _check_geometry("storage", storage.dim, storage.dtype, dim, dtype,
                             storage.num_rows, num_embeddings)
+            _write_init(storage, init)
             return DeviceTable(storage, dim, dtype, device)
-        src = storage if storage is not None else weight_init
-        if src is None:
-            weights = torch.empty(num_embeddings, dim, dtype=dtype, device=device).normal_()
-        elif isinstance(src, torch.Tensor):
-            _check_geometry("weight_init" if storage is None else "storage", src.shape[-1]
-                            if src.dim() == 2 else -1, src.dtype, dim, dtype,
-                            src.shape[0] if src.dim() == 2 else -1, num_embeddings)
-            if storage is not None:
-                if src.device != device:
-                    raise BadArgumentError(f"storage tensor is on {src.device}; a GPULayer on "
-                                           f"{device} reads it in place: move it there")
-                weights = src
-            else:
-                weights = src.detach().to(device).clone()
+        if storage is None:
+            weights = (torch.empty(num_embeddings, dim, dtype=dtype, device=device).normal_()
+                       if init is None else init.detach().to(device).clone())
+        elif isinstance(storage, torch.Tensor):
+            weights = _tensor_geometry("storage", storage, dim, dtype, num_embeddings)
+            if weights.device != device:
+                raise BadArgumentError(f"storage tensor is on {weights.device}; a GPULayer on "
+                                       f"{device} reads it in place: move it there")
+            _write_init(weights, init)
         else:
             raise BadArgumentError("storage of a GPULayer must be a tensor, a SharedMemBlock "
                                    "or a DistMemBlock")
@@ -111,13 +130,14 @@ def _build_tiers(
             _check_geometry("storage", storage.dim, storage.dtype, dim, dtype,
                             storage.num_rows, num_embeddings)
         elif isinstance(storage, torch.Tensor) and device.type == "cpu":
-            _check_geometry("storage", storage.shape[-1], storage.dtype, dim, dtype,
-                            storage.shape[0], num_embeddings)
+            _tensor_geometry("storage", storage, dim, dtype, num_embeddings)
         else:
             raise BadArgumentError(
                 "storage of a LinearUVM layer must be a hostcache.SharedMemBlock, a "
-                "gpu.DistMemBlock (or, on the CPU, a [num_embeddings, dim] tensor)"
+                "gpu.DistMemBlock (or, on the CPU, a [num_embeddings, dim] tensor); a "
+                "weight_init is written into it"
             )
+        _write_init(storage, init)
         return LinearTiers(storage, dim, dtype, device, gpu_cache_size, policy)
 
     if layer_type is not LayerType.Hierarchical:
@@ -249,7 +269,10 @@ class NVEmbedding(_NVBase):
         storage: GPULayer: a tensor, SharedMemBlock or DistMemBlock; LinearUVM: a
             SharedMemBlock or DistMemBlock (a table sharded over GPUs);
             Hierarchical: a :class:`psclient.ParameterServer` or a URL.
-        weight_init: GPULayer: initial table ``[num_embeddings, embedding_size]``.
+        weight_init: GPULayer, LinearUVM: initial rows ``[num_embeddings,
+            embedding_size]``. Without ``storage`` a GPULayer copies them to the device;
+            with one, they are written into it (a shared block's write reaches every
+            process's caches).
         optimize_for_training: must be False (inference only).
         device: "cpu" or a CUDA device (default: the current CUDA device, else the CPU).
         default_row: Hierarchical: row (or scalar) for keys in no tier; None raises

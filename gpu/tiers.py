@@ -278,7 +278,7 @@ def _registered_rows(table: Any, device: torch.device) -> tuple[Any, torch.Tenso
     return reg, reg.rows()
 
 
-def _write_linear(block: Any, keys: torch.Tensor, values: torch.Tensor) -> None:
+def write_linear(block: Any, keys: torch.Tensor, values: torch.Tensor) -> None:
     """Write rows of a shared linear table; the write is announced to every process."""
     from .distmem import DistMemBlock
 
@@ -317,12 +317,13 @@ class DeviceTable(Tiers):
         #: the table is host memory read over the host link (large batches are then visited
         #: in page order); a tensor or a DistMemBlock is read in batch order
         self._host = self._reg is not None
-        self.num_rows = int(self.table.shape[0])
         self._lookups = 0
-        #: the kernels read rows at ``key * dim``: a strided view (a user's storage tensor)
-        #: takes torch's gathers instead
-        self._kernels = (self.cache._kernels if self.table.stride(-1) == 1
-                         and self.table.stride(0) == dim else None)
+        self.num_rows = int(self.table.shape[0])
+        #: the kernels read row ``key`` at ``key * stride(0)`` (rows may be padded, as a
+        #: SharedMemBlock's are); a view whose row elements are not contiguous (a user's
+        #: storage tensor) takes torch's gathers instead
+        self._kernels = (self.cache._kernels if (self.table.stride(-1) == 1 or dim == 1)
+                         and (self.num_rows <= 1 or self.table.stride(0) >= dim) else None)
 
     def rows(self, keys: torch.Tensor) -> torch.Tensor:
         self._checked(keys, self.num_rows)
@@ -347,7 +348,7 @@ class DeviceTable(Tiers):
     def update(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         check_range(keys, self.num_rows, name="keys")
         if self._block is not None:
-            _write_linear(self._block, keys, values)  # announced to other processes
+            write_linear(self._block, keys, values)  # announced to other processes
         else:
             self.table[keys.to(self.table.device)] = values.to(self.table.device)
         return torch.ones(keys.numel(), dtype=torch.bool, device=keys.device)
@@ -507,7 +508,7 @@ class LinearTiers(Tiers):
     def update(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         check_range(keys, self.num_rows, name="keys")
         if self._block is not None:
-            _write_linear(self._block, keys, values)  # announced: every cache drops them
+            write_linear(self._block, keys, values)  # announced: every cache drops them
             with self._cache_op():
                 self._drop_pending()
                 self._sync()

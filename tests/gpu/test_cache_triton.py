@@ -44,11 +44,25 @@ def seen(cand: MissCandidates, keys: torch.Tensor, hit: torch.Tensor,
     return (torch.tensor([count]),)
 
 
-def run_ops(cache: GPUCache, seed: int, steps: int, key_range: int = 60) -> Outputs:
-    """A seeded random op sequence; every result moved to the CPU."""
+def padded(table: torch.Tensor, pad: int) -> torch.Tensor:
+    """``table``'s rows at a row stride of ``dim + pad`` elements (as a SharedMemBlock pads
+    rows to 16 bytes), on its device; the padding holds NaN, so a kernel that steps by
+    ``dim`` instead of the stride reads NaN where a row should be."""
+    if pad == 0:
+        return table
+    wide = torch.full((table.shape[0], table.shape[1] + pad), float("nan"), dtype=table.dtype,
+                      device=table.device)
+    wide[:, :table.shape[1]] = table
+    return wide[:, :table.shape[1]]
+
+
+def run_ops(cache: GPUCache, seed: int, steps: int, key_range: int = 60,
+            pad: int = 0) -> Outputs:
+    """A seeded random op sequence; every result moved to the CPU. ``pad``: the linear
+    table's rows are padded by that many elements."""
     gen = torch.Generator().manual_seed(seed)
     dev, dim, dtype = cache.device, cache.dim, cache.dtype
-    table = torch.randn(key_range, dim, generator=gen).to(dtype)
+    table = padded(torch.randn(key_range, dim, generator=gen).to(dtype).to(dev), pad)
     out: Outputs = []
     for step in range(steps):
         n = int(torch.randint(0, 40, (1,), generator=gen))
@@ -68,11 +82,11 @@ def run_ops(cache: GPUCache, seed: int, steps: int, key_range: int = 60) -> Outp
             res = cache.lookup_pooled(k, o, "sum", w.to(dev), miss_values=v)
         elif op == 3:
             cand = MissCandidates.empty(step % 5 + 2, dev)  # sometimes fewer than the misses
-            res = cache.lookup_linear(k, table.to(dev), candidates=cand)
+            res = cache.lookup_linear(k, table, candidates=cand)
             res = (*res, *seen(cand, k, res[1], key_range))
         elif op == 5:
             cand = MissCandidates.empty(40, dev)
-            pooled, hit = cache.lookup_linear_pooled(k, o, table.to(dev), "mean",
+            pooled, hit = cache.lookup_linear_pooled(k, o, table, "mean",
                                                      candidates=cand)
             res = (pooled, hit, *seen(cand, k, hit, key_range),
                    cache.update(k[: n // 2], v[: n // 2]))
@@ -158,6 +172,18 @@ def test_interpreter_page_ordered_linear_lookups(monkeypatch: pytest.MonkeyPatch
     # a table in GPU memory takes the fused launch whatever the batch size: same rows
     got_dev, hit_dev = b.lookup_linear(keys, table, validate=False, host_table=False)
     assert torch.equal(got_dev, want) and torch.equal(hit_dev, want_hit)
+
+
+@needs_triton
+@pytest.mark.parametrize(("dim", "dtype", "pad"), [(12, torch.float32, 4), (3, torch.float16, 5),
+                                                   (1, torch.bfloat16, 7)])
+def test_interpreter_reads_linear_tables_with_padded_rows(dim: int, dtype: torch.dtype,
+                                                          pad: int) -> None:
+    """A linear table whose rows are padded (a SharedMemBlock's, 16-byte rows) is read at
+    its row stride: the same results and state as the twin over the unpadded table."""
+    a = make("cpu", "torch", dim=dim, dtype=dtype)
+    b = make("cpu", "triton", dim=dim, dtype=dtype)
+    assert_same(a, b, run_ops(a, 7, 14), run_ops(b, 7, 14, pad=pad))
 
 
 @needs_triton
@@ -273,6 +299,16 @@ def test_cuda_matches_cpu_twin(backend: str) -> None:
         a = make("cpu", "torch", ways=ways, dim=dim, dtype=dtype)
         b = make("cuda", backend, ways=ways, dim=dim, dtype=dtype)
         assert_same(a, b, run_ops(a, 11, 40), run_ops(b, 11, 40))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_reads_linear_tables_with_padded_rows() -> None:
+    for dim, dtype, pad in [(12, torch.float32, 4), (3, torch.float16, 5), (7, torch.bfloat16, 1),
+                            (130, torch.float32, 2)]:
+        a = make("cpu", "torch", dim=dim, dtype=dtype)
+        b = make("cuda", "auto", dim=dim, dtype=dtype)
+        assert_same(a, b, run_ops(a, 17, 42), run_ops(b, 17, 42, pad=pad))
 
 
 @pytest.mark.gpu

@@ -388,7 +388,9 @@ def test_admissions_are_batched_and_writes_drop_pending_rows(table_name) -> None
         (LayerType.GPULayer, {"default_row": 0.0}, "default_row"),
         (LayerType.GPULayer, {"weight_init": torch.zeros(ROWS, DIM + 1)}, "weight_init"),
         (LayerType.GPULayer, {"weight_init": torch.zeros(ROWS, DIM),
-                              "storage": torch.zeros(ROWS, DIM)}, "not both"),
+                              "storage": torch.zeros(ROWS, DIM + 1)}, "storage has"),
+        (LayerType.Hierarchical, {"weight_init": torch.zeros(ROWS, DIM),
+                                  "storage": "file:///tmp/x", "table": "t"}, "ps.load"),
         (LayerType.GPULayer, {"storage": [1, 2]}, "storage"),
         (LayerType.LinearUVM, {"storage": None}, "SharedMemBlock"),
         (LayerType.LinearUVM, {"weight_init": torch.zeros(ROWS, DIM)}, "weight_init"),
@@ -452,7 +454,8 @@ def test_gpu_host_hits_reach_the_host_policy_weighted_by_the_sample(
 def test_gpulayer_kernels_read_contiguous_and_strided_tables(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """GPULayer lookups through the Triton gather (forced onto CPU tensors): a table in a
-    tensor and a strided view of one (read by torch's gathers instead, same rows) equal
+    tensor, a view with padded rows (the kernels step by its row stride) and one whose row
+    elements are not contiguous (read by torch's gathers instead, same rows) equal
     F.embedding / F.embedding_bag; the gather in batch and in page order."""
     from gpu._triton import kernel_module
 
@@ -463,10 +466,10 @@ def test_gpulayer_kernels_read_contiguous_and_strided_tables(
     wide = torch.randn(ROWS, 2 * DIM, generator=gen)
     keys = torch.randint(0, ROWS, (37,), generator=gen)
     offsets = torch.tensor([0, 5, 5, 30])
-    for w in (wide[:, :DIM].contiguous(), wide[:, DIM:]):
+    for w in (wide[:, :DIM].contiguous(), wide[:, DIM:], wide[:, ::2]):
         emb = NVEmbedding(ROWS, DIM, torch.float32, LayerType.GPULayer, storage=w,
                           device="cpu")
-        assert (emb._tiers._kernels is not None) == w.is_contiguous()
+        assert (emb._tiers._kernels is not None) == (w.stride(1) == 1)
         assert torch.equal(emb(keys), F.embedding(keys, w))
         bag = NVEmbeddingBag(ROWS, DIM, torch.float32, LayerType.GPULayer, storage=w,
                              device="cpu")
