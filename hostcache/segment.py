@@ -10,7 +10,6 @@ from __future__ import annotations
 import errno
 import mmap
 import os
-import re
 import stat
 import time
 from collections.abc import Callable, Iterator
@@ -19,6 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import posix_ipc
 import torch
+
+from psclient.names import TABLE_NAME_RULE, is_table_name
 
 from . import layout
 from .errors import (
@@ -33,18 +34,17 @@ from .errors import (
 PREFIX = "nvec."
 LOCK_PREFIX = "nvec-lock."
 SHM_DIR = "/dev/shm"
-_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,100}")
 #: how long ``attach`` waits for a segment whose creator has not finished its header
 ATTACH_READY_TIMEOUT_S = 2.0
 
 
 def check_name(name: object) -> str:
-    """Return ``name`` if it is a valid table name, else raise :class:`BadNameError`."""
-    if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or name in (".", ".."):
-        raise BadNameError(
-            f"table name must match [A-Za-z0-9_.-]{{1,100}} (and not be '.' or '..'); "
-            f"got {name!r}"
-        )
+    """Return ``name`` if it is a valid table name, else raise :class:`BadNameError`.
+
+    The rule is :func:`psclient.names.is_table_name`, the one rule of every tier.
+    """
+    if not is_table_name(name):
+        raise BadNameError(f"bad table name {name!r}: use {TABLE_NAME_RULE}")
     return name
 
 

@@ -12,7 +12,6 @@ difference is a :class:`SchemaMismatchError`, never a silent reinterpretation.
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass, field
 
@@ -20,6 +19,7 @@ import msgpack
 import torch
 
 from .errors import BadArgumentError, CorruptValueError, SchemaMismatchError
+from .names import TABLE_NAME_RULE, is_table_name
 
 #: Bump when the stored byte layout of rows, keys or partitions changes.
 LAYOUT_VERSION = 1
@@ -34,8 +34,6 @@ DTYPES: dict[str, torch.dtype] = {
 _ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16",
             "fp64": "float64", "double": "float64", "float": "float32"}
 
-#: Table names: safe inside Redis hash tags and LMDB database names.
-TABLE_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,100}$")
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
@@ -59,11 +57,9 @@ def dtype_name(dtype: torch.dtype | str) -> str:
 
 
 def check_table_name(table: object) -> str:
-    """Validate a table name (``[A-Za-z0-9_.-]{1,100}``) and return it."""
-    if not isinstance(table, str) or not TABLE_NAME_RE.match(table):
-        raise BadArgumentError(
-            f"bad table name {table!r}: use 1-100 characters from [A-Za-z0-9_.-]"
-        )
+    """Validate a table name (the rule of :mod:`psclient.names`) and return it."""
+    if not is_table_name(table):
+        raise BadArgumentError(f"bad table name {table!r}: use {TABLE_NAME_RULE}")
     return table
 
 
