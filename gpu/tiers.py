@@ -23,6 +23,7 @@ thread's misses never hold up another thread's hits.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Iterator
@@ -31,6 +32,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812
+
+from hostcache.gate import TableGate, gate_for
 
 from .cache import GPUCache, MissCandidates
 from .errors import KeyNotFoundError, StorageUnavailableError, StorageWriteError
@@ -288,6 +291,29 @@ def write_linear(block: Any, keys: torch.Tensor, values: torch.Tensor) -> None:
         block.write(keys.cpu(), values.cpu())
 
 
+def table_gate(storage: Any, device: torch.device) -> TableGate:
+    """The process's read/write gate of a linear table (a block, or a layer's own tensor),
+    with a drain that waits for ``device``'s queued kernels before any write (they may still
+    be reading the rows)."""
+    if isinstance(storage, torch.Tensor):
+        gate = gate_for(("tensor", str(storage.device), storage.data_ptr()))
+    else:  # a SharedMemBlock or a DistMemBlock
+        gate = storage.gate
+    if device.type == "cuda":
+        gate.add_drain(("cuda", device.index), functools.partial(torch.cuda.synchronize, device))
+    return gate
+
+
+def write_tensor(gate: TableGate, table: torch.Tensor, keys: torch.Tensor,
+                 values: torch.Tensor) -> None:
+    """Write rows of a layer's own table tensor through its gate; on CUDA the rows are in
+    place when this returns (a lookup on another stream that starts later reads them)."""
+    with gate.writing():
+        table[keys.to(table.device)] = values.to(table.device)
+        if table.is_cuda:
+            torch.cuda.current_stream(table.device).synchronize()
+
+
 def _add_user(block: Any, tiers: Tiers) -> None:
     if hasattr(block, "add_user"):  # a DistMemBlock: closing it first is an order error
         block.add_user(tiers)
@@ -324,33 +350,37 @@ class DeviceTable(Tiers):
         #: storage tensor) takes torch's gathers instead
         self._kernels = (self.cache._kernels if (self.table.stride(-1) == 1 or dim == 1)
                          and (self.num_rows <= 1 or self.table.stride(0) >= dim) else None)
+        #: lookups hold its read side, writes its write side (no torn rows in this process)
+        self._gate = table_gate(table, device)
 
     def rows(self, keys: torch.Tensor) -> torch.Tensor:
         self._checked(keys, self.num_rows)
         self._lookups += keys.numel()
-        if self._kernels is not None:
-            # NOTE: straight to the gather launch: there is no cache to probe, and the table
-            # and keys are checked already (GPUCache's own checks cost ~10 us of host time a
-            # call, and a 64k-key lookup is bound by host time)
-            return self._kernels.gather(keys, self.table, host_table=self._host)
-        return self.table.index_select(0, keys)
+        with self._gate:
+            if self._kernels is not None:
+                # NOTE: straight to the gather launch: there is no cache to probe, and the
+                # table and keys are checked already (GPUCache's own checks cost ~10 us of
+                # host time a call, and a 64k-key lookup is bound by host time)
+                return self._kernels.gather(keys, self.table, host_table=self._host)
+            return self.table.index_select(0, keys)
 
     def pooled(self, keys: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
                mode: PoolingMode) -> torch.Tensor:
         self._checked(keys, self.num_rows)
         self._lookups += keys.numel()
-        if mode != "max" and self._kernels is not None:
-            return self.cache.lookup_linear_pooled(
-                keys, offsets, self.table, mode, weights, validate=False)[0]
-        return F.embedding_bag(keys, self.table, offsets, mode=mode, per_sample_weights=weights,
-                               include_last_offset=True)
+        with self._gate:
+            if mode != "max" and self._kernels is not None:
+                return self.cache.lookup_linear_pooled(
+                    keys, offsets, self.table, mode, weights, validate=False)[0]
+            return F.embedding_bag(keys, self.table, offsets, mode=mode,
+                                   per_sample_weights=weights, include_last_offset=True)
 
     def update(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         check_range(keys, self.num_rows, name="keys")
         if self._block is not None:
-            write_linear(self._block, keys, values)  # announced to other processes
+            write_linear(self._block, keys, values)  # gated, announced to other processes
         else:
-            self.table[keys.to(self.table.device)] = values.to(self.table.device)
+            write_tensor(self._gate, self.table, keys, values)
         return torch.ones(keys.numel(), dtype=torch.bool, device=keys.device)
 
     def insert(self, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -393,12 +423,14 @@ class LinearTiers(Tiers):
         #: the table is host memory read over the host link (a DistMemBlock is GPU memory)
         self._host = self._reg is not None
         self.num_rows = int(self.table.shape[0])
+        #: lookups hold its read side while they read table rows, writes its write side
+        self._gate = table_gate(storage, device)
 
     def rows(self, keys: torch.Tensor) -> torch.Tensor:
         self._checked(keys, self.num_rows)
         self._drain()
         cand = self._candidates(keys.numel())
-        with self._cache_op():
+        with self._gate, self._cache_op():
             since = self._sync()
             values, hit = self.cache.lookup_linear(keys, self.table, validate=False,
                                                    candidates=cand, host_table=self._host)
@@ -412,7 +444,7 @@ class LinearTiers(Tiers):
         self._checked(keys, self.num_rows)
         self._drain()
         cand = self._candidates(keys.numel())
-        with self._cache_op():
+        with self._gate, self._cache_op():
             since = self._sync()
             out, hit = self.cache.lookup_linear_pooled(keys, offsets, self.table, mode, weights,
                                                       validate=False, candidates=cand)
@@ -473,7 +505,8 @@ class LinearTiers(Tiers):
 
     def _table_rows(self, keys: torch.Tensor) -> torch.Tensor:
         """Rows ``keys`` of the linear table, on the layer's device."""
-        return self.table.index_select(0, keys.to(self.table.device)).to(self.device)
+        with self._gate:
+            return self.table.index_select(0, keys.to(self.table.device)).to(self.device)
 
     def _drain(self) -> None:
         """Admit deferred candidates whose miss count has arrived (oldest first; past
@@ -508,12 +541,12 @@ class LinearTiers(Tiers):
     def update(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         check_range(keys, self.num_rows, name="keys")
         if self._block is not None:
-            write_linear(self._block, keys, values)  # announced: every cache drops them
+            write_linear(self._block, keys, values)  # gated, announced: every cache drops them
             with self._cache_op():
                 self._drop_pending()
                 self._sync()
         else:
-            self.table[keys.to(self.table.device)] = values.to(self.table.device)
+            write_tensor(self._gate, self.table, keys, values)
             with self._cache_op():
                 self._drop_pending()
                 self.cache.erase(keys.to(self.device))

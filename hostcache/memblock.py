@@ -15,6 +15,7 @@ from typing import Self
 import torch
 
 from . import layout
+from .gate import TableGate, gate_for
 from .segment import Mapping, check_mode
 from .table import C_HITS, C_LOOKUPS, C_UPDATES, SharedTable
 from .validate import check_indices, check_keys, check_values, dedup_last
@@ -35,18 +36,23 @@ class SharedMemBlock(SharedTable):
         dtype: torch.dtype = torch.float32,
         ring_capacity: int = layout.DEFAULT_RING_CAPACITY,
         mode: int = 0o600,
+        overcommit: bool = False,
     ) -> Self:
         """Create the named linear table (rows start zeroed).
+
+        ``overcommit=True`` creates it even if it is larger than the free space of
+        ``/dev/shm`` (the segment is sparse; writing past the free space kills the writer).
 
         Raises:
             SegmentExistsError: a table of that name exists.
             BadArgumentError: an argument is out of range.
+            SharedMemoryFullError: ``/dev/shm`` has no room for it (and not ``overcommit``).
         """
         check_mode(mode)
         geo = layout.plan(
             layout.KIND_LINEAR, capacity=num_rows, dim=dim, dtype=dtype, ring_capacity=ring_capacity
         )
-        return cls._create_segment(name, geo, mode)
+        return cls._create_segment(name, geo, mode, overcommit)
 
     @classmethod
     def attach(
@@ -88,6 +94,12 @@ class SharedMemBlock(SharedTable):
         self._live()
         return self._rows
 
+    @property
+    def gate(self) -> TableGate:
+        """This process's read/write gate of the table (shared by every handle of it in this
+        process): lookups hold its read side, :meth:`write` its write side."""
+        return gate_for(("shm", self.name))
+
     def read(self, indices: torch.Tensor) -> torch.Tensor:
         """Rows at ``indices`` (int64 CPU [N], each in ``[0, num_rows)``): ``[N, dim]``."""
         idx = check_indices(indices, self.num_rows)
@@ -95,15 +107,19 @@ class SharedMemBlock(SharedTable):
         c = self._counters
         c[C_LOOKUPS] += 1
         c[C_HITS] += idx.numel()
-        return self._rows.index_select(0, idx)
+        with self.gate:
+            return self._rows.index_select(0, idx)
 
     def write(self, indices: torch.Tensor, values: torch.Tensor) -> None:
-        """Write rows and tell every process's GPU cache to drop them (last duplicate wins)."""
+        """Write rows and tell every process's GPU cache to drop them (last duplicate wins).
+
+        In this process the write waits for lookups in flight (:attr:`gate`), so none
+        returns a row half old, half new; writes from other processes are not gated."""
         idx = check_indices(indices, self.num_rows)
         values = check_values(values, idx.numel(), self.dim, self.dtype)
         if idx.numel() == 0:
             return
-        with self._writing():
+        with self.gate.writing(), self._writing():
             uidx, last, _ = dedup_last(idx)
             self._rows[uidx] = values.index_select(0, last)
             self.ring.append(uidx)

@@ -93,8 +93,9 @@ def build(spec: Spec, weights: torch.Tensor, device: str, stack: contextlib.Exit
         kw["storage"] = block
     else:  # Hierarchical
         if "hostcache" in kind:
-            hc = HostCache.create(fresh_name(), capacity=max(8, rows * (8 if kind ==
-                                  "hostcache" else 1) // 2), dim=dim, dtype=dtype)
+            # alone, it must hold every row: 16 slots a row leave no bucket overflowing
+            capacity = rows * 16 if kind == "hostcache" else max(8, rows // 2)
+            hc = HostCache.create(fresh_name(), capacity=capacity, dim=dim, dtype=dtype)
             stack.callback(HostCache.unlink, hc.name)
             stack.callback(hc.close)
             kw["host_cache"] = hc
