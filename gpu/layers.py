@@ -220,8 +220,11 @@ class _NVBase(torch.nn.Module):
 
     @torch.no_grad()
     def update(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """Overwrite rows where they exist, in every tier that holds them; bool [N] found.
+        """Overwrite the rows of keys that exist; returns bool ``[N]``: which were written.
 
+        A key the table does not hold (for a Hierarchical layer: not in the parameter
+        server, or, without one, not in the host cache) is not written and reads False:
+        :meth:`insert` creates rows. Linear tables hold every row in range: all True.
         After it returns, no lookup in any process of the node returns the old rows.
         """
         keys, values = self._write_args(keys, values)
@@ -229,7 +232,8 @@ class _NVBase(torch.nn.Module):
 
     @torch.no_grad()
     def insert(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Write rows (creating them in the parameter server for a Hierarchical layer)."""
+        """Write rows, creating those that do not exist (for a Hierarchical layer: in the
+        parameter server, then the host cache); announced to every process like update."""
         keys, values = self._write_args(keys, values)
         self._tiers.insert(keys, values)
 
