@@ -2,7 +2,8 @@
 
 What changed: the imports (pynve -> this project's ``gpu`` package; ``gpu.compat.MPI`` is
 mpi4py's under mpirun, a COMM_WORLD over torch.distributed under torchrun, and a
-one-process COMM_WORLD when run alone), the table is scaled from 2**30 rows to 2**22
+one-process COMM_WORLD when run alone), a one-line exit where no CUDA GPU is present (the
+snippet places its table and layer on CUDA devices), the table is scaled from 2**30 rows to 2**22
 (1 TiB -> 4 GiB) so that it fits the GPUs of one small machine, and the snippet's ``...``
 is filled in with a lookup that checks the rows it reads.
 
@@ -15,6 +16,7 @@ Run: ``python examples/seed_linear_uvm.py`` on a CUDA machine, or one process pe
 """
 
 import gc
+import sys
 
 import torch
 
@@ -22,6 +24,10 @@ import gpu as nve_layers
 from gpu import compat as nve
 from gpu.compat import MPI
 
+if not torch.cuda.is_available():
+    sys.exit("seed_linear_uvm.py: the seed's snippet puts its table and layer on CUDA "
+             "devices, and this machine has none (torch.cuda.is_available() is False); "
+             "run it on a GPU machine")
 comm = MPI.COMM_WORLD
 mpi_rank = comm.Get_rank()
 # The 2 lines below assume the code was run with `mpirun -n N python ...` on K nodes with N/K gpus on each. Amend if different params are used  # noqa: E501

@@ -49,6 +49,15 @@ def test_seed_snippet_runs_under_torchrun_one_process_per_gpu() -> None:
     assert set(segment.list_names()) == before
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is present: the snippet runs")
+def test_seed_snippet_without_cuda_says_so_in_one_line() -> None:
+    result = subprocess.run([sys.executable, str(EXAMPLE)], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "CUDA" in lines[0] and "Traceback" not in result.stderr
+
+
 def test_seed_snippet_differs_from_the_seed_only_where_documented() -> None:
     """Every line of the seed's code after the imports is in the example, in order."""
     seed = Path(__file__).resolve().parents[3] / "shared" / "SEED-resource-sharing.txt"
