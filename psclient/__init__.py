@@ -23,7 +23,7 @@ from .errors import (
     TableNotFoundError,
     UnsupportedURLError,
 )
-from .registry import connect, register_backend, schemes
+from .registry import connect, list_tables, register_backend, schemes
 from .schema import LAYOUT_VERSION, TableSchema
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "TableSchema",
     "UnsupportedURLError",
     "connect",
+    "list_tables",
     "register_backend",
     "schemes",
 ]

@@ -148,30 +148,46 @@ class ParameterServer(ABC):
         self,
         source: torch.Tensor | np.ndarray | str | Path | Iterable[tuple[torch.Tensor, Any]],
         *,
-        keys: torch.Tensor | None = None,
+        keys: torch.Tensor | np.ndarray | str | Path | None = None,
         tensor: str | None = None,
+        format: str | None = None,  # noqa: A002 -- the file format, as in numpy/pandas
+        convert: bool = False,
         batch_size: int = 65536,
         progress: bool = True,
     ) -> int:
-        """Bulk-insert rows from a tensor, a ``.npy`` / ``.safetensors`` file or an iterator.
+        """Bulk-insert rows from a tensor, a ``.npy`` / ``.safetensors`` / raw file or an iterator.
 
         Args:
-            source: a ``[N, dim]`` tensor or array, a path to ``.npy`` or ``.safetensors``,
-                or an iterable of ``(keys, values)`` chunks.
-            keys: int64 ``[N]`` keys of the rows; default ``0..N-1`` (not for iterators).
+            source: a ``[N, dim]`` tensor or array, a path to a ``.npy``, ``.safetensors`` or
+                raw binary file (rows of the table's dim and dtype back to back, little-endian,
+                no header; ``.bin``/``.raw``, or any name with ``format="raw"``), or an
+                iterable of ``(keys, values)`` chunks.
+            keys: one int64 key per row, default ``0..N-1`` (not for iterators): a tensor or
+                array, a ``.npy`` file of integers, or a raw file of little-endian int64.
             tensor: the tensor's name inside a ``.safetensors`` file (optional if it holds
                 exactly one tensor).
+            format: ``"npy"``, ``"safetensors"`` or ``"raw"``; default: by the suffix.
+            convert: cast rows of another dtype to the table's (else a dtype difference
+                raises).
             batch_size: rows per insert.
             progress: show a tqdm progress bar.
 
         Returns:
             The number of rows loaded.
+
+        Raises:
+            BadArgumentError: no such file, unknown format, bad ``batch_size``.
+            BadValuesError: rows of another length, or of another dtype without ``convert``;
+                a raw file that is not a whole number of rows.
+            BadKeysError: keys that are not 1-D integers, one per row.
+            Nothing is written when one of these is raised (they are checked before the
+            first insert); an error of the store mid-way leaves the rows inserted so far.
         """
         from .loader import load_into
 
         self._enter(None)
-        return load_into(self, source, keys=keys, tensor=tensor, batch_size=batch_size,
-                         progress=progress)
+        return load_into(self, source, keys=keys, tensor=tensor, format=format,
+                         convert=convert, batch_size=batch_size, progress=progress)
 
     def drop(self) -> None:
         """Delete the table: rows, schema and change feed. The client is closed afterwards."""

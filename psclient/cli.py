@@ -1,90 +1,280 @@
-"""``psclient`` command line: load, stat, drop.
+"""``psclient`` command line: list, load, inspect and drop parameter-server tables.
 
 ::
 
-    psclient load URL --table T FILE [--tensor NAME] [--dim D --dtype float32] [--batch-size N]
+    psclient ls URL [--json]
+    psclient load URL --table T FILE [--tensor NAME] [--format npy|safetensors|raw]
+                  [--keys FILE] [--dim D] [--dtype DTYPE] [--batch-size N] [--no-progress]
     psclient stat URL --table T [--json]
     psclient drop URL --table T
 
-Errors print one line to stderr and exit with status 1 (2 for usage errors).
+Every error prints one line ``psclient: error: ...`` to stderr and exits 1 (2 for a bad
+command line); nothing prints a traceback. A load that fails leaves the store as it was:
+its input is checked before the table is created, and a table the load created is dropped
+again if the load fails later (a table that existed keeps the rows inserted before the
+failure).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import datetime as _dt
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
+from importlib import metadata
+from typing import Any, NoReturn
 
-from .errors import PSClientError
-from .loader import open_rows
-from .registry import connect
-from .schema import dtype_name
+from .errors import BadArgumentError, PSClientError, SchemaMismatchError, TableNotFoundError
+from .loader import check_rows, file_format, open_keys, open_rows
+from .names import TABLE_NAME_RULE
+from .redis_conn import redact
+from .registry import connect, list_tables
+from .schema import DTYPES, dtype_name
+
+PROG = "psclient"
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+
+_URLS = f"""\
+store URLs:
+  file:///path/to/dir                     embedded LMDB store on this machine (no server)
+  redis://[user:pass@]host:port/DB        one Redis server, database number DB (default 0)
+  rediss://...                            the same over TLS (?ssl_ca_certs=/path/ca.pem)
+  unix:///path/redis.sock[?db=N]          one Redis server on a unix socket
+  redis+cluster://host:port[,host:port]   a Redis Cluster (rediss+cluster:// for TLS)
+  Options go in the query, e.g. redis://host:6379/0?password=...&socket_timeout=5
+  (docs/psclient.md lists them).
+
+table names: {TABLE_NAME_RULE}.
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad command line in one line (no usage dump)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{PROG}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _version() -> str:
+    try:
+        return metadata.version("nvecache")
+    except metadata.PackageNotFoundError:  # a source tree that was never installed
+        return "unknown"
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="psclient", description="Parameter-server tables.")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    ld = sub.add_parser("load", help="bulk-load rows from a .npy or .safetensors file")
-    ld.add_argument("url")
-    ld.add_argument("--table", required=True)
-    ld.add_argument("file")
-    ld.add_argument("--tensor", help="tensor name inside a .safetensors file")
-    ld.add_argument("--dim", type=int, help="row length (to create the table; default: file's)")
-    ld.add_argument("--dtype", help="row dtype (to create the table; default: file's)")
-    ld.add_argument("--batch-size", type=int, default=65536)
-    ld.add_argument("--no-progress", action="store_true")
-    st = sub.add_parser("stat", help="schema, row count and backend details of a table")
-    st.add_argument("url")
-    st.add_argument("--table", required=True)
-    st.add_argument("--json", action="store_true")
-    dr = sub.add_parser("drop", help="delete a table: rows, schema and change feed")
-    dr.add_argument("url")
-    dr.add_argument("--table", required=True)
+    p = _Parser(prog=PROG, description="Create, fill, inspect and drop parameter-server tables.",
+                epilog=_URLS, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
+    ls = sub.add_parser("ls", help="list the tables of a store", epilog=_URLS,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    ls.add_argument("url", metavar="URL", help="the store (see store URLs below)")
+    ls.add_argument("--json", action="store_true", help="print a JSON list")
+    ld = sub.add_parser(
+        "load", epilog=_URLS, formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="bulk-load rows from a .npy, .safetensors or raw binary file",
+        description="Insert every row of FILE into table T, creating the table if needed "
+        "(from the file's row length and dtype unless --dim/--dtype say otherwise). Row i "
+        "gets key i, or the i-th key of --keys.")
+    ld.add_argument("url", metavar="URL", help="the store (see store URLs below)")
+    ld.add_argument("--table", required=True, metavar="T", help="the table to load into")
+    ld.add_argument("file", metavar="FILE", help="a .npy or .safetensors file of [N, dim] "
+                    "rows, or a raw file (.bin/.raw) of rows back to back, little-endian")
+    ld.add_argument("--tensor", metavar="NAME", help="the tensor inside a .safetensors file")
+    ld.add_argument("--format", choices=["npy", "safetensors", "raw"],
+                    help="the file's format (default: by its suffix)")
+    ld.add_argument("--keys", metavar="FILE", help="one key per row: a .npy of integers or "
+                    "a raw file of little-endian int64 (default: row i gets key i)")
+    ld.add_argument("--dim", type=_positive, help="row length: creates a new table with it; "
+                    "must match the file's rows and an existing table; gives a raw file's")
+    ld.add_argument("--dtype", choices=sorted(DTYPES), help="row dtype of the table: the "
+                    "file's rows are converted to it (default: the file's, or the table's)")
+    ld.add_argument("--batch-size", type=_positive, default=65536, metavar="N",
+                    help="rows per insert (65536)")
+    ld.add_argument("--no-progress", action="store_true", help="no progress bar")
+    st = sub.add_parser("stat", help="schema, row count and backend details of a table",
+                        epilog=_URLS, formatter_class=argparse.RawDescriptionHelpFormatter)
+    st.add_argument("url", metavar="URL", help="the store (see store URLs below)")
+    st.add_argument("--table", required=True, metavar="T")
+    st.add_argument("--json", action="store_true", help="print one JSON object")
+    dr = sub.add_parser("drop", help="delete a table: rows, schema and change feed",
+                        epilog=_URLS, formatter_class=argparse.RawDescriptionHelpFormatter)
+    dr.add_argument("url", metavar="URL", help="the store (see store URLs below)")
+    dr.add_argument("--table", required=True, metavar="T")
     return p
 
 
+def _iso(created: object) -> str | None:
+    """A stored creation time (seconds since the epoch) as an ISO 8601 UTC date."""
+    if not isinstance(created, (int, float)) or created <= 0:
+        return None
+    when = _dt.datetime.fromtimestamp(created, _dt.UTC)
+    return when.isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def _open(url: str, table: str) -> Any:
+    """Open an existing table; a missing one is an error that says how to find tables."""
+    try:
+        return connect(url, table=table)
+    except TableNotFoundError as e:
+        raise TableNotFoundError(
+            f"no table {table!r} at {redact(url)}: `psclient ls URL` lists the tables there, "
+            "`psclient load` creates one"
+        ) from e
+
+
+def _existing(url: str, table: str) -> tuple[int, str] | None:
+    """(dim, dtype name) of the table if it exists, else None; creates nothing."""
+    try:
+        with connect(url, table=table) as ps:
+            return ps.dim, ps.schema.dtype
+    except TableNotFoundError:
+        return None
+
+
 def _load(args: argparse.Namespace) -> int:
-    rows = open_rows(args.file, args.tensor)
-    dim = args.dim or rows.dim
-    dtype = dtype_name(args.dtype) if args.dtype else dtype_name(rows.dtype)
+    # NOTE: everything is checked before the table is created, so a bad input changes nothing.
+    fmt = file_format(args.file, args.format, cli=True)
+    stored = _existing(args.url, args.table)
+    if stored is not None:
+        dim, dtype = stored
+        asked = {"--dim": (args.dim, dim), "--dtype": (args.dtype, dtype)}
+        diff = [f"{flag} {a}" for flag, (a, s) in asked.items() if a is not None and a != s]
+        if diff:
+            raise SchemaMismatchError(
+                f"table {args.table!r} exists with dim {dim}, {dtype}; {' and '.join(diff)} "
+                f"does not match: leave it out, load into another table, or drop it first "
+                f"(psclient drop URL --table {args.table})")
+    elif fmt == "raw":
+        if args.dim is None:
+            raise BadArgumentError(f"{args.file!r} is raw rows and table {args.table!r} does not "
+                                   "exist: give its row length with --dim (and --dtype, "
+                                   "default float32)")
+        dim, dtype = args.dim, args.dtype or "float32"
+    else:
+        rows = open_rows(args.file, args.tensor, format=fmt, cli=True)
+        dim = args.dim or rows.dim
+        try:
+            dtype = args.dtype or dtype_name(rows.dtype)
+        except BadArgumentError:
+            raise BadArgumentError(
+                f"{rows.what} holds {str(rows.dtype).removeprefix('torch.')} rows; a table holds "
+                f"one of "
+                f"{', '.join(DTYPES)}: convert them on load with --dtype float32 (or another)"
+            ) from None
+    rows = open_rows(args.file, args.tensor, format=fmt, dim=dim, dtype=DTYPES[dtype], cli=True)
+    check_rows(rows, dim, DTYPES[dtype], table=args.table, convert=args.dtype is not None,
+               cli=True)
+    if args.keys is not None:
+        open_keys(args.keys, rows.n, cli=True)
     with connect(args.url, table=args.table, dim=dim, dtype=dtype) as ps:
         t0 = time.perf_counter()
-        n = ps.load(args.file, tensor=args.tensor, batch_size=args.batch_size,
-                    progress=not args.no_progress)
+        try:
+            n = ps.load(args.file, keys=args.keys, tensor=args.tensor, format=fmt,
+                        convert=args.dtype is not None, batch_size=args.batch_size,
+                        progress=not args.no_progress)
+        except BaseException:
+            if stored is None:  # NOTE: this load created the table: leave the store as it was
+                with contextlib.suppress(PSClientError):
+                    ps.drop()
+            raise
         dt = time.perf_counter() - t0
     print(f"loaded {n} rows into {args.table} in {dt:.2f} s ({n / max(dt, 1e-9):,.0f} rows/s)")
     return 0
 
 
+def _stat_info(ps: Any) -> dict[str, Any]:
+    info: dict[str, Any] = ps.stat()
+    info["created"] = _iso(info.get("created"))
+    return info
+
+
 def _stat(args: argparse.Namespace) -> int:
-    with connect(args.url, table=args.table) as ps:
-        info = ps.stat()
+    with _open(args.url, args.table) as ps:
+        info = _stat_info(ps)
     if args.json:
         print(json.dumps(info, sort_keys=True))
     else:
         for k, v in info.items():
-            print(f"{k:14} {v}")
+            print(f"{k:14} {'-' if v is None else v}")
+    return 0
+
+
+def _ls(args: argparse.Namespace) -> int:
+    rows: list[dict[str, Any]] = []
+    for name in list_tables(args.url):
+        try:
+            with connect(args.url, table=name) as ps:
+                info = _stat_info(ps)
+            rows.append({k: info[k] for k in ("table", "dim", "dtype", "rows", "created")})
+        except TableNotFoundError:
+            continue  # dropped between listing and opening
+        except PSClientError as e:
+            rows.append({"table": name, "error": str(e)})
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    if not rows:
+        print(f"no tables at {redact(args.url)}")
+        return 0
+    head = ["TABLE", "DIM", "DTYPE", "ROWS", "CREATED"]
+    cells = [[r["table"], str(r["dim"]), r["dtype"], f"{r['rows']:,}", r["created"] or "-"]
+             if "error" not in r else [r["table"], "?", "?", "?", f"cannot open: {r['error']}"]
+             for r in rows]
+    widths = [max(len(c[i]) for c in [head, *cells]) for i in range(len(head))]
+    for line in [head, *cells]:
+        print("  ".join(c.rjust(w) if i in (1, 3) else c.ljust(w)
+                        for i, (c, w) in enumerate(zip(line, widths, strict=True))).rstrip())
     return 0
 
 
 def _drop(args: argparse.Namespace) -> int:
-    ps = connect(args.url, table=args.table)
-    rows = ps.size()
-    ps.drop()
+    with _open(args.url, args.table) as ps:
+        rows = ps.size()
+        ps.drop()
     print(f"dropped table {args.table} ({rows} rows)")
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; returns the exit status."""
-    args = _parser().parse_args(argv)
+    """Run the CLI; returns the exit status (0 ok, 1 error, 2 bad command line)."""
+    parser = _parser()
     try:
-        return {"load": _load, "stat": _stat, "drop": _drop}[args.cmd](args)
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help/--version (0) or a bad command line (2), already printed
+        return e.code if isinstance(e.code, int) else EXIT_USAGE
+    if args.cmd is None:
+        print(f"{PROG}: error: give a command: ls, load, stat or drop (see `{PROG} --help`)",
+              file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        return {"ls": _ls, "load": _load, "stat": _stat, "drop": _drop}[args.cmd](args)
     except PSClientError as e:
-        print(f"psclient {args.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
+        print(f"{PROG}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print(f"{PROG}: error: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # e.g. `psclient ls URL | head`
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

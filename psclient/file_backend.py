@@ -115,6 +115,9 @@ def _lmdb_errors(where: str) -> Iterator[None]:
         raise PSUnavailableError(f"{where}: too many concurrent readers ({e})") from e
     except lmdb.Error as e:
         raise PSUnavailableError(f"{where}: LMDB error: {e}") from e
+    except OSError as e:  # e.g. a path under /proc, or a directory we may not write
+        raise PSUnavailableError(f"{where}: cannot open or create the store there "
+                                 f"({e.strerror or e}): use a directory you can write") from e
 
 
 class FileParameterServer(ParameterServer):
@@ -311,9 +314,8 @@ class FileParameterServer(ParameterServer):
             self._env = None
 
 
-def open_file(url: str, table: str, dim: int | None, dtype: str | None,
-              options: dict[str, Any]) -> FileParameterServer:
-    """Factory for ``file:///path`` URLs (the directory is created with the first table)."""
+def _parse_url(url: str, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The store directory (real path) and the options of a ``file://`` URL."""
     parts = urlsplit(url)
     if parts.netloc not in ("", "localhost"):
         raise UnsupportedURLError(
@@ -337,7 +339,42 @@ def open_file(url: str, table: str, dim: int | None, dtype: str | None,
                           and not isinstance(value, bool) else typ(value))
         except (TypeError, ValueError) as e:
             raise BadArgumentError(f"option {name}={value!r} must be {typ.__name__}") from e
-    return FileParameterServer(os.path.realpath(path), table, dim, dtype, opts)
+    return os.path.realpath(path), opts
 
 
-__all__ = ["FileParameterServer", "be_bytes_to_keys", "open_file"]
+def open_file(url: str, table: str, dim: int | None, dtype: str | None,
+              options: dict[str, Any]) -> FileParameterServer:
+    """Factory for ``file:///path`` URLs (the directory is created with the first table)."""
+    path, opts = _parse_url(url, options)
+    return FileParameterServer(path, table, dim, dtype, opts)
+
+
+def list_file_tables(url: str, options: dict[str, Any]) -> list[str]:
+    """Table names in the store at a ``file:///path`` URL, sorted; creates nothing.
+
+    Raises:
+        PSUnavailableError: there is no store at that path.
+    """
+    path, opts = _parse_url(url, options)
+    where = f"file://{path}"
+    if not (Path(path) / "data.mdb").is_file():
+        raise PSUnavailableError(f"no store at {where} (no data.mdb there): check the path")
+    opts = {**_DEFAULTS, **{k: v for k, v in opts.items() if k != "partitions"}}
+    head = b"psc:schema:"
+    with _lmdb_errors(where):
+        env = _acquire_env(path, opts)
+        try:
+            with env.begin() as txn:
+                cur = txn.cursor()
+                names = []
+                if cur.set_range(head):
+                    for key in cur.iternext(values=False):
+                        if not key.startswith(head):
+                            break
+                        names.append(key[len(head):].decode())
+        finally:
+            _release_env(path)
+    return sorted(names)
+
+
+__all__ = ["FileParameterServer", "be_bytes_to_keys", "list_file_tables", "open_file"]

@@ -1,71 +1,191 @@
-"""Bulk loading: a tensor, a ``.npy`` / ``.safetensors`` file or an iterator of chunks."""
+"""Bulk loading: a tensor, a ``.npy`` / ``.safetensors`` / raw binary file, or an iterator.
+
+Sources are opened without reading their rows (files are memory-mapped) and read chunk by
+chunk. A raw binary file is rows of the table's ``dim`` and dtype back to back, in the
+machine's (little-endian) byte order, with no header: its size must be a whole number of
+rows. Keys default to ``0..N-1``; a keys source (a tensor, an int ``.npy`` or a raw file of
+little-endian int64) gives one key per row instead.
+
+Messages name the arguments the way the caller spells them: ``tensor=NAME`` for the Python
+API, ``--tensor NAME`` for the ``psclient`` command (``cli=True``).
+"""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from .errors import BadArgumentError, BadValuesError
+from .errors import BadArgumentError, BadKeysError, BadValuesError
+from .schema import DTYPES
 
 if TYPE_CHECKING:
     from .base import ParameterServer
 
 log = logging.getLogger(__name__)
 
+#: file formats :func:`open_rows` reads; ``None`` picks one by the file's suffix
+FileFormat = Literal["npy", "safetensors", "raw"]
+FORMATS: tuple[str, ...] = ("npy", "safetensors", "raw")
+#: suffixes read as raw binary rows when no format is given
+RAW_SUFFIXES = (".bin", ".raw")
 
-class _RowSource:
-    """Random access to the rows of a 2-D tensor-like source, sliced chunk by chunk."""
-
-    def __init__(self, n: int, dim: int, dtype: torch.dtype, get: Any) -> None:
-        self.n, self.dim, self.dtype, self.get = n, dim, dtype, get
+_Get = Callable[[int, int], torch.Tensor]
 
 
-def open_rows(source: object, tensor: str | None) -> _RowSource:
-    """Open a tensor, array, ``.npy`` or ``.safetensors`` source without reading its rows."""
+def _arg(cli: bool, api: str, flag: str) -> str:
+    return flag if cli else api
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class RowSource:
+    """Random access to the rows of a 2-D source, sliced chunk by chunk."""
+
+    def __init__(self, n: int, dim: int, dtype: torch.dtype, get: _Get, what: str) -> None:
+        #: rows, elements per row, row dtype
+        self.n, self.dim, self.dtype = n, dim, dtype
+        #: ``get(a, b)``: rows ``a..b-1`` as a contiguous CPU tensor
+        self.get = get
+        #: how messages name the source
+        self.what = what
+
+
+class KeySource:
+    """Random access to the int64 keys of a load, one per row."""
+
+    def __init__(self, n: int, get: _Get) -> None:
+        self.n, self.get = n, get
+
+
+def _torch_dtype(np_dtype: np.dtype, what: str) -> torch.dtype:
+    try:
+        return torch.from_numpy(np.empty(0, dtype=np_dtype.newbyteorder("="))).dtype
+    except TypeError as e:
+        raise BadValuesError(f"{what} holds {np_dtype} values, which torch cannot read") from e
+
+
+def _file(source: str | Path) -> Path:
+    path = Path(source)
+    if not path.is_file():
+        raise BadArgumentError(f"no such file: {str(path)!r}")
+    return path
+
+
+def file_format(path: str | Path, fmt: str | None, *, cli: bool = False) -> str:
+    """The format of a rows file: ``fmt`` if given, else by suffix (``.npy``,
+    ``.safetensors``; ``.bin``/``.raw`` are raw rows).
+
+    Raises:
+        BadArgumentError: an unknown format, or a suffix that names none.
+    """
+    if fmt is not None:
+        if fmt not in FORMATS:
+            raise BadArgumentError(f"unknown file format {fmt!r}: use one of {', '.join(FORMATS)}")
+        return fmt
+    suffix = Path(path).suffix.lower()
+    if suffix in (".npy", ".safetensors"):
+        return suffix[1:]
+    if suffix in RAW_SUFFIXES:
+        return "raw"
+    raise BadArgumentError(
+        f"cannot tell the format of {str(path)!r}: use a .npy, .safetensors, .bin or .raw file, "
+        f"or say it with {_arg(cli, 'format=', '--format')} (npy, safetensors or raw)"
+    )
+
+
+def open_rows(source: object, tensor: str | None = None, *, format: str | None = None,  # noqa: A002
+              dim: int | None = None, dtype: torch.dtype | None = None,
+              cli: bool = False) -> RowSource:
+    """Open a tensor, array or rows file without reading its rows.
+
+    Args:
+        source: a ``[N, dim]`` tensor or array, or a path.
+        tensor: the tensor's name inside a ``.safetensors`` file.
+        format: ``npy``, ``safetensors`` or ``raw``; default: by the file's suffix.
+        dim, dtype: the geometry of a raw file's rows (required for raw files).
+        cli: name arguments as the ``psclient`` command's flags in messages.
+
+    Raises:
+        BadArgumentError: no such file, unknown format, unreadable file.
+        BadValuesError: the source is not 2-D, or a raw file is not whole rows.
+    """
     if isinstance(source, np.ndarray):
         source = torch.from_numpy(source)
     if isinstance(source, torch.Tensor):
         t = source
         if t.dim() != 2:
             raise BadValuesError(f"source tensor must be [N, dim], got {list(t.shape)}")
-        return _RowSource(t.shape[0], t.shape[1], t.dtype, lambda a, b: t[a:b].cpu())
+        return RowSource(t.shape[0], t.shape[1], t.dtype, lambda a, b: t[a:b].cpu().contiguous(),
+                         "the source tensor")
     if isinstance(source, (str, Path)):
-        path = Path(source)
-        if not path.is_file():
-            raise BadArgumentError(f"no such file: {str(path)!r}")
-        if path.suffix == ".npy":
-            try:
-                arr = np.load(path, mmap_mode="r", allow_pickle=False)
-            except ValueError as e:
-                raise BadArgumentError(f"{str(path)!r} is not a plain .npy array: {e}") from e
-            if arr.ndim != 2:
-                raise BadValuesError(f"{str(path)!r} holds shape {list(arr.shape)}, need [N, dim]")
-            dt = torch.from_numpy(np.empty(0, dtype=arr.dtype)).dtype
-            return _RowSource(arr.shape[0], arr.shape[1], dt,
-                              lambda a, b: torch.from_numpy(np.array(arr[a:b])))
-        if path.suffix == ".safetensors":
-            return _open_safetensors(path, tensor)
-        raise BadArgumentError(
-            f"cannot load {str(path)!r}: use a .npy or .safetensors file (or pass a tensor)"
-        )
+        path = _file(source)
+        fmt = file_format(path, format, cli=cli)
+        if fmt == "npy":
+            return _open_npy(path)
+        if fmt == "safetensors":
+            return _open_safetensors(path, tensor, cli)
+        if dim is None or dtype is None:
+            raise BadArgumentError(
+                f"{str(path)!r} is raw rows: say their geometry with "
+                f"{_arg(cli, 'the table (dim=, dtype=)', '--dim and --dtype')}"
+            )
+        return _open_raw(path, dim, dtype)
     raise BadArgumentError(f"unsupported load source of type {type(source).__name__}")
 
 
-def _open_safetensors(path: Path, tensor: str | None) -> _RowSource:
-    from safetensors import safe_open
+def _open_npy(path: Path) -> RowSource:
+    try:
+        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError) as e:
+        raise BadArgumentError(f"{str(path)!r} is not a plain .npy array: {e}") from e
+    if arr.ndim != 2:
+        raise BadValuesError(f"{str(path)!r} holds shape {list(arr.shape)}, need [N, dim]")
+    dt = _torch_dtype(arr.dtype, repr(str(path)))
+    native = arr.dtype.newbyteorder("=")
+    return RowSource(arr.shape[0], arr.shape[1], dt,
+                     lambda a, b: torch.from_numpy(np.array(arr[a:b], dtype=native)),
+                     repr(str(path)))
 
-    f = safe_open(str(path), framework="pt")  # NOTE: memory-maps; slices read lazily
+
+def _open_raw(path: Path, dim: int, dtype: torch.dtype) -> RowSource:
+    row_bytes = dim * dtype.itemsize
+    size = path.stat().st_size
+    if size % row_bytes:
+        raise BadValuesError(
+            f"{str(path)!r} is {size} bytes, not a whole number of rows of {dim} x {_name(dtype)} "
+            f"({row_bytes} bytes each): check the file and the row geometry"
+        )
+    n = size // row_bytes
+    if n == 0:
+        return RowSource(0, dim, dtype, lambda a, b: torch.empty(0, dim, dtype=dtype),
+                         repr(str(path)))
+    mm = np.memmap(path, dtype=np.uint8, mode="r", shape=(n, row_bytes))
+    return RowSource(n, dim, dtype,
+                     lambda a, b: torch.from_numpy(np.array(mm[a:b])).view(dtype),
+                     repr(str(path)))
+
+
+def _open_safetensors(path: Path, tensor: str | None, cli: bool) -> RowSource:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        f = safe_open(str(path), framework="pt")  # NOTE: memory-maps; slices read lazily
+    except (SafetensorError, OSError) as e:
+        raise BadArgumentError(f"{str(path)!r} is not a .safetensors file: {e}") from e
     names = list(f.keys())
     if tensor is None:
         if len(names) != 1:
             raise BadArgumentError(
-                f"{str(path)!r} holds tensors {names}: pass tensor=NAME (--tensor NAME)"
+                f"{str(path)!r} holds tensors {names}: name one with "
+                f"{_arg(cli, 'tensor=NAME', '--tensor NAME')}"
             )
         tensor = names[0]
     if tensor not in names:
@@ -75,27 +195,92 @@ def _open_safetensors(path: Path, tensor: str | None) -> _RowSource:
     if len(shape) != 2:
         raise BadValuesError(f"tensor {tensor!r} in {str(path)!r} is {shape}, need [N, dim]")
     dt = f.get_slice(tensor)[0:0].dtype
-    return _RowSource(shape[0], shape[1], dt, lambda a, b: sl[a:b].contiguous())
+    return RowSource(shape[0], shape[1], dt, lambda a, b: sl[a:b].contiguous(),
+                     f"tensor {tensor!r} of {str(path)!r}")
 
 
-def _chunks(ps: ParameterServer, source: object, keys: torch.Tensor | None,
-            tensor: str | None, batch_size: int) -> tuple[int | None, Iterator[tuple[Any, Any]]]:
+def open_keys(source: object, n: int, *, cli: bool = False) -> KeySource:
+    """Open the keys of ``n`` rows: a tensor or array, an integer ``.npy`` file, or a raw file
+    of little-endian int64.
+
+    Raises:
+        BadKeysError: not 1-D integers, or not exactly ``n`` of them.
+        BadArgumentError: no such file, or an unreadable ``.npy``.
+    """
+    what = "keys"
+    arr: Any
+    if isinstance(source, torch.Tensor):
+        source = source.detach().cpu().numpy()
+    if isinstance(source, (str, Path)):
+        path = _file(source)
+        what = f"keys file {str(path)!r}"
+        if path.suffix.lower() == ".npy":
+            try:
+                arr = np.load(path, mmap_mode="r", allow_pickle=False)
+            except (ValueError, OSError) as e:
+                raise BadArgumentError(f"{what} is not a plain .npy array: {e}") from e
+        else:
+            size = path.stat().st_size
+            if size % 8:
+                raise BadKeysError(f"{what} is {size} bytes, not a whole number of int64 keys "
+                                   "(8 bytes each, little-endian)")
+            arr = (np.memmap(path, dtype="<i8", mode="r") if size
+                   else np.empty(0, dtype="<i8"))
+    elif isinstance(source, np.ndarray):
+        arr = source
+    else:
+        raise BadKeysError(f"keys must be an int64 tensor, an array or a file of keys; got "
+                           f"{type(source).__name__}")
+    if (arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer)
+            or not np.can_cast(arr.dtype, np.int64, casting="safe")):
+        raise BadKeysError(f"{what} must be 1-D int64 (or a narrower integer type); got "
+                           f"{arr.dtype} of shape {list(arr.shape)}")
+    if arr.shape[0] != n:
+        raise BadKeysError(f"{what} holds {arr.shape[0]} keys for {n} rows: give one key per row"
+                           + ("" if cli else " (keys=)"))
+    return KeySource(n, lambda a, b: torch.from_numpy(np.array(arr[a:b], dtype=np.int64)))
+
+
+def check_rows(rows: RowSource, dim: int, dtype: torch.dtype, *, table: str, convert: bool,
+               cli: bool = False) -> None:
+    """Check that ``rows`` fit a table of ``dim`` x ``dtype``, converted if ``convert``.
+
+    Raises:
+        BadValuesError: another row length, or another dtype without ``convert`` (or one
+            that cannot be converted to a float dtype).
+    """
+    if rows.dim != dim:
+        raise BadValuesError(
+            f"{rows.what} holds rows of {rows.dim} elements, table {table!r} has dim {dim}: "
+            "load rows of that length, or into another table"
+        )
+    if rows.dtype == dtype:
+        return
+    if rows.dtype.is_complex or rows.dtype == torch.bool:
+        raise BadValuesError(f"{rows.what} holds {_name(rows.dtype)} values; a table holds one of "
+                             f"{', '.join(DTYPES)}")
+    if not convert:
+        name = next(k for k, v in DTYPES.items() if v == dtype)
+        raise BadValuesError(
+            f"{rows.what} holds {_name(rows.dtype)} rows, table {table!r} holds {name}: "
+            f"convert them on load with {_arg(cli, 'convert=True', '--dtype ' + name)}"
+        )
+
+
+def _chunks(ps: ParameterServer, source: object, keys: object, tensor: str | None,
+            fmt: str | None, convert: bool, batch_size: int
+            ) -> tuple[int | None, Iterator[tuple[Any, Any]]]:
     if isinstance(source, (torch.Tensor, np.ndarray, str, Path)):
-        rows = open_rows(source, tensor)
-        if rows.dim != ps.dim or rows.dtype != ps.dtype:
-            raise BadValuesError(
-                f"source rows are [{rows.n}, {rows.dim}] {rows.dtype}, table {ps.table!r} holds "
-                f"dim {ps.dim} {ps.dtype}: convert the data or load into another table"
-            )
-        if keys is None:
-            keys = torch.arange(rows.n, dtype=torch.int64)
-        elif not isinstance(keys, torch.Tensor) or tuple(keys.shape) != (rows.n,):
-            raise BadArgumentError(f"keys must be an int64 tensor of shape [{rows.n}]")
+        rows = open_rows(source, tensor, format=fmt, dim=ps.dim, dtype=ps.dtype)
+        check_rows(rows, ps.dim, ps.dtype, table=ps.table, convert=convert)
+        ks = None if keys is None else open_keys(keys, rows.n)
+        dtype = ps.dtype
 
         def gen() -> Iterator[tuple[Any, Any]]:
             for a in range(0, rows.n, batch_size):
                 b = min(rows.n, a + batch_size)
-                yield keys[a:b], rows.get(a, b)
+                k = torch.arange(a, b, dtype=torch.int64) if ks is None else ks.get(a, b)
+                yield k, rows.get(a, b).to(dtype)
 
         return rows.n, gen()
     if isinstance(source, Iterable):
@@ -108,6 +293,8 @@ def _chunks(ps: ParameterServer, source: object, keys: torch.Tensor | None,
                     k, v = item
                 except (TypeError, ValueError) as e:
                     raise BadArgumentError("an iterator source must yield (keys, values)") from e
+                if convert and isinstance(v, torch.Tensor):
+                    v = v.to(ps.dtype)
                 for a in range(0, len(k), batch_size):
                     yield k[a:a + batch_size], v[a:a + batch_size]
 
@@ -115,12 +302,13 @@ def _chunks(ps: ParameterServer, source: object, keys: torch.Tensor | None,
     raise BadArgumentError(f"unsupported load source of type {type(source).__name__}")
 
 
-def load_into(ps: ParameterServer, source: object, *, keys: torch.Tensor | None,
-              tensor: str | None, batch_size: int, progress: bool) -> int:
+def load_into(ps: ParameterServer, source: object, *, keys: object, tensor: str | None,
+              format: str | None, convert: bool, batch_size: int,  # noqa: A002
+              progress: bool) -> int:
     """Insert every row of ``source`` into ``ps``; see :meth:`ParameterServer.load`."""
-    if not isinstance(batch_size, int) or batch_size <= 0:
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
         raise BadArgumentError(f"batch_size must be a positive int, got {batch_size!r}")
-    total, chunks = _chunks(ps, source, keys, tensor, batch_size)
+    total, chunks = _chunks(ps, source, keys, tensor, format, convert, batch_size)
     loaded = 0
     with tqdm(total=total, unit="rows", unit_scale=True, disable=not progress,
               desc=f"load {ps.table}") as bar:

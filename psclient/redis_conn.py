@@ -108,7 +108,16 @@ def standalone_factory(url: str, conn: dict[str, Any]) -> Any:
     try:
         redis.connection.parse_url(url)
     except ValueError as e:
-        raise UnsupportedURLError(f"bad Redis URL {url!r}: {e}") from e
+        raise UnsupportedURLError(f"bad Redis URL {redact(url)!r}: {e}") from e
+    parts = urlsplit(url)
+    if parts.scheme.lower() in ("redis", "rediss"):
+        # NOTE: redis-py reads a path that is not a number as db 0, silently; refuse it.
+        db = unquote(parts.path).removeprefix("/")
+        if db and not (db.isascii() and db.isdigit()):
+            raise UnsupportedURLError(
+                f"bad Redis URL {redact(url)!r}: the path must be a database number, "
+                f"like redis://host:6379/0 (got {'/' + db!r})"
+            )
     return lambda: redis.Redis.from_url(url, **kw)
 
 
@@ -116,8 +125,11 @@ def cluster_factory(url: str, conn: dict[str, Any]) -> Any:
     """A zero-argument callable that builds a ``RedisCluster`` for a ``redis+cluster://`` URL."""
     parts = urlsplit(url)
     kw = _redis_kwargs(conn)
-    if kw.pop("db", 0):
-        raise BadArgumentError("Redis Cluster has only db 0: drop the db option")
+    if kw.pop("db", 0) or unquote(parts.path).strip("/") not in ("", "0"):
+        raise UnsupportedURLError(
+            f"bad Redis Cluster URL {redact(url)!r}: a cluster has only db 0; "
+            "use redis+cluster://host:port[,host:port] (no path, no db option)"
+        )
     netloc = parts.netloc
     if "@" in netloc:
         cred, netloc = netloc.rsplit("@", 1)
@@ -172,5 +184,13 @@ def redis_errors(where: str) -> Iterator[None]:
         raise PSServerError(f"{where}: the server answered an error: {e}") from e
     except rex.RedisError as e:
         raise PSServerError(f"{where}: {type(e).__name__}: {e}") from e
+    except rex.RedisClusterException as e:  # NOTE: not a RedisError; raised by RedisCluster()
+        if "not enabled" in str(e):
+            raise PSUnavailableError(
+                f"{where}: the server is not a Redis Cluster (cluster mode is not enabled): "
+                "use redis://host:port/0 for a single server"
+            ) from e
+        raise PSUnavailableError(f"{where}: cannot reach the Redis Cluster ({e}); check that "
+                                 "its nodes run and the URL names them, then retry") from e
     except OSError as e:  # TLS file errors, etc.
         raise PSUnavailableError(f"{where}: {e}") from e

@@ -27,9 +27,26 @@ _REGISTRY: dict[str, Factory | str] = {
 }
 
 
-def register_backend(scheme: str, factory: Factory) -> None:
-    """Register (or replace) the backend for a URL scheme."""
+#: A store's table lister: ``(url, options) -> sorted table names``.
+Lister = Callable[[str, dict[str, Any]], list[str]]
+
+_LISTERS: dict[str, Lister | str] = {
+    "redis": "psclient.redis_admin:list_standalone",
+    "rediss": "psclient.redis_admin:list_standalone",
+    "unix": "psclient.redis_admin:list_standalone",
+    "redis+cluster": "psclient.redis_admin:list_cluster",
+    "rediss+cluster": "psclient.redis_admin:list_cluster",
+    "file": "psclient.file_backend:list_file_tables",
+}
+
+
+def register_backend(scheme: str, factory: Factory, lister: Lister | None = None) -> None:
+    """Register (or replace) the backend for a URL scheme (and how to list its tables)."""
     _REGISTRY[scheme.lower()] = factory
+    if lister is not None:
+        _LISTERS[scheme.lower()] = lister
+    else:
+        _LISTERS.pop(scheme.lower(), None)
 
 
 def schemes() -> list[str]:
@@ -38,16 +55,45 @@ def schemes() -> list[str]:
 
 
 def _factory(scheme: str) -> Factory:
-    entry = _REGISTRY.get(scheme)
-    if entry is None:
+    if scheme not in _REGISTRY:
         raise UnsupportedURLError(
             f"no backend for URL scheme {scheme!r}: use one of {', '.join(schemes())}"
         )
+    factory: Factory = _resolve(_REGISTRY, scheme)
+    return factory
+
+
+def _resolve(table: dict[str, Any], scheme: str) -> Any:
+    entry = table[scheme]
     if isinstance(entry, str):
         mod, fn = entry.split(":")
-        entry = getattr(importlib.import_module(mod), fn)
-        _REGISTRY[scheme] = entry
+        entry = table[scheme] = getattr(importlib.import_module(mod), fn)
     return entry
+
+
+def _scheme(url: object) -> str:
+    if not isinstance(url, str) or "://" not in url:
+        raise UnsupportedURLError(f"bad URL {url!r}: expected scheme://..., e.g. file:///path")
+    return urlsplit(url).scheme.lower()
+
+
+def list_tables(url: str, **options: Any) -> list[str]:
+    """The names of the tables a store holds, sorted.
+
+    Args:
+        url: a store URL, as for :func:`connect`.
+        **options: backend options, as for :func:`connect`.
+
+    Raises:
+        UnsupportedURLError: unknown scheme, unparsable URL, or a backend that cannot list.
+        PSUnavailableError, PSAuthError: the store cannot be reached or refuses us.
+    """
+    scheme = _scheme(url)
+    _factory(scheme)  # NOTE: an unknown scheme says which schemes exist
+    if scheme not in _LISTERS:
+        raise UnsupportedURLError(f"the {scheme}:// backend cannot list its tables")
+    names: list[str] = _resolve(_LISTERS, scheme)(url, dict(options))
+    return names
 
 
 def connect(url: str, *, table: str, dim: int | None = None,
@@ -58,7 +104,8 @@ def connect(url: str, *, table: str, dim: int | None = None,
         url: ``redis://[user:pass@]host:port/db``, ``rediss://...`` (TLS),
             ``unix:///path/redis.sock``, ``redis+cluster://host:port[,host:port]``,
             or ``file:///path/to/dir`` (embedded LMDB store, no server).
-        table: table name, ``[A-Za-z0-9_.-]{1,100}``.
+        table: table name: 1-100 characters from ``[A-Za-z0-9_.-]``, not ``.`` or ``..``
+            (:mod:`psclient.names`, the rule of every tier).
         dim: row length; required to create a table, checked against an existing one.
         dtype: float32 (default for new tables), float16, bfloat16 or float64; checked
             against an existing table.
@@ -74,9 +121,7 @@ def connect(url: str, *, table: str, dim: int | None = None,
         SchemaMismatchError: the table exists with another dim/dtype/partition count.
         PSUnavailableError, PSAuthError: the store cannot be reached or refuses us.
     """
-    if not isinstance(url, str) or "://" not in url:
-        raise UnsupportedURLError(f"bad URL {url!r}: expected scheme://..., e.g. file:///path")
-    scheme = urlsplit(url).scheme.lower()
+    scheme = _scheme(url)
     table = check_table_name(table)
     dt = None if dtype is None else dtype_name(dtype)
     if dim is not None and (not isinstance(dim, int) or isinstance(dim, bool) or dim <= 0):

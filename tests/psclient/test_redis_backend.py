@@ -158,7 +158,7 @@ def test_cli_round_trip(shared_redis: str, table_name: str, tmp_path, capsys) ->
                                                                            "redis")
     assert main(["drop", shared_redis, "--table", table_name]) == 0
     assert main(["stat", shared_redis, "--table", table_name]) == 1
-    assert "TableNotFoundError" in capsys.readouterr().err
+    assert f"psclient: error: no table {table_name!r}" in capsys.readouterr().err
 
 
 def test_fork_child_reads_through_parents_client(ps_factory) -> None:  # noqa: ANN001
