@@ -11,6 +11,7 @@ in the lowest tier, and nowhere else.
 from __future__ import annotations
 
 import re
+from typing import TypeGuard
 
 #: what a valid table name looks like, said the way error messages say it
 TABLE_NAME_RULE = "1-100 characters from [A-Za-z0-9_.-], and not '.' or '..'"
@@ -18,6 +19,6 @@ TABLE_NAME_RULE = "1-100 characters from [A-Za-z0-9_.-], and not '.' or '..'"
 _NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,100}")
 
 
-def is_table_name(name: object) -> bool:
+def is_table_name(name: object) -> TypeGuard[str]:
     """Whether ``name`` is a valid table name (see :data:`TABLE_NAME_RULE`)."""
     return isinstance(name, str) and bool(_NAME_RE.fullmatch(name)) and name not in (".", "..")
