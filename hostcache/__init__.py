@@ -18,6 +18,7 @@ from .errors import (
     SegmentExistsError,
     SegmentNotFoundError,
     SegmentPermissionError,
+    SharedMemoryFullError,
 )
 from .memblock import SharedMemBlock
 from .table import TableStats
@@ -36,5 +37,6 @@ __all__ = [
     "SegmentNotFoundError",
     "SegmentPermissionError",
     "SharedMemBlock",
+    "SharedMemoryFullError",
     "TableStats",
 ]

@@ -73,6 +73,7 @@ class HostCache(SharedTable):
         policy: str = "lfu-da",
         ring_capacity: int = layout.DEFAULT_RING_CAPACITY,
         mode: int = 0o600,
+        overcommit: bool = False,
     ) -> Self:
         """Create the named cache on this node.
 
@@ -85,10 +86,13 @@ class HostCache(SharedTable):
             policy: eviction policy; ``"lfu-da"``.
             ring_capacity: records in the invalidation ring.
             mode: permission bits of the segment and its lock file (0o600 by default).
+            overcommit: create it even if it is larger than the free space of ``/dev/shm``
+                (the segment is sparse; writing past the free space kills the writer).
 
         Raises:
             SegmentExistsError: a table of that name exists.
             BadArgumentError: an argument is out of range.
+            SharedMemoryFullError: ``/dev/shm`` has no room for it (and not ``overcommit``).
         """
         check_mode(mode)
         geo = layout.plan(
@@ -100,7 +104,7 @@ class HostCache(SharedTable):
             policy=policy,
             ring_capacity=ring_capacity,
         )
-        return cls._create_segment(name, geo, mode)
+        return cls._create_segment(name, geo, mode, overcommit)
 
     @staticmethod
     def _init_segment(mapping: Mapping, geo: layout.Geometry) -> None:

@@ -13,46 +13,43 @@ any attacher, repairs a write section left by a dead writer.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import fnmatch
 import json
 import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TextIO
+from importlib import metadata
+from typing import NoReturn, TextIO
 
 import torch
 
 from . import demo as demo_cmd
 from . import layout, segment
 from .cache import HostCache
+from .cli_view import DTYPES, MIB, open_table
+from .cli_view import LS_HEADER as _LS_HEADER
+from .cli_view import dtype_name as _dtype_name
+from .cli_view import fmt as _fmt
+from .cli_view import geometry as _geometry
+from .cli_view import ls_line as _ls_line
+from .cli_view import others as _others
+from .cli_view import print_table as _print_table
+from .cli_view import process_slots as _process_slots
+from .cli_view import summary as _summary
 from .errors import (
     BadArgumentError,
     HostCacheError,
     SegmentNotFoundError,
     SegmentPermissionError,
+    SharedMemoryFullError,
 )
 from .memblock import SharedMemBlock
 from .service import command as serve_cmd
-from .table import SharedTable
 
 PROG = "hostcache"
 EXIT_OK = 0
 EXIT_USER_ERROR = 2
-MIB = 1 << 20
-
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-}
-_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
-_CLASSES: dict[int, type[HostCache] | type[SharedMemBlock]] = {
-    layout.KIND_HOST_CACHE: HostCache,
-    layout.KIND_LINEAR: SharedMemBlock,
-}
 
 
 class TableInUseError(HostCacheError):
@@ -71,148 +68,6 @@ class Command:
     help: str
     configure: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace, TextIO], int]
-
-
-# -- opening tables of any kind ----------------------------------------------------------
-
-
-def open_table(name: str) -> HostCache | SharedMemBlock:
-    """Attach the named table with the class that matches the kind in its header."""
-    mapping, geo = segment.attach(name)  # validates the header
-    mapping.close()
-    return _CLASSES[geo.kind].attach(name)
-
-
-def _segment_bytes(name: str) -> int | None:
-    try:
-        return os.stat(segment.shm_path(name)).st_size
-    except OSError:
-        return None
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return _DTYPE_NAMES.get(dtype, str(dtype))
-
-
-def _others(table: SharedTable) -> list[int]:
-    """Live pids attached to ``table``, without this command's own handle."""
-    me = os.getpid()
-    return sorted({pid for pid in table.attached_pids() if pid != me})
-
-
-def _geometry(table: HostCache | SharedMemBlock) -> dict[str, Any]:
-    g = table.geometry
-    is_cache = g.kind == layout.KIND_HOST_CACHE
-    return {
-        "kind": layout.KIND_NAMES[g.kind],
-        "capacity": g.capacity if is_cache else None,
-        "rows": None if is_cache else g.capacity,
-        "num_buckets": g.num_buckets if is_cache else None,
-        "ways": g.ways if is_cache else None,
-        "dim": g.dim,
-        "dtype": _dtype_name(g.dtype),
-        "policy": g.policy if is_cache else None,
-        "row_bytes": g.row_bytes,
-        "row_stride": g.row_stride,
-        "ring_capacity": g.ring_capacity,
-        "segment_bytes": g.total_size,
-        "creator_uid": g.creator_uid,
-        "created": _dt.datetime.fromtimestamp(g.created_ns / 1e9, _dt.UTC).isoformat(
-            timespec="seconds"
-        ),
-    }
-
-
-def _summary(name: str) -> dict[str, Any] | None:
-    """One ``ls`` row; a table that cannot be attached gives a row with its ``error``.
-
-    ``None`` when the table was removed between listing and attaching.
-    """
-    try:
-        table = open_table(name)
-    except SegmentNotFoundError:
-        return None
-    except HostCacheError as e:
-        nbytes = _segment_bytes(name)
-        return {
-            "name": name,
-            "error": f"{type(e).__name__}: {e}",
-            "segment_mib": None if nbytes is None else round(nbytes / MIB, 2),
-        }
-    try:
-        geo = _geometry(table)
-        st = table.stats("node")
-        is_cache = geo["kind"] == "hostcache"
-        return {
-            "name": name,
-            "kind": geo["kind"],
-            "capacity": geo["capacity"] if is_cache else geo["rows"],
-            "dim": geo["dim"],
-            "dtype": geo["dtype"],
-            "ways": geo["ways"],
-            "size": st.size,
-            "fill": st.size / st.capacity if is_cache and st.capacity else None,
-            "hit_rate": st.hit_rate if st.hits + st.misses else None,
-            "processes": len(_others(table)),
-            "segment_mib": round(geo["segment_bytes"] / MIB, 2),
-        }
-    finally:
-        table.close()
-
-
-# -- formatting ----------------------------------------------------------------------------
-
-
-def _fmt(value: Any, pct: bool = False) -> str:
-    if value is None:
-        return "-"
-    if pct:
-        return f"{100 * value:.1f}%"
-    if isinstance(value, float):
-        return f"{value:.2f}"
-    if isinstance(value, int):
-        return f"{value:,}"
-    return str(value)
-
-
-def _print_table(rows: list[list[str]], out: TextIO, right: set[int]) -> None:
-    widths = [max(len(r[i]) for r in rows if i < len(r)) for i in range(len(rows[0]))]
-    for r in rows:
-        cells = [c.rjust(widths[i]) if i in right else c.ljust(widths[i]) for i, c in enumerate(r)]
-        print("  ".join(cells).rstrip(), file=out)
-
-
-_LS_HEADER = [
-    "NAME",
-    "KIND",
-    "CAPACITY",
-    "DIM",
-    "DTYPE",
-    "WAYS",
-    "SIZE",
-    "FILL",
-    "HIT RATE",
-    "PROCS",
-    "MiB",
-]
-
-
-def _ls_line(s: dict[str, Any]) -> list[str]:
-    if "error" in s:
-        return [s["name"], "?", f"cannot attach: {s['error']}"]
-    return [
-        s["name"],
-        s["kind"],
-        _fmt(s["capacity"]),
-        _fmt(s["dim"]),
-        s["dtype"],
-        _fmt(s["ways"]),
-        _fmt(s["size"]),
-        _fmt(s["fill"], pct=True),
-        _fmt(s["hit_rate"], pct=True),
-        _fmt(s["processes"]),
-        _fmt(s["segment_mib"]),
-    ]
 
 
 # -- subcommands ---------------------------------------------------------------------------
@@ -256,28 +111,14 @@ def _stat_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def _process_slots(table: SharedTable) -> list[dict[str, Any]]:
-    """Per-process counter slots of live attachers (this command's own slot left out)."""
-    words = table.buffer[layout.PROC_OFF : layout.PROC_OFF + layout.PROC_BYTES].view(torch.int64)
-    procs = words.view(layout.PROC_SLOTS, layout.PROC_WORDS).clone()
-    live = set(_others(table))
-    slots = []
-    for i in procs[:, 0].nonzero().flatten().tolist():  # a loop over process slots
-        pid = int(procs[i, 0])
-        if pid in live:
-            counts = procs[i, 1 : 1 + len(layout.COUNTER_NAMES)].tolist()
-            slots.append(
-                {"slot": i, "pid": pid, **dict(zip(layout.COUNTER_NAMES, counts, strict=True))}
-            )
-    return slots
-
-
 def _stat(args: argparse.Namespace, out: TextIO) -> int:
     table = open_table(args.name)
     try:
         header = table.buffer[: layout.HEADER_BYTES].view(torch.int64)
         st = table.stats("node")
         counters = {k: v for k, v in st.as_dict().items() if k not in ("name", "kind", "scope")}
+        # NOTE: no hit rate before a key was looked up (null in JSON, "-" in text, as in ls)
+        counters["hit_rate"] = st.hit_rate if st.hits + st.misses else None
         counters["processes"] = len(_others(table))
         info = {
             "name": args.name,
@@ -297,7 +138,7 @@ def _stat(args: argparse.Namespace, out: TextIO) -> int:
         "geometry": [(k, _fmt(v)) for k, v in info["geometry"].items() if v is not None],
         "node-wide counters": [
             *((k, _fmt(v)) for k, v in node.items() if k != "hit_rate"),
-            ("hit_rate", _fmt(node["hit_rate"], pct=True) if node["lookups"] else "-"),
+            ("hit_rate", _fmt(node["hit_rate"], pct=True)),
             ("ring_head", _fmt(info["ring_head"])),
             ("repairs", _fmt(info["repairs"])),
         ],
@@ -323,11 +164,25 @@ def _stat(args: argparse.Namespace, out: TextIO) -> int:
 
 def _mode(text: str) -> int:
     try:
-        return int(text, 8)
+        mode = int(text, 8)
     except ValueError:
+        mode = -1
+    if mode < 0 or mode & ~0o666 or not mode & 0o600:
         raise argparse.ArgumentTypeError(
-            f"mode must be octal like 0600 or 0660; got {text!r}"
-        ) from None
+            f"must be octal permission bits within 0666 that let the owner read and write, "
+            f"like 0600 or 0660; got {text!r}"
+        )
+    return mode
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer; got {text!r}")
+    return value
 
 
 def _create_args(p: argparse.ArgumentParser) -> None:
@@ -337,11 +192,12 @@ def _create_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="a linear table (SharedMemBlock) of --rows rows instead of a cache",
     )
-    p.add_argument("--capacity", type=int, help="rows the host cache holds")
-    p.add_argument("--rows", type=int, help="rows of a linear table (with --linear)")
-    p.add_argument("--dim", type=int, required=True, help="elements per row")
+    p.add_argument("--capacity", type=_positive, help="rows the host cache holds")
+    p.add_argument("--rows", type=_positive, help="rows of a linear table (with --linear)")
+    p.add_argument("--dim", type=_positive, required=True, help="elements per row")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--ways", type=int, help="slots per bucket of a host cache (default 8)")
+    p.add_argument("--ways", type=int, choices=(4, 8, 16, 32),
+                   help="slots per bucket of a host cache (default 8)")
     p.add_argument(
         "--mode",
         type=_mode,
@@ -350,13 +206,33 @@ def _create_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--ring-capacity",
-        type=int,
+        type=_positive,
         default=layout.DEFAULT_RING_CAPACITY,
         help="records in the invalidation ring",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="create it even if it is larger than the free space of /dev/shm (the segment "
+        "is sparse; a process that writes past the free space is killed)",
     )
 
 
 def _create(args: argparse.Namespace, out: TextIO) -> int:
+    try:
+        return _create_table(args, out)
+    except SharedMemoryFullError as e:
+        if args.force or e.needed <= e.free:
+            raise  # NOTE: --force was refused by the kernel itself (e.g. ENOMEM): say so
+        what = "--rows" if args.linear else "--capacity"
+        raise SharedMemoryFullError(
+            f"table {args.name!r} needs {e.needed / 2**30:,.2f} GiB of shared memory but "
+            f"{segment.SHM_DIR} has {e.free / 2**30:,.2f} GiB free: ask for a smaller {what}, "
+            "remove tables you no longer need (`hostcache rm`), or pass --force to overcommit",
+            needed=e.needed, free=e.free) from e
+
+
+def _create_table(args: argparse.Namespace, out: TextIO) -> int:
     dtype = DTYPES[args.dtype]
     if args.linear:
         if args.rows is None or args.capacity is not None or args.ways is not None:
@@ -368,6 +244,7 @@ def _create(args: argparse.Namespace, out: TextIO) -> int:
             dtype=dtype,
             ring_capacity=args.ring_capacity,
             mode=args.mode,
+            overcommit=args.force,
         )
     else:
         if args.capacity is None or args.rows is not None:
@@ -380,6 +257,7 @@ def _create(args: argparse.Namespace, out: TextIO) -> int:
             ways=8 if args.ways is None else args.ways,
             ring_capacity=args.ring_capacity,
             mode=args.mode,
+            overcommit=args.force,
         )
     g = table.geometry
     table.close()  # NOTE: close, never unlink: the table stays for the node's processes
@@ -440,12 +318,27 @@ COMMANDS: tuple[Command, ...] = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad command line in one line (no usage dump)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USER_ERROR, f"{PROG}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _version() -> str:
+    try:
+        return metadata.version("nvecache")
+    except metadata.PackageNotFoundError:  # a source tree that was never installed
+        return "unknown"
+
+
 def build_parser(commands: Sequence[Command] = COMMANDS) -> argparse.ArgumentParser:
     """The argument parser with one subparser per :class:`Command`."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=PROG, description="Inspect and manage this node's shared embedding tables."
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for cmd in commands:
         p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
         cmd.configure(p)
@@ -460,6 +353,10 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse: --help (0) or a usage error (2), already printed
         return e.code if isinstance(e.code, int) else EXIT_USER_ERROR
+    if args.command is None:
+        names = ", ".join(cmd.name for cmd in COMMANDS)
+        print(f"{PROG}: error: give a command: {names} (see `{PROG} --help`)", file=sys.stderr)
+        return EXIT_USER_ERROR
     try:
         return int(args._run(args, sys.stdout))
     except HostCacheError as e:

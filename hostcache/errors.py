@@ -50,3 +50,15 @@ class HandleClosedError(HostCacheError):
 
 class LockTimeoutError(HostCacheError, TimeoutError):
     """The writer lock could not be taken within the timeout."""
+
+
+class SharedMemoryFullError(HostCacheError):
+    """The shared-memory filesystem has no room for the segment asked for; nothing was created.
+
+    ``needed`` and ``free`` are in bytes. Creating with ``overcommit=True`` skips the check.
+    """
+
+    def __init__(self, message: str, *, needed: int = 0, free: int = 0) -> None:
+        super().__init__(message)
+        #: bytes the segment needs, and bytes free on the shared-memory filesystem
+        self.needed, self.free = needed, free

@@ -29,6 +29,7 @@ from .errors import (
     SegmentExistsError,
     SegmentNotFoundError,
     SegmentPermissionError,
+    SharedMemoryFullError,
 )
 
 PREFIX = "nvec."
@@ -36,6 +37,7 @@ LOCK_PREFIX = "nvec-lock."
 SHM_DIR = "/dev/shm"
 #: how long ``attach`` waits for a segment whose creator has not finished its header
 ATTACH_READY_TIMEOUT_S = 2.0
+GIB = 1 << 30
 
 
 def check_name(name: object) -> str:
@@ -117,20 +119,48 @@ def _map(name: str, memory: posix_ipc.SharedMemory, size: int) -> Mapping:
     return Mapping(name=name, mm=mm, buffer=buffer, header=header)
 
 
+def free_bytes() -> int:
+    """Bytes free for unprivileged writers on the shared-memory filesystem (``/dev/shm``)."""
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize
+
+
+def check_space(name: str, size: int) -> None:
+    """Refuse a segment of ``size`` bytes that ``/dev/shm`` has no room for.
+
+    Segments are sparse: creating one takes no memory until rows are written, so an
+    oversized table would only fail later, when a write hits the full filesystem (SIGBUS).
+
+    Raises:
+        SharedMemoryFullError: ``size`` exceeds the free space of the filesystem.
+    """
+    free = free_bytes()
+    if size > free:
+        raise SharedMemoryFullError(
+            f"table {name!r} needs {size / GIB:,.2f} GiB of shared memory but {SHM_DIR} has "
+            f"{free / GIB:,.2f} GiB free: ask for fewer rows, free shared memory (remove "
+            "unused tables), or overcommit on purpose (overcommit=True)",
+            needed=size, free=free)
+
+
 def create(
     name: str,
     geo: layout.Geometry,
     *,
     mode: int = 0o600,
     init: Callable[[Mapping, layout.Geometry], None] | None = None,
+    overcommit: bool = False,
 ) -> Mapping:
     """Create the segment (fails if it exists), size it, ``init`` it, write its header.
 
     The header's magic is written last, after ``init``: attachers wait for it, so nobody
-    sees a half-initialised table.
+    sees a half-initialised table. Unless ``overcommit``, a segment larger than the free
+    space of ``/dev/shm`` is refused up front (:func:`check_space`).
     """
     check_name(name)
     check_mode(mode)
+    if not overcommit:
+        check_space(name, geo.total_size)
     try:
         memory = posix_ipc.SharedMemory(
             posix_name(name), flags=posix_ipc.O_CREX, mode=mode, size=geo.total_size
@@ -142,13 +172,18 @@ def create(
         ) from e
     except OSError as e:  # e.g. ENOSPC on a small /dev/shm
         _unlink_quietly(name)
-        raise BadArgumentError(
+        raise SharedMemoryFullError(
             f"could not create a {geo.total_size}-byte segment for {name!r}: {e}; "
-            "free shared memory or ask for a smaller capacity"
-        ) from e
+            "free shared memory or ask for a smaller capacity",
+            needed=geo.total_size, free=free_bytes()) from e
     try:
         os.fchmod(memory.fd, mode)  # exact mode whatever the umask
-        mapping = _map(name, memory, geo.total_size)
+        try:
+            mapping = _map(name, memory, geo.total_size)
+        except OSError as e:  # ENOMEM: more than the address space or overcommit allows
+            raise SharedMemoryFullError(
+                f"could not map a {geo.total_size}-byte segment for {name!r}: {e}; "
+                "ask for fewer rows", needed=geo.total_size, free=free_bytes()) from e
         open_lock_file(name, mode=mode).close()
         if init is not None:
             init(mapping, geo)

@@ -92,8 +92,12 @@ class SharedTable:
     # -- construction -------------------------------------------------------------------
 
     @classmethod
-    def _create_segment(cls, name: str, geo: layout.Geometry, mode: int) -> Self:
-        mapping = segment.create(name, geo, mode=mode, init=cls._init_segment)
+    def _create_segment(
+        cls, name: str, geo: layout.Geometry, mode: int, overcommit: bool = False
+    ) -> Self:
+        mapping = segment.create(
+            name, geo, mode=mode, init=cls._init_segment, overcommit=overcommit
+        )
         try:
             return cls(name, mapping, geo)
         except BaseException:
