@@ -7,6 +7,12 @@ to an open file description, so a thread lock guards the handle's own threads to
 The header word ``writer_pid`` is set while a write section runs. A writer that finds it
 non-zero when it takes the lock knows the previous writer died inside its section and runs
 the table's repair (odd slot versions become empty slots) before its own write.
+
+The lock is the lock file's inode, not its name: a handle opens the file once (creating it
+only for a segment that still exists, so attaching a table being removed leaves no lock
+file behind), and a forked child reopens that same inode through ``/proc/self/fd``. A
+table whose name was removed (a ``gpu.DistMemBlock`` journal once every rank holds it,
+or a table removed and created again under its name) keeps one lock for its handles.
 """
 
 from __future__ import annotations
@@ -20,9 +26,8 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from . import layout
-from .errors import LockTimeoutError
-from .segment import open_lock_file
+from . import layout, segment
+from .errors import LockTimeoutError, SegmentNotFoundError, SegmentPermissionError
 
 
 class WriterLock:
@@ -33,10 +38,25 @@ class WriterLock:
         self._header = header
         self._repair = repair
         self._fd: int | None = None
-        self._fd = int(open_lock_file(name))
+        self._fd = _open_lock(name)
         self._thread_lock = threading.Lock()
 
+    def reopened(self) -> WriterLock:
+        """A lock of the same lock file with its own file description (for a forked child:
+        the inherited one is shared with the parent, so ``flock`` would not exclude it)."""
+        assert self._fd is not None
+        new = WriterLock.__new__(WriterLock)
+        new._name, new._header, new._repair = self._name, self._header, self._repair
+        new._thread_lock = threading.Lock()
+        try:
+            new._fd = os.open(f"/proc/self/fd/{self._fd}", os.O_RDWR | os.O_CLOEXEC)
+        except OSError:  # no /proc: the name is all there is
+            new._fd = _open_lock(self._name)
+        self.close()  # this process's copy of the parent's description
+        return new
+
     def close(self) -> None:
+        """Close this handle's lock file description."""
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
@@ -84,3 +104,33 @@ class WriterLock:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
         finally:
             self._thread_lock.release()
+
+
+def _open_lock(name: str) -> int:
+    """Open the table's lock file; recreate a missing one only while the segment exists."""
+    path = segment.lock_path(name)
+    try:
+        return os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        pass
+    except PermissionError as e:
+        raise SegmentPermissionError(
+            f"no permission to open the lock file {path}; run as the table's owner"
+        ) from e
+    gone = SegmentNotFoundError(
+        f"table {name!r} was removed while this process attached it; create it again"
+    )
+    try:
+        mode = os.stat(segment.shm_path(name)).st_mode & 0o666
+    except FileNotFoundError:
+        raise gone from None
+    fd = int(segment.open_lock_file(name, mode=mode))
+    if not os.path.exists(segment.shm_path(name)):  # removed meanwhile: take ours back
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+        raise gone
+    return fd

@@ -21,7 +21,7 @@ import torch
 
 from psclient.names import TABLE_NAME_RULE, is_table_name
 
-from . import layout
+from . import layout, shmlog
 from .errors import (
     BadArgumentError,
     BadNameError,
@@ -177,6 +177,7 @@ def create(
             "free shared memory or ask for a smaller capacity",
             needed=geo.total_size, free=free_bytes()) from e
     try:
+        shmlog.record(shm_path(name))
         os.fchmod(memory.fd, mode)  # exact mode whatever the umask
         try:
             mapping = _map(name, memory, geo.total_size)
@@ -235,6 +236,7 @@ def open_lock_file(name: str, *, mode: int = 0o600) -> _Fd:
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
         os.fchmod(fd, mode)  # exact mode whatever the umask (a group must be able to write)
+        shmlog.record(path)
     except FileExistsError:
         fd = _open_existing_lock(path)
     except PermissionError as e:
@@ -261,18 +263,28 @@ class _Fd(int):
 
 
 def _unlink_quietly(name: str) -> None:
+    """Remove the segment and its lock file, whichever exist (a failed creation's)."""
     try:
         posix_ipc.unlink_shared_memory(posix_name(name))
     except posix_ipc.ExistentialError:
         pass
+    try:
+        os.unlink(lock_path(name))
+    except FileNotFoundError:
+        pass
 
 
 def unlink(name: str) -> None:
-    """Destroy the segment and its lock file. Processes still attached keep their mapping."""
+    """Destroy the segment and its lock file. Processes still attached keep their mapping.
+
+    A lock file left without its segment is removed too (no error then).
+    """
     check_name(name)
     try:
         posix_ipc.unlink_shared_memory(posix_name(name))
     except posix_ipc.ExistentialError as e:
+        if _unlink_orphan_lock(name):
+            return
         raise SegmentNotFoundError(f"no table named {name!r} on this node to remove") from e
     except posix_ipc.PermissionsError as e:
         raise SegmentPermissionError(f"no permission to remove table {name!r}") from e
@@ -280,6 +292,16 @@ def unlink(name: str) -> None:
         os.unlink(lock_path(name))
     except FileNotFoundError:
         pass
+
+
+def _unlink_orphan_lock(name: str) -> bool:
+    try:
+        os.unlink(lock_path(name))
+    except FileNotFoundError:
+        return False
+    except PermissionError as e:
+        raise SegmentPermissionError(f"no permission to remove the lock file of {name!r}") from e
+    return True
 
 
 def exists(name: str) -> bool:

@@ -202,7 +202,8 @@ class SharedTable:
         assert self._mapping is not None
         logger.debug("table %s: handle used after fork; rebuilding lock and counters", self.name)
         self._pid = os.getpid()
-        self._lock = WriterLock(self.name, self._mapping.header, self._repair)
+        assert self._lock is not None
+        self._lock = self._lock.reopened()  # the same lock file, even if its name is gone
         self._slot = -1
         self._claim_slot()
 

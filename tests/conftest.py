@@ -1,19 +1,39 @@
-"""Suite-wide fixtures and the session-end check that no shared segment leaked."""
+"""Suite-wide fixtures and the session-end check that nothing was left in /dev/shm.
+
+The leak check covers every segment (``nvec.*``) and lock file (``nvec-lock.*``) that a
+process of this session created, whatever its name, and nothing of another pytest session
+running beside it on the same machine:
+
+* the session (the controller under pytest-xdist) points ``NVEC_SHM_LOG`` at a fresh
+  file; every process that inherits it (xdist workers, spawned ranks, CLI subprocesses)
+  records there the inode of each segment and lock file it creates
+  (:mod:`hostcache.shmlog`). At the end, a recorded name whose file is still that inode
+  is a leftover. Auto-named ones (a ``DistMemBlock`` journal's) are covered like any other.
+* test tables are named ``t-<session token>-...`` (:func:`fresh_name`): any entry with
+  this prefix, recorded or not (a process started with a scrubbed environment), is one too.
+
+Leftovers are removed, listed, and fail the session (exit status 1).
+"""
 
 from __future__ import annotations
 
 import os
+import sys
+import tempfile
 import uuid
 
 import pytest
 
-from hostcache import segment
+from hostcache import segment, shmlog
 
 #: every test table of this pytest session (and its xdist workers, which inherit the
-#: environment) starts with ``t-<session token>-``: the leak check then looks at this
-#: session's tables only, not at those of another session running beside it.
+#: environment) starts with ``t-<session token>-``.
 SESSION = os.environ.setdefault("NVEC_TEST_SESSION", uuid.uuid4().hex[:6])
 PREFIX = f"t-{SESSION}-"
+_LOG = os.path.join(tempfile.gettempdir(), f"nvec-shm-{SESSION}-{os.getpid()}.log")
+if "PYTEST_XDIST_WORKER" not in os.environ:  # the controller: a log of its own, always
+    os.environ[shmlog.ENV] = _LOG
+SHM_LOG = os.environ.setdefault(shmlog.ENV, _LOG)  # a worker: its controller's
 
 
 def fresh_name(tag: str = "") -> str:
@@ -21,8 +41,16 @@ def fresh_name(tag: str = "") -> str:
     return f"{PREFIX}{tag}{uuid.uuid4().hex[:10]}"
 
 
-def _ours() -> set[str]:
-    return {name for name in segment.list_names() if name.startswith(PREFIX)}
+def session_entries() -> set[str]:
+    """File names in /dev/shm that this session created and that are still there."""
+    found = set(shmlog.leftovers(SHM_LOG, segment.SHM_DIR))
+    try:
+        entries = os.listdir(segment.SHM_DIR)
+    except FileNotFoundError:
+        entries = []
+    ours = (segment.PREFIX + PREFIX, segment.LOCK_PREFIX + PREFIX)
+    found.update(e for e in entries if e.startswith(ours))
+    return found
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -35,19 +63,31 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    session.config._nvec_segments_before = _ours()  # type: ignore[attr-defined]
+    session.config._nvec_shm_before = session_entries()  # type: ignore[attr-defined]
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if hasattr(session.config, "workerinput"):
         return  # an xdist worker: the controller checks once all workers are done
-    before = getattr(session.config, "_nvec_segments_before", set())
-    leaked = sorted(_ours() - before)
-    for name in leaked:
-        segment.unlink(name)
+    before = getattr(session.config, "_nvec_shm_before", set())
+    leaked = sorted(session_entries() - before)
+    for entry in leaked:
+        try:
+            os.unlink(os.path.join(segment.SHM_DIR, entry))
+        except FileNotFoundError:
+            pass
+    try:
+        os.unlink(SHM_LOG)
+    except FileNotFoundError:
+        pass
     if leaked:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-        print(f"\nFAILED: tests left shared-memory segments behind: {leaked}")
+        tr = session.config.pluginmanager.get_plugin("terminalreporter")
+        msg = f"FAILED: tests left shared-memory entries in /dev/shm (removed now): {leaked}"
+        if tr is not None:
+            tr.write_line(msg, red=True, bold=True)
+        else:
+            print(msg, file=sys.stderr)
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from gpu import (
     NVEmbedding,
     NVEmbeddingBag,
 )
-from hostcache import segment
+from hostcache import SharedMemBlock, segment
 
 from ..conftest import fresh_name
 from ..servers import free_port
@@ -97,13 +97,12 @@ def shard_mappings() -> int:
 
 def test_a_name_in_use_is_refused_and_nothing_stays_mapped(table_name) -> None:
     before = shard_mappings()
-    with DistMemBlock(10, 4, devices="cpu", name=table_name):
-        inside = shard_mappings()
-        assert inside > before
+    with SharedMemBlock.create(table_name, num_rows=1, dim=1) as table:
         with pytest.raises(BadArgumentError, match="journal"):
             DistMemBlock(10, 4, devices="cpu", name=table_name)
-        assert shard_mappings() == inside  # the refused block unmapped its shards
-    assert shard_mappings() == before
+        assert shard_mappings() == before  # the refused block unmapped its shards
+        assert table_name in segment.list_names()  # and left the table of that name alone
+        table.unlink(table_name)
     assert table_name not in segment.list_names()
 
 
