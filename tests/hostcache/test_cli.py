@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hostcache import HostCache, SharedMemBlock, segment
+from hostcache import HostCache, SharedMemBlock, SharedMemoryFullError, segment
 from hostcache.cli import COMMANDS, main
 
 CTX = mp.get_context("spawn")
@@ -235,3 +235,102 @@ def test_console_script_runs(names: list[str]) -> None:
     assert missing.returncode == 2 and missing.stdout == ""
     assert missing.stderr.startswith("hostcache: error: no table named")
     assert missing.stderr.count("\n") == 1 and "Traceback" not in missing.stderr
+
+
+# -- issue 13: sizes, versions, messages ------------------------------------------------------
+
+
+def shm_entries(name: str) -> list[str]:
+    """Files of ``name`` in /dev/shm: its segment and its lock file."""
+    return [p for p in (segment.shm_path(name), segment.lock_path(name)) if os.path.exists(p)]
+
+
+def too_many_rows(row_bytes: int) -> int:
+    """A row count whose table is larger than the free space of /dev/shm right now."""
+    return 2 * segment.free_bytes() // row_bytes + 1
+
+
+@pytest.mark.parametrize("kind", ["cache", "linear"])
+def test_a_table_larger_than_shared_memory_is_refused_in_one_line(
+    capsys: pytest.CaptureFixture[str], table_name: str, kind: str
+) -> None:
+    size = ["--linear", "--rows"] if kind == "linear" else ["--capacity"]
+    for rows in ("100000000000000", "1000000000", str(too_many_rows(1024 * 4))):
+        rc, out, err = run(capsys, "create", table_name, *size, rows, "--dim", "1024")
+        assert rc == 2 and out == ""
+        assert err.startswith("hostcache: error: ") and err.count("\n") == 1, err
+        assert "GiB free" in err and "--force" in err and "overcommit=" not in err
+        assert shm_entries(table_name) == []  # nothing created, not even the lock file
+    # --force asks the kernel: a segment it cannot even map is still one line, nothing left
+    rc, _, err = run(capsys, "create", table_name, *size, "100000000000000", "--dim", "1024",
+                     "--force")
+    assert rc == 2 and err.startswith("hostcache: error: could not map") and err.count("\n") == 1
+    assert shm_entries(table_name) == []
+
+
+def test_library_create_refuses_what_shared_memory_cannot_hold(table_name: str) -> None:
+    with pytest.raises(SharedMemoryFullError, match="overcommit=True") as e:
+        HostCache.create(table_name, capacity=too_many_rows(64 * 4), dim=64)
+    assert e.value.needed > e.value.free > 0
+    with pytest.raises(SharedMemoryFullError):
+        SharedMemBlock.create(table_name, num_rows=too_many_rows(64 * 4), dim=64)
+    assert shm_entries(table_name) == []
+
+
+def test_force_overcommits_on_purpose(
+    capsys: pytest.CaptureFixture[str], names: list[str]
+) -> None:
+    name = names[0]
+    rows = too_many_rows(16) // 2 + (64 << 20) // 16  # a sparse linear table past the free space
+    rc, out, err = run(capsys, "create", name, "--linear", "--rows", str(rows), "--dim", "4",
+                       "--force")
+    assert rc == 0, err
+    with SharedMemBlock.attach(name) as mb:
+        assert mb.geometry.total_size > segment.free_bytes()
+        mb.write(torch.tensor([rows - 1]), torch.ones(1, 4))  # one page is written, not all
+        assert torch.equal(mb.read(torch.tensor([rows - 1])), torch.ones(1, 4))
+    assert run(capsys, "rm", name)[0] == 0 and shm_entries(name) == []
+
+
+def test_version_and_bare_command(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run(capsys)
+    assert rc == 2 and out == "" and err.count("\n") == 1
+    assert "required" not in err and "give a command: ls, stat, create, rm" in err
+    rc, out, _ = run(capsys, "--version")
+    assert rc == 0 and out.startswith("hostcache 0.")
+    rc, out, err = run(capsys, "create", "x", "--capacity", "8")
+    assert rc == 2 and err.startswith("hostcache: error: ") and err.count("\n") == 1
+    assert "usage:" not in err
+
+
+def test_stat_prints_the_same_hit_rate_in_text_and_json(
+    capsys: pytest.CaptureFixture[str], names: list[str]
+) -> None:
+    name = names[0]
+    with HostCache.create(name, capacity=64, dim=4) as hc:
+
+        def both() -> tuple[str, float | None]:
+            text = run(capsys, "stat", name)[1]
+            (line,) = [ln for ln in text.splitlines() if ln.split()[:1] == ["hit_rate"]]
+            return line.split()[1], json.loads(run(capsys, "stat", name, "--json")[1])["node"][
+                "hit_rate"]
+
+        assert both() == ("-", None)  # nothing looked up yet: no rate, in both
+        hc.lookup(torch.zeros(0, dtype=torch.int64))  # a lookup of no keys: still no rate
+        assert both() == ("-", None)
+        hc.insert(torch.arange(2), torch.ones(2, 4))
+        hc.lookup(torch.arange(3))
+        text, rate = both()
+        assert rate == pytest.approx(2 / 3) and text == f"{100 * rate:.1f}%"
+        (row,) = ls_json(capsys, name)
+        assert row["hit_rate"] == rate
+
+
+def test_missing_table_messages_speak_to_command_line_users(
+    capsys: pytest.CaptureFixture[str], table_name: str
+) -> None:
+    for cmd in ("stat", "rm"):
+        rc, _, err = run(capsys, cmd, table_name)
+        assert rc == 2 and err.count("\n") == 1
+        assert f"no table named {table_name!r}" in err and "hostcache ls" in err
+        assert "HostCache" not in err and "create it" not in err
