@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -297,3 +298,19 @@ def test_ctrl_c_removes_every_process_and_segment(table_name: str, tmp_path: Pat
         time.sleep(0.05)  # polling for other processes' exit
     assert not [k for k in kids if _alive(k)]
     assert not (tmp_path / "out" / "demo.json").exists()
+
+
+def test_default_output_folder_is_git_ignored() -> None:
+    """A demo run from anywhere in the checkout leaves no untracked files behind."""
+    git = shutil.which("git")
+    if git is None or not (ROOT / ".git").exists():
+        pytest.skip("needs git and a git checkout of the project")
+    from hostcache.cli import build_parser
+
+    default = build_parser().parse_args(["demo"]).out
+    assert not os.path.isabs(default)
+    for where in (ROOT, ROOT / "docs"):  # relative to the directory the demo runs in
+        for name in ("demo.json", "demo.png", "replica-1/demo.json"):
+            path = where / default / name
+            proc = subprocess.run([git, "check-ignore", "-q", str(path)], cwd=ROOT, timeout=30)
+            assert proc.returncode == 0, f"{path.relative_to(ROOT)} is not git-ignored"
