@@ -1,14 +1,19 @@
 """docker-compose.yml: the node service and the demo replicas (no container engine here).
 
-The file is parsed with pyyaml; the service's command line from the file is run for real
-(``hostcache serve ... --check`` validates the node config and prints it), and the demo
-command lines are parsed by the real ``hostcache`` argument parser and checked against the
-node's tables. The Redis services are covered by tests/psclient/test_compose.py.
+The whole file is validated against the Compose Specification's JSON schema, the one the
+Compose implementation itself loads files with (vendored by check-jsonschema, a test
+dependency), and by a real ``docker compose config`` where one is installed. The file is
+parsed with pyyaml; the service's command line from the file is run for real (``hostcache
+serve ... --check`` validates the node config and prints it), and the demo command lines are
+parsed by the real ``hostcache`` argument parser and checked against the node's tables. The
+Redis services are covered by tests/psclient/test_compose.py.
 """
 
 from __future__ import annotations
 
+import copy
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -134,3 +139,67 @@ def test_image_installs_the_project(services: dict[str, Any]) -> None:
         assert "pip install" in dockerfile and "torch==" in dockerfile
         assert "$${TORCH_INDEX}" in dockerfile  # escaped for compose interpolation
         assert set(build["args"]) == {"TORCH_INDEX", "EXTRAS"}
+
+
+# -- the Compose Specification's schema and a real Compose implementation ----------------------
+
+
+def compose_spec_schema() -> dict[str, Any]:
+    """The compose-spec JSON schema as check-jsonschema vendors it (a test dependency)."""
+    builtin = pytest.importorskip(
+        "check_jsonschema.builtin_schemas",
+        reason="needs check-jsonschema (pip install -e '.[test]'), which ships the "
+        "compose-spec schema")
+    schema: dict[str, Any] = builtin.get_builtin_schema("vendor.compose-spec")
+    return schema
+
+
+def compose_errors(doc: dict[str, Any]) -> list[str]:
+    import jsonschema
+
+    schema = compose_spec_schema()
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
+            for e in validator.iter_errors(doc)]
+
+
+def test_file_is_valid_for_the_compose_specification() -> None:
+    doc = yaml.safe_load(COMPOSE.read_text())
+    assert compose_errors(doc) == []
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda d: d["services"]["node"].update(imagee="nvecache:latest"),  # a misspelt key
+    lambda d: d["services"]["replica-1"]["depends_on"]["node"].update(condition="ready"),
+    lambda d: d["services"]["node"].update(ipc=["shareable"]),
+    lambda d: d["services"]["node"]["healthcheck"].update(tset=["CMD", "true"]),
+    lambda d: d.update(service={}),
+])
+def test_the_schema_check_catches_a_broken_file(mutate: Any) -> None:
+    doc = yaml.safe_load(COMPOSE.read_text())
+    broken = copy.deepcopy(doc)
+    mutate(broken)
+    assert compose_errors(broken) != []
+
+
+def real_compose() -> list[str] | None:
+    """A Compose v2 command line (``docker compose`` or ``docker-compose``), if installed."""
+    for cmd in (["docker", "compose"], ["docker-compose"]):
+        if shutil.which(cmd[0]) is None:
+            continue
+        proc = subprocess.run([*cmd, "version", "--short"], capture_output=True, text=True,
+                              timeout=60)
+        if proc.returncode == 0 and proc.stdout.strip().lstrip("v").startswith("2"):
+            return cmd
+    return None
+
+
+def test_real_compose_accepts_the_file() -> None:
+    cmd = real_compose()
+    if cmd is None:
+        pytest.skip("needs Docker Compose v2 (`docker compose` or `docker-compose` v2); the "
+                    "compose-spec schema test above runs without it")
+    proc = subprocess.run([*cmd, "-f", str(COMPOSE), "--profile", "cluster", "--profile",
+                           "demo", "config", "--quiet"], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
