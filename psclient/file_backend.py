@@ -109,8 +109,9 @@ def _lmdb_errors(where: str) -> Iterator[None]:
     except PSClientError:
         raise
     except lmdb.MapFullError as e:
-        raise PSServerError(f"{where}: the store is full: reconnect with a larger map_size= "
-                            "(bytes; the file grows only as data is written)") from e
+        raise PSServerError(f"{where}: the store is full: open it with a larger map_size "
+                            "(the URL option ?map_size=BYTES; the file grows only as data is "
+                            "written)") from e
     except (lmdb.ReadersFullError, lmdb.TlsFullError) as e:
         raise PSUnavailableError(f"{where}: too many concurrent readers ({e})") from e
     except lmdb.Error as e:
