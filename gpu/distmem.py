@@ -64,7 +64,7 @@ from hostcache.gate import TableGate, gate_for
 
 from .errors import BadArgumentError, GPUError
 from .groups import GroupError, as_group, exchange_fds
-from .journal import new_name, open_journal
+from .journal import check_journal_name, new_name, open_journal
 from .vmm import CudaVMM, HostVMM, VMMError, backend
 
 logger = logging.getLogger(__name__)
@@ -196,13 +196,7 @@ class DistMemBlock:
         if dtype not in DTYPES:
             raise BadArgumentError(f"dtype must be one of {DTYPES}; got {dtype!r}")
         if name is not None:
-            from hostcache import HostCacheError
-            from hostcache.segment import check_name
-
-            try:
-                check_name(name)
-            except HostCacheError as e:
-                raise BadArgumentError(f"name: {e}") from e
+            check_journal_name(name)
         g = as_group(group)
         devs = _resolve_devices(devices, solo=g.size == 1)
         kind = devs[0].type

@@ -54,6 +54,16 @@ def new_name() -> str:
     return f"distmem-{_pid_namespace()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
 
+def check_journal_name(name: object) -> str:
+    """``name`` if it is a valid segment name, else :class:`BadArgumentError`."""
+    from hostcache import HostCacheError
+
+    try:
+        return segment.check_name(name)
+    except HostCacheError as e:
+        raise BadArgumentError(f"name: {e}") from e
+
+
 def _alive(pid: int) -> bool:
     """Whether ``pid`` is a live process of this pid namespace (a zombie is dead)."""
     try:
