@@ -414,6 +414,7 @@ class GPUCache:
         *,
         miss_values: torch.Tensor | None = None,
         validate: bool = True,
+        out_dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Pooled rows per bag, probe + gather + pool fused: ``(pooled [B, dim], hit [N])``.
 
@@ -426,14 +427,19 @@ class GPUCache:
             miss_values: ``[N, dim]`` rows used at the positions that miss the cache;
                 ``None`` makes misses contribute zero.
             validate: Check the offsets (one host sync).
+            out_dtype: Element type of ``pooled`` (default the cache's; the sums are fp32
+                either way): ``torch.float32`` lets a caller add more rows to the sums
+                before one final rounding.
 
         Returns:
-            ``(pooled [B, dim] in the cache's dtype, hit bool [N])``.
+            ``(pooled [B, dim], hit bool [N])``.
         """
         keys = self._check_keys(keys)
         offsets, w, mv = self._check_bags(
             keys.numel(), offsets, mode, per_sample_weights, miss_values, validate)
-        return self._pooled(keys, offsets, mode == "mean", w, mv, None)
+        if out_dtype is not None and out_dtype not in ROW_DTYPES:
+            raise BadArgumentError(f"out_dtype must be one of {ROW_DTYPES}; got {out_dtype!r}")
+        return self._pooled(keys, offsets, mode == "mean", w, mv, None, out_dtype=out_dtype)
 
     def lookup_linear_pooled(
         self,
@@ -465,6 +471,7 @@ class GPUCache:
     def _pooled(
         self, keys: torch.Tensor, offsets: torch.Tensor, mean: bool, w: torch.Tensor | None,
         mv: torch.Tensor | None, table: torch.Tensor | None, cand: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         self._lookups += keys.numel()
         if self._kernels is not None:
@@ -472,7 +479,7 @@ class GPUCache:
             return self._kernels.pooled(
                 keys, offsets, w, mv, self._tkeys, self._counters, self._rows, self._hits,
                 self.num_buckets, self.ways, mean=mean, empty=EMPTY_KEY, table=table,
-                candidates=cand, cmax=twin.COUNTER_MAX)
+                candidates=cand, cmax=twin.COUNTER_MAX, out_dtype=out_dtype)
         hit, slot = twin.probe(self._tkeys, self.num_buckets, self.ways, keys)
         twin.bump(self._counters, slot, hit)
         twin.count_hits(self._hits, hit)
@@ -484,7 +491,7 @@ class GPUCache:
             vals = twin.gather(self._rows, slot, hit)
             if mv is not None:
                 vals = torch.where(hit[:, None], vals, mv)
-        return twin.pool(vals, offsets, w, mean, self.dtype), hit
+        return twin.pool(vals, offsets, w, mean, out_dtype or self.dtype), hit
 
     # ------------------------------------------------------------------ writes
 

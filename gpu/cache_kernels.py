@@ -629,10 +629,11 @@ def pooled(
     miss_values: torch.Tensor | None, tkeys: torch.Tensor, counters: torch.Tensor,
     rows: torch.Tensor, stats: torch.Tensor, num_buckets: int, ways: int, *, mean: bool,
     empty: int, table: torch.Tensor | None = None, candidates: torch.Tensor | None = None,
-    count: bool = True, cmax: int,
+    count: bool = True, cmax: int, out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Probe + gather + pool per bag, fused: ``(pooled [B, dim], hit [N])``; ``candidates``
-    as in :func:`lookup`.
+    as in :func:`lookup`; ``out_dtype``: of ``pooled`` (default the rows' dtype; the sums
+    are fp32 either way).
 
     Each bag is split over ``pooled_split`` programs (key blocks dealt round robin); with
     more than one, the programs write fp32 partial rows and a second launch sums them in a
@@ -641,7 +642,7 @@ def pooled(
     n = keys.numel()
     nbags = offsets.numel() - 1
     dim = rows.shape[1]
-    out = torch.empty((nbags, dim), dtype=rows.dtype, device=keys.device)
+    out = torch.empty((nbags, dim), dtype=out_dtype or rows.dtype, device=keys.device)
     hit = torch.empty(n, dtype=torch.bool, device=keys.device)
     if nbags == 0:
         return out, hit

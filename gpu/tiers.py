@@ -610,22 +610,25 @@ class HierarchicalTiers(Tiers):
             return super().pooled(keys, offsets, weights, mode)
         with self._cache_op():
             since = self._sync()
-            out, hit = self.cache.lookup_pooled(keys, offsets, mode, weights, validate=False)
+            # NOTE: fp32 sums out of the kernel, so that missed rows join them before the
+            # one rounding to the table's dtype (as embedding_bag rounds once)
+            out, hit = self.cache.lookup_pooled(keys, offsets, mode, weights, validate=False,
+                                                out_dtype=torch.float32)
         if bool(hit.all()):
-            return out
+            return out.to(self.dtype)
         miss = (~hit).nonzero().squeeze(1)
         ukeys, inverse = torch.unique(keys[miss], return_inverse=True)
         urows, cacheable = self._fetch(ukeys, since)
-        contrib = urows[inverse]
+        contrib = urows[inverse].float()
         if weights is not None:
-            contrib = contrib * weights[miss, None]
+            contrib = contrib * weights[miss, None].float()
         bag = torch.searchsorted(offsets, miss, right=True) - 1
         if mode == "mean":
-            length = (offsets[1:] - offsets[:-1]).to(contrib.dtype)
+            length = (offsets[1:] - offsets[:-1]).float()
             contrib = contrib / length[bag, None]
-        out.index_add_(0, bag, contrib.to(out.dtype))
+        out.index_add_(0, bag, contrib)
         self._admit(ukeys[cacheable], urows[cacheable], since, self._policy.gpu)
-        return out
+        return out.to(self.dtype)
 
     def _host_lookup(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self._reg is not None:
