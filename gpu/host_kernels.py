@@ -25,9 +25,10 @@ the probe's key/version reads and the row reads all in page order at once. So a 
    hashes the distinct keys, ``torch.sort`` orders them by bucket, the probe kernel runs
    over the distinct keys only, and ``index_select`` expands the rows back to the batch.
 
-Per key, the probe kernel loads the bucket's versions, then its keys, picks the matching
-way, gathers the row, re-loads the slot's version, and writes the row (zeros on a miss)
-to the key's output position. Measured on the H200 machine (2 GiB table, see
+Three launches per lookup: the probe (per key, the bucket's versions, then its keys: the
+matching slot and the version read, packed in one int64), the row gather of the found
+slots, and the check (each found slot's version read again: a hit if unchanged); rows of
+keys whose version changed are then zeroed. Measured on the H200 machine (2 GiB table, see
 ``bench/bench_host_tier.py``): the probe's small reads (64 + 64 + 8 bytes per key), not
 the row reads, take most of the time of a large uniform batch.
 
@@ -39,28 +40,37 @@ cores and to PCIe reads (which snoop the CPU caches) alike.
 
 Reader (GPU, per key): ``v1 = version`` -> ``key`` -> ``row`` -> ``v2 = version``; the key
 is a hit only if it matched, ``v1`` is even and ``v2 == v1``. The four steps must be
-*performed* (their values fetched from host memory) in that order, which GPU hardware does
-not promise by itself: loads to different addresses complete out of order, and PCIe read
-requests may pass each other. The kernel therefore
+*performed* (their values fetched from host memory) in that order, and every part of the
+row must be judged by the same ``v1`` and ``v2``. Neither comes for free on a GPU:
 
-* loads versions and keys with ``volatile=True`` (``ld.volatile``: never served from a
-  stale cache line, treated by PTX as relaxed, system scope) and rows with
-  ``cache_modifier=".cv"`` (``ld.global.cv``: "consider cached system memory lines stale,
-  fetch again"), so duplicate reads inside and across launches go to host memory;
-* puts ``fence.acq_rel.sys`` between ``v1`` and the key/row loads, and again between the
-  row loads and ``v2`` (inline PTX; the fence's input is a reduction of the values loaded
-  before it, and its output, an opaque zero, is added to the addresses loaded after it,
-  so neither the compiler nor the hardware can move a load across it);
-* the row's address depends on the key loads (the matching way), a true dependency.
+* loads to different addresses complete out of order, and PCIe read requests may pass
+  each other. Between ``v1`` and the keys the probe puts ``fence.acq_rel.sys`` (inline
+  PTX; the fence's input is a reduction of the versions, its output an opaque zero added
+  to the key addresses, so neither the compiler nor the hardware moves a key load before
+  it), and loads versions and keys with ``volatile=True`` (``ld.volatile``: relaxed,
+  system scope, never a stale cached line). The row gather and the second version read
+  are separate launches on the same stream: a launch starts after every load of the one
+  before it has completed, the strongest fence there is, and rows are loaded with
+  ``cache_modifier=".cv"`` ("consider cached system memory lines stale, fetch again");
+* a Triton program spreads one key's row over many threads (a 16 KiB row over every warp
+  of the program), and each thread evaluates a per-key value such as ``v1`` with loads of
+  its own. Under a concurrent write, threads of one key read different versions: a
+  single-launch reader that let each thread judge its own part of the row returned rows
+  half old, half zero on the H200 (dim 4096, while dims up to 128 never showed it). So
+  the probe stores one packed (slot, version) word per key (whichever thread's store
+  lands, it is a pair that thread read), the gather reads the row of that slot, and the
+  check compares that version with a version read after the gather: one verdict per key,
+  from values in device memory that every thread reads alike.
 
 With that order, ``v2 == v1`` (versions only grow) means no writer store to the version
 was visible between the two reads; every row byte was read in that window, and the row
 stores of a write section become visible only after its odd version store (TSO), so any
 row byte of a concurrent write section would imply ``v2 != v1``. A row whose last write
 section ended before ``v1`` was read is complete, because its even store, which ``v1``
-saw, became visible after all its row stores. So a hit is never torn nor foreign.
-Under the Triton interpreter loads run one after another in program order; the fence is
-compiled out there.
+saw, became visible after all its row stores. So a hit is never torn nor foreign. (The
+version is compared modulo 2^24, the bits packed beside the slot: a false match needs 2^23
+writes to one slot while one lookup reads it.) Under the Triton interpreter loads run one
+after another in program order; the fence is compiled out there.
 
 Keys equal to ``hostcache.layout.EMPTY_KEY`` (reserved) are reported as misses on the GPU
 (the CPU twin raises, as ``HostCache.lookup`` does): checking would cost a device sync.
@@ -198,33 +208,33 @@ if triton is not None:
         tl.store(out_ptr + dst[:, None] * dim + d[None, :], row, mask=mask)
         tl.store(hit_ptr + dst, tl.load(hit_ptr + src, mask=dup, other=0), mask=dup)
 
+    #: a probed key's slot and the low bits of the version it had, packed in one int64
+    #: (``slot << _VER_BITS | version & _VER_MASK``; -1: not found), so that every thread
+    #: of a program that stores it stores a pair it read itself (see "Memory ordering")
+    _VER_BITS: tl.constexpr = tl.constexpr(24)
+    _VER_MASK: tl.constexpr = tl.constexpr((1 << 24) - 1)
+
     @triton.jit
-    def _probe_gather_kernel(
+    def _probe_kernel(
         keys_ptr,  # int64 [n] keys to look up (sorted by bucket for page order), or with
         # PERM the batch's keys in their own order
-        pos_ptr,  # int64 [n] output row of each key (with PERM: the visiting order)
+        pos_ptr,  # int64 [n] output position of each key (with PERM: the visiting order)
         head_ptr,  # int64 [n] with DEDUP: i where key i starts a run of equal keys, else 0
         tab_keys_ptr,  # int64 [slots] registered keys
-        tab_ver_ptr,  # int64 [slots] registered versions (first read)
-        tab_ver2_ptr,  # int64 [slots] versions for the second read (the same, but in tests)
-        rows_ptr,  # [slots, dim] registered rows, row stride `row_stride` elements
-        out_ptr,  # [n_out, dim] output rows (contiguous)
-        hit_ptr,  # bool [n_out]
+        tab_ver_ptr,  # int64 [slots] registered versions
+        found_ptr,  # int64 [n_out] packed (slot, version) of each found key, else -1
         n,
         num_buckets,
-        row_stride,
-        dim,
         WAYS: tl.constexpr,  # noqa: N803
         BLOCK_K: tl.constexpr,  # noqa: N803
-        BLOCK_D: tl.constexpr,  # noqa: N803
         FENCE: tl.constexpr,  # noqa: N803
-        EVEN_D: tl.constexpr,  # noqa: N803 - dim == BLOCK_D: no column mask (wide loads)
         PERM: tl.constexpr = False,  # noqa: N803 - visit keys_ptr[pos_ptr[i]], write there
-        DEDUP: tl.constexpr = False,  # noqa: N803 - with PERM: fetch only a run's first key
-        GATHER: tl.constexpr = True,  # noqa: N803 - False: probe only (for measurements)
+        DEDUP: tl.constexpr = False,  # noqa: N803 - with PERM: probe only a run's first key
     ):
+        """Step 1 of a lookup: the bucket's versions (v1), then its keys (after v1)."""
         offs = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
-        m = offs < n
+        inside = offs < n
+        m = inside
         if PERM:
             pos = tl.load(pos_ptr + offs, mask=m, other=0)
             k = tl.load(keys_ptr + pos, mask=m, other=_EMPTY)
@@ -236,13 +246,12 @@ if triton is not None:
                 m = m & head
         else:
             k = tl.load(keys_ptr + offs, mask=m, other=_EMPTY)
+            pos = tl.load(pos_ptr + offs, mask=m, other=0)
         b = _bucket_of(k, num_buckets)
         w = tl.arange(0, WAYS)
         sidx = b[:, None] * WAYS + w[None, :]
-        # 1. versions of the bucket's ways (v1)
         v1s = tl.load(tab_ver_ptr + sidx, mask=m[:, None], other=1, volatile=True)
         dep = _sys_fence(tl.reduce(v1s, 1, _xor), FENCE)
-        # 2. keys of the bucket, after v1
         ks = tl.load(tab_keys_ptr + sidx + dep[:, None], mask=m[:, None], other=_EMPTY,
                      volatile=True)
         match = (ks == k[:, None]) & (k != _EMPTY)[:, None]
@@ -250,29 +259,50 @@ if triton is not None:
         v1 = tl.reduce(tl.where(w[None, :] == way[:, None], v1s, 0), 1, _add)
         ok = m & (way < WAYS) & ((v1 & 1) == 0)
         slot = b * WAYS + tl.minimum(way, WAYS - 1)
-        # 3. the row (address depends on the matched way)
+        found = tl.where(ok, (slot << _VER_BITS) | (v1 & _VER_MASK), -1)
+        tl.store(found_ptr + pos, found, mask=inside)  # (DEDUP: -1 for a run's other keys)
+
+    @triton.jit
+    def _gather_found_kernel(
+        found_ptr,  # int64 [n] packed (slot, version) from _probe_kernel, or -1
+        rows_ptr,  # [slots, dim] registered rows, row stride `row_stride` elements
+        out_ptr,  # [n, dim] output rows (contiguous); zeros where not found
+        n,
+        row_stride,
+        dim,
+        BLOCK_K: tl.constexpr,  # noqa: N803
+        BLOCK_D: tl.constexpr,  # noqa: N803
+        EVEN_D: tl.constexpr,  # noqa: N803 - dim == BLOCK_D: no column mask (wide loads)
+    ):
+        """Step 2: the rows of the found slots (a launch after every v1 was read)."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+        m = offs < n
+        f = tl.load(found_ptr + offs, mask=m, other=-1)
+        ok = f >= 0
+        slot = tl.where(ok, f >> _VER_BITS, 0)
         d = tl.arange(0, BLOCK_D)
         dmask = (d < BLOCK_D) if EVEN_D else (d < dim)
-        if GATHER:
-            row = tl.load(
-                rows_ptr + slot[:, None] * row_stride + d[None, :],
-                mask=ok[:, None] & dmask[None, :],
-                other=0,
-                cache_modifier=".cv",
-            )
-            row_sum = tl.reduce(row.to(tl.float32), 1, _add)
-            dep2 = _sys_fence(row_sum.to(tl.int32, bitcast=True), FENCE)
-        else:
-            row = tl.full([BLOCK_K, BLOCK_D], 0, out_ptr.dtype.element_ty)
-            dep2 = _sys_fence(way, FENCE)
-        # 4. the version again, after the row
-        v2 = tl.load(tab_ver2_ptr + slot + dep2, mask=ok, other=-1, volatile=True)
-        hit = ok & (v2 == v1)
-        if not PERM:
-            pos = tl.load(pos_ptr + offs, mask=m, other=0)
-        out = tl.where(hit[:, None], row, 0)
-        tl.store(out_ptr + pos[:, None] * dim + d[None, :], out, mask=m[:, None] & dmask[None, :])
-        tl.store(hit_ptr + pos, hit, mask=m)
+        row = tl.load(rows_ptr + slot[:, None] * row_stride + d[None, :],
+                      mask=ok[:, None] & dmask[None, :], other=0, cache_modifier=".cv")
+        tl.store(out_ptr + offs[:, None] * dim + d[None, :], row, mask=m[:, None] & dmask[None, :])
+
+    @triton.jit
+    def _verify_kernel(
+        found_ptr,  # int64 [n] packed (slot, version) from _probe_kernel, or -1
+        tab_ver_ptr,  # int64 [slots] registered versions (the second read: v2)
+        hit_ptr,  # bool [n]
+        n,
+        BLOCK: tl.constexpr,  # noqa: N803
+    ):
+        """Step 3: a key is a hit if its slot still has the version step 1 read (a launch
+        after every row was read)."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        f = tl.load(found_ptr + offs, mask=m, other=-1)
+        ok = m & (f >= 0)
+        v2 = tl.load(tab_ver_ptr + tl.where(ok, f >> _VER_BITS, 0), mask=ok, other=-1,
+                     volatile=True)
+        tl.store(hit_ptr + offs, ok & ((v2 & _VER_MASK) == (f & _VER_MASK)), mask=m)
 
     @triton.jit
     def _gather_kernel(
@@ -426,7 +456,8 @@ def _lookup_torch(reg: Any, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 #: launch settings of the host-tier lookup; the bench overrides them to compare variants.
 CONFIG: dict[str, int] = {
-    "block_k": 0,  # keys per program; 0: 2048 // BLOCK_D, at most 32
+    "block_k": 0,  # keys per program of the row gather; 0: 2048 // BLOCK_D, at most 32
+    "probe_block_k": 64,  # keys per program of the probe
     "warps": 4,
     # Batches up to this many keys dedup and sort with one sort and no host sync; larger
     # ones with torch.unique, then a sort of the distinct keys by bucket, so the probe runs
@@ -446,33 +477,38 @@ def _lookup_triton(
     fence: bool = True,
     gather: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton probe + gather; ``versions_again`` stands in for the second version read."""
+    """Triton probe, gather, verify; ``versions_again`` stands in for the second version
+    read (tests), ``fence=False`` / ``gather=False`` are the bench's variants."""
     g = reg.geometry
     interpret = reg.device.type != "cuda"
     k = _kernels(interpret)
-    versions, tab_keys, rows = reg.versions(), reg.keys(), reg.rows()
+    versions, tab_keys = reg.versions(), reg.keys()
+    if g.slots >= 1 << 39:  # NOTE: the probe packs a slot in 39 bits beside the version
+        raise BadArgumentError(f"table {reg.name!r} has {g.slots} slots; the GPU lookup "
+                               "reads tables of fewer than 2**39 slots")
     ver2 = versions if versions_again is None else versions_again
     dev = keys.device
     bd = _block_d(g.dim)
-    bk = CONFIG["block_k"] or _block_k(bd)
-    common = dict(WAYS=g.ways, BLOCK_K=bk, BLOCK_D=bd, FENCE=fence and not interpret,
-                  EVEN_D=bd == g.dim, GATHER=gather, num_warps=CONFIG["warps"])
+    pk = CONFIG["probe_block_k"]
+    common = dict(WAYS=g.ways, BLOCK_K=pk, FENCE=fence and not interpret,
+                  num_warps=CONFIG["warps"])
     n = keys.numel()
+    found = torch.empty(n, dtype=torch.int64, device=dev)
     if sort and 1 < n <= CONFIG["one_sort_max"]:
         # One sort of (bucket, hash bits): bucket (= host page) order, and equal keys next
-        # to each other; the kernel fetches only the first key of each run of equal keys
-        # and a second kernel copies its row to the others, in device memory.
+        # to each other; the probe looks up only the first key of each run of equal keys
+        # and, once the rows are read and checked, a last kernel copies its row to the
+        # others, in device memory.
         shift = max(0, 62 - max(1, g.num_buckets - 1).bit_length())
         skey = torch.empty_like(keys)
         k._sort_key_kernel[(triton.cdiv(n, 1024),)](
             keys, skey, n, g.num_buckets, SHIFT=min(shift, 32), BLOCK=1024)
         perm = torch.sort(skey).indices
-        out = torch.empty((n, g.dim), dtype=g.dtype, device=dev)
-        hit = torch.empty(n, dtype=torch.bool, device=dev)
         head = torch.empty(n, dtype=torch.int64, device=dev) if dedup else perm
-        k._probe_gather_kernel[(triton.cdiv(n, bk),)](
-            keys, perm, head, tab_keys, versions, ver2, rows, out, hit,
-            n, g.num_buckets, rows.stride(0), g.dim, PERM=True, DEDUP=dedup, **common)
+        k._probe_kernel[(triton.cdiv(n, pk),)](
+            keys, perm, head, tab_keys, versions, found, n, g.num_buckets, PERM=True,
+            DEDUP=dedup, **common)
+        out, hit = _read_found(k, reg, found, ver2, gather)
         if dedup:
             head = torch.cummax(head, 0).values
             bkf = max(1, min(64, 4096 // bd))
@@ -493,14 +529,37 @@ def _lookup_triton(
     else:
         visit = uniq
         pos = torch.arange(n, dtype=torch.int64, device=dev)
-    out = torch.empty((n, g.dim), dtype=g.dtype, device=dev)
-    hit = torch.empty(n, dtype=torch.bool, device=dev)
+    found = found[:n]
     if n:
-        k._probe_gather_kernel[(triton.cdiv(n, bk),)](
-            visit, pos, pos, tab_keys, versions, ver2, rows, out, hit,
-            n, g.num_buckets, rows.stride(0), g.dim, **common)
+        k._probe_kernel[(triton.cdiv(n, pk),)](
+            visit, pos, pos, tab_keys, versions, found, n, g.num_buckets, **common)
+    out, hit = _read_found(k, reg, found, ver2, gather)
     if inverse is not None:
         return out.index_select(0, inverse), hit.index_select(0, inverse)
+    return out, hit
+
+
+def _read_found(k: ModuleType, reg: Any, found: torch.Tensor, ver2: torch.Tensor,
+                gather: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Steps 2 and 3 of a lookup: the rows of the probed slots, then the versions again;
+    rows of keys whose version changed are zeroed (``gather=False``: no rows, zeros)."""
+    g = reg.geometry
+    n = found.numel()
+    rows = reg.rows()
+    out = (torch.empty if gather else torch.zeros)((n, g.dim), dtype=g.dtype,
+                                                   device=found.device)
+    hit = torch.empty(n, dtype=torch.bool, device=found.device)
+    if n == 0:
+        return out, hit
+    if gather:
+        bd = _block_d(g.dim)
+        bk = CONFIG["block_k"] or _block_k(bd)
+        k._gather_found_kernel[(triton.cdiv(n, bk),)](
+            found, rows, out, n, rows.stride(0), g.dim, BLOCK_K=bk, BLOCK_D=bd,
+            EVEN_D=bd == g.dim, num_warps=CONFIG["warps"])
+    k._verify_kernel[(triton.cdiv(n, 1024),)](found, ver2, hit, n, BLOCK=1024)
+    if gather:
+        out.masked_fill_(~hit[:, None], 0)  # read while a writer was in the slot
     return out, hit
 
 
