@@ -32,6 +32,7 @@ import uuid
 import torch
 
 from hostcache import SharedMemBlock, segment
+from hostcache.table import process_alive
 
 from .errors import BadArgumentError
 from .groups import Group, GroupError
@@ -64,22 +65,6 @@ def check_journal_name(name: object) -> str:
         raise BadArgumentError(f"name: {e}") from e
 
 
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` is a live process of this pid namespace (a zombie is dead)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            state = f.read().rpartition(")")[2].split()
-    except OSError:
-        return True
-    return not state or state[0] not in ("Z", "X")
-
-
 def reap_orphaned_journals() -> list[str]:
     """Remove the journal segments (and lock files) whose creator died before unlinking them.
 
@@ -101,7 +86,7 @@ def reap_orphaned_journals() -> list[str]:
                 continue
             name = entry[len(prefix):]
             m = GENERATED.fullmatch(name)
-            if m is None or m.group(1) != ns or _alive(int(m.group(2))):
+            if m is None or m.group(1) != ns or process_alive(int(m.group(2))):
                 continue
             path = os.path.join(segment.SHM_DIR, entry)
             try:

@@ -19,10 +19,11 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from importlib import metadata
-from typing import NoReturn, TextIO
+from typing import TextIO
 
 import torch
+
+from psclient.cli_common import EXIT_USAGE, OneLineParser, package_version
 
 from . import demo as demo_cmd
 from . import layout, segment
@@ -49,7 +50,7 @@ from .service import command as serve_cmd
 
 PROG = "hostcache"
 EXIT_OK = 0
-EXIT_USER_ERROR = 2
+EXIT_USER_ERROR = EXIT_USAGE
 
 
 class TableInUseError(HostCacheError):
@@ -318,26 +319,12 @@ COMMANDS: tuple[Command, ...] = (
 )
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports a bad command line in one line (no usage dump)."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USER_ERROR, f"{PROG}: error: {message} (see `{self.prog} --help`)\n")
-
-
-def _version() -> str:
-    try:
-        return metadata.version("nvecache")
-    except metadata.PackageNotFoundError:  # a source tree that was never installed
-        return "unknown"
-
-
 def build_parser(commands: Sequence[Command] = COMMANDS) -> argparse.ArgumentParser:
     """The argument parser with one subparser per :class:`Command`."""
-    parser = _Parser(
+    parser = OneLineParser(
         prog=PROG, description="Inspect and manage this node's shared embedding tables."
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for cmd in commands:
         p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)

@@ -56,14 +56,20 @@ class TableStats:
         return {**asdict(self), "hit_rate": self.hit_rate}
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process of this pid namespace (a zombie is dead)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            state = f.read().rpartition(")")[2].split()
+    except OSError:
+        return True
+    return not state or state[0] not in ("Z", "X")
 
 
 class SharedTable:
@@ -147,7 +153,7 @@ class SharedTable:
         reaped: list[int] = []
         for i in np.flatnonzero(pids):  # a loop over process slots, not keys
             pid = int(pids[i])
-            if not _alive(pid):
+            if not process_alive(pid):
                 retired += self._procs[i, 1 : 1 + _N_COUNTERS]
                 self._procs[i, :] = 0
                 reaped.append(pid)
@@ -250,7 +256,7 @@ class SharedTable:
     def attached_pids(self) -> list[int]:
         """Live processes holding a handle on this table (one entry per handle)."""
         self._live()
-        return [int(p) for p in self._procs[:, 0] if p and _alive(int(p))]
+        return [int(p) for p in self._procs[:, 0] if p and process_alive(int(p))]
 
     def stats(self, scope: Scope = "node") -> TableStats:
         """Counters node-wide (every process, past and present) or of this handle only."""

@@ -25,9 +25,9 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from importlib import metadata
-from typing import Any, NoReturn
+from typing import Any
 
+from .cli_common import EXIT_USAGE, OneLineParser, package_version
 from .errors import BadArgumentError, PSClientError, SchemaMismatchError, TableNotFoundError
 from .loader import check_rows, file_format, open_keys, open_rows
 from .names import TABLE_NAME_RULE
@@ -37,7 +37,6 @@ from .schema import DTYPES, dtype_name
 
 PROG = "psclient"
 EXIT_ERROR = 1
-EXIT_USAGE = 2
 
 _URLS = f"""\
 store URLs:
@@ -53,20 +52,6 @@ table names: {TABLE_NAME_RULE}.
 """
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports a bad command line in one line (no usage dump)."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{PROG}: error: {message} (see `{self.prog} --help`)\n")
-
-
-def _version() -> str:
-    try:
-        return metadata.version("nvecache")
-    except metadata.PackageNotFoundError:  # a source tree that was never installed
-        return "unknown"
-
-
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -78,9 +63,10 @@ def _positive(text: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description="Create, fill, inspect and drop parameter-server tables.",
-                epilog=_URLS, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    p = OneLineParser(prog=PROG,
+                      description="Create, fill, inspect and drop parameter-server tables.",
+                      epilog=_URLS, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
     ls = sub.add_parser("ls", help="list the tables of a store", epilog=_URLS,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
