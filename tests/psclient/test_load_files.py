@@ -42,28 +42,32 @@ def rows_and_keys(tmp_path: Path) -> tuple[torch.Tensor, np.ndarray]:
     return data, keys
 
 
-def layer_rows(ps: psclient.ParameterServer, keys: torch.Tensor) -> torch.Tensor:
-    emb = NVEmbedding(2**40, DIM, torch.float32, LayerType.Hierarchical, storage=ps,
-                      device="cpu", gpu_cache_size=64 * DIM * 4)
-    return emb(keys)
+def layer_over(ps: psclient.ParameterServer, device: str) -> NVEmbedding:
+    return NVEmbedding(2**40, DIM, torch.float32, LayerType.Hierarchical, storage=ps,
+                       device=device, gpu_cache_size=64 * DIM * 4)
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (the layer on it)")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("source, keys_file", [
     ("rows.npy", None), ("rows.bin", None), ("rows.npy", "keys.npy"), ("rows.bin", "keys.bin"),
     ("rows.bin", "keys.npy"),
 ])
 def test_load_file_then_layer_reads_those_rows(
-        ps: psclient.ParameterServer, tmp_path: Path, source: str, keys_file: str | None) -> None:
+        ps: psclient.ParameterServer, tmp_path: Path, source: str, keys_file: str | None,
+        device: str) -> None:
     data, keys = rows_and_keys(tmp_path)
     kw = {} if keys_file is None else {"keys": tmp_path / keys_file}
     assert ps.load(tmp_path / source, progress=False, batch_size=64, **kw) == ROWS
     k = torch.arange(ROWS) if keys_file is None else torch.from_numpy(keys)
     assert ps.size() == ROWS
     order = torch.randperm(ROWS)
-    got = layer_rows(ps, k[order])
-    assert torch.equal(got, data[order])
-    again = layer_rows(ps, k[order])  # now served from the layer's cache
-    assert torch.equal(again, data[order])
+    emb = layer_over(ps, device)
+    for _ in range(2):  # from the parameter server, then partly from the layer's cache
+        assert torch.equal(emb(k[order].to(device)).cpu(), data[order])
 
 
 def test_bad_files_are_refused_before_anything_is_written(
