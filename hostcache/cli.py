@@ -23,7 +23,7 @@ from typing import TextIO
 
 import torch
 
-from psclient.cli_common import EXIT_USAGE, OneLineParser, package_version
+from psclient.cli_common import EXIT_USAGE, OneLineParser, package_version, positive_int
 
 from . import demo as demo_cmd
 from . import layout, segment
@@ -176,16 +176,6 @@ def _mode(text: str) -> int:
     return mode
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer; got {text!r}")
-    return value
-
-
 def _create_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", help="table name, [A-Za-z0-9_.-]{1,100}")
     p.add_argument(
@@ -193,9 +183,9 @@ def _create_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="a linear table (SharedMemBlock) of --rows rows instead of a cache",
     )
-    p.add_argument("--capacity", type=_positive, help="rows the host cache holds")
-    p.add_argument("--rows", type=_positive, help="rows of a linear table (with --linear)")
-    p.add_argument("--dim", type=_positive, required=True, help="elements per row")
+    p.add_argument("--capacity", type=positive_int, help="rows the host cache holds")
+    p.add_argument("--rows", type=positive_int, help="rows of a linear table (with --linear)")
+    p.add_argument("--dim", type=positive_int, required=True, help="elements per row")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--ways", type=int, choices=(4, 8, 16, 32),
                    help="slots per bucket of a host cache (default 8)")
@@ -207,7 +197,7 @@ def _create_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--ring-capacity",
-        type=_positive,
+        type=positive_int,
         default=layout.DEFAULT_RING_CAPACITY,
         help="records in the invalidation ring",
     )

@@ -27,7 +27,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .cli_common import EXIT_USAGE, OneLineParser, package_version
+from .cli_common import EXIT_USAGE, OneLineParser, package_version, positive_int
 from .errors import BadArgumentError, PSClientError, SchemaMismatchError, TableNotFoundError
 from .loader import check_rows, file_format, open_keys, open_rows
 from .names import TABLE_NAME_RULE
@@ -50,16 +50,6 @@ store URLs:
 
 table names: {TABLE_NAME_RULE}.
 """
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -87,11 +77,11 @@ def _parser() -> argparse.ArgumentParser:
                     help="the file's format (default: by its suffix)")
     ld.add_argument("--keys", metavar="FILE", help="one key per row: a .npy of integers or "
                     "a raw file of little-endian int64 (default: row i gets key i)")
-    ld.add_argument("--dim", type=_positive, help="row length: creates a new table with it; "
+    ld.add_argument("--dim", type=positive_int, help="row length: creates a new table with it; "
                     "must match the file's rows and an existing table; gives a raw file's")
     ld.add_argument("--dtype", choices=sorted(DTYPES), help="row dtype of the table: the "
                     "file's rows are converted to it (default: the file's, or the table's)")
-    ld.add_argument("--batch-size", type=_positive, default=65536, metavar="N",
+    ld.add_argument("--batch-size", type=positive_int, default=65536, metavar="N",
                     help="rows per insert (65536)")
     ld.add_argument("--no-progress", action="store_true", help="no progress bar")
     st = sub.add_parser("stat", help="schema, row count and backend details of a table",

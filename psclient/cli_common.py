@@ -1,4 +1,5 @@
-"""What the ``psclient`` and ``hostcache`` commands share: one-line usage errors, the version."""
+"""What the ``psclient`` and ``hostcache`` commands share: one-line usage errors, the version,
+argument types."""
 
 from __future__ import annotations
 
@@ -24,3 +25,14 @@ def package_version() -> str:
         return metadata.version("nvecache")
     except metadata.PackageNotFoundError:
         return "unknown"
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer > 0, else a usage error in command-line terms."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer; got {text!r}")
+    return value
