@@ -30,7 +30,15 @@ from .devices import resolve_device
 from .errors import BadArgumentError
 from .inputs import bags, check_keys, check_values
 from .layer_config import InsertPolicy, LayerStats, LayerType, PoolingMode
-from .tiers import DeviceTable, HierarchicalTiers, LinearTiers, Tiers, write_linear
+from .tiers import (
+    DeviceTable,
+    HierarchicalTiers,
+    LinearTiers,
+    Tiers,
+    table_gate,
+    write_linear,
+    write_tensor,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +79,9 @@ def _write_init(storage: Any, init: torch.Tensor | None) -> None:
     to every process's caches, as any write through the block)."""
     if init is None:
         return
-    if isinstance(storage, torch.Tensor):
-        storage.copy_(init.detach())
+    if isinstance(storage, torch.Tensor):  # through its gate, as any write to it
+        write_tensor(table_gate(storage, storage.device), storage,
+                     torch.arange(init.shape[0]), init.detach())
     else:
         write_linear(storage, torch.arange(init.shape[0]), init.detach())
 
