@@ -69,8 +69,7 @@ from __future__ import annotations
 
 import time
 import zlib
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -236,13 +235,7 @@ def plan(
         total_size=0,
     )
     total = _page_up(rows_off + slots * geo.row_stride)
-    return _replace(geo, total_size=total)
-
-
-def _replace(geo: Geometry, **changes: Any) -> Geometry:
-    from dataclasses import replace
-
-    return replace(geo, **changes)
+    return replace(geo, total_size=total)
 
 
 def _checksum(words: np.ndarray) -> int:
@@ -325,7 +318,7 @@ def read(header: np.ndarray, *, name: str, segment_size: int) -> Geometry:
             f"segment is truncated ({segment_size} bytes, header says {int(h[W_TOTAL])}); "
             f"remove it with `hostcache rm {name}` and create it again."
         )
-    return _replace(geo, creator_uid=int(h[W_UID]), created_ns=int(h[W_CREATED]))
+    return replace(geo, creator_uid=int(h[W_UID]), created_ns=int(h[W_CREATED]))
 
 
 def expect(geo: Geometry, name: str, kind: int, **want: object) -> None:
