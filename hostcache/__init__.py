@@ -5,7 +5,7 @@ No CUDA is touched at import time; the ``gpu`` package registers these segments 
 
 from __future__ import annotations
 
-from .cache import HostCache
+from .cache import CacheAudit, HostCache
 from .errors import (
     BadArgumentError,
     BadNameError,
@@ -26,6 +26,7 @@ from .table import TableStats
 __all__ = [
     "BadArgumentError",
     "BadNameError",
+    "CacheAudit",
     "CorruptedHeaderError",
     "GeometryMismatchError",
     "HandleClosedError",

@@ -14,6 +14,7 @@ counters pass 2**30 has them halved.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Self
 
 import torch
@@ -36,6 +37,19 @@ from .validate import check_cache_keys, check_values, dedup_last
 
 _COUNTER_CAP = 1 << 30
 _PROTECTED = torch.iinfo(torch.int32).max
+
+
+@dataclass(frozen=True)
+class CacheAudit:
+    """What :meth:`HostCache.audit` found."""
+
+    #: slots holding a key.
+    occupied: int
+    #: the header's size counter (equals ``occupied`` when consistent).
+    size: int
+    #: slots whose version is odd: a write section in progress, or left by a dead writer
+    #: and not yet repaired.
+    mid_write: int
 
 
 def _matching_way(match: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,6 +217,25 @@ class HostCache(SharedTable):
         keys = check_cache_keys(keys)
         self._live()
         return self._find(keys)[1]
+
+    def policy(self, keys: torch.Tensor) -> torch.Tensor:
+        """int32 [N]: each key's eviction-policy counter now (-1 where it is not cached);
+        read without the writer lock, so approximate while others write."""
+        keys = check_cache_keys(keys)
+        self._live()
+        _, found, slot = self._find(keys)
+        counts = self._policy.index_select(0, slot)
+        return torch.where(found, counts, torch.full_like(counts, -1))
+
+    def audit(self) -> CacheAudit:
+        """What a consistency check finds (exact while no writer is inside; see
+        :attr:`writer_pid`): occupied slots, the size counter, slots mid-write."""
+        self._live()
+        return CacheAudit(
+            occupied=int((self._keys != layout.EMPTY_KEY).sum()),
+            size=int(self._header[layout.W_SIZE]),
+            mid_write=int(((self._versions & 1) == 1).sum()),
+        )
 
     def _find(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(bucket, found, slot) of each key; exact under the writer lock."""

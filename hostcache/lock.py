@@ -55,6 +55,12 @@ class WriterLock:
         self.close()  # this process's copy of the parent's description
         return new
 
+    @property
+    def inode(self) -> int:
+        """Inode of the lock file this lock holds open."""
+        assert self._fd is not None
+        return os.fstat(self._fd).st_ino
+
     def close(self) -> None:
         """Close this handle's lock file description."""
         if self._fd is not None:

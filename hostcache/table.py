@@ -255,8 +255,32 @@ class SharedTable:
 
     def attached_pids(self) -> list[int]:
         """Live processes holding a handle on this table (one entry per handle)."""
+        return [p for p in self.slot_pids() if process_alive(p)]
+
+    def slot_pids(self) -> list[int]:
+        """The pid of every process counter slot in use, alive or not: a dead process's
+        slot stays until the next process that attaches (or the node service) reaps it."""
         self._live()
-        return [int(p) for p in self._procs[:, 0] if p and process_alive(int(p))]
+        return [int(p) for p in self._procs[:, 0] if p]
+
+    @property
+    def writer_pid(self) -> int:
+        """The process inside a write section now (0: none). A dead one's section is
+        repaired by the next writer that takes the lock."""
+        return int(self._header[layout.W_WRITER_PID])
+
+    @property
+    def lock_inode(self) -> int:
+        """Inode of the lock file this handle locks: a handle of a table that was removed
+        and created again under its name keeps locking the file of the table it maps."""
+        self._live()
+        assert self._lock is not None
+        return self._lock.inode
+
+    @property
+    def repairs(self) -> int:
+        """Write sections left by dead writers and repaired since the table was created."""
+        return int(self._header[layout.W_REPAIRS])
 
     def stats(self, scope: Scope = "node") -> TableStats:
         """Counters node-wide (every process, past and present) or of this handle only."""

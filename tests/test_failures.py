@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 
-from hostcache import HostCache, layout, segment
+from hostcache import HostCache, segment
 from tests.servers import REDIS_SERVER, RedisProc, wait_until
 
 CTX = mp.get_context("spawn")
@@ -159,7 +159,7 @@ def replica(host: str, ps_url: str, key_space: int, stop: Any, out: Any,
     layer = NVEmbedding(key_space, DIM, torch.float32, LayerType.Hierarchical,
                         gpu_cache_size=64 * DIM * 4, host_cache=host, storage=ps_url,
                         table=host, default_row=-1.0)
-    hc = layer._tiers.host
+    hc = HostCache.attach(host)  # for the inserts beside the layer's own handle
     gen = torch.Generator().manual_seed(os.getpid())
     versions = None if acked is None else np.frombuffer(acked, dtype=np.int64)
     lookups = nkeys = bad = stale = errors = 0
@@ -181,9 +181,11 @@ def replica(host: str, ps_url: str, key_space: int, stop: Any, out: Any,
             stale += int((rows[real, 1] < before[real].to(torch.float32)).sum())
         if insert_every and lookups % insert_every == 0:
             hc.insert(keys, rows_of(keys, 0), overwrite=False)
-    st = hc.stats("process")
-    out.put((name, lookups, nkeys, bad, stale, errors, st.hits))
+    host_stats = layer.stats().host
+    assert host_stats is not None
+    out.put((name, lookups, nkeys, bad, stale, errors, host_stats.hits))
     layer.close()
+    hc.close()
 
 
 def updater(host: str, ps_url: str, key_space: int, stop: Any, out: Any, acked: Any) -> None:
@@ -275,18 +277,16 @@ def test_replica_killed_mid_lookup_or_insert(node: dict[str, Any]) -> None:
         ins = CTX.Process(target=inserter, args=(node["name"], 1000))
         ins.start()
         hc = HostCache.attach(node["name"])
-        header = hc._live().header
         # NOTE: attaching is a write section too (it claims a counter slot): wait until the
         # slot is claimed, so the death leaves a slot for the service to reap
-        wait_until(lambda: int(header[layout.W_WRITER_PID]) == ins.pid
-                   and ins.pid in set(int(p) for p in hc._procs[:, 0]), 30,
+        wait_until(lambda: hc.writer_pid == ins.pid and ins.pid in hc.slot_pids(), 30,
                    "the inserter inside a write section, its counter slot claimed")
         os.kill(ins.pid, signal.SIGKILL)  # mid-insert: inside the writer lock
         ins.join(10)
         dead = {victim.pid, ins.pid}
-        wait_until(lambda: not dead & set(int(p) for p in hc._procs[:, 0]), 10,
+        wait_until(lambda: not dead & set(hc.slot_pids()), 10,
                    "the service to reap the dead processes' slots")
-        assert int(header[layout.W_WRITER_PID]) == 0  # the reaper's lock repaired the section
+        assert hc.writer_pid == 0  # the reaper's lock repaired the section
         time.sleep(0.3)  # the survivors keep serving after both deaths
         stop.value = 1
         results = collect(out, 2)

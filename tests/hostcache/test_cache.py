@@ -120,19 +120,15 @@ def test_lookup_counts_each_hit_occurrence_and_leaves_missed_slots_alone(table_n
         try:
             same = keys_in_one_bucket(hc, 5)
             hc.insert(same[:3], rows_for(same[:3]))
-            slot = hc._find(same[:3])[2]
-            before = hc._policy[slot].clone()
-            empty_before = hc._policy.clone()
+            before = hc.policy(same)
+            assert (before[:3] >= 0).all() and (before[3:] == -1).all()
             # same[1] twice, same[0] once, same[3] and same[4] absent (their probe lands on
-            # way 0 of the same bucket), same[2] not looked up
+            # the same bucket), same[2] not looked up
             _, hit = hc.lookup(same[[1, 3, 1, 0, 4]])
             assert hit.tolist() == [True, False, True, True, False]
-            assert (hc._policy[slot] - before).tolist() == [1, 2, 0]
-            others = torch.ones_like(hc._policy, dtype=torch.bool)
-            others[slot] = False
-            assert torch.equal(hc._policy[others], empty_before[others])
+            assert (hc.policy(same) - before).tolist() == [1, 2, 0, 0, 0]  # misses: nothing
             hc.lookup(same, count=False)  # a peek counts nothing
-            assert (hc._policy[slot] - before).tolist() == [1, 2, 0]
+            assert (hc.policy(same) - before).tolist() == [1, 2, 0, 0, 0]
         finally:
             HostCache.unlink(table_name)
 

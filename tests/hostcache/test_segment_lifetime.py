@@ -63,7 +63,7 @@ def test_unlink_removes_a_lock_file_left_without_its_segment(table_name: str) ->
 def test_a_forked_child_locks_its_own_table_after_the_name_was_reused(
         table_name: str) -> None:
     old = HostCache.create(table_name, capacity=64, dim=2)
-    old_ino = os.fstat(old._lock._fd).st_ino
+    old_ino = old.lock_inode
     HostCache.unlink(table_name)  # removed while `old` is attached,
     new = HostCache.create(table_name, capacity=64, dim=2)  # and created again
     r, w = os.pipe()
@@ -73,7 +73,7 @@ def test_a_forked_child_locks_its_own_table_after_the_name_was_reused(
         try:
             os.close(r)
             old.insert(torch.tensor([5]), torch.ones(1, 2))
-            os.write(w, str(os.fstat(old._lock._fd).st_ino).encode())
+            os.write(w, str(old.lock_inode).encode())
             status = 0
         finally:
             os._exit(status)
@@ -84,7 +84,7 @@ def test_a_forked_child_locks_its_own_table_after_the_name_was_reused(
     try:
         assert os.waitstatus_to_exitcode(status) == 0
         assert int(child_ino) == old_ino
-        assert int(child_ino) != os.fstat(new._lock._fd).st_ino
+        assert int(child_ino) != new.lock_inode
         assert bool(old.lookup(torch.tensor([5]))[1].all())
     finally:
         old.close()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import time
+from typing import Any
 
 import torch
 
@@ -24,13 +24,17 @@ def count_torn(keys: torch.Tensor, values: torch.Tensor, hit: torch.Tensor) -> i
     return int((mixed | foreign).sum())
 
 
-def writer(name: str, seconds: float, key_space: int, seed: int, ready, out) -> None:
+def writer(name: str, key_space: int, seed: int, min_writes: int, reads: Any,
+           min_reads: int, ready: Any, go: Any, out: Any) -> None:
+    """Write batches (insert, update, erase in turn) until it has made ``min_writes`` and
+    the readers have counted ``min_reads`` lookups meanwhile (``reads``, shared)."""
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(seed)
     hc = HostCache.attach(name)
     ready.set()
-    version, deadline = 0, time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    go.wait()
+    version = 0
+    while version < min_writes or reads.value < min_reads:
         version = (version + 1) % SCALE
         keys = torch.randint(0, key_space, (512,), generator=gen)
         op = version % 3
@@ -44,20 +48,25 @@ def writer(name: str, seconds: float, key_space: int, seed: int, ready, out) -> 
     hc.close()
 
 
-def reader(name: str, seconds: float, key_space: int, seed: int, ready, out) -> None:
+def reader(name: str, key_space: int, seed: int, writers_done: Any, reads: Any, ready: Any,
+           go: Any, out: Any) -> None:
+    """Look keys up until every writer is done; count the lookups that started while the
+    writers were still writing (``reads``, shared with them) and the torn rows."""
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(seed)
     hc = HostCache.attach(name)
     ready.set()
-    reads = hits = torn = 0
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    go.wait()
+    lookups = hits = torn = 0
+    while not writers_done.is_set():
         keys = torch.randint(0, key_space, (4096,), generator=gen)
         values, hit = hc.lookup(keys)
-        reads += keys.numel()
+        lookups += 1
         hits += int(hit.sum())
         torn += count_torn(keys, values, hit)
-    out.put(("reader", reads, hits, torn))
+        with reads.get_lock():
+            reads.value += 1
+    out.put(("reader", lookups, hits, torn))
     hc.close()
 
 
