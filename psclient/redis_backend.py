@@ -9,11 +9,14 @@ Layout of table ``T`` (prefix ``psc``, ``P`` partitions fixed at creation)::
 Key ``k`` lives in partition ``fmix64(k) % P``. The hash tag ``{T:p}`` puts a partition
 in one cluster slot, so one HMGET/HSET per partition chunk is legal on a cluster while
 the partitions spread the table over every master. Hashes beat plain keys by
-measurement (docs/psclient.md) and give O(P) size/clear.
+measurement (docs/psclient.md, "Hashes (HMGET/HSET) or plain keys") and give O(P)
+size/clear.
 
 A batch is grouped by partition, cut into commands of at most ``chunk_keys`` keys, and
 the commands of whole partitions are packed into pipelines (no MULTI) of about
-``pipeline_keys`` keys, one node per pipeline, run concurrently on a thread pool.
+``pipeline_keys`` keys, one node per pipeline, run concurrently on a thread pool. The
+commands' bytes come from :mod:`psclient.resp`; :mod:`psclient.redis_wire` sends them and
+reads the replies. This module keeps the table: layout, dispatch, change feed.
 
 NOTE: all chunks of one partition go into the same pipeline, in key order, so the last
 of duplicate keys in a batch wins, as in a dict.
@@ -22,9 +25,6 @@ of duplicate keys in a batch wins, as in a dict.
 from __future__ import annotations
 
 import logging
-import os
-import socket
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -44,6 +44,7 @@ from .errors import (
     TableNotFoundError,
 )
 from .redis_conn import cluster_factory, redact, redis_errors, split_options, standalone_factory
+from .redis_wire import reply_error, run_pipeline, run_row_pipeline
 from .schema import TableSchema
 
 log = logging.getLogger(__name__)
@@ -57,112 +58,6 @@ class Cmd(NamedTuple):
     stop: int
     payload: list[bytes | memoryview]
 
-
-def _pipeline(client: Any, payload: list[bytes | memoryview], ncmds: int) -> list[Any]:
-    """Send pre-encoded commands on one connection and read ``ncmds`` replies (no MULTI).
-
-    Retries follow the client's ``redis.retry.Retry`` (reconnecting between attempts); the
-    commands are idempotent per key, so resending a batch is safe.
-    """
-    pool = client.connection_pool
-    conn = pool.get_connection()
-
-    def attempt() -> list[Any]:
-        conn.send_packed_command(payload, check_health=True)
-        replies: list[Any] = []
-        first_error: Exception | None = None
-        for _ in range(ncmds):  # NOTE: read every reply so the connection stays in sync
-            try:
-                replies.append(conn.read_response())
-            except rex.ResponseError as e:
-                first_error = first_error or e
-                replies.append(e)
-        if first_error is not None:
-            raise first_error
-        return replies
-
-    try:
-        return conn.retry.call_with_retry(attempt, lambda _err: conn.disconnect())
-    finally:
-        pool.release(conn)
-
-
-def _reply_error(err: Exception) -> rex.RedisError:
-    """A hiredis error reply as the redis-py exception redis-py would raise."""
-    msg = str(err)
-    if msg.startswith("MOVED "):
-        return rex.MovedError(msg[6:])
-    if msg.startswith("ASK "):
-        return rex.AskError(msg[4:])
-    if msg.startswith(("NOAUTH", "WRONGPASS")):
-        return rex.AuthenticationError(msg)
-    return rex.ResponseError(msg)
-
-
-def _recv_until(sock: socket.socket, buf: bytearray, tail: bytes) -> int:
-    """Receive into ``buf`` (grown as needed) until the data ends with ``tail``."""
-    size = 0
-    view = memoryview(buf)
-    while size < len(tail) or buf[size - len(tail):size] != tail:
-        if size == len(buf):
-            view.release()
-            buf.extend(bytes(max(len(buf), 1 << 16)))
-            view = memoryview(buf)
-        try:
-            got = sock.recv_into(view[size:])
-        except TimeoutError as e:
-            raise rex.TimeoutError("Timeout reading from the Redis socket") from e
-        except OSError as e:
-            raise rex.ConnectionError(f"Error while reading from the Redis socket: {e}") from e
-        if got == 0:
-            raise rex.ConnectionError("Connection closed by server.")
-        size += got
-    view.release()
-    return size
-
-
-_RECV = threading.local()  # per-thread receive buffer, reused between batches
-
-
-def _pipeline_rows(client: Any, payload: list[bytes | memoryview], ncmds: int,
-                   expect: int, row_bytes: int) -> list[Any]:
-    """Like :func:`_pipeline` for HMGET commands, decoding rows without one object per row.
-
-    The commands are followed by ``ECHO <random token>``: its reply marks the end of the
-    batch's replies, so they are read off the socket in bulk (``expect`` bytes when every
-    key is found) and decoded by :func:`resp.decode_row_replies`.
-
-    NOTE: the returned row views point into this thread's receive buffer: copy them out
-    before the thread's next call.
-    """
-    pool = client.connection_pool
-    conn = pool.get_connection()
-    token = os.urandom(16)
-    tail = resp.bulk(token)
-    payload = [*payload, resp.pack("ECHO", token)]
-
-    def attempt() -> list[Any]:
-        conn.send_packed_command(payload, check_health=True)
-        reader = getattr(getattr(conn, "_parser", None), "_reader", None)
-        sock = getattr(conn, "_sock", None)
-        if reader is None or sock is None or reader.has_data():
-            # NOTE: not the hiredis parser, or bytes already buffered: the generic path
-            replies = [conn.read_response() for _ in range(ncmds + 1)]
-            return replies[:-1]
-        buf = getattr(_RECV, "buf", None)
-        if buf is None or len(buf) < expect + len(tail):
-            buf = _RECV.buf = bytearray(expect + len(tail))
-        try:
-            size = _recv_until(sock, buf, tail)
-        except BaseException:
-            conn.disconnect()
-            raise
-        return resp.decode_row_replies(buf, size - len(tail), ncmds, row_bytes)
-
-    try:
-        return conn.retry.call_with_retry(attempt, lambda _err: conn.disconnect())
-    finally:
-        pool.release(conn)
 
 # Writes only fields that exist; returns one '0'/'1' per field (atomic per partition).
 _UPDATE_LUA = b"""
@@ -271,7 +166,8 @@ class RedisParameterServer(ParameterServer):
     def _run(self, cmds: list[Cmd], job: Any = None) -> list[Any]:
         """Execute commands; return their replies in order.
 
-        ``job(client, commands)`` runs one pipeline (default: :func:`_pipeline`).
+        ``job(client, commands)`` runs one pipeline (default:
+        :func:`psclient.redis_wire.run_pipeline`).
         """
         try:
             with redis_errors(self._where):
@@ -312,7 +208,7 @@ class RedisParameterServer(ParameterServer):
             client, idx = work_item
             if job is not None:
                 return job(client, [cmds[i] for i in idx])
-            return _pipeline(client, [part for i in idx for part in cmds[i].payload], len(idx))
+            return run_pipeline(client, [part for i in idx for part in cmds[i].payload], len(idx))
 
         out: list[Any] = [None] * len(cmds)
         if len(work) == 1:
@@ -371,7 +267,7 @@ class RedisParameterServer(ParameterServer):
             # NOTE: runs on the pool; each job writes only the rows of its own commands.
             expect = sum(c.stop - c.start for c in mine) * rec_len + 16 * len(mine)
             payload = [part for c in mine for part in c.payload]
-            replies = _pipeline_rows(client, payload, len(mine), expect, rb)
+            replies = run_row_pipeline(client, payload, len(mine), expect, rb)
             for c, reply in zip(mine, replies, strict=True):
                 self._place(order[c.start:c.stop], reply, ks[c.start:c.stop], values, found)
             return [None] * len(mine)
@@ -392,7 +288,7 @@ class RedisParameterServer(ParameterServer):
             found[dest] = True
             return
         if isinstance(reply, Exception):
-            raise _reply_error(reply)
+            raise reply_error(reply)
         obj = np.empty(len(reply), dtype=object)
         obj[:] = reply
         hit = obj != None  # noqa: E711 -- elementwise on an object array

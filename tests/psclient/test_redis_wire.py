@@ -1,0 +1,113 @@
+"""The bulk read of HMGET replies against redis-py's parser, on real servers.
+
+The bulk read needs redis-py's private ``conn._sock`` (psclient.redis_wire.bulk_socket):
+these tests pin it, so a redis-py release that moves it fails here instead of silently
+taking the slower path, and they show that the public path it falls back to gives the
+same replies.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import hiredis
+import numpy as np
+import pytest
+import redis
+import redis.exceptions as rex
+
+from psclient import resp
+from psclient.redis_wire import bulk_socket, reply_error, run_pipeline, run_row_pipeline
+
+pytestmark = pytest.mark.redis
+
+ROW = 16
+
+
+@pytest.fixture
+def client(shared_redis: str) -> Iterator[redis.Redis]:
+    c = redis.Redis.from_url(shared_redis, socket_timeout=5)
+    yield c
+    c.close()
+
+
+def hmget(key: bytes, keys: list[int]) -> list[bytes | memoryview]:
+    """One encoded ``HMGET key field...`` with int64 fields, as the backend encodes it."""
+    head = resp.header(2 + len(keys), b"HMGET", key)
+    return [head, resp.as_buffer(resp.field_records(np.array(keys, dtype=np.int64)))]
+
+
+def as_rows(reply: Any) -> Any:
+    """A reply of either path as a list of ``bytes | None`` (errors as their message)."""
+    if isinstance(reply, np.ndarray):
+        return [r.tobytes() for r in reply]
+    if isinstance(reply, Exception):
+        return str(reply)
+    return list(reply)
+
+
+def test_a_live_connection_exposes_its_socket(shared_redis: str, unix_redis: str,
+                                              tls_redis: tuple[str, str]) -> None:
+    """The pin: redis-py keeps each kind of connection's socket where bulk_socket reads it."""
+    tls_url, ca = tls_redis
+    for c in (redis.Redis.from_url(shared_redis), redis.Redis.from_url(unix_redis),
+              redis.Redis.from_url(tls_url, ssl_ca_certs=ca)):
+        conn = c.connection_pool.get_connection()
+        try:
+            assert isinstance(bulk_socket(conn), socket.socket), type(conn)
+        finally:
+            c.connection_pool.release(conn)
+            c.close()
+
+
+@pytest.mark.parametrize("expect", [1, 1 << 20])  # a buffer grown while reading, or not
+def test_bulk_read_and_parser_give_the_same_replies(client: redis.Redis, table_name: str,
+                                                    expect: int) -> None:
+    key = f"wire:{table_name}".encode()
+    rows = {k: bytes([k]) * ROW for k in range(100)}
+    client.hset(key, mapping={np.int64(k).tobytes(): v for k, v in rows.items()})
+    client.hset(key, np.int64(77).tobytes(), b"short")
+    cmds = [list(range(50)),                     # every key found: a row view
+            list(range(50, 60)) + [1000, 1001],  # misses
+            [70, 77, 78],                        # a value of another length
+            list(range(80, 100))]                # found again, after the irregular reply
+    payload = [part for ks in cmds for part in hmget(key, ks)]
+    try:
+        bulk = run_row_pipeline(client, payload, len(cmds), expect, ROW)
+        parsed = run_row_pipeline(client, payload, len(cmds), expect, ROW, bulk=False)
+    finally:
+        client.delete(key)
+    assert isinstance(bulk[0], np.ndarray), "the bulk read was not taken"
+    assert all(isinstance(p, list) for p in parsed)
+    assert [as_rows(r) for r in bulk] == [as_rows(r) for r in parsed]
+    assert as_rows(bulk[0]) == [rows[k] for k in range(50)]
+    assert as_rows(bulk[1])[-2:] == [None, None]
+    assert as_rows(bulk[2])[1] == b"short"
+
+
+def test_error_reply_on_both_paths(client: redis.Redis, table_name: str) -> None:
+    """A command that fails: the bulk read returns the error reply, the parser raises it;
+    the connection stays in sync either way (the next pipeline reads its own replies)."""
+    key = f"wire:{table_name}".encode()
+    client.set(key, b"not a hash")
+    payload = hmget(key, [1, 2])
+    try:
+        bulk = run_row_pipeline(client, payload, 1, 64, ROW)
+        assert isinstance(bulk[0], hiredis.ReplyError)
+        err = reply_error(bulk[0])
+        assert type(err) is rex.ResponseError and "WRONGTYPE" in str(err)
+        with pytest.raises(rex.ResponseError, match="WRONGTYPE"):
+            run_row_pipeline(client, payload, 1, 64, ROW, bulk=False)
+        assert run_pipeline(client, [resp.pack("ECHO", b"in-sync")], 1) == [b"in-sync"]
+    finally:
+        client.delete(key)
+
+
+def test_reply_error_maps_cluster_redirections() -> None:
+    assert isinstance(reply_error(hiredis.ReplyError("MOVED 12 127.0.0.1:7001")),
+                      rex.MovedError)
+    assert isinstance(reply_error(hiredis.ReplyError("ASK 12 127.0.0.1:7001")), rex.AskError)
+    assert isinstance(reply_error(hiredis.ReplyError("NOAUTH Authentication required.")),
+                      rex.AuthenticationError)
