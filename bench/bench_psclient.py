@@ -3,7 +3,8 @@
 Redis (``--url``): psclient lookups/inserts of 64k-key batches of dim-128 fp32 rows against
 ``redis-benchmark`` (pipelined GET/SET of 512-byte values, same server: the server's
 ceiling) and a naive redis-py pipeline of GET/SET per key. Also the raw layout choice:
-HMGET/HSET over hash partitions against MGET/MSET over plain keys.
+HMGET/HSET over hash partitions against MGET/MSET over plain keys, and HMGET replies read
+off the socket in bulk (psclient.redis_wire) against redis-py's parser.
 
 file:// : the LMDB backend against a plain in-memory dict lookup of the same rows, and
 the embedded-store choice: LMDB against SQLite (WAL) for the same batches.
@@ -36,7 +37,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import psclient  # noqa: E402
+from psclient import resp  # noqa: E402
 from psclient.codec import group_by_partition, le_key_bytes, row_bytes_list  # noqa: E402
+from psclient.redis_wire import run_row_pipeline  # noqa: E402
 
 
 def emit(**rec: object) -> None:
@@ -174,6 +177,7 @@ def bench_redis(url: str, batch: int, dim: int, reps: int, bench_n: int, rounds:
         mem0 = mem
         emit(bench="layout", op=cmd, rows_per_s=rate, note="one pipeline, 1024 keys/command",
              **extra)
+    bench_read_paths(r, table, kn[order], bounds, 4 * dim, reps)
     r.delete(*[f"{table}:h:{{{p}}}" for p in range(64)])
     for i in range(0, batch, 4096):
         r.delete(*plain[i:i + 4096])
@@ -240,6 +244,56 @@ def bench_redis(url: str, batch: int, dim: int, reps: int, bench_n: int, rounds:
          vs_redis_benchmark_get_best=look_hot / max(gets) if gets else None,
          note="1024 distinct keys repeated to the batch size: the server's working set is "
               "cached, as with redis-benchmark's one hot key")
+
+
+def bench_read_paths(r: redis.Redis, table: str, keys: np.ndarray, bounds: np.ndarray,
+                     row_bytes: int, reps: int, rounds: int = 10) -> None:
+    """HMGET replies read off the socket in bulk against redis-py's parser, alternated.
+
+    The rows are the layout bench's hashes (``{table}:h:{p}``, one pipeline per partition,
+    run one after another), copied into one array as a lookup does: what
+    psclient.redis_wire's bulk read saves per batch, in rows/s and in client CPU.
+    """
+    pipes = []
+    for part in range(64):
+        a, b = int(bounds[part]), int(bounds[part + 1])
+        hkey = f"{table}:h:{{{part}}}".encode()
+        payload: list[bytes | memoryview] = []
+        for s in range(a, b, 512):
+            e = min(b, s + 512)
+            payload += [resp.header(2 + e - s, b"HMGET", hkey),
+                        resp.as_buffer(resp.field_records(keys[s:e]))]
+        pipes.append((payload, len(range(a, b, 512)), (b - a) * (row_bytes + 16)))
+    out = np.empty(keys.size, dtype=f"V{row_bytes}")  # NOTE: rows land here, as in a lookup
+
+    def read(bulk: bool) -> None:
+        pos = 0
+        for payload, ncmds, expect in pipes:
+            for reply in run_row_pipeline(r, payload, ncmds, expect, row_bytes, bulk=bulk):
+                m = len(reply)
+                if isinstance(reply, np.ndarray):
+                    out[pos:pos + m] = reply
+                else:
+                    out[pos:pos + m] = np.fromiter(reply, dtype=out.dtype, count=m)
+                pos += m
+        assert pos == keys.size
+
+    wall: dict[str, list[float]] = {"bulk": [], "parser": []}
+    cpu: dict[str, list[float]] = {"bulk": [], "parser": []}
+    for _ in range(rounds):
+        for mode in wall:
+            for _ in range(reps):
+                c0, t0 = time.process_time(), time.perf_counter()
+                read(mode == "bulk")
+                wall[mode].append(time.perf_counter() - t0)
+                cpu[mode].append(time.process_time() - c0)
+    rate = {m: keys.size / float(np.median(wall[m])) for m in wall}
+    for mode in wall:
+        emit(bench="hmget-read", op=mode, rows_per_s=rate[mode],
+             client_cpu_ms_per_batch=1e3 * float(np.median(cpu[mode])),
+             vs_parser=rate[mode] / rate["parser"],
+             note="replies to rows, medians over alternated rounds; one pipeline per "
+                  "partition, 512 keys per command, sequential")
 
 
 def bench_file(batch: int, dim: int, reps: int, total: int) -> None:
