@@ -1,7 +1,10 @@
 """The ``hostcache`` command: list, inspect, create and remove this node's shared tables.
 
-Subcommands are :class:`Command` values registered in :data:`COMMANDS` (one place); a later
-subcommand (``serve``, ``demo``) is one more entry there. Every error a user can cause
+Subcommands are :class:`Command` values registered in :data:`COMMANDS` (one place). The
+``hostcache`` console script is ``apps.cli``, which builds the same parser from these
+commands plus the applications' ``serve`` and ``demo`` (:func:`build_parser` and
+:func:`main` take the command list); ``python -m hostcache.cli`` runs the table commands
+alone, and nothing here imports the applications. Every error a user can cause
 (a :class:`~hostcache.HostCacheError`) prints one line ``hostcache: error: ...`` to stderr
 and exits 2, as argparse does for bad arguments; nothing prints a traceback.
 
@@ -25,7 +28,6 @@ import torch
 
 from psclient.cli_common import EXIT_USAGE, OneLineParser, package_version, positive_int
 
-from . import demo as demo_cmd
 from . import layout, segment
 from .cache import HostCache
 from .cli_view import DTYPES, MIB, open_table
@@ -46,7 +48,6 @@ from .errors import (
     SharedMemoryFullError,
 )
 from .memblock import SharedMemBlock
-from .service import command as serve_cmd
 
 PROG = "hostcache"
 EXIT_OK = 0
@@ -298,14 +299,12 @@ def _rm(args: argparse.Namespace, out: TextIO) -> int:
     return EXIT_OK
 
 
-#: every subcommand, in the order ``--help`` lists them; add new ones here.
+#: the table commands, in the order ``--help`` lists them (apps.cli adds serve and demo).
 COMMANDS: tuple[Command, ...] = (
     Command("ls", "list this node's tables", _ls_args, _ls),
     Command("stat", "one table's geometry, node-wide counters and processes", _stat_args, _stat),
     Command("create", "create a table and leave it on the node", _create_args, _create),
     Command("rm", "remove a table from the node", _rm_args, _rm),
-    Command("serve", "run the node service (docs/service.md)", serve_cmd.configure, serve_cmd.run),
-    Command("demo", demo_cmd.HELP, demo_cmd.configure, demo_cmd.run_command),
 )
 
 
@@ -323,15 +322,20 @@ def build_parser(commands: Sequence[Command] = COMMANDS) -> argparse.ArgumentPar
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the ``hostcache`` command; returns the exit status (0 ok, 2 user error)."""
-    parser = build_parser()
+def main(argv: list[str] | None = None, commands: Sequence[Command] = COMMANDS) -> int:
+    """Run the ``hostcache`` command; returns the exit status (0 ok, 2 user error).
+
+    Args:
+        argv: the arguments (default ``sys.argv[1:]``).
+        commands: the subcommands it knows (default the table commands).
+    """
+    parser = build_parser(commands)
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse: --help (0) or a usage error (2), already printed
         return e.code if isinstance(e.code, int) else EXIT_USER_ERROR
     if args.command is None:
-        names = ", ".join(cmd.name for cmd in COMMANDS)
+        names = ", ".join(cmd.name for cmd in commands)
         print(f"{PROG}: error: give a command: {names} (see `{PROG} --help`)", file=sys.stderr)
         return EXIT_USER_ERROR
     try:

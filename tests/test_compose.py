@@ -21,9 +21,8 @@ from typing import Any
 
 import pytest
 
-from hostcache.cli import build_parser
-from hostcache.demo import config_from_args
-from hostcache.demo.config import DemoConfig
+from apps.cli import build_parser
+from apps.demo import DemoConfig, config_from_args
 
 yaml = pytest.importorskip("yaml", reason="needs pyyaml to parse docker-compose.yml")
 
@@ -82,7 +81,7 @@ def test_node_command_line_is_a_valid_service_config(
         services: dict[str, Any], tmp_path: Path) -> None:
     cmd = list(services["node"]["command"])
     cmd[cmd.index("--state-dir") + 1] = str(tmp_path / "state")
-    proc = subprocess.run([sys.executable, "-m", "hostcache.cli", *cmd[1:], "--check"],
+    proc = subprocess.run([sys.executable, "-m", "apps.cli", *cmd[1:], "--check"],
                           capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     cfg = json.loads(proc.stdout)
@@ -134,8 +133,9 @@ def test_image_installs_the_project(services: dict[str, Any]) -> None:
         build = services[name]["build"]
         assert build["context"] == "."
         dockerfile = build["dockerfile_inline"]
-        for pkg in ("hostcache", "psclient", "gpu"):
+        for pkg in ("hostcache", "psclient", "gpu", "apps"):
             assert f"COPY {pkg} {pkg}" in dockerfile
+        assert "apps" in build["args"]["EXTRAS"]  # the service's and the demo's extra
         assert "pip install" in dockerfile and "torch==" in dockerfile
         assert "$${TORCH_INDEX}" in dockerfile  # escaped for compose interpolation
         assert set(build["args"]) == {"TORCH_INDEX", "EXTRAS"}

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from apps.cli import build_parser
 from hostcache import segment
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,8 +35,6 @@ def test_ci_runs_readmes_test_command_verbatim() -> None:
 
 
 def test_main_job_names_a_real_subcommand() -> None:
-    from hostcache.cli import build_parser
-
     main_job, _ = _commands()
     argv = main_job.split("hostcache ", 1)[1].split()
     args = build_parser().parse_args(argv)

@@ -1,8 +1,4 @@
-"""The demo's settings: one validated dataclass, built from the command line.
-
-Kept free of torch and of the ``gpu`` package so ``hostcache --help`` stays fast and
-``import hostcache`` never imports ``gpu``.
-"""
+"""The demo's settings: one validated dataclass, built from the command line."""
 
 from __future__ import annotations
 
@@ -10,7 +6,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from ..errors import BadArgumentError, HostCacheError
+from hostcache import BadArgumentError
 
 Device = Literal["cpu", "cuda"]
 #: ``"all"``: everything in one command; ``"attach"``: replicas only, on a node whose
@@ -19,10 +15,6 @@ Mode = Literal["all", "attach", "load"]
 
 #: the two embedding tables of the demo's ranking model: (suffix, what it holds)
 TABLES: tuple[tuple[str, str], ...] = (("user", "one row per user"), ("item", "one row per item"))
-
-
-class DemoError(HostCacheError):
-    """The demo could not run to the end (a replica failed, or it was interrupted)."""
 
 
 @dataclass(frozen=True)
@@ -60,8 +52,8 @@ class DemoConfig:
     state_dir: str | None = None
     #: prefix of the table names (segments are ``/dev/shm/nvec.<prefix>user`` ...).
     prefix: str = field(default_factory=lambda: f"demo{os.getpid()}-")
-    #: start the node service (``hostcache serve``) when it is installed; False: the demo
-    #: creates the host caches itself.
+    #: start the node service (``hostcache serve``, which needs the ``apps`` extra's
+    #: prometheus-client); False: the demo creates the host caches itself.
     use_service: bool = True
     #: seconds between progress samples (bars, the time series of the plot).
     tick: float = 0.5

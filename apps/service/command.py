@@ -3,7 +3,8 @@
 ``hostcache serve --config node.toml [--state-dir DIR] [--metrics-port N] [--keep] ...``
 runs until SIGTERM or SIGINT, then shuts down cleanly (segments removed unless kept).
 Exit status: 0 after a clean shutdown, 2 for a user error (bad config, a second service,
-a geometry mismatch), printed as one ``hostcache: error: ...`` line.
+a geometry mismatch, the ``apps`` extra's prometheus-client missing while the endpoints are
+on), printed as one ``hostcache: error: ...`` line.
 """
 
 from __future__ import annotations
@@ -15,11 +16,15 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import asdict
 from typing import Any, TextIO
 
+from ..extras import require
 from .config import build_config
+from .node import NodeService
 
 EXIT_OK = 0
+HELP = "run the node service (docs/service.md)"
 
 _STD_ATTRS = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
 
@@ -77,19 +82,25 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, out: TextIO) -> int:
-    """Build the config, start the service, wait for SIGTERM/SIGINT, stop."""
-    from .node import NodeService
+    """Build the config, start the service, wait for SIGTERM/SIGINT, stop.
 
+    Raises:
+        ServiceConfigError: the config is bad (nothing was created).
+        MissingExtraError: the endpoints are on (``metrics_port`` >= 0) and prometheus-client
+            is not installed (checked before any table is created).
+        ServiceRunningError: another service runs for this state dir.
+    """
     overrides = {k: getattr(args, k) for k in ("state_dir", "metrics_host", "metrics_port",
                                                 "poll_interval", "reap_interval", "keep",
                                                 "log_format", "log_level")}
     cfg = build_config(args.config, overrides=overrides, table_specs=args.hostcache,
                        linear_specs=args.linear)
     if args.check:
-        from dataclasses import asdict
-
         print(json.dumps(asdict(cfg), indent=2, default=str), file=out)
         return EXIT_OK
+    if cfg.metrics_port >= 0:
+        require("prometheus_client", "the node service's /metrics endpoint (metrics_port -1 "
+                "turns the endpoints off)")
     setup_logging(cfg.log_format, cfg.log_level)
     stop = threading.Event()
 

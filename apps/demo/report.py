@@ -15,7 +15,9 @@ import platform
 from typing import Any, TextIO
 
 import numpy as np
+import torch
 
+from ..extras import require
 from .config import TABLES, DemoConfig
 from .replica import COUNTER_FIELDS
 
@@ -147,8 +149,6 @@ def build_report(cfg: DemoConfig, ps_url: str, node_kind: str, results: list[dic
 
 
 def _torch_version() -> str:
-    import torch
-
     return str(torch.__version__)
 
 
@@ -236,7 +236,14 @@ def write_outputs(report: dict[str, Any], out_dir: str) -> dict[str, str]:
 
 
 def plot(report: dict[str, Any], path: str) -> None:
-    """PNG of hit rates, throughput and shared-cache memory over time (matplotlib, Agg)."""
+    """PNG of hit rates, throughput and shared-cache memory over time (matplotlib, Agg).
+
+    Raises:
+        MissingExtraError: matplotlib (the ``apps`` extra) is not installed.
+    """
+    require("matplotlib", "the demo's plot (demo.png)")
+    # NOTE: matplotlib is an optional heavy dependency (the apps extra), imported only to
+    # draw: the rest of the demo, and every command that imports it, runs without it
     import matplotlib
 
     matplotlib.use("Agg")

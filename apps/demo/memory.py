@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 
-from .. import segment
+from hostcache import segment
 
 
 @dataclass(frozen=True)

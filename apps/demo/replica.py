@@ -26,7 +26,13 @@ from typing import Any
 
 import torch
 
+from hostcache import HostCache
+from psclient import connect
+
 from .config import TABLES, DemoConfig
+from .memory import process_memory
+from .model import build_model
+from .workload import RequestStream
 
 logger = logging.getLogger(__name__)
 
@@ -87,12 +93,6 @@ def _wait(event: Any, stop: Any, parent: int) -> bool:
 
 def _serve(cfg: DemoConfig, rid: int, ps_url: str, queue: Any, tables_ready: Any, go: Any,
            stop: Any) -> None:
-    from psclient import connect
-
-    from ..cache import HostCache
-    from .memory import process_memory
-    from .model import build_model
-
     torch.set_num_threads(cfg.threads)
     parent_process = mp.parent_process()
     parent = parent_process.pid if parent_process is not None else None
@@ -130,8 +130,6 @@ def _serve(cfg: DemoConfig, rid: int, ps_url: str, queue: Any, tables_ready: Any
 def _serve_requests(cfg: DemoConfig, rid: int, device: torch.device, model: Any, queue: Any,
                     stop: Any, parent: int) -> dict[str, Any]:
     """Serve until the time is up (or stop / parent gone); the replica's result."""
-    from .workload import RequestStream
-
     stream = RequestStream(cfg.rows, cfg.rows, cfg.alpha, batch=cfg.batch,
                            history=cfg.history, popularity_seed=cfg.seed,
                            seed=cfg.seed * 7919 + 101 * (rid + 1) + 1_000_003 * cfg.stream_seed)

@@ -2,14 +2,13 @@
 
 :func:`load_tables` builds the synthetic tables and loads them into the parameter server
 (the embedded ``file://`` store by default). :func:`start_node` brings up the host caches:
-through the node service (``hostcache serve --config FILE``) when it is installed, else by
+through the node service (``hostcache serve --config FILE``), or (``--no-service``) by
 creating them in this process; replicas attach them by name either way. Every ``Node``
 removes what it created in :meth:`Node.stop`, also after a failure or Ctrl-C.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
@@ -23,10 +22,11 @@ from typing import Any
 
 import torch
 
-from .. import segment
-from ..cache import HostCache
-from ..errors import HostCacheError
-from .config import TABLES, DemoConfig, DemoError
+from hostcache import HostCache, HostCacheError, segment
+from psclient import PSClientError, connect
+
+from ..errors import DemoError
+from .config import TABLES, DemoConfig
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +68,6 @@ def load_tables(cfg: DemoConfig, ps_url: str, created: list[str], *,
     Raises:
         DemoError: a table of that name already exists there, or the store fails.
     """
-    from psclient import PSClientError, connect
-
     loaded = 0
     try:
         for i, (suffix, _) in enumerate(TABLES):
@@ -98,8 +96,6 @@ def load_tables(cfg: DemoConfig, ps_url: str, created: list[str], *,
 
 def drop_tables(ps_url: str, names: list[str]) -> None:
     """Drop the demo's tables from the parameter server (errors are logged, not raised)."""
-    from psclient import PSClientError, connect
-
     for name in names:
         try:
             connect(ps_url, table=name).drop()
@@ -152,11 +148,6 @@ class Node:
                     logger.warning("could not remove segment %s: %s", name, e)
 
 
-def service_available() -> bool:
-    """Whether this install has the node service (``hostcache serve``)."""
-    return importlib.util.find_spec("hostcache.service.node") is not None
-
-
 def check_names_free(cfg: DemoConfig) -> None:
     """Raise :class:`DemoError` if a segment of one of the demo's names exists."""
     for name in cfg.table_names:
@@ -166,13 +157,13 @@ def check_names_free(cfg: DemoConfig) -> None:
 
 
 def start_node(cfg: DemoConfig, ps_url: str, state_dir: str) -> Node:
-    """Create the shared host caches: through the node service if possible, else here.
+    """Create the shared host caches: through the node service, or here (``--no-service``).
 
     Raises:
         DemoError: a table of that name exists on this node, or the service failed.
     """
     check_names_free(cfg)
-    if cfg.use_service and service_available():
+    if cfg.use_service:
         return _start_service(cfg, ps_url, state_dir)
     return _start_local(cfg)
 
@@ -183,8 +174,6 @@ def attach_node(cfg: DemoConfig, ps_url: str) -> Node:
     Raises:
         DemoError: a table is missing or has another geometry than the flags say.
     """
-    from psclient import PSClientError, connect
-
     node = Node("attached", [])
     try:
         for name in cfg.table_names:
@@ -237,7 +226,7 @@ def _start_service(cfg: DemoConfig, ps_url: str, state_dir: str) -> Node:
     path = os.path.join(state_dir, "node.toml")
     with open(path, "w") as f:
         f.write(service_toml(cfg, ps_url, state_dir))
-    cmd = [sys.executable, "-m", "hostcache.cli", "serve", "--config", path]
+    cmd = [sys.executable, "-m", "apps.cli", "serve", "--config", path]
     logger.info("starting the node service: %s", " ".join(cmd))
     # NOTE: its own process group, so a Ctrl-C reaches only the demo, which stops the
     # replicas first and then the service (SIGTERM), in that order.

@@ -8,7 +8,7 @@ Lifecycle (``start`` then ``stop``; ``serve`` runs both around a wait loop):
 * tables: each configured table is created, or, when a segment of that name exists (the
   service crashed and replicas kept serving), re-adopted if its geometry matches the
   config exactly; any difference raises ``GeometryMismatchError`` and nothing is changed;
-* warm-up (created tables only), then one :class:`~hostcache.service.feed.FeedFollower`
+* warm-up (created tables only), then one :class:`~apps.service.feed.FeedFollower`
   per table with a ``ps_url``, then the HTTP endpoints, then ``<state_dir>/endpoint.json``;
 * while running: every ``reap_interval`` the counter slots of dead processes are freed
   (which, taking the writer lock, also repairs a write section a dead writer left);
@@ -26,10 +26,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import layout, segment
-from ..cache import HostCache
-from ..errors import GeometryMismatchError, HostCacheError, SegmentNotFoundError
-from ..memblock import SharedMemBlock
+from hostcache import (
+    GeometryMismatchError,
+    HostCache,
+    HostCacheError,
+    SegmentNotFoundError,
+    SharedMemBlock,
+    layout,
+    segment,
+)
+from psclient import PSClientError, connect
+
+from ..errors import ServiceRunningError
 from .config import ServiceConfig, TableConfig
 from .feed import CursorStore, FeedFollower
 from .metrics import EndpointServer
@@ -39,10 +47,6 @@ logger = logging.getLogger(__name__)
 
 LOCK_FILE = "service.lock"
 ENDPOINT_FILE = "endpoint.json"
-
-
-class ServiceRunningError(HostCacheError):
-    """Another ``hostcache serve`` holds this state dir's lock (one service per node)."""
 
 
 def _geometry_diff(want: layout.Geometry, have: layout.Geometry) -> list[str]:
@@ -154,8 +158,6 @@ class NodeService:
         """For a created table: connect, take the feed cursor, then warm up."""
         if t.ps_url is None or self.adopted[t.name]:
             return None, None
-        from psclient import PSClientError, connect
-
         try:
             ps = connect(t.ps_url, table=t.ps_name, dim=t.dim, dtype=t.torch_dtype,
                          **t.ps_options)

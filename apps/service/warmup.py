@@ -18,9 +18,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..cache import HostCache
-from ..memblock import SharedMemBlock
-from .config import ServiceConfigError, TableConfig
+from hostcache import HostCache, SharedMemBlock
+
+from ..errors import ServiceConfigError
+from .config import TableConfig
 
 logger = logging.getLogger(__name__)
 

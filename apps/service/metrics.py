@@ -5,6 +5,10 @@ from the shared tables' node-wide counters (every process, past and present) and
 feed followers, through a custom collector on a private registry, so a scrape always
 shows the current figures and nothing is counted twice. GPU-tier figures live in the
 replicas (``layer.stats()``); the node only knows the host tier.
+
+prometheus-client comes with the ``apps`` extra (an optional dependency): it is imported
+where the endpoints are built and scraped, so the service runs without it when its
+endpoints are off (``metrics_port = -1``) and ``serve --check`` needs none.
 """
 
 from __future__ import annotations
@@ -14,16 +18,13 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from prometheus_client.metrics_core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    Metric,
-    SummaryMetricFamily,
-)
+from ..extras import require
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.metrics_core import Metric
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,13 @@ class NodeCollector:
         self._snapshot = snapshot
 
     def collect(self) -> Iterator[Metric]:
+        # NOTE: lazy: prometheus-client is optional (the apps extra); see the module docstring
+        from prometheus_client.metrics_core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            SummaryMetricFamily,
+        )
+
         snaps = self._snapshot()
         for name, doc, kind, key in TABLE_METRICS:
             fam: CounterMetricFamily | GaugeMetricFamily = (
@@ -88,6 +96,10 @@ class NodeCollector:
 
 def _handler(registry: CollectorRegistry,
              health: Callable[[], tuple[bool, dict[str, Any]]]) -> type[BaseHTTPRequestHandler]:
+    # NOTE: lazy: prometheus-client is optional (the apps extra); see the module docstring
+    from prometheus_client import generate_latest
+    from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
             path = self.path.split("?", 1)[0]
@@ -117,11 +129,19 @@ def _handler(registry: CollectorRegistry,
 
 
 class EndpointServer:
-    """``/metrics`` and ``/healthz`` on ``host:port`` (port 0: a free one) in a thread."""
+    """``/metrics`` and ``/healthz`` on ``host:port`` (port 0: a free one) in a thread.
+
+    Raises:
+        MissingExtraError: prometheus-client (the ``apps`` extra) is not installed.
+    """
 
     def __init__(self, host: str, port: int, snapshot: Callable[[], list[dict[str, Any]]],
                  health: Callable[[], tuple[bool, dict[str, Any]]]) -> None:
-        self.registry = CollectorRegistry(auto_describe=False)
+        require("prometheus_client", "the node service's /metrics endpoint")
+        # NOTE: lazy: prometheus-client is optional (the apps extra); see the module docstring
+        from prometheus_client import CollectorRegistry
+
+        self.registry: CollectorRegistry = CollectorRegistry(auto_describe=False)
         self.registry.register(NodeCollector(snapshot))
         self._server = ThreadingHTTPServer((host, port), _handler(self.registry, health))
         self._server.daemon_threads = True

@@ -17,9 +17,10 @@ from typing import Any, Literal
 
 import torch
 
-from .. import layout
-from ..errors import BadArgumentError, HostCacheError
-from ..segment import check_name
+from hostcache import BadArgumentError, layout
+from hostcache.segment import check_name
+
+from ..errors import ServiceConfigError
 
 LogFormat = Literal["text", "json"]
 Warmup = Literal["none", "all"] | int
@@ -31,15 +32,6 @@ DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
 }
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-
-
-class ServiceConfigError(HostCacheError, ValueError):
-    """The node config has a bad or missing field; nothing was created."""
-
-    def __init__(self, field_name: str, message: str) -> None:
-        super().__init__(f"config field {field_name}: {message}")
-        #: the dotted path of the bad field, e.g. ``hostcache[0].capacity``
-        self.field = field_name
 
 
 def default_state_dir() -> str:

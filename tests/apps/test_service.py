@@ -18,16 +18,16 @@ import pytest
 import torch
 
 import psclient
-from gpu import LayerType, NVEmbedding
-from hostcache import GeometryMismatchError, HostCache, HostCacheError, segment
-from hostcache.cli import main as cli_main
-from hostcache.service import (
+from apps.cli import main as cli_main
+from apps.service import (
     NodeService,
     ServiceConfigError,
     ServiceRunningError,
     build_config,
 )
-from hostcache.service.config import with_overrides
+from apps.service.config import with_overrides
+from gpu import LayerType, NVEmbedding
+from hostcache import GeometryMismatchError, HostCache, HostCacheError, segment
 from tests.servers import wait_until
 from tests.test_failures import (
     CTX,

@@ -24,10 +24,11 @@ from typing import Any
 
 from tqdm import tqdm
 
-from .. import segment
-from ..cache import HostCache
-from ..errors import HostCacheError
-from .config import TABLES, DemoConfig, DemoError
+from hostcache import HostCache, HostCacheError, segment
+
+from ..errors import DemoError, DemoInterruptedError
+from ..extras import require
+from .config import TABLES, DemoConfig
 from .memory import segment_file_bytes, segment_resident_bytes
 from .node import (
     Node,
@@ -39,6 +40,7 @@ from .node import (
     start_node,
 )
 from .replica import COUNTER_FIELDS, replica_main
+from .report import build_report, write_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -46,10 +48,6 @@ logger = logging.getLogger(__name__)
 READY_TIMEOUT_S = 180.0
 #: how long past ``--seconds`` the replicas may take to report.
 FINISH_GRACE_S = 60.0
-
-
-class DemoInterruptedError(DemoError):
-    """Ctrl-C or SIGTERM: the demo stopped early and cleaned up."""
 
 
 @dataclass
@@ -293,6 +291,19 @@ def _shield_cleanup() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
+def check_extras(cfg: DemoConfig) -> None:
+    """Check that the packages of the ``apps`` extra this run needs are installed.
+
+    Raises:
+        MissingExtraError: one is missing (before anything was started).
+    """
+    if cfg.mode == "load":
+        return  # loads the tables and exits: no plot, no service
+    if cfg.mode == "all" and cfg.use_service:
+        require("prometheus_client", "the node service the demo starts (--no-service skips it)")
+    require("matplotlib", "the demo's plot (demo.png)")
+
+
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     """Run the demo end to end and write ``demo.json`` and ``demo.png`` under ``out_dir``.
 
@@ -302,9 +313,9 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     Raises:
         DemoError: a replica failed, a name is taken, or the run was interrupted
             (:class:`DemoInterruptedError`); everything started was cleaned up first.
+        MissingExtraError: a package of the ``apps`` extra the run needs is missing.
     """
-    from .report import build_report, write_outputs
-
+    check_extras(cfg)
     t0 = time.monotonic()
     timings: dict[str, float] = {}
     os.makedirs(cfg.out_dir, exist_ok=True)
@@ -367,4 +378,4 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     return report
 
 
-__all__ = ["TABLES", "Fleet", "Sample", "run_demo"]
+__all__ = ["TABLES", "Fleet", "Sample", "check_extras", "run_demo"]

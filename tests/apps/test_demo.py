@@ -20,19 +20,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from hostcache import HostCache, segment
-from hostcache.cli import main
-from hostcache.demo.config import DemoConfig, DemoError
-from hostcache.demo.memory import process_memory, segment_file_bytes, segment_resident_bytes
-from hostcache.demo.workload import RequestStream, ZipfKeys
-from hostcache.errors import BadArgumentError
+from apps.cli import build_parser, main
+from apps.demo import DemoConfig, DemoError, run_demo
+from apps.demo.memory import process_memory, segment_file_bytes, segment_resident_bytes
+from apps.demo.workload import RequestStream, ZipfKeys
+from hostcache import BadArgumentError, HostCache, segment
+from psclient import TableNotFoundError, connect
 
 ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def demo_cmd(prefix: str, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "hostcache.cli", "demo", "--prefix", prefix, "--out",
+    return [sys.executable, "-m", "apps.cli", "demo", "--prefix", prefix, "--out",
             str(out), "--rows", "20000", "--no-progress", *extra]
 
 
@@ -136,9 +136,10 @@ def test_taken_name_is_refused_and_left_alone(
         HostCache.unlink(prefix + "user")
 
 
-def test_import_hostcache_does_not_import_gpu() -> None:
-    code = ("import sys, hostcache, hostcache.cli, hostcache.demo; "
+def test_import_hostcache_does_not_import_gpu_or_the_apps() -> None:
+    code = ("import sys, hostcache, hostcache.cli; "
             "assert 'gpu' not in sys.modules, 'gpu imported'; "
+            "assert 'apps' not in sys.modules, 'apps imported'; "
             "assert 'matplotlib' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
@@ -194,8 +195,6 @@ def test_demo_command_end_to_end_with_the_service(
 
 @pytest.mark.slow
 def test_demo_in_process_without_the_service(table_name: str, tmp_path: Path) -> None:
-    from hostcache.demo.run import run_demo
-
     prefix = table_name + "-"
     cfg = DemoConfig(replicas=1, seconds=2.0, rows=20_000, prefix=prefix, progress=False,
                      out_dir=str(tmp_path / "out"), state_dir=str(tmp_path / "state"),
@@ -205,8 +204,6 @@ def test_demo_in_process_without_the_service(table_name: str, tmp_path: Path) ->
     check_report(report, 1, prefix)
     assert json.loads((tmp_path / "out" / "demo.json").read_text())["node"] == "local"
     # the state dir was given: it stays, but the demo's PS tables were dropped
-    from psclient import TableNotFoundError, connect
-
     for suffix in ("user", "item"):
         with pytest.raises(TableNotFoundError):
             connect(f"file://{tmp_path / 'state' / 'ps'}", table=prefix + suffix)
@@ -214,8 +211,6 @@ def test_demo_in_process_without_the_service(table_name: str, tmp_path: Path) ->
 
 @pytest.mark.slow
 def test_load_only_then_attach_leaves_the_node_alone(table_name: str, tmp_path: Path) -> None:
-    from hostcache.demo.run import run_demo
-
     prefix = table_name + "-"
     state = str(tmp_path / "state")
     common = {"rows": 20_000, "prefix": prefix, "progress": False, "state_dir": state,
@@ -240,8 +235,6 @@ def test_load_only_then_attach_leaves_the_node_alone(table_name: str, tmp_path: 
         for c in caches:
             c.close()
             HostCache.unlink(c.name)
-    from psclient import connect
-
     for name in cfg.table_names:  # loaded tables stay in the parameter server
         with connect(f"file://{state}/ps", table=name) as ps:
             assert ps.size() == 20_000
@@ -305,8 +298,6 @@ def test_default_output_folder_is_git_ignored() -> None:
     git = shutil.which("git")
     if git is None or not (ROOT / ".git").exists():
         pytest.skip("needs git and a git checkout of the project")
-    from hostcache.cli import build_parser
-
     default = build_parser().parse_args(["demo"]).out
     assert not os.path.isabs(default)
     for where in (ROOT, ROOT / "docs"):  # relative to the directory the demo runs in

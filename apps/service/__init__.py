@@ -6,8 +6,9 @@ See docs/service.md for the config reference, endpoints, signals and failure beh
 
 from __future__ import annotations
 
-from .config import ServiceConfig, ServiceConfigError, TableConfig, build_config
-from .node import NodeService, ServiceRunningError
+from ..errors import ServiceConfigError, ServiceRunningError
+from .config import ServiceConfig, TableConfig, build_config
+from .node import NodeService
 
 __all__ = [
     "NodeService",

@@ -1,23 +1,26 @@
-"""``hostcache demo``: the end-to-end main job on the embedded defaults.
+"""``hostcache demo``'s command line: its flags, their checks, and the run's output.
 
-Builds two synthetic embedding tables, loads them into the parameter server, brings up the
-node's shared host caches (through ``hostcache serve`` when installed), runs N replica
-processes of a small ranking model on a Zipf request stream, and reports per-tier hit
-rates, throughput, latency and the memory the shared host cache saves (docs/demo.md).
-
-This module only defines the command line; the run itself (torch, the ``gpu`` layers,
-matplotlib) is imported when the command runs, so ``import hostcache`` stays light.
+The run needs the ``apps`` extra (matplotlib for the plot; prometheus-client for the node
+service it starts): a missing one is a one-line error before anything starts.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
 import sys
 from typing import TextIO
 
-from .config import DemoConfig, DemoError
+import torch
 
-__all__ = ["HELP", "DemoConfig", "DemoError", "config_from_args", "configure", "run_command"]
+from hostcache import BadArgumentError, segment
+
+from .config import DemoConfig
+from .report import format_summary
+from .run import run_demo
+
+__all__ = ["HELP", "config_from_args", "configure", "run_command"]
 
 HELP = "run the end-to-end demo: N replicas sharing the node's host caches (docs/demo.md)"
 
@@ -81,10 +84,6 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def _cuda_ready() -> str | None:
     """None when replicas can run on CUDA here, else what is missing."""
-    import importlib.util
-
-    import torch
-
     if not torch.cuda.is_available():
         return "CUDA, which torch reports unavailable here"
     if importlib.util.find_spec("cuda") is None:
@@ -99,8 +98,6 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
     Raises:
         BadArgumentError: a flag is out of range (``--device cuda`` without CUDA too).
     """
-    from ..errors import BadArgumentError
-
     device = args.device
     if device is None:
         device = "cuda" if _cuda_ready() is None else "cpu"
@@ -110,9 +107,7 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
             raise BadArgumentError(f"--device cuda needs {missing}; pass --device cpu")
     extra = {} if args.prefix is None else {"prefix": args.prefix}
     if args.prefix is not None:
-        from ..segment import check_name
-
-        check_name(args.prefix + "user")
+        segment.check_name(args.prefix + "user")
     return DemoConfig(
         replicas=args.replicas, seconds=args.seconds, device=device, ps_url=args.ps,
         rows=args.rows, dim=args.dim, alpha=args.alpha, batch=args.batch,
@@ -126,12 +121,13 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
 
 
 def run_command(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
-    """Run ``hostcache demo``: the summary table (or ``--json``) to ``out``; exit status."""
-    import json
+    """Run ``hostcache demo``: the summary table (or ``--json``) to ``out``; exit status.
 
-    from .report import format_summary
-    from .run import run_demo
-
+    Raises:
+        BadArgumentError: a flag is out of range.
+        MissingExtraError: a package of the ``apps`` extra is missing.
+        DemoError: the run failed or was interrupted (everything it started was removed).
+    """
     cfg = config_from_args(args)
     report = run_demo(cfg)
     if cfg.mode == "load":

@@ -1,16 +1,12 @@
-"""The demo's ranking model: two embedding-bag tables on the node's tiers, then an MLP.
-
-Imports ``gpu`` (the layers); only replica processes import this module.
-"""
+"""The demo's ranking model: two embedding-bag tables on the node's tiers, then an MLP."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from gpu import LayerType, NVEmbeddingBag
-from gpu.layer_config import PoolingMode
 
 from .config import DemoConfig
 from .workload import Requests
@@ -71,7 +67,7 @@ def build_model(cfg: DemoConfig, device: torch.device, host_caches: dict[str, An
         host_caches: ``{"user": HostCache, "item": HostCache}``.
         stores: ``{"user": ParameterServer, "item": ParameterServer}``.
     """
-    def layer(suffix: str, mode: PoolingMode) -> NVEmbeddingBag:
+    def layer(suffix: str, mode: Literal["sum", "mean"]) -> NVEmbeddingBag:
         return NVEmbeddingBag(
             cfg.rows, cfg.dim, torch.float32, LayerType.Hierarchical, mode=mode,
             gpu_cache_size=cfg.gpu_cache_bytes, host_cache=host_caches[suffix],

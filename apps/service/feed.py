@@ -39,8 +39,9 @@ from typing import Any
 
 import torch
 
-from ..cache import HostCache
-from ..memblock import SharedMemBlock
+from hostcache import HostCache, SharedMemBlock
+from psclient import ChangeFeedGapError, PSClientError, connect
+
 from .config import TableConfig
 from .warmup import reload_linear
 
@@ -125,8 +126,6 @@ class FeedFollower(threading.Thread):
     # -- the loop -------------------------------------------------------------------------
 
     def run(self) -> None:
-        from psclient import PSClientError
-
         failures = 0
         cursor: str | None = None
         while not self._stop_event.is_set():
@@ -161,8 +160,6 @@ class FeedFollower(threading.Thread):
 
     def _connect(self) -> Any:
         if self._ps is None:
-            from psclient import connect
-
             assert self.cfg.ps_url is not None  # only tables with a ps_url get a follower
             self._ps = connect(self.cfg.ps_url, table=self.cfg.ps_name, dim=self.cfg.dim,
                                dtype=self.cfg.torch_dtype, **self.cfg.ps_options)
@@ -190,8 +187,6 @@ class FeedFollower(threading.Thread):
 
     def _step(self, cursor: str) -> bool:
         """One poll; True when the feed was drained (the caller may wait)."""
-        from psclient import ChangeFeedGapError
-
         ps = self._connect()
         started = time.monotonic()
         try:

@@ -1,0 +1,29 @@
+"""``hostcache demo``: the end-to-end main job on the embedded defaults.
+
+Builds two synthetic embedding tables, loads them into the parameter server, brings up the
+node's shared host caches (through the node service, ``hostcache serve``), runs N replica
+processes of a small ranking model on a Zipf request stream, and reports per-tier hit
+rates, throughput, latency and the memory the shared host cache saves (docs/demo.md).
+
+Modules: ``command`` (the command line), ``config`` (the settings), ``run`` (the
+orchestration), ``node`` (tables and host caches), ``replica`` and ``model`` (one replica
+process), ``workload`` (the request stream), ``memory`` (``/proc`` figures), ``report``.
+"""
+
+from __future__ import annotations
+
+from ..errors import DemoError, DemoInterruptedError
+from .command import HELP, config_from_args, configure, run_command
+from .config import DemoConfig
+from .run import run_demo
+
+__all__ = [
+    "HELP",
+    "DemoConfig",
+    "DemoError",
+    "DemoInterruptedError",
+    "config_from_args",
+    "configure",
+    "run_command",
+    "run_demo",
+]
