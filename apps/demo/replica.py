@@ -74,8 +74,8 @@ def replica_main(cfg: DemoConfig, rid: int, ps_url: str, queue: Any, tables_read
         queue.put(("error", rid, traceback.format_exc()))
         status = 1
     # NOTE: every handle is closed and the messages are flushed to the pipe; skip the
-    # interpreter's teardown (over a second with torch loaded), which only delays the
-    # parent's join.
+    # interpreter's teardown (slow with torch loaded: see bench/RESULTS.md, "Demo replica
+    # exit"), which only delays the parent's join.
     queue.close()
     queue.join_thread()
     sys.stdout.flush()
