@@ -23,7 +23,7 @@ from psclient.codec import (
     partition_of,
     row_bytes_list,
 )
-from psclient.schema import TableSchema
+from psclient.schema import TableSchema, dtype_name
 
 INT64 = st.integers(-(2**63), 2**63 - 1)
 
@@ -101,8 +101,6 @@ def test_check_keys_and_dtype_names() -> None:
     assert psclient.TableSchema(dim=3, dtype="bfloat16").row_bytes == 6
     with pytest.raises(psclient.BadArgumentError):
         psclient.TableSchema(dim=0, dtype="float32")
-    from psclient.schema import dtype_name
-
     assert dtype_name("fp16") == "float16" and dtype_name(torch.float64) == "float64"
 
 

@@ -7,12 +7,15 @@ import os
 import signal
 from pathlib import Path
 
+import lmdb
 import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
+from safetensors.torch import save_file
 
 import psclient
+from psclient.codec import be_key_bytes
 
 from . import model
 from .workers import file_reader, file_writer_forever
@@ -116,9 +119,6 @@ def test_change_feed_lists_changed_keys_and_reports_gaps(file_url: str) -> None:
 
 
 def test_load_sources(file_url: str, tmp_path: Path) -> None:
-    import numpy as np
-    from safetensors.torch import save_file
-
     data = torch.randn(1000, 8)
     np.save(tmp_path / "rows.npy", data.numpy())
     save_file({"emb": data, "other": torch.zeros(2, 2)}, str(tmp_path / "rows.safetensors"))
@@ -141,14 +141,19 @@ def test_load_sources(file_url: str, tmp_path: Path) -> None:
         assert ps.size() == 3050
 
 
-def test_wrong_length_value_names_table_and_key(file_url: str) -> None:
-    from psclient.codec import be_key_bytes
-
+def test_wrong_length_value_names_table_and_key(file_url: str, tmp_path: Path) -> None:
     with psclient.connect(file_url, table="corrupt", dim=4) as ps:
         ps.insert(torch.tensor([1, 2, 3]), torch.ones(3, 4))
-        # NOTE: reaching into the store is the only way to plant a bad value in-process
-        with ps._env.begin(write=True, db=ps._rows) as txn:
+    # NOTE: the store's files, once no client holds them open (LMDB allows one open
+    # environment per process): key 2's row, where docs/psclient.md puts it, gets 3 bytes.
+    env = lmdb.open(str(tmp_path / "store"), max_dbs=4, subdir=True, create=False)
+    try:
+        rows = env.open_db(b"rows:corrupt", create=False)
+        with env.begin(write=True, db=rows) as txn:
             txn.put(be_key_bytes(np.array([2], dtype=np.int64))[0], b"xyz")
+    finally:
+        env.close()
+    with psclient.connect(file_url, table="corrupt") as ps:
         with pytest.raises(psclient.CorruptValueError, match="'corrupt', key 2: .* 3 bytes"):
             ps.lookup(torch.tensor([1, 2, 3]))
 

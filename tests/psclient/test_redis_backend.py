@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import threading
 import time
@@ -11,8 +12,10 @@ import pytest
 import redis
 import torch
 from hypothesis import HealthCheck, given, settings
+from redis.cluster import ClusterNode, RedisCluster
 
 import psclient
+from psclient.cli import main
 from psclient.codec import partition_of
 
 from . import model
@@ -144,15 +147,11 @@ def test_change_feed(ps_factory) -> None:  # noqa: ANN001
 
 
 def test_cli_round_trip(shared_redis: str, table_name: str, tmp_path, capsys) -> None:  # noqa: ANN001
-    from psclient.cli import main
-
     np.save(tmp_path / "rows.npy", np.random.rand(300, 16).astype(np.float32))
     assert main(["load", shared_redis, "--table", table_name, str(tmp_path / "rows.npy"),
                  "--no-progress"]) == 0
     assert "loaded 300 rows" in capsys.readouterr().out
     assert main(["stat", shared_redis, "--table", table_name, "--json"]) == 0
-    import json
-
     info = json.loads(capsys.readouterr().out)
     assert (info["rows"], info["dim"], info["dtype"], info["backend"]) == (300, 16, "float32",
                                                                            "redis")
@@ -272,9 +271,15 @@ def test_cluster_round_trip_spreads_over_every_master(redis_cluster: str,
         assert set(ps.changes(cur)[0].tolist()) == set(keys[:10].tolist())
         assert ps.size() == 2990
         assert ps.stat()["masters"] == 3
-        # every master holds some of the table
-        rc = ps._client
-        holders = {rc.get_node_from_key(k).name for k in ps._part_keys if rc.exists(k)}
+        # every master holds some of the table (partition p is the hash psc:{T:p})
+        addrs = [hp.rpartition(":") for hp in
+                 redis_cluster.removeprefix("redis+cluster://").split(",")]
+        rc = RedisCluster(startup_nodes=[ClusterNode(h, int(p)) for h, _, p in addrs])
+        try:
+            part_keys = [f"psc:{{{table_name}:{p}}}" for p in range(ps.schema.partitions)]
+            holders = {rc.get_node_from_key(k).name for k in part_keys if rc.exists(k)}
+        finally:
+            rc.close()
         assert len(holders) == 3
         ps.drop()
 
