@@ -17,6 +17,7 @@ import torch
 
 from .codec import check_keys, check_values
 from .errors import BadArgumentError, HandleClosedError
+from .loader import load_into
 from .schema import TableSchema
 
 
@@ -183,8 +184,6 @@ class ParameterServer(ABC):
             Nothing is written when one of these is raised (they are checked before the
             first insert); an error of the store mid-way leaves the rows inserted so far.
         """
-        from .loader import load_into
-
         self._enter(None)
         return load_into(self, source, keys=keys, tensor=tensor, format=format,
                          convert=convert, batch_size=batch_size, progress=progress)

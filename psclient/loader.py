@@ -19,12 +19,13 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
+from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from .errors import BadArgumentError, BadKeysError, BadValuesError
 from .schema import DTYPES
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # NOTE: for annotations only: base imports this module
     from .base import ParameterServer
 
 log = logging.getLogger(__name__)
@@ -174,8 +175,6 @@ def _open_raw(path: Path, dim: int, dtype: torch.dtype) -> RowSource:
 
 
 def _open_safetensors(path: Path, tensor: str | None, cli: bool) -> RowSource:
-    from safetensors import SafetensorError, safe_open
-
     try:
         f = safe_open(str(path), framework="pt")  # NOTE: memory-maps; slices read lazily
     except (SafetensorError, OSError) as e:

@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 import torch
 
 from .base import ParameterServer
-from .errors import UnsupportedURLError
+from .errors import BadArgumentError, UnsupportedURLError
 from .schema import check_table_name, dtype_name
 
 #: A backend factory: ``(url, table, dim, dtype_name, options) -> ParameterServer``.
@@ -125,7 +125,5 @@ def connect(url: str, *, table: str, dim: int | None = None,
     table = check_table_name(table)
     dt = None if dtype is None else dtype_name(dtype)
     if dim is not None and (not isinstance(dim, int) or isinstance(dim, bool) or dim <= 0):
-        from .errors import BadArgumentError
-
         raise BadArgumentError(f"dim must be a positive int, got {dim!r}")
     return _factory(scheme)(url, table, dim, dt, dict(options))
