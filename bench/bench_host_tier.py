@@ -31,6 +31,7 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from gpu import host_kernels as hk  # noqa: E402
+from gpu._triton import kernel_module  # noqa: E402
 from gpu.hostreg import register  # noqa: E402
 from hostcache import HostCache, hashing, layout  # noqa: E402
 
@@ -110,7 +111,7 @@ def bench_lookups(capacity: int, batches: list[int], reps: int, ceiling: float) 
                  GiB=hc.geometry.total_size / 2**30, fill_s=fill_s)
             rows = reg.rows()
             g = reg.geometry
-            kern = hk._kernels(interpret=False)
+            kern = kernel_module("host_tier_kernels", interpret=False)
             gen = torch.Generator(device="cuda").manual_seed(0)
             for alpha in (1.05, 0.0):
                 for batch in batches:
@@ -133,7 +134,7 @@ def bench_lookups(capacity: int, batches: list[int], reps: int, ceiling: float) 
 
                     def sort_only(q=q):
                         skey = torch.empty_like(q)
-                        kern._sort_key_kernel[(triton.cdiv(q.numel(), 1024),)](
+                        kern.sort_key_kernel[(triton.cdiv(q.numel(), 1024),)](
                             q, skey, q.numel(), g.num_buckets, SHIFT=32, BLOCK=1024)
                         return torch.sort(skey).indices
 
@@ -144,8 +145,8 @@ def bench_lookups(capacity: int, batches: list[int], reps: int, ceiling: float) 
                         "ours_unique_then_sort": variant(one_sort_max=0),
                         "ours_one_sort": variant(one_sort_max=1 << 40),
                         "ours_no_dedup": lambda q=q: hk.hostcache_lookup(reg, q, dedup=False),
-                        "ours_no_fence": lambda q=q: hk._lookup_triton(reg, q, fence=False),
-                        "stage_probe_only": lambda q=q: hk._lookup_triton(reg, q, gather=False),
+                        "ours_no_fence": lambda q=q: hk.triton_lookup(reg, q, fence=False),
+                        "stage_probe_only": lambda q=q: hk.triton_lookup(reg, q, gather=False),
                         "stage_sort_only": sort_only,
                         "ref_sorted_index_select_unique_rows": lambda s=sorted_slots:
                             rows.index_select(0, s),
@@ -171,7 +172,7 @@ def bench_lookups(capacity: int, batches: list[int], reps: int, ceiling: float) 
 def _first_lookup(name: str, batch: int, out) -> None:
     torch.cuda.init()
     torch.zeros(1, device="cuda")  # CUDA context up before the clock starts
-    hk._kernels(interpret=False)
+    kernel_module("host_tier_kernels", interpret=False)
     keys = torch.randint(0, 1 << 30, (batch,), device="cuda")
     t0 = time.perf_counter()
     hc = HostCache.attach(name)

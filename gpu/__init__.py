@@ -7,10 +7,11 @@ Every path has a CPU twin with identical results: ``device="cpu"`` makes no CUDA
 from __future__ import annotations
 
 from .cache import GPUCache, GPUCacheStats, MissCandidates
-from .distmem import DestructionOrderError, DistMemBlock
+from .distmem import DistMemBlock
 from .errors import (
     BadArgumentError,
     CUDAUnavailableError,
+    DestructionOrderError,
     GPUError,
     KeyNotFoundError,
     StorageUnavailableError,

@@ -5,8 +5,10 @@ turns every non-success code into a typed :class:`CUDACallError` naming the call
 error, after clearing the (non-sticky) error with ``cudaGetLastError`` so that the next,
 unrelated CUDA call in the process does not report it again.
 
-Only :mod:`gpu.hostreg` uses this module; it is imported lazily so the package imports on
-machines without cuda-python.
+Only the host registration (:mod:`gpu.pinning`, :mod:`gpu.hostreg`) uses this module; it
+imports cuda-python only when a call is made (:func:`runtime`), so the package imports on
+machines without it. :class:`CUDACallError` lives in :mod:`gpu.errors` (importable from
+here too).
 """
 
 from __future__ import annotations
@@ -16,26 +18,9 @@ from functools import cache
 from types import ModuleType
 from typing import Any
 
-from .errors import CUDAUnavailableError, GPUError
+from .errors import CUDACallError, CUDAUnavailableError
 
 logger = logging.getLogger(__name__)
-
-
-class CUDACallError(GPUError):
-    """A CUDA runtime call returned an error code.
-
-    Attributes:
-        call: the runtime function, e.g. ``"cudaHostRegister"``.
-        error: the error's name, e.g. ``"cudaErrorHostMemoryAlreadyRegistered"``.
-        code: the numeric ``cudaError_t``.
-    """
-
-    def __init__(self, call: str, error: str, code: int, detail: str = "") -> None:
-        self.call = call
-        self.error = error
-        self.code = code
-        msg = f"{call} failed with {error} ({code})"
-        super().__init__(f"{msg}: {detail}" if detail else msg)
 
 
 @cache
@@ -45,7 +30,7 @@ def runtime() -> ModuleType:
     Raises:
         CUDAUnavailableError: cuda-python is not installed.
     """
-    try:
+    try:  # NOTE: lazy: cuda-python is an optional dependency, needed only on CUDA machines
         from cuda.bindings import runtime as cudart
     except ImportError:
         try:

@@ -1,7 +1,9 @@
 """Lazy, guarded access to Triton: the ``gpu`` package imports without it.
 
-Kernel modules (``gpu/cache_kernels.py``) import ``triton`` at their top and are only
-loaded through :func:`kernel_module`, which builds one of two variants of a module:
+Kernel modules (``gpu/cache_kernels.py``, ``gpu/cache_insert_kernels.py``,
+``gpu/host_tier_kernels.py``, and their shared helpers ``gpu/hash_kernels.py``) import
+``triton`` at their top and are only loaded through :func:`kernel_module`, which builds
+one of two variants of a module:
 
 * compiled (``interpret=False``): ``@triton.jit`` functions compiled for CUDA tensors;
 * interpreted (``interpret=True``): the same source decorated while Triton's interpreter
@@ -9,7 +11,10 @@ loaded through :func:`kernel_module`, which builds one of two variants of a modu
   on machines without a GPU).
 
 NOTE: Triton decides compiled vs interpreted when ``@triton.jit`` decorates a function,
-so both variants are separate module objects executed from the same file.
+so both variants are separate module objects executed from the same file. A kernel module
+that calls ``@triton.jit`` helpers of another file takes them from
+:func:`helper_module`, the other file's variant of the same kind, never from a plain
+import (which would hand a compiled helper to interpreted kernels, or the reverse).
 """
 
 from __future__ import annotations
@@ -26,13 +31,14 @@ from .errors import TritonUnavailableError
 
 logger = logging.getLogger(__name__)
 
-_LOCK = threading.Lock()
+# NOTE: re-entrant: a kernel module being loaded loads its helper modules
+_LOCK = threading.RLock()
 
 
 @cache
 def triton_available() -> bool:
     """True if ``import triton`` works in this process."""
-    try:
+    try:  # NOTE: lazy: triton is optional (the torch twins run without it)
         import triton  # noqa: F401
     except Exception as e:  # ImportError, or a broken install raising anything else
         logger.debug("triton is not importable: %s", e)
@@ -63,7 +69,7 @@ def kernel_module(stem: str, *, interpret: bool) -> ModuleType:
         mod = sys.modules.get(name)
         if mod is not None:
             return mod
-        from triton import knobs
+        from triton import knobs  # NOTE: lazy: triton is optional (checked above)
 
         path = Path(__file__).with_name(f"{stem}.py")
         spec = importlib.util.spec_from_file_location(name, path)
@@ -82,3 +88,14 @@ def kernel_module(stem: str, *, interpret: bool) -> ModuleType:
             knobs.runtime.interpret = previous
         logger.debug("loaded %s (interpret=%s)", name, interpret)
         return mod
+
+
+def helper_module(stem: str) -> ModuleType:
+    """``gpu/<stem>.py`` in the variant (compiled or interpreted) being loaded now.
+
+    Called at the top of a kernel module, while :func:`kernel_module` executes it, to get
+    the ``@triton.jit`` helpers of another file decorated the same way as its own kernels.
+    """
+    from triton import knobs  # NOTE: lazy: triton is optional; only kernel modules call this
+
+    return kernel_module(stem, interpret=bool(knobs.runtime.interpret))

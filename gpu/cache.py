@@ -3,10 +3,12 @@
 One :class:`GPUCache` per layer per process. Keys, per-way policy counters and rows live
 in three device tensors (slot ``b * ways + w`` is way ``w`` of bucket ``b``); the bucket of
 a key is ``hostcache.hashing.bucket_of`` (the host tier's hash). On CUDA the lookups run as
-Triton kernels (``gpu.cache_kernels``); on CPU, or wherever Triton is missing, the torch
-twin (``gpu.cache_twin``) gives identical results. Writes (insert / update / erase) plan
-slots with deterministic torch ops shared by both backends, so the table state after any
-sequence of operations is the same on CPU and CUDA.
+Triton kernels (``gpu.cache_kernels``; inserts ``gpu.cache_insert_kernels``); on CPU, or
+wherever Triton is missing, the torch twin (``gpu.cache_twin``) gives identical results.
+Writes (insert / update / erase) plan slots with deterministic torch ops shared by both
+backends, so the table state after any sequence of operations is the same on CPU and CUDA.
+Argument checks are in ``gpu.cache_checks``, the statistics and miss-candidate types in
+``gpu.cache_types``.
 
 Bookkeeping (which key lives where: :meth:`GPUCache.probe`) is separate from the code that
 moves bytes (:meth:`GPUCache.gather`); the fused paths do both in one kernel launch.
@@ -18,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 from types import ModuleType
 from typing import Literal
 
@@ -28,8 +29,13 @@ from hostcache.layout import EMPTY_KEY
 
 from . import cache_twin as twin
 from ._triton import kernel_module, triton_available
-from .devices import resolve_device, same_device
+from .cache_checks import ArgumentChecks
+from .cache_types import GPUCacheStats, MissCandidates
+from .devices import resolve_device
 from .errors import BadArgumentError
+
+__all__ = ["FORCE_TRITON_ENV", "ROW_DTYPES", "Backend", "GPUCache", "GPUCacheStats",
+           "MissCandidates", "PoolMode"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,76 +50,6 @@ _GOLDEN = 0x9E3779B1
 #: set NVEC_FORCE_TRITON=1 to make ``backend="auto"`` run the Triton kernels on CPU tensors
 #: too (through Triton's interpreter; slow, for tests).
 FORCE_TRITON_ENV = "NVEC_FORCE_TRITON"
-
-
-@dataclass(frozen=True)
-class GPUCacheStats:
-    """Counters of one :class:`GPUCache` since it was created."""
-
-    #: slots in the table (``num_buckets * ways``).
-    capacity: int
-    #: occupied slots.
-    size: int
-    #: looked-up keys found in the cache.
-    hits: int
-    #: looked-up keys not found.
-    misses: int
-    #: new keys placed by ``insert`` (keys already present are overwritten, not counted).
-    inserts: int
-    #: resident keys displaced by ``insert``.
-    evictions: int
-    #: keys overwritten by ``update``.
-    updates: int
-    #: keys removed by ``erase``.
-    erases: int
-    #: ``hits / (hits + misses)``, 0.0 before the first lookup.
-    hit_rate: float
-
-
-@dataclass(frozen=True)
-class MissCandidates:
-    """Where a linear lookup writes its misses, so that the caller learns them without a
-    host sync: one int64 buffer ``[1 + 2 * cap]`` holding the number of in-range misses
-    (all of them, even past ``cap``), the first ``cap`` missed keys found and their
-    positions in the batch. Duplicated keys appear once per occurrence.
-
-    Which misses come first: batch order on the CPU; on CUDA the order in which the
-    kernel's key blocks ran (a block's misses stay together, in the order the block visits
-    them: batch order, or host-page order from a rotating start row for large batches over
-    a host table, see ``gpu.cache_kernels.page_order``).
-    """
-
-    buffer: torch.Tensor
-
-    @classmethod
-    def empty(cls, cap: int, device: object) -> MissCandidates:
-        """A zeroed buffer for up to ``cap`` candidates (one allocation, one memset).
-
-        Raises:
-            BadArgumentError: ``cap`` is not a non-negative int, or a bad device.
-        """
-        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
-            raise BadArgumentError(f"cap must be a non-negative int; got {cap!r}")
-        # NOTE: a torch.device is taken as is (the layers pass their own, once per lookup)
-        dev = device if isinstance(device, torch.device) else resolve_device(device)
-        return cls(torch.zeros(1 + 2 * cap, dtype=torch.int64, device=dev))
-
-    @property
-    def cap(self) -> int:
-        return (self.buffer.numel() - 1) // 2
-
-    @property
-    def count(self) -> torch.Tensor:
-        """``[1]`` int64 on the buffer's device: the lookup's in-range misses."""
-        return self.buffer[:1]
-
-    @property
-    def keys(self) -> torch.Tensor:
-        return self.buffer[1:1 + self.cap]
-
-    @property
-    def positions(self) -> torch.Tensor:
-        return self.buffer[1 + self.cap:]
 
 
 class GPUCache:
@@ -165,6 +101,7 @@ class GPUCache:
         self.dim = dim
         self.dtype = dtype
         self.device = dev
+        self._checks = ArgumentChecks(dim, dtype, dev)
         self.ways = ways
         self.row_bytes = dim * torch.empty((), dtype=dtype).element_size()
         self.slot_bytes = 8 + 4 + self.row_bytes
@@ -184,7 +121,8 @@ class GPUCache:
         self._updates = self._erases = 0
         # inserts, evictions, dropped keys: counted on the device (insert makes no sync)
         self._insert_stats = torch.zeros(3, dtype=torch.int64, device=dev)
-        self._kernels: ModuleType | None = None
+        self._kernels: ModuleType | None = None  # gpu.cache_kernels: the lookups
+        self._write_kernels: ModuleType | None = None  # gpu.cache_insert_kernels
         #: keys counted by the kernels since the counters were last clamped in full.
         self._unclamped = 0
         use_triton = backend == "triton" or (backend == "auto" and (
@@ -192,99 +130,13 @@ class GPUCache:
             or (dev.type == "cuda" and triton_available())))
         if use_triton:
             self._kernels = kernel_module("cache_kernels", interpret=dev.type != "cuda")
+            self._write_kernels = kernel_module("cache_insert_kernels",
+                                                interpret=dev.type != "cuda")
         self.backend = "triton" if use_triton else "torch"
         logger.debug("GPUCache %d slots (%d buckets x %d ways), dim %d %s on %s, backend %s",
                      self.capacity, self.num_buckets, ways, dim, dtype, dev, self.backend)
 
     # ------------------------------------------------------------------ validation
-
-    def _check_keys(self, keys: object, what: str = "keys") -> torch.Tensor:
-        if not isinstance(keys, torch.Tensor):
-            raise BadArgumentError(f"{what} must be a torch.Tensor; got {type(keys).__name__}")
-        if keys.dtype != torch.int64 or keys.dim() != 1:
-            raise BadArgumentError(
-                f"{what} must be a 1-D int64 tensor; got {keys.dtype} of shape "
-                f"{tuple(keys.shape)} (use keys.long().reshape(-1))")
-        if not same_device(keys, self.device):
-            raise BadArgumentError(
-                f"{what} are on {keys.device} but the cache is on {self.device}; "
-                f"move them with .to({str(self.device)!r})")
-        return keys.contiguous()
-
-    def _check_rows(self, values: object, n: int, what: str = "values") -> torch.Tensor:
-        if not isinstance(values, torch.Tensor):
-            raise BadArgumentError(
-                f"{what} must be a torch.Tensor; got {type(values).__name__}")
-        if tuple(values.shape) != (n, self.dim):
-            raise BadArgumentError(
-                f"{what} must have shape ({n}, {self.dim}); got {tuple(values.shape)}")
-        if values.dtype != self.dtype:
-            raise BadArgumentError(
-                f"{what} must be {self.dtype}; got {values.dtype} (convert with .to())")
-        if not same_device(values, self.device):
-            raise BadArgumentError(
-                f"{what} are on {values.device} but the cache is on {self.device}")
-        return values.contiguous()
-
-    def _check_table(self, table: object) -> torch.Tensor:
-        if not isinstance(table, torch.Tensor) or table.dim() != 2 \
-                or table.shape[1] != self.dim or table.dtype != self.dtype:
-            got = (f"{table.dtype} {tuple(table.shape)}" if isinstance(table, torch.Tensor)
-                   else type(table).__name__)
-            raise BadArgumentError(
-                f"table must be a [num_rows, {self.dim}] {self.dtype} tensor; got {got}")
-        if not same_device(table, self.device):
-            raise BadArgumentError(
-                f"table is on {table.device} but the cache is on {self.device}; on CUDA pass "
-                "a zero-copy CUDA view of the registered host table")
-        # NOTE: rows may be padded (a SharedMemBlock rounds them up to 16 bytes): the kernels
-        # step by stride(0); only the elements of a row must be contiguous
-        if table.shape[0] > 1 and table.stride(0) < self.dim or (
-                self.dim > 1 and table.stride(1) != 1):
-            raise BadArgumentError(
-                f"table rows must each be contiguous and not overlap (strides (>= {self.dim}, "
-                f"1)); got strides {tuple(table.stride())}: pass table.contiguous()")
-        return table
-
-    def _check_linear_keys(self, keys: torch.Tensor, num_rows: int) -> None:
-        if keys.numel() and bool(((keys < 0) | (keys >= num_rows)).any()):
-            raise BadArgumentError(
-                f"keys of a linear table must lie in [0, {num_rows}); drop or remap the "
-                "others before the lookup")
-
-    def _check_bags(
-        self, n: int, offsets: object, mode: object, weights: object,
-        miss_values: object, validate: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        if mode not in ("sum", "mean"):
-            raise BadArgumentError(f"mode must be 'sum' or 'mean'; got {mode!r}")
-        if not isinstance(offsets, torch.Tensor) or offsets.dtype != torch.int64 \
-                or offsets.dim() != 1 or offsets.numel() < 1:
-            raise BadArgumentError(
-                "offsets must be a 1-D int64 tensor of B + 1 bag boundaries "
-                "(include_last_offset semantics)")
-        if not same_device(offsets, self.device):
-            raise BadArgumentError(f"offsets are on {offsets.device}, not {self.device}")
-        offsets = offsets.contiguous()
-        if validate:
-            bad = (offsets[0] != 0) | (offsets[-1] != n) | (offsets[1:] < offsets[:-1]).any()
-            if bool(bad):
-                raise BadArgumentError(
-                    f"offsets must start at 0, end at len(keys) = {n} and never decrease")
-        w: torch.Tensor | None = None
-        if weights is not None:
-            if mode != "sum":
-                raise BadArgumentError("per_sample_weights are only supported with mode='sum'")
-            if not isinstance(weights, torch.Tensor) or tuple(weights.shape) != (n,) \
-                    or not weights.is_floating_point():
-                raise BadArgumentError(
-                    f"per_sample_weights must be a float tensor of shape ({n},)")
-            if not same_device(weights, self.device):
-                raise BadArgumentError(
-                    f"per_sample_weights are on {weights.device}, not {self.device}")
-            w = weights.contiguous()
-        mv = None if miss_values is None else self._check_rows(miss_values, n, "miss_values")
-        return offsets, w, mv
 
     # ------------------------------------------------------------------ lookups
 
@@ -310,7 +162,7 @@ class GPUCache:
         Returns:
             int64 ``[N]``: the slot of each key, -1 where it is not cached.
         """
-        keys = self._check_keys(keys)
+        keys = self._checks.keys(keys)
         if self._kernels is not None:
             if record:
                 self._will_count(keys.numel())
@@ -330,14 +182,14 @@ class GPUCache:
 
     def gather(self, slots: torch.Tensor) -> torch.Tensor:
         """Rows at ``slots`` (from :meth:`probe`); zero rows where a slot is -1."""
-        slots = self._check_keys(slots, "slots")
+        slots = self._checks.keys(slots, "slots")
         if slots.numel() and bool((slots >= self.capacity).any()):
             raise BadArgumentError(f"slots must be -1 or lie in [0, {self.capacity})")
         return twin.gather(self._rows, slots, slots >= 0)
 
     def lookup(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of ``keys``: ``(values [N, dim], hit bool [N])``; misses give zero rows."""
-        return self._lookup_rows(self._check_keys(keys), None)
+        return self._lookup_rows(self._checks.keys(keys), None)
 
     def lookup_linear(
         self, keys: torch.Tensor, table: torch.Tensor, *, validate: bool = True,
@@ -362,21 +214,11 @@ class GPUCache:
         Returns:
             ``(values [N, dim], hit bool [N])``; ``keys[~hit]`` are the keys to insert.
         """
-        keys = self._check_keys(keys)
-        table = self._check_table(table)
+        keys = self._checks.keys(keys)
+        table = self._checks.table(table)
         if validate:
-            self._check_linear_keys(keys, table.shape[0])
-        return self._lookup_rows(keys, table, self._check_candidates(candidates), host_table)
-
-    def _check_candidates(self, candidates: MissCandidates | None) -> torch.Tensor | None:
-        if candidates is None:
-            return None
-        buf = candidates.buffer
-        if (buf.dtype != torch.int64 or buf.dim() != 1 or buf.numel() % 2 != 1
-                or not buf.is_contiguous() or not same_device(buf, self.device)):
-            raise BadArgumentError(
-                f"candidates must be a MissCandidates.empty(cap, {self.device}) buffer")
-        return buf
+            self._checks.linear_keys(keys, table.shape[0])
+        return self._lookup_rows(keys, table, self._checks.candidates(candidates), host_table)
 
     def _lookup_rows(
         self, keys: torch.Tensor, table: torch.Tensor | None,
@@ -434,8 +276,8 @@ class GPUCache:
         Returns:
             ``(pooled [B, dim], hit bool [N])``.
         """
-        keys = self._check_keys(keys)
-        offsets, w, mv = self._check_bags(
+        keys = self._checks.keys(keys)
+        offsets, w, mv = self._checks.bags(
             keys.numel(), offsets, mode, per_sample_weights, miss_values, validate)
         if out_dtype is not None and out_dtype not in ROW_DTYPES:
             raise BadArgumentError(f"out_dtype must be one of {ROW_DTYPES}; got {out_dtype!r}")
@@ -459,14 +301,14 @@ class GPUCache:
         Returns:
             ``(pooled [B, dim], hit bool [N])``; ``keys[~hit]`` are the keys to insert.
         """
-        keys = self._check_keys(keys)
-        table = self._check_table(table)
-        offsets, w, _ = self._check_bags(
+        keys = self._checks.keys(keys)
+        table = self._checks.table(table)
+        offsets, w, _ = self._checks.bags(
             keys.numel(), offsets, mode, per_sample_weights, None, validate)
         if validate:
-            self._check_linear_keys(keys, table.shape[0])
+            self._checks.linear_keys(keys, table.shape[0])
         return self._pooled(keys, offsets, mode == "mean", w, None, table,
-                            self._check_candidates(candidates))
+                            self._checks.candidates(candidates))
 
     def _pooled(
         self, keys: torch.Tensor, offsets: torch.Tensor, mean: bool, w: torch.Tensor | None,
@@ -497,8 +339,8 @@ class GPUCache:
 
     def _scatter(self, target: torch.Tensor, values: torch.Tensor, src: torch.Tensor) -> None:
         """``rows[target] = values[src]``; ``target`` may name the trash slot."""
-        if self._kernels is not None:
-            self._kernels.scatter_rows(self._rows_all, target, values, src)
+        if self._write_kernels is not None:
+            self._write_kernels.scatter_rows(self._rows_all, target, values, src)
         else:
             self._rows_all[target] = values[src]
 
@@ -514,18 +356,18 @@ class GPUCache:
         Raises:
             BadArgumentError: Bad keys/values, or a key equal to the reserved empty marker.
         """
-        keys = self._check_keys(keys)
-        values = self._check_rows(values, keys.numel())
+        keys = self._checks.keys(keys)
+        values = self._checks.rows(values, keys.numel())
         if keys.numel() == 0 or self.num_buckets == 0:
             return
         if validate and bool((keys == EMPTY_KEY).any()):
             raise BadArgumentError(
                 f"key {EMPTY_KEY} (INT64_MIN) is reserved for empty slots; remap it")
-        if self._kernels is not None:
-            self._kernels.insert(keys, values, self._tkeys, self._counters, self._rows_all,
-                                 self._insert_stats, self.num_buckets, self.ways,
-                                 empty=EMPTY_KEY, cmax=twin.COUNTER_MAX,
-                                 decay_at=twin.DECAY_AT)
+        if self._write_kernels is not None:
+            self._write_kernels.insert(keys, values, self._tkeys, self._counters,
+                                       self._rows_all, self._insert_stats, self.num_buckets,
+                                       self.ways, empty=EMPTY_KEY, cmax=twin.COUNTER_MAX,
+                                       decay_at=twin.DECAY_AT)
             return
         plan = twin.plan_insert(self._tkeys, self._counters, self.num_buckets, self.ways, keys)
         self._counters_all[plan.decay_target] = plan.decay_values
@@ -540,8 +382,8 @@ class GPUCache:
         Returns:
             bool ``[N]``: whether each key was cached (and so updated).
         """
-        keys = self._check_keys(keys)
-        values = self._check_rows(values, keys.numel())
+        keys = self._checks.keys(keys)
+        values = self._checks.rows(values, keys.numel())
         slots, src, present = twin.plan_update(self._tkeys, self.num_buckets, self.ways, keys)
         self._scatter(slots, values, src)
         self._updates += slots.numel()
@@ -549,7 +391,7 @@ class GPUCache:
 
     def erase(self, keys: torch.Tensor) -> None:
         """Remove ``keys`` from the cache (absent keys are ignored)."""
-        keys = self._check_keys(keys)
+        keys = self._checks.keys(keys)
         hit, slots = twin.probe(self._tkeys, self.num_buckets, self.ways, torch.unique(keys))
         slots = slots[hit]
         self._tkeys[slots] = EMPTY_KEY

@@ -1,5 +1,5 @@
 # ruff: noqa: N803  (Triton convention: compile-time constants are UPPER_CASE parameters)
-"""Triton kernels of the GPU cache (``gpu.cache.GPUCache``).
+"""Triton kernels of the GPU cache's lookups (``gpu.cache.GPUCache``).
 
 Loaded only through :func:`gpu._triton.kernel_module`, compiled for CUDA tensors or
 interpreted for CPU tensors. Table layout (structure of arrays, slot ``b * WAYS + w`` is
@@ -13,22 +13,12 @@ way ``w`` of bucket ``b``):
 Probe: one key costs one load of its bucket's ``WAYS`` keys (64 bytes at 8 ways, loaded
 as one ``[BLOCK_K, WAYS]`` tile), then the hit rows are gathered as a ``[BLOCK_K, dim]``
 tile with wide loads. The bucket hash is ``hostcache.hashing.bucket_of`` written with the
-same integer operations (wrapping int64 multiply, logical shift as arithmetic shift and
-mask), so the CPU twin and these kernels agree bit for bit.
+same integer operations (:mod:`gpu.hash_kernels`), so the CPU twin and these kernels agree
+bit for bit.
 
-Counters: a hit adds 1 to its slot's counter with a fire-and-forget atomic (the result is
-unused, so it compiles to a ``red``: no warp waits for it), issued after the row loads and
-stores. Same-address atomics serialize in L2, and a Zipf batch hits its hottest slots
-thousands of times, so a slot whose counter already reads ``CMAX`` gets no atomic at all
-(``CONFIG["skip_saturated"]``; the hot slots saturate within a few batches); summing equal
-slots per block first (``lookup_agg`` / ``pooled_agg``) is a switch, off by default (H200:
-slower than the skip). The kernels do not saturate: ``GPUCache`` clamps lazily.
-Saturating adds of non-negative amounts compose,
-``min(min(c + a, CMAX) + b, CMAX) == min(c + a + b, CMAX)``, so a stored counter ``c``
-stands for ``min(c, CMAX)`` as long as it cannot overflow int32; the cache clamps every
-counter it reads (insert planning, ``state()``) and clamps the whole array before the keys
-counted since the last full clamp could push a counter past ``INT32_MAX``. The state is
-therefore exactly the twin's ``min(initial + hits, CMAX)``, whatever the order of the adds.
+Counters: a hit adds 1 to its slot's counter, unsaturated, with a fire-and-forget atomic
+(none where the counter already reads ``CMAX``); ``GPUCache`` clamps lazily, so the state
+is exactly the twin's (see :mod:`gpu.cache_probe_kernels`).
 
 Linear-table misses (``lookup(..., table=...)``, the LinearUVM path) are read in the probe
 launch: a block of keys waits for its few host reads while other blocks gather hits from
@@ -38,16 +28,16 @@ elements in (a ``SharedMemBlock`` rounds rows up to 16 bytes).
 Small batches are visited in batch order. From ``CONFIG["linear_page_order"]`` keys a
 batch over a table in host memory (0: never) is visited in row (= host page) order instead
 (``page_order``: one int32 ``argsort``; each result still goes to its key's batch
-position), so that neighbouring programs read neighbouring host pages. H200, 2026-12-01,
-``bench_gpu_cache --only linear``, 4M-row table, 10% cache, Zipf 1.05, M keys/s (x zero-copy
-``index_select``): batch order 334 (3.07x) / 278 (2.34x) / 277 (2.27x) at 64k / 256k / 1M
-keys; page order 203 (1.87x) / 355 (2.99x) / 642 (5.25x); an earlier variant that read
-only the misses, sorted, in a second launch after the probe: 172 / 298 / 544. No host sync
-either way; the rows are the same bit for bit.
+position), so that neighbouring programs read neighbouring host pages: slower than batch
+order for small batches, faster for large ones (bench/RESULTS.md, "GPU cache kernels",
+"LinearUVM: batch order vs host-page order"). No host sync either way; the rows are the
+same bit for bit.
 
 Pooled lookups split each bag over several programs (``pooled_split``) so that a few
 hundred bags still fill the GPU; each program accumulates a ``[BLOCK_K, BLOCK_D]`` fp32
 tile and reduces it once, and a second launch sums the partial rows in a fixed order.
+
+The writes (insert, row scatters) are in :mod:`gpu.cache_insert_kernels`.
 """
 
 from __future__ import annotations
@@ -56,89 +46,16 @@ import torch
 import triton
 import triton.language as tl
 
+from gpu._triton import helper_module
 from gpu.devices import on_tensor_device
-from hostcache import hashing
 
-_M1: tl.constexpr = tl.constexpr(hashing.FMIX_M1)
-_M2: tl.constexpr = tl.constexpr(hashing.FMIX_M2)
-_MASK31: tl.constexpr = tl.constexpr(hashing.MASK31)
-_I64MAX: tl.constexpr = tl.constexpr(hashing.INT64_MAX)
-
-
-# NOTE: reductions use tl.reduce with our own combine functions instead of tl.min / tl.sum:
-# those are @triton.jit functions of triton's standard library, decorated when triton was
-# imported, so they would not switch to the interpreter with this module.
-@triton.jit
-def _min_combine(a, b):
-    return tl.minimum(a, b)
-
-
-@triton.jit
-def _add_combine(a, b):
-    return a + b
-
-
-@triton.jit
-def _bucket(keys, num_buckets):
-    x = keys ^ ((keys >> 33) & _MASK31)
-    x = x * _M1
-    x = x ^ ((x >> 33) & _MASK31)
-    x = x * _M2
-    x = x ^ ((x >> 33) & _MASK31)
-    x = x & _I64MAX
-    return x % num_buckets
-
-
-@triton.jit
-def _probe(tkeys_ptr, keys, kmask, num_buckets, WAYS: tl.constexpr, EMPTY: tl.constexpr):
-    """(hit, slot) of a [BLOCK_K] block of keys; slot is garbage where not hit."""
-    b = _bucket(keys, num_buckets)
-    w = tl.arange(0, WAYS)
-    sk = tl.load(tkeys_ptr + (b * WAYS)[:, None] + w[None, :], mask=kmask[:, None], other=EMPTY)
-    match = (sk == keys[:, None]) & (keys != EMPTY)[:, None] & kmask[:, None]
-    way = tl.reduce(tl.where(match, w[None, :], WAYS), 1, _min_combine)
-    hit = way < WAYS
-    slot = b * WAYS + tl.where(hit, way, 0)
-    return hit, slot
-
-
-@triton.jit
-def _bump(counters_ptr, slot, hit, BLOCK_K: tl.constexpr, AGG: tl.constexpr,
-          SKIP_SAT: tl.constexpr, CMAX: tl.constexpr):
-    """Add each hit to its slot's counter (fire-and-forget atomics).
-
-    With ``AGG``, duplicates inside the block (Zipf batches repeat hot keys) are summed
-    first, so a hot slot takes one atomic per block instead of one per key (same-address
-    atomics serialize in L2), at the price of a ``[BLOCK_K, BLOCK_K]`` comparison.
-    Fire-and-forget (``red``) either way. With ``SKIP_SAT``, a slot whose counter already
-    reads ``CMAX`` or more takes no atomic at all (exact: the counter only grows during a
-    launch, so a value read at ``CMAX`` stays saturated, and adds to it change nothing it
-    stands for); a hot slot then costs one cached load per key instead of a serialized add.
-    """
-    if SKIP_SAT:
-        c = tl.load(counters_ptr + slot, mask=hit, other=0)
-        hit = hit & (c < CMAX)
-    if AGG:
-        i = tl.arange(0, BLOCK_K)
-        same = (slot[:, None] == slot[None, :]) & hit[:, None] & hit[None, :]
-        count = tl.reduce(same.to(tl.int32), 1, _add_combine)
-        first = tl.reduce(tl.where(same, i[None, :], BLOCK_K), 1, _min_combine)
-        tl.atomic_add(counters_ptr + slot, count, mask=hit & (first == i), sem="relaxed")
-    else:
-        tl.atomic_add(counters_ptr + slot, 1, mask=hit, sem="relaxed")
-
-
-@triton.jit
-def _collect(cand_ptr, cap, keys, offs, miss):
-    """Append the ``miss`` keys of a block and their batch positions to the candidate
-    buffer ``[count, keys[cap], positions[cap]]``: one atomic on the count per block; keys
-    past ``cap`` are counted, not stored."""
-    mi = miss.to(tl.int64)
-    base = tl.atomic_add(cand_ptr, tl.reduce(mi, 0, _add_combine), sem="relaxed")
-    pos = base + tl.associative_scan(mi, 0, _add_combine) - mi
-    m = miss & (pos < cap)
-    tl.store(cand_ptr + 1 + pos, keys, mask=m)
-    tl.store(cand_ptr + 1 + cap + pos, offs, mask=m)
+# NOTE: the per-block device functions, decorated like this module's kernels (compiled or
+# interpreted)
+_parts = helper_module("cache_probe_kernels")
+add_combine = _parts.add_combine
+probe = _parts.probe
+_bump = _parts.bump
+_collect = _parts.collect
 
 
 # NOTE: sizes that only bound masks are not specialized: a candidate capacity or batch
@@ -169,7 +86,7 @@ def _lookup_kernel(
     else:
         dmask = d < dim
     if HAS_CACHE:
-        hit, slot = _probe(tkeys_ptr, keys, kmask, num_buckets, WAYS, EMPTY)
+        hit, slot = probe(tkeys_ptr, keys, kmask, num_buckets, WAYS, EMPTY)
         if GATHER:
             vals = tl.load(rows_ptr + slot[:, None] * dim + d[None, :],
                            mask=hit[:, None] & dmask[None, :], other=0.0)
@@ -207,7 +124,7 @@ def _lookup_kernel(
             # loads and stores so no warp waits on a contended hot slot; not saturated here
             # (see the module docstring for the lazy clamp).
             _bump(counters_ptr, slot, hit, BLOCK_K, AGG, SKIP_SAT, CMAX)
-            nhits = tl.reduce(hit.to(tl.int64), 0, _add_combine)
+            nhits = tl.reduce(hit.to(tl.int64), 0, add_combine)
             tl.atomic_add(stats_ptr + pid % STAT_STRIPES, nhits, sem="relaxed")
     if COLLECT:
         _collect(cand_ptr, cand_cap, keys, offs,
@@ -250,7 +167,7 @@ def _pooled_kernel(
         kmask = offs < end
         keys = tl.load(keys_ptr + offs, mask=kmask, other=EMPTY)
         if HAS_CACHE:
-            hit, slot = _probe(tkeys_ptr, keys, kmask, num_buckets, WAYS, EMPTY)
+            hit, slot = probe(tkeys_ptr, keys, kmask, num_buckets, WAYS, EMPTY)
             vals = tl.load(
                 rows_ptr + slot[:, None] * dim + d[None, :], mask=hit[:, None] & dmask[None, :],
                 other=0.0,
@@ -296,7 +213,7 @@ def _pooled_kernel(
         if COLLECT:
             _collect(cand_ptr, cand_cap, keys, offs,
                      first & kmask & (hit == 0) & (keys >= 0) & (keys < num_rows))
-    res = tl.reduce(acc, 0, _add_combine)
+    res = tl.reduce(acc, 0, add_combine)
     if SPLIT == 1:
         if MEAN:
             res = res / tl.maximum(end - start, 1).to(tl.float32)
@@ -305,7 +222,7 @@ def _pooled_kernel(
     else:
         tl.store(part_ptr + (bag.to(tl.int64) * SPLIT + split) * dim + d, res, mask=dmask)
     if HAS_CACHE:
-        total = tl.reduce(nhits, 0, _add_combine)
+        total = tl.reduce(nhits, 0, add_combine)
         if dchunk == 0:
             tl.atomic_add(stats_ptr + (bag * SPLIT + split) % STAT_STRIPES, total,
                           sem="relaxed")
@@ -326,146 +243,12 @@ def _pool_finish_kernel(
     s = tl.arange(0, SPLIT)
     p = tl.load(part_ptr + (bag.to(tl.int64) * SPLIT + s)[:, None] * dim + d[None, :],
                 mask=dmask[None, :], other=0.0)
-    res = tl.reduce(p, 0, _add_combine)
+    res = tl.reduce(p, 0, add_combine)
     if MEAN:
         start = tl.load(offsets_ptr + bag)
         end = tl.load(offsets_ptr + bag + 1)
         res = res / tl.maximum(end - start, 1).to(tl.float32)
     tl.store(out_ptr + bag.to(tl.int64) * dim + d, res.to(out_ptr.dtype.element_ty), mask=dmask)
-
-
-@triton.jit
-def _scatter_rows_kernel(
-    rows_ptr, target_ptr, values_ptr, src_ptr, n, dim,
-    BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
-    kmask = offs < n
-    target = tl.load(target_ptr + offs, mask=kmask, other=0)
-    src = tl.load(src_ptr + offs, mask=kmask, other=0)
-    d = tl.arange(0, BLOCK_D)
-    m = kmask[:, None] & (d < dim)[None, :]
-    vals = tl.load(values_ptr + src[:, None] * dim + d[None, :], mask=m)
-    tl.store(rows_ptr + target[:, None] * dim + d[None, :], vals, mask=m)
-
-
-@triton.jit
-def _max_combine(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
-def _insert_probe_kernel(
-    ks_ptr, n, tkeys_ptr, num_buckets, skey_ptr, slot_ptr, mark_ptr,
-    WAYS: tl.constexpr, EMPTY: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """Insert step 1, over the batch sorted by key: the last occurrence of each key is
-    present (its slot; its slot marked pinned) or fresh (sort key = its bucket); every
-    other position sorts after all buckets (``num_buckets``)."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
-    kmask = offs < n
-    k = tl.load(ks_ptr + offs, mask=kmask, other=EMPTY)
-    nxt = tl.load(ks_ptr + offs + 1, mask=offs + 1 < n, other=EMPTY)
-    is_last = kmask & ((offs + 1 >= n) | (nxt != k))
-    hit, slot = _probe(tkeys_ptr, k, kmask, num_buckets, WAYS, EMPTY)
-    present = is_last & hit
-    fresh = is_last & (hit == 0)
-    tl.store(skey_ptr + offs, tl.where(fresh, _bucket(k, num_buckets), num_buckets),
-             mask=kmask)
-    tl.store(slot_ptr + offs, tl.where(present, slot, -1), mask=kmask)
-    tl.store(mark_ptr + slot, tl.full([BLOCK_K], 1, tl.int8), mask=present)
-
-
-@triton.jit
-def _insert_plan_kernel(
-    sb_ptr, start_ptr, order_ptr, ks_ptr, src_ptr, slot_ptr, mark_ptr, n, tkeys_ptr,
-    counters_ptr, num_buckets, trash, key_target_ptr, new_keys_ptr, new_counters_ptr,
-    row_target_ptr, row_src_ptr, decay_ptr, stats_ptr,
-    CMAX: tl.constexpr, DECAY_AT: tl.constexpr, WAYS: tl.constexpr, EMPTY: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """Insert step 2, over the batch sorted by bucket: each new key's way (reads only; the
-    table is written by the next launches, so every program sees the same snapshot)."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
-    kmask = offs < n
-    sb = tl.load(sb_ptr + offs, mask=kmask, other=num_buckets)
-    rank = offs - tl.load(start_ptr + offs, mask=kmask, other=0)
-    j = tl.load(order_ptr + offs, mask=kmask, other=0)
-    k = tl.load(ks_ptr + j, mask=kmask, other=EMPTY)
-    src = tl.load(src_ptr + j, mask=kmask, other=0)
-    pslot = tl.load(slot_ptr + j, mask=kmask, other=-1)
-    fresh = kmask & (sb < num_buckets)
-    present = kmask & (pslot >= 0)
-    b = tl.where(fresh, sb, 0)
-    w = tl.arange(0, WAYS)
-    bslots = (b * WAYS)[:, None] + w[None, :]
-    fm = fresh[:, None]
-    bkeys = tl.load(tkeys_ptr + bslots, mask=fm, other=EMPTY)
-    bc = tl.minimum(tl.load(counters_ptr + bslots, mask=fm, other=0), CMAX)
-    old = tl.reduce(bc, 1, _max_combine) >= DECAY_AT
-    bc = tl.where(old[:, None], bc >> 1, bc)
-    pinned = tl.load(mark_ptr + bslots, mask=fm, other=0) != 0
-    score = tl.where(bkeys == EMPTY, -1, bc.to(tl.int64))
-    score = tl.where(pinned, 1 << 40, score)
-    # position of way w in a stable ascending sort of the scores
-    sv = score[:, None, :]
-    sw = score[:, :, None]
-    before = (sv < sw) | ((sv == sw) & (w[None, None, :] < w[None, :, None]))
-    pos = tl.reduce(before.to(tl.int32), 2, _add_combine)
-    avail = WAYS - tl.reduce(pinned.to(tl.int32), 1, _add_combine)
-    ok = fresh & (rank < avail)
-    sel = pos == rank[:, None]
-    pick = tl.reduce(tl.where(sel, w[None, :], WAYS), 1, _min_combine)
-    pick = tl.minimum(pick, WAYS - 1)
-    chosen = w[None, :] == pick[:, None]
-    victim = tl.reduce(tl.where(chosen, bkeys, 0), 1, _add_combine)
-    newc = tl.minimum(tl.reduce(tl.where(chosen, bc, 0), 1, _add_combine) + 1, CMAX)
-    new_slot = b * WAYS + pick
-    tl.store(key_target_ptr + offs, tl.where(ok, new_slot, trash), mask=kmask)
-    tl.store(new_keys_ptr + offs, k, mask=kmask)
-    tl.store(new_counters_ptr + offs, newc, mask=kmask)
-    tl.store(row_target_ptr + offs, tl.where(ok, new_slot, tl.where(present, pslot, trash)),
-             mask=kmask)
-    tl.store(row_src_ptr + offs, src, mask=kmask)
-    # the first new key of a bucket that takes a way decays (and clamps) the bucket
-    tl.store(decay_ptr + offs, (fresh & (rank == 0) & (avail > 0)).to(tl.int8), mask=kmask)
-    placed = tl.reduce(ok.to(tl.int64), 0, _add_combine)
-    evicted = tl.reduce((ok & (victim != EMPTY)).to(tl.int64), 0, _add_combine)
-    dropped = tl.reduce((fresh & (ok == 0)).to(tl.int64), 0, _add_combine)
-    tl.atomic_add(stats_ptr, placed, sem="relaxed")
-    tl.atomic_add(stats_ptr + 1, evicted, sem="relaxed")
-    tl.atomic_add(stats_ptr + 2, dropped, sem="relaxed")
-
-
-@triton.jit
-def _insert_decay_kernel(
-    sb_ptr, decay_ptr, n, counters_ptr, CMAX: tl.constexpr, DECAY_AT: tl.constexpr,
-    WAYS: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """Insert step 3: clamp, and halve where due, the counters of buckets taking keys."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
-    m = (offs < n) & (tl.load(decay_ptr + offs, mask=offs < n, other=0) != 0)
-    b = tl.load(sb_ptr + offs, mask=m, other=0)
-    w = tl.arange(0, WAYS)
-    bslots = (b * WAYS)[:, None] + w[None, :]
-    bc = tl.minimum(tl.load(counters_ptr + bslots, mask=m[:, None], other=0), CMAX)
-    old = tl.reduce(bc, 1, _max_combine) >= DECAY_AT
-    bc = tl.where(old[:, None], bc >> 1, bc)
-    tl.store(counters_ptr + bslots, bc, mask=m[:, None])
-
-
-@triton.jit
-def _insert_apply_kernel(
-    key_target_ptr, new_keys_ptr, new_counters_ptr, n, tkeys_ptr, counters_ptr, trash,
-    BLOCK_K: tl.constexpr,
-):
-    """Insert step 4: the new keys and their counters (rows follow with scatter_rows)."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
-    kmask = offs < n
-    t = tl.load(key_target_ptr + offs, mask=kmask, other=trash)
-    m = kmask & (t != trash)
-    tl.store(tkeys_ptr + t, tl.load(new_keys_ptr + offs, mask=m), mask=m)
-    tl.store(counters_ptr + t, tl.load(new_counters_ptr + offs, mask=m), mask=m)
 
 
 # ---------------------------------------------------------------- launchers
@@ -486,13 +269,11 @@ CONFIG: dict[str, int] = {
     "pooled_max_split": 64,
     "pooled_agg": 0,
     "skip_saturated": 1,  # 1: no counter atomic for a slot already at cmax (see _bump)
-    "scatter_block_k": 16,
-    "insert_block_k": 32,
 }
 if triton.knobs.runtime.interpret:
     # NOTE: the interpreter runs a block's [BLOCK_K, BLOCK_K] duplicate-slot comparison in
     # numpy: small blocks keep the CPU tests fast (and cover many programs per launch).
-    CONFIG.update(lookup_block_k=8, pooled_block_k=8, insert_block_k=8)
+    CONFIG.update(lookup_block_k=8, pooled_block_k=8)
 
 
 # NOTE: plain integer helpers: triton.cdiv / triton.next_power_of_2 are constexpr
@@ -675,56 +456,3 @@ def pooled(
             num_warps=4,
         )
     return out, hit
-
-
-@on_tensor_device
-def scatter_rows(
-    rows: torch.Tensor, target: torch.Tensor, values: torch.Tensor, src: torch.Tensor
-) -> None:
-    """``rows[target[i]] = values[src[i]]`` for distinct targets."""
-    n = target.numel()
-    if n == 0:
-        return
-    bk = CONFIG["scatter_block_k"]
-    _scatter_rows_kernel[(_cdiv(n, bk),)](
-        rows, target, values, src, n, rows.shape[1], BLOCK_K=bk, BLOCK_D=_block_d(rows.shape[1]),
-    )
-
-
-@on_tensor_device
-def insert(
-    keys: torch.Tensor, values: torch.Tensor, tkeys: torch.Tensor, counters: torch.Tensor,
-    rows_all: torch.Tensor, stats: torch.Tensor, num_buckets: int, ways: int, *, empty: int,
-    cmax: int, decay_at: int,
-) -> None:
-    """Insert ``keys``/``values`` (non-empty) with no host sync: the same placements as
-    ``gpu.cache_twin.plan_insert`` in two sorts and five launches. ``rows_all`` has the
-    trash row at index ``tkeys.numel()``; ``stats`` (int64 [3]) gains placed, evicted
-    and dropped counts."""
-    n = keys.numel()
-    trash = tkeys.numel()
-    bk = CONFIG["insert_block_k"]
-    grid = (_cdiv(n, bk),)
-    ks, src = torch.sort(keys, stable=True)
-    skey = torch.empty_like(ks)
-    slot = torch.empty_like(ks)
-    mark = torch.zeros(trash, dtype=torch.int8, device=keys.device)
-    _insert_probe_kernel[grid](ks, n, tkeys, num_buckets, skey, slot, mark, WAYS=ways,
-                               EMPTY=empty, BLOCK_K=bk)
-    sb, order = torch.sort(skey, stable=True)
-    start = torch.searchsorted(sb, sb)
-    key_target = torch.empty_like(ks)
-    new_keys = torch.empty_like(ks)
-    new_counters = torch.empty(n, dtype=counters.dtype, device=keys.device)
-    row_target = torch.empty_like(ks)
-    row_src = torch.empty_like(ks)
-    decay = torch.empty(n, dtype=torch.int8, device=keys.device)
-    _insert_plan_kernel[grid](
-        sb, start, order, ks, src, slot, mark, n, tkeys, counters, num_buckets, trash,
-        key_target, new_keys, new_counters, row_target, row_src, decay, stats,
-        CMAX=cmax, DECAY_AT=decay_at, WAYS=ways, EMPTY=empty, BLOCK_K=bk)
-    _insert_decay_kernel[grid](sb, decay, n, counters, CMAX=cmax, DECAY_AT=decay_at,
-                               WAYS=ways, BLOCK_K=bk)
-    _insert_apply_kernel[grid](key_target, new_keys, new_counters, n, tkeys, counters, trash,
-                               BLOCK_K=bk)
-    scatter_rows(rows_all, row_target, values, row_src)

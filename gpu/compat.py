@@ -123,6 +123,8 @@ def _pick_mpi() -> Any:
     if torchrun and not _launched_by_mpi():
         return _StandInMPI(_TorchComm())
     try:  # pragma: no cover - depends on the machine
+        # NOTE: lazy: mpi4py is optional, and importing it initialises MPI (only when no
+        # torchrun stand-in was picked above)
         import mpi4py.MPI
 
         return mpi4py.MPI

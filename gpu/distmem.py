@@ -52,6 +52,7 @@ without ``close()`` releases this process's mappings without a barrier (the seed
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import threading
@@ -62,18 +63,16 @@ import torch
 
 from hostcache.gate import TableGate, gate_for
 
-from .errors import BadArgumentError, GPUError
-from .groups import GroupError, as_group, exchange_fds
+from .cache_twin import last_occurrence
+from .devices import resolve_device
+from .errors import BadArgumentError, DestructionOrderError, GPUError, GroupError, VMMError
+from .groups import as_group, exchange_fds
 from .journal import check_journal_name, new_name, open_journal
-from .vmm import CudaVMM, HostVMM, VMMError, backend
+from .vmm import CudaVMM, HostVMM, backend
 
 logger = logging.getLogger(__name__)
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-class DestructionOrderError(GPUError):
-    """A memblock was closed out of order (a layer, a later memblock or no group left)."""
 
 
 def _round_up(n: int, to: int) -> int:
@@ -91,8 +90,6 @@ def _resolve_devices(devices: Any, solo: bool) -> list[torch.device]:
     items = list(devices) if isinstance(devices, (list, tuple)) else [devices]
     if not items:
         raise BadArgumentError("devices must name at least one device")
-    from .devices import resolve_device
-
     out = [resolve_device(d) for d in items]
     kinds = {d.type for d in out}
     if len(kinds) != 1:
@@ -314,8 +311,6 @@ class DistMemBlock:
     def view(self, device: Any = None) -> torch.Tensor:
         """The whole table ``[num_rows, dim]`` as a zero-copy tensor on ``device`` (one of
         :attr:`devices`; default the first). The range stays mapped while it lives."""
-        from .devices import resolve_device
-
         rng = self._live()
         dev = self.devices[0] if device is None else resolve_device(device)
         if dev not in self.devices and not (dev.type == "cpu" == self.devices[0].type):
@@ -324,8 +319,6 @@ class DistMemBlock:
                 f"{dev} cannot read it. Create the block with devices including {dev}")
         shape = (self.num_rows, self.dim)
         if dev.type == "cpu":
-            import ctypes
-
             raw = (ctypes.c_byte * (self.num_rows * self.row_bytes)).from_address(rng.base)
             raw._range = rng  # type: ignore[attr-defined]  # NOTE: keeps the mapping alive
             return torch.frombuffer(raw, dtype=self.dtype).view(shape)
@@ -380,8 +373,6 @@ class DistMemBlock:
         v = self.view()
         idx, vals = idx.to(v.device), vals.to(v.device)
         if idx.numel() > 1:  # duplicates: the last one wins (index_copy_ picks any)
-            from .cache_twin import last_occurrence
-
             idx, last, _ = last_occurrence(idx)
             vals = vals.index_select(0, last)
         with self.gate.writing():

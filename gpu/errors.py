@@ -1,7 +1,9 @@
 """The error root of the ``gpu`` package and its meaningful subclasses.
 
 Every error a user can cause raises one of these, with a message that says what to do.
-Argument errors also subclass :class:`ValueError` so generic handlers keep working.
+Argument errors also subclass :class:`ValueError` so generic handlers keep working. The
+modules that raise them re-export their own (``gpu.hostreg.RegistrationClosedError``,
+``gpu.groups.GroupError``, ...), so either name works.
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ class TritonUnavailableError(GPUError):
     """The Triton backend was asked for but the ``triton`` package cannot be imported."""
 
 
+class TritonNotInstalledError(TritonUnavailableError):
+    """The host-tier kernels were asked for (``gpu.host_kernels``, ``backend="triton"``) but
+    ``triton`` cannot be imported."""
+
+
 class KeyNotFoundError(GPUError, KeyError):
     """Keys missing from every tier of a layer that has no default row configured."""
 
@@ -33,3 +40,65 @@ class StorageUnavailableError(GPUError):
 
 class StorageWriteError(GPUError):
     """A write to the layer's backing storage failed; no tier of the layer was changed."""
+
+
+# -- CUDA runtime calls (gpu._cuda) --------------------------------------------------------
+
+
+class CUDACallError(GPUError):
+    """A CUDA runtime call returned an error code.
+
+    Attributes:
+        call: the runtime function, e.g. ``"cudaHostRegister"``.
+        error: the error's name, e.g. ``"cudaErrorHostMemoryAlreadyRegistered"``.
+        code: the numeric ``cudaError_t``.
+    """
+
+    def __init__(self, call: str, error: str, code: int, detail: str = "") -> None:
+        self.call = call
+        self.error = error
+        self.code = code
+        msg = f"{call} failed with {error} ({code})"
+        super().__init__(f"{msg}: {detail}" if detail else msg)
+
+
+# -- host registration (gpu.hostreg) ---------------------------------------------------------
+
+
+class HostRegError(GPUError):
+    """Root of the registration errors."""
+
+
+class RegistrationClosedError(HostRegError):
+    """The registration handle was closed; register the table again to keep using it."""
+
+
+class HostRegisterUnsupportedError(HostRegError):
+    """The device cannot map registered host memory (``cudaDevAttrHostRegisterSupported``)."""
+
+
+class ForkedProcessError(HostRegError):
+    """CUDA state was inherited through ``fork()``; start workers with ``spawn`` instead."""
+
+
+class ViewNotAvailableError(HostRegError, ValueError):
+    """The table has no such region (e.g. ``keys`` of a linear table)."""
+
+
+# -- multi-GPU tables (gpu.distmem, gpu.groups, gpu.vmm) ---------------------------------------
+
+
+class DestructionOrderError(GPUError):
+    """A memblock was closed out of order (a layer, a later memblock or no group left)."""
+
+
+class GroupError(GPUError):
+    """The processes of a group could not agree or reach each other."""
+
+
+class VMMError(GPUError):
+    """A virtual-memory call failed (CUDA driver or the operating system)."""
+
+
+class PeerAccessError(VMMError):
+    """A device cannot reach another device's memory (no peer access between them)."""

@@ -23,14 +23,16 @@ import os
 import secrets
 import shutil
 import socket
+import struct
 import tempfile
 from typing import Any, Protocol
 
-from .errors import BadArgumentError, GPUError
+import torch.distributed as dist
 
+from .errors import BadArgumentError, GroupError
 
-class GroupError(GPUError):
-    """The processes of a group could not agree or reach each other."""
+__all__ = ["Group", "GroupError", "MPIGroup", "SoloGroup", "TorchGroup", "as_group",
+           "exchange_fds"]
 
 
 class Group(Protocol):
@@ -79,7 +81,7 @@ class MPIGroup:
         self.comm.Barrier()
 
     def alive(self) -> bool:
-        try:
+        try:  # NOTE: lazy: mpi4py is optional (and initialises MPI when imported)
             from mpi4py import MPI
         except ImportError:
             return True  # a stand-in communicator: nothing to tear down
@@ -90,8 +92,6 @@ class TorchGroup:
     """A ``torch.distributed`` process group (the default one for ``"torch"``)."""
 
     def __init__(self, pg: Any = None) -> None:
-        import torch.distributed as dist
-
         if not dist.is_available():
             raise BadArgumentError("this torch build has no torch.distributed; pass group="
                                    "an mpi4py communicator or None")
@@ -102,27 +102,26 @@ class TorchGroup:
                     "torchrun sets (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT): launch with "
                     "torchrun, or call torch.distributed.init_process_group() first")
             dist.init_process_group(backend="gloo")
-        self._dist = dist
         self.pg = pg
         self.rank = int(dist.get_rank(pg))
         self.size = int(dist.get_world_size(pg))
 
     def allgather(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.size
-        self._dist.all_gather_object(out, obj, group=self.pg)
+        dist.all_gather_object(out, obj, group=self.pg)
         return out
 
     def bcast(self, obj: Any) -> Any:
         box = [obj]
-        src = self._dist.get_global_rank(self.pg, 0) if self.pg is not None else 0
-        self._dist.broadcast_object_list(box, src=src, group=self.pg)
+        src = dist.get_global_rank(self.pg, 0) if self.pg is not None else 0
+        dist.broadcast_object_list(box, src=src, group=self.pg)
         return box[0]
 
     def barrier(self) -> None:
-        self._dist.barrier(group=self.pg)
+        dist.barrier(group=self.pg)
 
     def alive(self) -> bool:
-        return bool(self._dist.is_initialized())
+        return bool(dist.is_initialized())
 
 
 def as_group(group: Any) -> Group:
@@ -138,13 +137,8 @@ def as_group(group: Any) -> Group:
         return TorchGroup(None)
     if all(hasattr(group, a) for a in ("Get_rank", "Get_size", "allgather", "bcast", "Barrier")):
         return MPIGroup(group)
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and isinstance(group, dist.ProcessGroup):
-            return TorchGroup(group)
-    except ImportError:  # pragma: no cover - torch without distributed
-        pass
+    if dist.is_available() and isinstance(group, dist.ProcessGroup):
+        return TorchGroup(group)
     raise BadArgumentError(f"group must be None, 'torch', a torch.distributed process group "
                            f"or an mpi4py communicator; got {type(group).__name__}")
 
@@ -156,8 +150,6 @@ _MAX_FDS = 250  # SCM_RIGHTS carries at most 253 descriptors per message
 
 
 def _peer_uid(conn: socket.socket) -> int:
-    import struct
-
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     return int(struct.unpack("3i", creds)[1])
 

@@ -1,9 +1,11 @@
 """Registration of shared host tables with CUDA, and zero-copy tensor views of them.
 
-This is the only module of the project that calls CUDA's host-memory API
-(``cudaHostRegister``, ``cudaHostGetDevicePointer``, ``cudaHostUnregister``,
-``cudaPointerGetAttributes``), through cuda-python. Everything is imported lazily: the
-module imports on a machine without CUDA, cuda-python or triton.
+This module and its bookkeeping, :mod:`gpu.pinning`, are the only ones of the project that
+call CUDA's host-memory API (``cudaHostRegister``, ``cudaHostGetDevicePointer``,
+``cudaHostUnregister``, ``cudaPointerGetAttributes``), through cuda-python
+(:mod:`gpu._cuda`, which imports it only when a call is made): the module imports on a
+machine without CUDA, cuda-python or triton. :mod:`gpu.pinning` owns the registrations
+(steps 1-3 below, and when they are undone); this module hands out the views (step 4).
 
 What :func:`register` does, for a :class:`hostcache.HostCache` or
 :class:`hostcache.SharedMemBlock` (anything with ``.name``, ``.geometry`` and ``.buffer``):
@@ -42,225 +44,39 @@ in the child is skipped (the child never registered anything).
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
-import threading
 import weakref
 from typing import Any, Literal
 
 import torch
 
+from hostcache.layout import KIND_HOST_CACHE
+
+from . import pinning
 from .devices import resolve_device
-from .errors import BadArgumentError, GPUError
+from .errors import (
+    BadArgumentError,
+    ForkedProcessError,
+    GPUError,
+    HostRegError,
+    HostRegisterUnsupportedError,
+    RegistrationClosedError,
+    ViewNotAvailableError,
+)
+from .pinning import MAX_CHUNK_BYTES, PAGE, Pinned
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES", "MAX_CHUNK_BYTES", "PAGE", "ForkedProcessError", "HostRegError",
+    "HostRegisterUnsupportedError", "HostRegistration", "RegistrationClosedError",
+    "ViewNotAvailableError", "pointer_is_registered", "register",
+]
 
 logger = logging.getLogger(__name__)
 
-PAGE = 4096
-#: one cudaHostRegister call must stay under 512 GiB
-MAX_CHUNK_BYTES = 512 << 30
 DEFAULT_CHUNK_BYTES = 256 << 30
 
-_KIND_HOST_CACHE = 1  # hostcache.layout.KIND_HOST_CACHE (not imported: keep this module light)
-
 ViewName = Literal["rows", "keys", "versions", "counters", "ring_seq", "ring_keys", "header"]
-
-
-class HostRegError(GPUError):
-    """Root of the registration errors."""
-
-
-class RegistrationClosedError(HostRegError):
-    """The registration handle was closed; register the table again to keep using it."""
-
-
-class HostRegisterUnsupportedError(HostRegError):
-    """The device cannot map registered host memory (``cudaDevAttrHostRegisterSupported``)."""
-
-
-class ForkedProcessError(HostRegError):
-    """CUDA state was inherited through ``fork()``; start workers with ``spawn`` instead."""
-
-
-class ViewNotAvailableError(HostRegError, ValueError):
-    """The table has no such region (e.g. ``keys`` of a linear table)."""
-
-
-# -- fork detection ----------------------------------------------------------------------
-
-_STATE_LOCK = threading.Lock()
-_CUDA_PID: int | None = None  # pid of the process where this module first called CUDA
-_FORKED_AFTER_CUDA = False
-
-
-def _after_fork_in_child() -> None:
-    global _FORKED_AFTER_CUDA
-    if _CUDA_PID is not None:
-        _FORKED_AFTER_CUDA = True
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _refuse_if_forked(what: str) -> None:
-    bad_fork = getattr(torch.cuda, "_is_in_bad_fork", None)
-    if _FORKED_AFTER_CUDA or (bad_fork is not None and bad_fork()):
-        raise ForkedProcessError(
-            f"cannot {what}: this process was forked after CUDA was initialised in its "
-            "parent, and CUDA cannot be used in such a child. Start worker processes with "
-            "multiprocessing's 'spawn' (or 'forkserver') start method, attach the table "
-            "there and register it again."
-        )
-
-
-def _note_cuda_use() -> None:
-    global _CUDA_PID
-    with _STATE_LOCK:
-        if _CUDA_PID is None:
-            _CUDA_PID = os.getpid()
-
-
-# -- the CUDA side -----------------------------------------------------------------------
-
-
-def _flags() -> int:
-    from . import _cuda
-
-    rt = _cuda.runtime()
-    return int(rt.cudaHostRegisterPortable) | int(rt.cudaHostRegisterMapped)
-
-
-def _check_device_support(index: int) -> None:
-    from . import _cuda
-
-    rt = _cuda.runtime()
-    attr = rt.cudaDeviceAttr.cudaDevAttrHostRegisterSupported
-    supported = _cuda.call("cudaDeviceGetAttribute", attr, index)
-    if not supported:
-        raise HostRegisterUnsupportedError(
-            f"cuda:{index} does not support cudaHostRegister (cudaDevAttrHostRegisterSupported"
-            " = 0); use device='cpu' or a GPU that can map host memory"
-        )
-
-
-def _register_chunks(base: int, size: int, chunk_bytes: int, name: str) -> tuple[list[int], int]:
-    """Register ``[base, base + size)``; returns (chunk bases, device pointer of base)."""
-    from . import _cuda
-
-    flags = _flags()
-    done: list[int] = []
-    dev_base = 0
-    try:
-        for off in range(0, size, chunk_bytes):
-            n = min(chunk_bytes, size - off)
-            addr = base + off
-            _cuda.call(
-                "cudaHostRegister", addr, n, flags,
-                detail=f"table {name!r}, bytes [{off}, {off + n}) of {size}; is the table "
-                "already registered in this process by other code?",
-            )
-            done.append(addr)
-            dptr = int(_cuda.call("cudaHostGetDevicePointer", addr, 0, detail=f"table {name!r}"))
-            if off == 0:
-                dev_base = dptr
-            elif dptr != dev_base + off:
-                raise HostRegError(
-                    f"table {name!r}: CUDA mapped the registered chunks at non-contiguous "
-                    f"device addresses ({dptr:#x} != {dev_base + off:#x}); register with one "
-                    "chunk (chunk_bytes >= the segment size) on this system"
-                )
-    except BaseException:
-        _unregister_chunks(done, name, raise_errors=False)
-        raise
-    return done, dev_base
-
-
-def _unregister_chunks(chunks: list[int], name: str, *, raise_errors: bool) -> None:
-    from . import _cuda
-
-    first: BaseException | None = None
-    for addr in reversed(chunks):
-        try:
-            _cuda.call("cudaHostUnregister", addr, detail=f"table {name!r}")
-        except GPUError as e:
-            logger.error("table %s: unregistering %#x failed: %s", name, addr, e)
-            first = first or e
-    chunks.clear()
-    if first is not None and raise_errors:
-        raise first
-
-
-def _finalize_pinned(state: dict[str, Any]) -> None:
-    """Unregister (once) and let go of the buffer; runs when the last reference is gone."""
-    chunks: list[int] = state["chunks"]
-    try:
-        if chunks and os.getpid() == state["pid"]:
-            _unregister_chunks(chunks, state["name"], raise_errors=False)
-            logger.debug("table %s: unregistered from CUDA", state["name"])
-    finally:
-        chunks.clear()
-        state["buffer"] = None  # now the mapping may go
-
-
-class _Pinned:
-    """One registration of one mapped segment in this process (shared by handles/views).
-
-    NOTE: the finaliser's state holds the table's buffer, so the mapping outlives the
-    registration; unregistration runs exactly once (weakref.finalize guarantees it).
-    """
-
-    def __init__(
-        self, name: str, buffer: torch.Tensor, device: torch.device, chunk_bytes: int
-    ) -> None:
-        self.name = name
-        self.device = device
-        self.host_address = int(buffer.data_ptr())
-        self.size = int(buffer.numel())
-        self.pid = os.getpid()
-        self.chunks: list[int] = []
-        self.device_address = self.host_address
-        if device.type == "cuda":
-            self.chunks, self.device_address = _register_chunks(
-                self.host_address, self.size, chunk_bytes, name
-            )
-        self._state: dict[str, Any] = {
-            "chunks": self.chunks, "pid": self.pid, "name": name, "buffer": buffer,
-        }
-        self._finalizer = weakref.finalize(self, _finalize_pinned, self._state)
-
-    @property
-    def buffer(self) -> torch.Tensor:
-        buf = self._state["buffer"]
-        assert isinstance(buf, torch.Tensor)
-        return buf
-
-    @property
-    def registered(self) -> bool:
-        return bool(self.chunks)
-
-
-# NOTE: one registration per mapped address per process: CUDA refuses to register a range
-# twice, so a second register() of the same mapping shares the first one's registration,
-# also for another GPU (a portable registration serves every device of the process, at
-# the same device address under unified addressing).
-_LIVE: dict[tuple[int, int, str], weakref.ref[_Pinned]] = {}
-
-
-def _shared_pinned(name: str, buffer: torch.Tensor, device: torch.device, chunk: int) -> _Pinned:
-    key = (int(buffer.data_ptr()), int(buffer.numel()), device.type)
-    with _STATE_LOCK:
-        ref = _LIVE.get(key)
-        pinned = ref() if ref is not None else None
-        if pinned is not None and pinned._finalizer.alive:
-            return pinned
-        pinned = _Pinned(name, buffer, device, chunk)
-        _LIVE[key] = weakref.ref(pinned, functools.partial(_forget, key))
-        return pinned
-
-
-def _forget(key: tuple[int, int, str], ref: weakref.ref[_Pinned]) -> None:
-    if _LIVE.get(key) is ref:
-        del _LIVE[key]
 
 
 # -- zero-copy views ---------------------------------------------------------------------
@@ -280,7 +96,7 @@ class _DeviceArray:
     """A ``__cuda_array_interface__`` holder; torch keeps it (and the registration) alive."""
 
     def __init__(
-        self, pinned: _Pinned, ptr: int, shape: tuple[int, ...], strides: tuple[int, ...],
+        self, pinned: Pinned, ptr: int, shape: tuple[int, ...], strides: tuple[int, ...],
         typestr: str,
     ) -> None:
         self._pinned = pinned  # NOTE: what keeps the memory registered while a view lives
@@ -294,7 +110,7 @@ class _DeviceArray:
 
 
 def _cuda_view(
-    pinned: _Pinned, offset: int, shape: tuple[int, ...], strides: tuple[int, ...],
+    pinned: Pinned, offset: int, shape: tuple[int, ...], strides: tuple[int, ...],
     dtype: torch.dtype, device: torch.device,
 ) -> torch.Tensor:
     base_dtype = torch.int16 if dtype == torch.bfloat16 else dtype
@@ -319,9 +135,9 @@ class HostRegistration:
     order. Views are torch tensors on :attr:`device` (CPU tensors when it is the CPU).
     """
 
-    _pinned: _Pinned | None = None  # class default: close() works after a failed __init__
+    _pinned: Pinned | None = None  # class default: close() works after a failed __init__
 
-    def __init__(self, table: Any, pinned: _Pinned, device: torch.device) -> None:
+    def __init__(self, table: Any, pinned: Pinned, device: torch.device) -> None:
         self.table = table
         self.name: str = table.name
         self.geometry = table.geometry
@@ -343,13 +159,13 @@ class HostRegistration:
         Stays True after :meth:`close` while views made from it are alive.
         """
         pinned = self._pinned_ref()
-        return pinned is not None and pinned._finalizer.alive and pinned.registered
+        return pinned is not None and pinned.alive and pinned.registered
 
     @property
     def is_host_cache(self) -> bool:
-        return int(self.geometry.kind) == _KIND_HOST_CACHE
+        return int(self.geometry.kind) == KIND_HOST_CACHE
 
-    def _live(self) -> _Pinned:
+    def _live(self) -> Pinned:
         if self._pinned is None:
             raise RegistrationClosedError(
                 f"registration of table {self.name!r} is closed; call gpu.hostreg.register("
@@ -514,7 +330,7 @@ def register(
         )
     if _wants_cuda(device):
         # NOTE: before anything that could initialise CUDA in a forked child
-        _refuse_if_forked(f"register table {table.name!r} with CUDA")
+        pinning.refuse_if_forked(f"register table {table.name!r} with CUDA")
     dev = resolve_device(device)
     if dev.type == "cuda":
         if buffer.data_ptr() % PAGE or buffer.numel() % PAGE:
@@ -523,9 +339,9 @@ def register(
                 f"({buffer.data_ptr():#x}, {buffer.numel()} bytes); map it with mmap"
             )
         torch.cuda.init()  # NOTE: torch and cuda-python then share the primary context
-        _note_cuda_use()
-        _check_device_support(int(dev.index or 0))
-    pinned = _shared_pinned(table.name, buffer, dev, chunk_bytes)
+        pinning.note_cuda_use()
+        pinning.check_device_support(int(dev.index or 0))
+    pinned = pinning.shared_pinned(table.name, buffer, dev, chunk_bytes)
     logger.debug("table %s: registered %d bytes for %s", table.name, pinned.size, dev)
     return HostRegistration(table, pinned, dev)
 
@@ -567,9 +383,4 @@ def pointer_is_registered(address: int, device: object = None) -> bool:
     dev = resolve_device(device)
     if dev.type != "cuda":
         return False
-    from . import _cuda
-
-    _note_cuda_use()
-    attrs = _cuda.call("cudaPointerGetAttributes", int(address))
-    rt = _cuda.runtime()
-    return int(attrs.type) == int(rt.cudaMemoryType.cudaMemoryTypeHost)
+    return pinning.cuda_reports_registered(address)

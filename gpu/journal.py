@@ -31,11 +31,11 @@ import uuid
 
 import torch
 
-from hostcache import SharedMemBlock, segment
+from hostcache import HostCacheError, SharedMemBlock, segment
 from hostcache.table import process_alive
 
-from .errors import BadArgumentError
-from .groups import Group, GroupError
+from .errors import BadArgumentError, GroupError
+from .groups import Group
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +57,6 @@ def new_name() -> str:
 
 def check_journal_name(name: object) -> str:
     """``name`` if it is a valid segment name, else :class:`BadArgumentError`."""
-    from hostcache import HostCacheError
-
     try:
         return segment.check_name(name)
     except HostCacheError as e:

@@ -15,7 +15,8 @@ Two backends with one interface, used by :mod:`gpu.distmem`:
   file-descriptor exchange, same layout: CI exercises everything but the driver calls.
 
 Handles are ints in both backends. Every call's return code is checked; a failure raises
-:class:`VMMError` naming the call. NVLink multicast (``cuMulticast*``) is never used.
+:class:`VMMError` naming the call (:mod:`gpu.errors`; :class:`PeerAccessError` where two
+devices cannot reach each other). NVLink multicast (``cuMulticast*``) is never used.
 """
 
 from __future__ import annotations
@@ -27,23 +28,16 @@ from functools import cache
 from types import ModuleType
 from typing import Any
 
-from .errors import CUDAUnavailableError, GPUError
+import torch
 
-
-class VMMError(GPUError):
-    """A virtual-memory call failed (CUDA driver or the operating system)."""
-
-
-class PeerAccessError(VMMError):
-    """A device cannot reach another device's memory (no peer access between them)."""
-
+from .errors import CUDAUnavailableError, PeerAccessError, VMMError
 
 # -- CUDA ---------------------------------------------------------------------------------
 
 
 @cache
 def _driver() -> ModuleType:
-    try:
+    try:  # NOTE: lazy: cuda-python is an optional dependency, needed only on CUDA machines
         from cuda.bindings import driver
     except ImportError:
         try:
@@ -80,8 +74,6 @@ class CudaVMM:
     kind = "cuda"
 
     def __init__(self) -> None:
-        import torch
-
         drv = _driver()
         torch.cuda.init()  # the primary contexts the runtime (and torch) use
         _check("cuInit", drv.cuInit(0))
@@ -129,8 +121,6 @@ class CudaVMM:
                           drv.cuMemGetAllocationGranularity(self._prop(device), flag)))
 
     def create(self, size: int, device: int) -> int:
-        import torch
-
         with torch.cuda.device(device):  # its primary context current; restored after
             torch.cuda.current_stream(device)
             handle = _check("cuMemCreate", self._drv.cuMemCreate(size, self._prop(device), 0),

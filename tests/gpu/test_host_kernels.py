@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpu import host_kernels as hk
+from gpu._triton import kernel_module
 from gpu.errors import BadArgumentError
 from gpu.hostreg import RegistrationClosedError, register
 from hostcache import HostCache, SharedMemBlock, hashing
@@ -58,7 +59,7 @@ def test_cpu_twin_is_the_tables_lookup(table_name: str) -> None:
             want_v, want_h = hc.lookup(q)
             assert torch.equal(hit, want_h) and torch.equal(values, want_v)
             assert 0 < int(hit.sum()) < q.numel()
-            tv, th = hk._lookup_torch(reg, q)  # the torch-ops probe over the views
+            tv, th = hk.torch_lookup(reg, q)  # the torch-ops probe over the views
             assert torch.equal(th, want_h) and torch.equal(tv, want_v)
     finally:
         hc.close()
@@ -117,14 +118,14 @@ def test_linear_gather_cpu_and_range_check(table_name: str) -> None:
 
 @needs_triton
 def test_bucket_kernel_matches_hashing() -> None:
-    k = hk._kernels(interpret=True)
+    k = kernel_module("host_tier_kernels", interpret=True)
     keys = torch.cat([
         torch.randint(-(2**62), 2**62, (500,)),
         torch.tensor([0, 1, -1, 2**63 - 1, -(2**63) + 1, -(2**63)]),
     ])
     for nb in (1, 7, 1000, 2**31 + 11):
         out = torch.empty_like(keys)
-        k._bucket_kernel[(1,)](keys, out, keys.numel(), nb, BLOCK=1024)
+        k.bucket_kernel[(1,)](keys, out, keys.numel(), nb, BLOCK=1024)
         assert torch.equal(out, hashing.bucket_of(keys, nb))
 
 
@@ -191,7 +192,7 @@ def test_version_changed_between_the_reads_is_a_miss(table_name: str, bump: int)
             # while the row was being read
             later = reg.versions().clone()
             later[slot] += bump
-            values, hit = hk._lookup_triton(reg, keys, versions_again=later)
+            values, hit = hk.triton_lookup(reg, keys, versions_again=later)
             assert not bool(hit[7]) and bool(values[7].eq(0).all())
             assert int(hit.sum()) == keys.numel() - 1
             want_v, _ = hc.lookup(keys)
@@ -206,10 +207,10 @@ def test_env_var_selects_the_interpreter(table_name: str, monkeypatch: pytest.Mo
     hc, keys = _filled_cache(table_name, n=30, capacity=1024, dim=3)
     try:
         monkeypatch.setenv(hk.BACKEND_ENV, "triton")
-        sys.modules.pop("gpu.host_kernels_interpreted", None)
+        sys.modules.pop("gpu.host_tier_kernels_interpreted", None)
         with register(hc, device="cpu") as reg:
             values, hit = hk.hostcache_lookup(reg, keys)
-            assert "gpu.host_kernels_interpreted" in sys.modules
+            assert "gpu.host_tier_kernels_interpreted" in sys.modules
             assert torch.equal(values, hc.lookup(keys)[0]) and bool(hit.all())
     finally:
         hc.close()

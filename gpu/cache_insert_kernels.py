@@ -1,0 +1,244 @@
+# ruff: noqa: N803  (Triton convention: compile-time constants are UPPER_CASE parameters)
+"""Triton kernels of the GPU cache's writes (``gpu.cache.GPUCache.insert``, row scatters).
+
+Loaded only through :func:`gpu._triton.kernel_module`, compiled for CUDA tensors or
+interpreted for CPU tensors, like :mod:`gpu.cache_kernels` (the table layout is described
+there; a key's slot is found with ``probe`` of :mod:`gpu.cache_probe_kernels`).
+
+Insert without a host sync: the plan has no data-dependent shape. Every batch position
+gets a target slot, and positions that write nothing target the *trash slot* one past the
+table (``rows_all`` / the table tensors have ``slots + 1`` entries). Two sorts and five
+launches make the same placements as ``gpu.cache_twin.plan_insert``:
+
+1. a stable sort by key, then :func:`_insert_probe_kernel`: the last occurrence of each
+   key is present (its slot, marked pinned) or fresh (its bucket);
+2. a stable sort by bucket, then :func:`_insert_plan_kernel`: each fresh key's way, from
+   a snapshot of its bucket (reads only, so every program sees the same table);
+3. :func:`_insert_decay_kernel`: clamp, and halve where due, the counters of buckets that
+   take keys;
+4. :func:`_insert_apply_kernel`: the new keys and counters;
+5. :func:`scatter_rows`: the rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gpu._triton import helper_module
+from gpu.devices import on_tensor_device
+
+# NOTE: helpers decorated like this module's kernels (compiled or interpreted)
+bucket_of = helper_module("hash_kernels").bucket_of
+_parts = helper_module("cache_probe_kernels")
+probe = _parts.probe
+add_combine = _parts.add_combine
+min_combine = _parts.min_combine
+
+
+@triton.jit
+def _scatter_rows_kernel(
+    rows_ptr, target_ptr, values_ptr, src_ptr, n, dim,
+    BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    kmask = offs < n
+    target = tl.load(target_ptr + offs, mask=kmask, other=0)
+    src = tl.load(src_ptr + offs, mask=kmask, other=0)
+    d = tl.arange(0, BLOCK_D)
+    m = kmask[:, None] & (d < dim)[None, :]
+    vals = tl.load(values_ptr + src[:, None] * dim + d[None, :], mask=m)
+    tl.store(rows_ptr + target[:, None] * dim + d[None, :], vals, mask=m)
+
+
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _insert_probe_kernel(
+    ks_ptr, n, tkeys_ptr, num_buckets, skey_ptr, slot_ptr, mark_ptr,
+    WAYS: tl.constexpr, EMPTY: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Insert step 1, over the batch sorted by key: the last occurrence of each key is
+    present (its slot; its slot marked pinned) or fresh (sort key = its bucket); every
+    other position sorts after all buckets (``num_buckets``)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    kmask = offs < n
+    k = tl.load(ks_ptr + offs, mask=kmask, other=EMPTY)
+    nxt = tl.load(ks_ptr + offs + 1, mask=offs + 1 < n, other=EMPTY)
+    is_last = kmask & ((offs + 1 >= n) | (nxt != k))
+    hit, slot = probe(tkeys_ptr, k, kmask, num_buckets, WAYS, EMPTY)
+    present = is_last & hit
+    fresh = is_last & (hit == 0)
+    tl.store(skey_ptr + offs, tl.where(fresh, bucket_of(k, num_buckets), num_buckets),
+             mask=kmask)
+    tl.store(slot_ptr + offs, tl.where(present, slot, -1), mask=kmask)
+    tl.store(mark_ptr + slot, tl.full([BLOCK_K], 1, tl.int8), mask=present)
+
+
+@triton.jit
+def _insert_plan_kernel(
+    sb_ptr, start_ptr, order_ptr, ks_ptr, src_ptr, slot_ptr, mark_ptr, n, tkeys_ptr,
+    counters_ptr, num_buckets, trash, key_target_ptr, new_keys_ptr, new_counters_ptr,
+    row_target_ptr, row_src_ptr, decay_ptr, stats_ptr,
+    CMAX: tl.constexpr, DECAY_AT: tl.constexpr, WAYS: tl.constexpr, EMPTY: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Insert step 2, over the batch sorted by bucket: each new key's way (reads only; the
+    table is written by the next launches, so every program sees the same snapshot)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    kmask = offs < n
+    sb = tl.load(sb_ptr + offs, mask=kmask, other=num_buckets)
+    rank = offs - tl.load(start_ptr + offs, mask=kmask, other=0)
+    j = tl.load(order_ptr + offs, mask=kmask, other=0)
+    k = tl.load(ks_ptr + j, mask=kmask, other=EMPTY)
+    src = tl.load(src_ptr + j, mask=kmask, other=0)
+    pslot = tl.load(slot_ptr + j, mask=kmask, other=-1)
+    fresh = kmask & (sb < num_buckets)
+    present = kmask & (pslot >= 0)
+    b = tl.where(fresh, sb, 0)
+    w = tl.arange(0, WAYS)
+    bslots = (b * WAYS)[:, None] + w[None, :]
+    fm = fresh[:, None]
+    bkeys = tl.load(tkeys_ptr + bslots, mask=fm, other=EMPTY)
+    bc = tl.minimum(tl.load(counters_ptr + bslots, mask=fm, other=0), CMAX)
+    old = tl.reduce(bc, 1, _max_combine) >= DECAY_AT
+    bc = tl.where(old[:, None], bc >> 1, bc)
+    pinned = tl.load(mark_ptr + bslots, mask=fm, other=0) != 0
+    score = tl.where(bkeys == EMPTY, -1, bc.to(tl.int64))
+    score = tl.where(pinned, 1 << 40, score)
+    # position of way w in a stable ascending sort of the scores
+    sv = score[:, None, :]
+    sw = score[:, :, None]
+    before = (sv < sw) | ((sv == sw) & (w[None, None, :] < w[None, :, None]))
+    pos = tl.reduce(before.to(tl.int32), 2, add_combine)
+    avail = WAYS - tl.reduce(pinned.to(tl.int32), 1, add_combine)
+    ok = fresh & (rank < avail)
+    sel = pos == rank[:, None]
+    pick = tl.reduce(tl.where(sel, w[None, :], WAYS), 1, min_combine)
+    pick = tl.minimum(pick, WAYS - 1)
+    chosen = w[None, :] == pick[:, None]
+    victim = tl.reduce(tl.where(chosen, bkeys, 0), 1, add_combine)
+    newc = tl.minimum(tl.reduce(tl.where(chosen, bc, 0), 1, add_combine) + 1, CMAX)
+    new_slot = b * WAYS + pick
+    tl.store(key_target_ptr + offs, tl.where(ok, new_slot, trash), mask=kmask)
+    tl.store(new_keys_ptr + offs, k, mask=kmask)
+    tl.store(new_counters_ptr + offs, newc, mask=kmask)
+    tl.store(row_target_ptr + offs, tl.where(ok, new_slot, tl.where(present, pslot, trash)),
+             mask=kmask)
+    tl.store(row_src_ptr + offs, src, mask=kmask)
+    # the first new key of a bucket that takes a way decays (and clamps) the bucket
+    tl.store(decay_ptr + offs, (fresh & (rank == 0) & (avail > 0)).to(tl.int8), mask=kmask)
+    placed = tl.reduce(ok.to(tl.int64), 0, add_combine)
+    evicted = tl.reduce((ok & (victim != EMPTY)).to(tl.int64), 0, add_combine)
+    dropped = tl.reduce((fresh & (ok == 0)).to(tl.int64), 0, add_combine)
+    tl.atomic_add(stats_ptr, placed, sem="relaxed")
+    tl.atomic_add(stats_ptr + 1, evicted, sem="relaxed")
+    tl.atomic_add(stats_ptr + 2, dropped, sem="relaxed")
+
+
+@triton.jit
+def _insert_decay_kernel(
+    sb_ptr, decay_ptr, n, counters_ptr, CMAX: tl.constexpr, DECAY_AT: tl.constexpr,
+    WAYS: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Insert step 3: clamp, and halve where due, the counters of buckets taking keys."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    m = (offs < n) & (tl.load(decay_ptr + offs, mask=offs < n, other=0) != 0)
+    b = tl.load(sb_ptr + offs, mask=m, other=0)
+    w = tl.arange(0, WAYS)
+    bslots = (b * WAYS)[:, None] + w[None, :]
+    bc = tl.minimum(tl.load(counters_ptr + bslots, mask=m[:, None], other=0), CMAX)
+    old = tl.reduce(bc, 1, _max_combine) >= DECAY_AT
+    bc = tl.where(old[:, None], bc >> 1, bc)
+    tl.store(counters_ptr + bslots, bc, mask=m[:, None])
+
+
+@triton.jit
+def _insert_apply_kernel(
+    key_target_ptr, new_keys_ptr, new_counters_ptr, n, tkeys_ptr, counters_ptr, trash,
+    BLOCK_K: tl.constexpr,
+):
+    """Insert step 4: the new keys and their counters (rows follow with scatter_rows)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    kmask = offs < n
+    t = tl.load(key_target_ptr + offs, mask=kmask, other=trash)
+    m = kmask & (t != trash)
+    tl.store(tkeys_ptr + t, tl.load(new_keys_ptr + offs, mask=m), mask=m)
+    tl.store(counters_ptr + t, tl.load(new_counters_ptr + offs, mask=m), mask=m)
+
+
+# ---------------------------------------------------------------- launchers
+
+#: tile sizes; the bench may override them to pick better ones per GPU.
+CONFIG: dict[str, int] = {
+    "scatter_block_k": 16,
+    "insert_block_k": 32,
+}
+if triton.knobs.runtime.interpret:
+    # NOTE: small blocks keep the CPU tests fast (and cover many programs per launch).
+    CONFIG.update(insert_block_k=8)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _block_d(dim: int) -> int:
+    return max(16, 1 << (dim - 1).bit_length())
+
+
+@on_tensor_device
+def scatter_rows(
+    rows: torch.Tensor, target: torch.Tensor, values: torch.Tensor, src: torch.Tensor
+) -> None:
+    """``rows[target[i]] = values[src[i]]`` for distinct targets."""
+    n = target.numel()
+    if n == 0:
+        return
+    bk = CONFIG["scatter_block_k"]
+    _scatter_rows_kernel[(_cdiv(n, bk),)](
+        rows, target, values, src, n, rows.shape[1], BLOCK_K=bk, BLOCK_D=_block_d(rows.shape[1]),
+    )
+
+
+@on_tensor_device
+def insert(
+    keys: torch.Tensor, values: torch.Tensor, tkeys: torch.Tensor, counters: torch.Tensor,
+    rows_all: torch.Tensor, stats: torch.Tensor, num_buckets: int, ways: int, *, empty: int,
+    cmax: int, decay_at: int,
+) -> None:
+    """Insert ``keys``/``values`` (non-empty) with no host sync: the same placements as
+    ``gpu.cache_twin.plan_insert`` in two sorts and five launches. ``rows_all`` has the
+    trash row at index ``tkeys.numel()``; ``stats`` (int64 [3]) gains placed, evicted
+    and dropped counts."""
+    n = keys.numel()
+    trash = tkeys.numel()
+    bk = CONFIG["insert_block_k"]
+    grid = (_cdiv(n, bk),)
+    ks, src = torch.sort(keys, stable=True)
+    skey = torch.empty_like(ks)
+    slot = torch.empty_like(ks)
+    mark = torch.zeros(trash, dtype=torch.int8, device=keys.device)
+    _insert_probe_kernel[grid](ks, n, tkeys, num_buckets, skey, slot, mark, WAYS=ways,
+                               EMPTY=empty, BLOCK_K=bk)
+    sb, order = torch.sort(skey, stable=True)
+    start = torch.searchsorted(sb, sb)
+    key_target = torch.empty_like(ks)
+    new_keys = torch.empty_like(ks)
+    new_counters = torch.empty(n, dtype=counters.dtype, device=keys.device)
+    row_target = torch.empty_like(ks)
+    row_src = torch.empty_like(ks)
+    decay = torch.empty(n, dtype=torch.int8, device=keys.device)
+    _insert_plan_kernel[grid](
+        sb, start, order, ks, src, slot, mark, n, tkeys, counters, num_buckets, trash,
+        key_target, new_keys, new_counters, row_target, row_src, decay, stats,
+        CMAX=cmax, DECAY_AT=decay_at, WAYS=ways, EMPTY=empty, BLOCK_K=bk)
+    _insert_decay_kernel[grid](sb, decay, n, counters, CMAX=cmax, DECAY_AT=decay_at,
+                               WAYS=ways, BLOCK_K=bk)
+    _insert_apply_kernel[grid](key_target, new_keys, new_counters, n, tkeys, counters, trash,
+                               BLOCK_K=bk)
+    scatter_rows(rows_all, row_target, values, row_src)

@@ -1,0 +1,81 @@
+"""What a :class:`gpu.cache.GPUCache` hands out: its statistics and the miss-candidate
+buffer its linear lookups fill without a host sync."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .devices import resolve_device
+from .errors import BadArgumentError
+
+
+@dataclass(frozen=True)
+class GPUCacheStats:
+    """Counters of one :class:`GPUCache` since it was created."""
+
+    #: slots in the table (``num_buckets * ways``).
+    capacity: int
+    #: occupied slots.
+    size: int
+    #: looked-up keys found in the cache.
+    hits: int
+    #: looked-up keys not found.
+    misses: int
+    #: new keys placed by ``insert`` (keys already present are overwritten, not counted).
+    inserts: int
+    #: resident keys displaced by ``insert``.
+    evictions: int
+    #: keys overwritten by ``update``.
+    updates: int
+    #: keys removed by ``erase``.
+    erases: int
+    #: ``hits / (hits + misses)``, 0.0 before the first lookup.
+    hit_rate: float
+
+
+@dataclass(frozen=True)
+class MissCandidates:
+    """Where a linear lookup writes its misses, so that the caller learns them without a
+    host sync: one int64 buffer ``[1 + 2 * cap]`` holding the number of in-range misses
+    (all of them, even past ``cap``), the first ``cap`` missed keys found and their
+    positions in the batch. Duplicated keys appear once per occurrence.
+
+    Which misses come first: batch order on the CPU; on CUDA the order in which the
+    kernel's key blocks ran (a block's misses stay together, in the order the block visits
+    them: batch order, or host-page order from a rotating start row for large batches over
+    a host table, see ``gpu.cache_kernels.page_order``).
+    """
+
+    buffer: torch.Tensor
+
+    @classmethod
+    def empty(cls, cap: int, device: object) -> MissCandidates:
+        """A zeroed buffer for up to ``cap`` candidates (one allocation, one memset).
+
+        Raises:
+            BadArgumentError: ``cap`` is not a non-negative int, or a bad device.
+        """
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
+            raise BadArgumentError(f"cap must be a non-negative int; got {cap!r}")
+        # NOTE: a torch.device is taken as is (the layers pass their own, once per lookup)
+        dev = device if isinstance(device, torch.device) else resolve_device(device)
+        return cls(torch.zeros(1 + 2 * cap, dtype=torch.int64, device=dev))
+
+    @property
+    def cap(self) -> int:
+        return (self.buffer.numel() - 1) // 2
+
+    @property
+    def count(self) -> torch.Tensor:
+        """``[1]`` int64 on the buffer's device: the lookup's in-range misses."""
+        return self.buffer[:1]
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.buffer[1:1 + self.cap]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.buffer[1 + self.cap:]
