@@ -37,8 +37,8 @@ from hostcache.layout import EMPTY_KEY
 
 #: saturation value of a slot's policy counter. Low enough that the hottest slots of a
 #: skewed stream saturate within a few batches: the kernels then skip their counter atomics
-#: (same-address adds serialize in L2; H200, 2026-12-01: pooled Zipf 1.05 lookups 2,630 ->
-#: 4,170 M keys/s), and eviction only needs to tell hot from cold within a bucket.
+#: (same-address adds serialize in L2; the gain: bench/RESULTS.md, "GPU cache kernels"),
+#: and eviction only needs to tell hot from cold within a bucket.
 COUNTER_MAX = (1 << 16) - 1
 #: a bucket whose largest counter reached this is halved before new keys are placed in it
 #: (so a bucket holding a saturated slot ages whenever new keys come in).

@@ -41,9 +41,9 @@ def check_range(keys: torch.Tensor, num_rows: int, *, name: str = "input") -> No
 @functools.lru_cache(maxsize=64)
 def _even_offsets(nbags: int, per_bag: int, device: torch.device) -> torch.Tensor:
     """Bag boundaries ``[0, per_bag, ..., nbags * per_bag]`` of 2-D input, made once per
-    shape: building them on every call cost two launches and ~50 us of host time (H200
-    machine, 2026-12-01), half the pooled kernel's own time at 256 x 1,024 keys. Shared,
-    so never written; ready on every stream (the host waits once for it)."""
+    shape: building them on every call cost two launches and host time comparable to the
+    pooled kernel's own (bench/RESULTS.md, "Layers (H200)", "Figures cited by the code").
+    Shared, so never written; ready on every stream (the host waits once for it)."""
     full = torch.arange(0, nbags + 1, dtype=torch.int64) * per_bag
     full = full.to(device)
     if device.type == "cuda":
