@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from gpu import cache_twin as twin
 from gpu._triton import triton_available
 from gpu.cache import GPUCache, MissCandidates
+from hostcache.layout import EMPTY_KEY
 
 needs_triton = pytest.mark.skipif(
     not triton_available(), reason="needs the triton package (`pip install triton`); "
@@ -349,11 +350,13 @@ def test_cuda_large_batch_matches_cpu_twin() -> None:
 
 @needs_triton
 @pytest.mark.parametrize("ways", [1, 4, 8])
-def test_interpreter_insert_decays_and_evicts_like_the_twin(ways: int) -> None:
+def test_interpreter_insert_decays_and_evicts_like_the_twin(
+        monkeypatch: pytest.MonkeyPatch, ways: int) -> None:
     """Inserts into hot, full buckets (counters past the decay threshold) and batches with
     duplicates and keys already present: the Triton insert's placements are the twin's."""
-    from gpu.cache_twin import DECAY_AT
-
+    decay_at = 16
+    monkeypatch.setattr(twin, "COUNTER_MAX", decay_at)
+    monkeypatch.setattr(twin, "DECAY_AT", decay_at)
     a = make("cpu", "torch", ways=ways, dim=12, buckets=3)
     b = make("cpu", "triton", ways=ways, dim=12, buckets=3)
     gen = torch.Generator().manual_seed(ways)
@@ -365,10 +368,11 @@ def test_interpreter_insert_decays_and_evicts_like_the_twin(ways: int) -> None:
         for c in (a, b):
             c.insert(keys, vals)
             if step % 3 == 2:  # make every resident hot: the next insert halves its bucket
-                c._counters += DECAY_AT
+                resident = c.state()[0]
+                c.lookup(resident[resident != EMPTY_KEY].repeat(decay_at))
         for x, y in zip(a.state(), b.state(), strict=True):
             assert torch.equal(x, y), step
         counters = a.state()[1]
-        halved |= bool(((counters >= DECAY_AT // 2) & (counters < DECAY_AT)).any())
+        halved |= bool(((counters >= decay_at // 2) & (counters < decay_at)).any())
     assert halved, "no bucket was decayed: the test lost its point"
     assert a.stats() == b.stats() and a.stats().evictions > 0
