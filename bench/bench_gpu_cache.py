@@ -36,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu._triton import kernel_module  # noqa: E402
 from gpu.cache import GPUCache  # noqa: E402
+from gpu.cache_twin import COUNTER_MAX  # noqa: E402
+from hostcache.layout import EMPTY_KEY  # noqa: E402
 
 DIM = 128
 ROW_BYTES = DIM * 4
@@ -63,7 +65,7 @@ class _CudaView:
         self.owner = owner
         ptr = owner.data_ptr()
         self.how = "uva host pointer"
-        try:
+        try:  # NOTE: lazy: cuda-python is optional (without it the UVA host pointer serves)
             from cuda.bindings import runtime as rt
 
             err, dptr = rt.cudaHostGetDevicePointer(ptr, 0)
@@ -79,7 +81,7 @@ class _CudaView:
 
 def bench(fn: Any, quick: bool) -> float:
     """Median seconds per call."""
-    import triton.testing
+    import triton.testing  # NOTE: lazy: triton is optional (main() says so when missing)
 
     return float(triton.testing.do_bench(fn, warmup=5 if quick else 25, rep=20 if quick else 100,
                                          return_mode="median")) / 1e3
@@ -167,9 +169,6 @@ def sweep(args: argparse.Namespace, cache: GPUCache, keys: torch.Tensor, slot_of
     ``sat``: the policy counters set to ``COUNTER_MAX`` first (every slot saturated, the
     best case of ``skip_saturated``); otherwise they hold what the run counted.
     """
-    from gpu.cache_twin import COUNTER_MAX
-    from hostcache.layout import EMPTY_KEY
-
     kernels = kernel_module("cache_kernels", interpret=False)
     saved = dict(kernels.CONFIG)
     c = cache
@@ -335,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_gpu_cache needs a CUDA GPU (torch.cuda.is_available() is False); "
               "run it on the GPU machine", file=sys.stderr)
         return 2
-    try:
+    try:  # NOTE: lazy: triton is optional; the bench says what to install
         import triton  # noqa: F401
     except ImportError:
         print("bench_gpu_cache needs triton: pip install triton", file=sys.stderr)
