@@ -19,6 +19,7 @@ from .errors import (
     SegmentNotFoundError,
     SegmentPermissionError,
     SharedMemoryFullError,
+    TableInUseError,
 )
 from .memblock import SharedMemBlock
 from .table import TableStats
@@ -39,5 +40,6 @@ __all__ = [
     "SegmentPermissionError",
     "SharedMemBlock",
     "SharedMemoryFullError",
+    "TableInUseError",
     "TableStats",
 ]

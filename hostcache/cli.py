@@ -46,16 +46,13 @@ from .errors import (
     SegmentNotFoundError,
     SegmentPermissionError,
     SharedMemoryFullError,
+    TableInUseError,
 )
 from .memblock import SharedMemBlock
 
 PROG = "hostcache"
 EXIT_OK = 0
 EXIT_USER_ERROR = EXIT_USAGE
-
-
-class TableInUseError(HostCacheError):
-    """``rm`` without ``--force`` on a table that live processes still have attached."""
 
 
 @dataclass(frozen=True)

@@ -62,3 +62,7 @@ class SharedMemoryFullError(HostCacheError):
         super().__init__(message)
         #: bytes the segment needs, and bytes free on the shared-memory filesystem
         self.needed, self.free = needed, free
+
+
+class TableInUseError(HostCacheError):
+    """``rm`` without ``--force`` on a table that live processes still have attached."""
