@@ -13,7 +13,7 @@ from .errors import BadArgumentError
 
 @dataclass(frozen=True)
 class GPUCacheStats:
-    """Counters of one :class:`GPUCache` since it was created."""
+    """Counters of one :class:`gpu.cache.GPUCache` since it was created."""
 
     #: slots in the table (``num_buckets * ways``).
     capacity: int
@@ -65,6 +65,7 @@ class MissCandidates:
 
     @property
     def cap(self) -> int:
+        """How many missed keys the buffer has room for."""
         return (self.buffer.numel() - 1) // 2
 
     @property
@@ -74,8 +75,10 @@ class MissCandidates:
 
     @property
     def keys(self) -> torch.Tensor:
+        """``[cap]`` int64: the missed keys found, the first ``min(count, cap)`` valid."""
         return self.buffer[1:1 + self.cap]
 
     @property
     def positions(self) -> torch.Tensor:
+        """``[cap]`` int64: the batch position of each of :attr:`keys`."""
         return self.buffer[1 + self.cap:]
