@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from psclient.keys import key_problem
+
 from .cache_types import MissCandidates
 from .devices import same_device
 from .errors import BadArgumentError
@@ -25,16 +27,10 @@ class ArgumentChecks:
 
     def keys(self, keys: object, what: str = "keys") -> torch.Tensor:
         """1-D int64 keys on the cache's device (made contiguous)."""
-        if not isinstance(keys, torch.Tensor):
-            raise BadArgumentError(f"{what} must be a torch.Tensor; got {type(keys).__name__}")
-        if keys.dtype != torch.int64 or keys.dim() != 1:
-            raise BadArgumentError(
-                f"{what} must be a 1-D int64 tensor; got {keys.dtype} of shape "
-                f"{tuple(keys.shape)} (use keys.long().reshape(-1))")
-        if not same_device(keys, self.device):
-            raise BadArgumentError(
-                f"{what} are on {keys.device} but the cache is on {self.device}; "
-                f"move them with .to({str(self.device)!r})")
+        problem = key_problem(keys, device=self.device)
+        if problem is not None:
+            raise BadArgumentError(f"{what} {problem}")
+        assert isinstance(keys, torch.Tensor)
         return keys.contiguous()
 
     def rows(self, values: object, n: int, what: str = "values") -> torch.Tensor:

@@ -44,6 +44,7 @@ from typing import Any, Literal
 import torch
 
 from hostcache import hashing, layout
+from psclient.keys import key_problem
 
 from ._triton import kernel_module, triton_available
 from .devices import on_tensor_device
@@ -96,17 +97,11 @@ def _check_reg(reg: Any, *, host_cache: bool) -> None:
 
 
 def _check_ids(ids: object, reg: Any, what: str) -> torch.Tensor:
-    if not isinstance(ids, torch.Tensor):
-        raise BadArgumentError(f"{what} must be a torch.Tensor of int64; got {type(ids).__name__}")
-    if ids.dtype != torch.int64 or ids.dim() != 1:
-        raise BadArgumentError(
-            f"{what} must be a 1-D int64 tensor; got {ids.dtype} of shape {tuple(ids.shape)}"
-        )
-    if ids.device != reg.device:
-        raise BadArgumentError(
-            f"{what} are on {ids.device} but table {reg.name!r} is registered for "
-            f"{reg.device}; move them with .to({str(reg.device)!r})"
-        )
+    problem = key_problem(ids, device=reg.device)
+    if problem is not None:
+        raise BadArgumentError(f"{what} {problem} (table {reg.name!r} is registered for "
+                               f"{reg.device})")
+    assert isinstance(ids, torch.Tensor)
     return ids.contiguous()
 
 

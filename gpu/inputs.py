@@ -6,6 +6,8 @@ import functools
 
 import torch
 
+from psclient.keys import key_problem
+
 from .devices import same_device
 from .errors import BadArgumentError
 from .layer_config import PoolingMode
@@ -13,16 +15,10 @@ from .layer_config import PoolingMode
 
 def check_keys(keys: object, device: torch.device, *, name: str = "input") -> torch.Tensor:
     """int64 keys on the layer's device (any shape)."""
-    if not isinstance(keys, torch.Tensor):
-        raise BadArgumentError(f"{name} must be a torch.Tensor of int64 keys; got "
-                               f"{type(keys).__name__}")
-    if keys.dtype != torch.int64:
-        raise BadArgumentError(
-            f"{name} must have dtype torch.int64; got {keys.dtype} (convert with .long())"
-        )
-    if not same_device(keys, device):
-        raise BadArgumentError(f"{name} is on {keys.device}; the layer is on {device}: move it "
-                               f"with .to({str(device)!r})")
+    problem = key_problem(keys, device=device, any_shape=True)
+    if problem is not None:
+        raise BadArgumentError(f"{name} {problem}")
+    assert isinstance(keys, torch.Tensor)
     return keys
 
 

@@ -4,23 +4,19 @@ from __future__ import annotations
 
 import torch
 
+from psclient.keys import key_problem
+
 from .errors import BadArgumentError
 from .layout import EMPTY_KEY
 
 
 def check_keys(keys: object, *, what: str = "keys") -> torch.Tensor:
-    """Keys as an int64 1-D CPU tensor, or a :class:`BadArgumentError` saying what to pass."""
-    if not isinstance(keys, torch.Tensor):
-        raise BadArgumentError(f"{what} must be a torch.Tensor of int64; got {type(keys).__name__}")
-    if keys.dtype != torch.int64:
-        raise BadArgumentError(f"{what} must have dtype torch.int64; got {keys.dtype}")
-    if keys.device.type != "cpu":
-        raise BadArgumentError(
-            f"{what} must be on the CPU for the host tier; got {keys.device} "
-            "(move them with .cpu(), or use the gpu package's kernels for CUDA keys)"
-        )
-    if keys.dim() != 1:
-        raise BadArgumentError(f"{what} must be 1-D [N]; got shape {tuple(keys.shape)}")
+    """Keys as an int64 1-D CPU tensor, or a :class:`BadArgumentError` saying what to pass
+    (the host tier reads keys on the CPU; CUDA keys go through the gpu package's kernels)."""
+    problem = key_problem(keys)
+    if problem is not None:
+        raise BadArgumentError(f"{what} {problem}")
+    assert isinstance(keys, torch.Tensor)
     return keys.contiguous()
 
 

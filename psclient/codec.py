@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from .errors import BadKeysError, BadValuesError, CorruptValueError
+from .keys import key_problem
 from .schema import TableSchema
 
 _SIGN = np.uint64(1 << 63)
@@ -28,14 +29,10 @@ def check_keys(keys: object) -> np.ndarray:
     Raises:
         BadKeysError: not a tensor, wrong dtype, device or shape.
     """
-    if not isinstance(keys, torch.Tensor):
-        raise BadKeysError(f"keys must be a torch.Tensor of int64, got {type(keys).__name__}")
-    if keys.dtype != torch.int64:
-        raise BadKeysError(f"keys must be int64, got {keys.dtype}: convert with keys.long()")
-    if keys.device.type != "cpu":
-        raise BadKeysError(f"keys must be on the CPU, got {keys.device}: use keys.cpu()")
-    if keys.dim() != 1:
-        raise BadKeysError(f"keys must be 1-D, got shape {tuple(keys.shape)}: use keys.flatten()")
+    problem = key_problem(keys)
+    if problem is not None:
+        raise BadKeysError(f"keys {problem}")
+    assert isinstance(keys, torch.Tensor)
     return keys.contiguous().numpy()
 
 

@@ -1,0 +1,42 @@
+"""The one rule for a batch of keys, shared by every tier (psclient is the lowest).
+
+Keys are int64 in a ``torch.Tensor``: 1-D for the tables and the parameter server, any shape
+for a layer's input; on the CPU for the host tier and the parameter server, on the layer's or
+cache's device for the GPU tier. :func:`key_problem` says what is wrong in words a caller can
+act on; each package raises it as its own typed error (``BadKeysError``, ``hostcache``'s and
+``gpu``'s ``BadArgumentError``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_CPU = torch.device("cpu")
+
+
+def key_problem(keys: object, *, device: torch.device = _CPU,
+                any_shape: bool = False) -> str | None:
+    """What is wrong with ``keys`` as a batch of keys (None: nothing).
+
+    Args:
+        keys: what the caller passed.
+        device: where the keys must be (a CUDA device without an index means any GPU).
+        any_shape: any shape is fine (a layer's input); else 1-D.
+
+    Returns:
+        A phrase to follow the argument's name ("must be ...; got ...: fix with ..."), or
+        None when ``keys`` is a valid batch.
+    """
+    shape = "" if any_shape else "1-D "
+    if not isinstance(keys, torch.Tensor):
+        return f"must be a {shape}torch.Tensor of int64 keys; got {type(keys).__name__}"
+    if keys.dtype != torch.int64:
+        return f"must have dtype torch.int64; got {keys.dtype} (convert with .long())"
+    if not any_shape and keys.dim() != 1:
+        return f"must be 1-D [N]; got shape {tuple(keys.shape)} (flatten with .reshape(-1))"
+    same = keys.device.type == device.type and (
+        device.type == "cpu" or device.index is None or keys.device.index == device.index)
+    if not same:
+        return (f"must be on {device}; got {keys.device} (move them with "
+                f".to({str(device)!r}))")
+    return None
