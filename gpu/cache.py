@@ -415,7 +415,7 @@ class GPUCache:
         return GPUCacheStats(
             capacity=self.capacity, size=size, hits=hits, misses=misses,
             inserts=inserts, evictions=evictions, updates=self._updates,
-            erases=self._erases, hit_rate=hits / self._lookups if self._lookups else 0.0)
+            erases=self._erases)
 
     def state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Copies of ``(keys [slots], counters [slots], rows [slots, dim])`` on the CPU."""

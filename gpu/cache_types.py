@@ -7,12 +7,14 @@ from dataclasses import dataclass
 
 import torch
 
+from hostcache.table import HitRate
+
 from .devices import resolve_device
 from .errors import BadArgumentError
 
 
 @dataclass(frozen=True)
-class GPUCacheStats:
+class GPUCacheStats(HitRate):
     """Counters of one :class:`gpu.cache.GPUCache` since it was created."""
 
     #: slots in the table (``num_buckets * ways``).
@@ -31,8 +33,6 @@ class GPUCacheStats:
     updates: int
     #: keys removed by ``erase``.
     erases: int
-    #: ``hits / (hits + misses)``, 0.0 before the first lookup.
-    hit_rate: float
 
 
 @dataclass(frozen=True)

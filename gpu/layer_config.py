@@ -6,6 +6,8 @@ import enum
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from hostcache.table import HitRate
+
 from .errors import BadArgumentError
 
 PoolingMode = Literal["sum", "mean", "max"]
@@ -50,19 +52,13 @@ class InsertPolicy:
 
 
 @dataclass(frozen=True)
-class TierStats:
+class TierStats(HitRate):
     """What one tier of one layer answered, in this process."""
 
     hits: int = 0
     misses: int = 0
     inserts: int = 0
     evictions: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        """Hits over keys looked up (0.0 before the first lookup)."""
-        total = self.hits + self.misses
-        return self.hits / total if total else 0.0
 
 
 @dataclass(frozen=True)

@@ -117,7 +117,7 @@ def _stat(args: argparse.Namespace, out: TextIO) -> int:
         st = table.stats("node")
         counters = {k: v for k, v in st.as_dict().items() if k not in ("name", "kind", "scope")}
         # NOTE: no hit rate before a key was looked up (null in JSON, "-" in text, as in ls)
-        counters["hit_rate"] = st.hit_rate if st.hits + st.misses else None
+        counters["hit_rate"] = st.measured_hit_rate
         counters["processes"] = len(_others(table))
         info = {
             "name": args.name,

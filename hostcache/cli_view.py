@@ -120,7 +120,7 @@ def summary(name: str) -> dict[str, Any] | None:
             "ways": geo["ways"],
             "size": st.size,
             "fill": st.size / st.capacity if is_cache and st.capacity else None,
-            "hit_rate": st.hit_rate if st.hits + st.misses else None,
+            "hit_rate": st.measured_hit_rate,
             "processes": len(others(table)),
             "segment_mib": round(geo["segment_bytes"] / MIB, 2),
         }

@@ -27,8 +27,27 @@ _N_COUNTERS = len(layout.COUNTER_NAMES)
 C_LOOKUPS, C_HITS, C_MISSES, C_INSERTS, C_EVICTIONS, C_UPDATES, C_ERASES = range(_N_COUNTERS)
 
 
+class HitRate:
+    """The hit rate of a counters record with ``hits`` and ``misses`` (the one definition
+    shared by the host tables', the GPU cache's and the layers' stats)."""
+
+    hits: int
+    misses: int
+
+    @property
+    def hit_rate(self) -> float:
+        """Hits over keys looked up (0.0 before the first lookup)."""
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+    @property
+    def measured_hit_rate(self) -> float | None:
+        """Hits over keys looked up; None before the first lookup (what reports show)."""
+        return self.hit_rate if self.hits + self.misses else None
+
+
 @dataclass(frozen=True)
-class TableStats:
+class TableStats(HitRate):
     """Counters of one shared table, node-wide or for this handle's process."""
 
     name: str
@@ -44,12 +63,6 @@ class TableStats:
     updates: int
     erases: int
     processes: int
-
-    @property
-    def hit_rate(self) -> float:
-        """Hits over keys looked up (0.0 before the first lookup)."""
-        total = self.hits + self.misses
-        return self.hits / total if total else 0.0
 
     def as_dict(self) -> dict[str, Any]:
         """Plain dict (JSON-ready) with the hit rate."""

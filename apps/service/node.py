@@ -227,7 +227,7 @@ class NodeService:
                 "misses": st.misses, "inserts": st.inserts, "evictions": st.evictions,
                 "updates": st.updates, "erases": st.erases,
                 "replicas": len(self._replicas(table)), "reaped": self.reaped.get(name, 0),
-                "hit_rate": st.hit_rate if st.hits + st.misses else None,
+                "hit_rate": st.measured_hit_rate,
             }
             f = self.followers.get(name)
             if f is not None:
