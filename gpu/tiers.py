@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from hostcache.gate import TableGate, gate_for
+from hostcache.ring import ChangeFeed
 
 from .cache import GPUCache, MissCandidates
 from .errors import KeyNotFoundError, StorageUnavailableError, StorageWriteError
@@ -149,10 +150,10 @@ class Tiers:
 
     # -- shared-table invalidation ----------------------------------------------------------
 
-    _shared: Any = None  # the HostCache / SharedMemBlock whose ring this stack follows
+    _shared: ChangeFeed | None = None  # the shared table whose changes this stack follows
     _cursor = 0
 
-    def _follow(self, table: Any) -> None:
+    def _follow(self, table: ChangeFeed) -> None:
         self._shared = table
         self._cursor = table.change_cursor
 

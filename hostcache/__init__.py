@@ -22,12 +22,14 @@ from .errors import (
     TableInUseError,
 )
 from .memblock import SharedMemBlock
+from .ring import ChangeFeed
 from .table import TableStats
 
 __all__ = [
     "BadArgumentError",
     "BadNameError",
     "CacheAudit",
+    "ChangeFeed",
     "CorruptedHeaderError",
     "GeometryMismatchError",
     "HandleClosedError",

@@ -13,10 +13,29 @@ reader that reads the key and then finds ``seq == s`` has read record ``s``'s ke
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import torch
 
 from . import layout
 from .segment import Mapping
+
+
+@runtime_checkable
+class ChangeFeed(Protocol):
+    """What a follower of a shared table reads to drop the keys others changed: a
+    ``HostCache``, a ``SharedMemBlock`` and a ``gpu.DistMemBlock`` each are one (every
+    layer's GPU cache follows the feed of the table it reads)."""
+
+    @property
+    def change_cursor(self) -> int:
+        """The feed's end now: where a new follower starts."""
+        ...
+
+    def changes_since(self, cursor: int) -> tuple[torch.Tensor, int, bool]:
+        """``(keys changed after cursor, the new cursor, overflowed)``; ``overflowed``: the
+        follower fell behind (or the table was cleared): drop everything."""
+        ...
 
 
 class InvalidationRing:
