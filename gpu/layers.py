@@ -26,7 +26,11 @@ from typing import Any
 
 import torch
 
+from hostcache import HostCache, SharedMemBlock
+from psclient import ParameterServer, connect
+
 from .devices import resolve_device
+from .distmem import DistMemBlock
 from .errors import BadArgumentError
 from .inputs import bags, check_keys, check_values
 from .layer_config import InsertPolicy, LayerStats, LayerType, PoolingMode
@@ -91,10 +95,6 @@ def _build_tiers(
     *, gpu_cache_size: int, host_cache: Any, storage: Any, weight_init: Any, table: str | None,
     default_row: Any, insert_policy: InsertPolicy | None,
 ) -> Tiers:
-    from hostcache import HostCache, SharedMemBlock
-
-    from .distmem import DistMemBlock
-
     linear_blocks = (SharedMemBlock, DistMemBlock)
     policy = insert_policy if insert_policy is not None else InsertPolicy()
     if not isinstance(policy, InsertPolicy):
@@ -159,16 +159,12 @@ def _build_tiers(
         g = host_cache.geometry
         _check_geometry(f"host cache {host_cache.name!r}", g.dim, g.dtype, dim, dtype)
     if isinstance(storage, str):
-        from psclient import connect
-
         name = table or (host_cache.name if host_cache is not None else None)
         if name is None:
             raise BadArgumentError("pass table= (the parameter server's table name) with a "
                                    "storage URL")
         storage = connect(storage, table=name, dim=dim, dtype=dtype)
     if storage is not None:
-        from psclient import ParameterServer
-
         if not isinstance(storage, ParameterServer):
             raise BadArgumentError("storage of a Hierarchical layer must be a "
                                    "psclient.ParameterServer or a URL")
