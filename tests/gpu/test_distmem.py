@@ -141,9 +141,10 @@ def test_view_outlives_close_and_closed_block_refuses(table_name) -> None:
 def test_layers_over_a_block_equal_torch_and_guard_the_close_order(layer_cls, table_name):
     rows, dim = 2000, 16
     block = DistMemBlock(rows, dim, devices=["cpu"] * 2, name=table_name)
-    want = torch.randn(rows, dim)
+    gen = torch.Generator().manual_seed(0)
+    want = torch.randn(rows, dim, generator=gen)
     block.write(torch.arange(rows), want)
-    keys = torch.randint(0, rows, (512,))
+    keys = torch.randint(0, rows, (512,), generator=gen)
     for lt, cache in [(LayerType.LinearUVM, 64 * dim * 4), (LayerType.GPULayer, 0)]:
         layer = layer_cls(rows, dim, torch.float32, lt, gpu_cache_size=cache, storage=block,
                           device="cpu")
@@ -154,7 +155,9 @@ def test_layers_over_a_block_equal_torch_and_guard_the_close_order(layer_cls, ta
                 assert torch.equal(layer(keys), F.embedding(keys, want))
             else:
                 got = layer(keys.view(32, 16))
-                assert torch.allclose(got, F.embedding_bag(keys.view(32, 16), want, mode="sum"))
+                # NOTE: fp32 sums; the Triton kernels (NVEC_FORCE_TRITON=1) add in another order
+                torch.testing.assert_close(got, F.embedding_bag(keys.view(32, 16), want,
+                                                                mode="sum"))
         layer.close()  # a closed layer no longer holds the block
     block.close()
     with pytest.raises(BadArgumentError):
