@@ -11,15 +11,22 @@ import pytest
 import torch
 
 from hostcache import segment
+from tests.conftest import PREFIX
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "seed_linear_uvm.py"
+
+
+def segments() -> set[str]:
+    """The segments in /dev/shm but this session's test tables (other tests create and
+    remove theirs meanwhile under pytest-xdist)."""
+    return {n for n in segment.list_names() if not n.startswith(PREFIX)}
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="the seed's snippet picks a CUDA device: needs a CUDA GPU")
 def test_seed_snippet_runs_and_leaves_no_segment() -> None:
-    before = set(segment.list_names())
+    before = segments()
     result = subprocess.run([sys.executable, str(EXAMPLE)], capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stderr
@@ -27,7 +34,7 @@ def test_seed_snippet_runs_and_leaves_no_segment() -> None:
     # first pass misses, second pass hits what the ~1,000-row GPU cache holds
     hit_rate = float(result.stdout.rsplit("hit rate", 1)[1].split()[0])
     assert 0.3 < hit_rate <= 0.5
-    assert set(segment.list_names()) == before
+    assert segments() == before
 
 
 @pytest.mark.gpu
@@ -37,7 +44,7 @@ def test_seed_snippet_runs_under_torchrun_one_process_per_gpu() -> None:
     """Two ranks (on two GPUs, or both on the one GPU) share one sharded MPIMemBlock."""
     from ..servers import free_port
 
-    before = set(segment.list_names())
+    before = segments()
     ranks = max(2, torch.cuda.device_count())
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
@@ -46,7 +53,7 @@ def test_seed_snippet_runs_under_torchrun_one_process_per_gpu() -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [ln for ln in result.stdout.splitlines() if "rows read correctly" in ln]
     assert sorted(ln.split(":")[0] for ln in lines) == [f"rank {r}" for r in range(ranks)]
-    assert set(segment.list_names()) == before
+    assert segments() == before
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is present: the snippet runs")
