@@ -3,6 +3,7 @@ the documented table size and the filled-in ``...``)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,50 +11,48 @@ from pathlib import Path
 import pytest
 import torch
 
-from hostcache import segment
-from tests.conftest import PREFIX
+from hostcache import shmlog
+from tests.servers import free_port
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "seed_linear_uvm.py"
 
 
-def segments() -> set[str]:
-    """The segments in /dev/shm but this session's test tables (other tests create and
-    remove theirs meanwhile under pytest-xdist)."""
-    return {n for n in segment.list_names() if not n.startswith(PREFIX)}
+def run_example(argv: list[str], tmp_path: Path) -> tuple[subprocess.CompletedProcess[str],
+                                                          list[str]]:
+    """Run the example with its own shm log: ``(result, what it left in /dev/shm)`` (its
+    own segments and lock files only, whatever tests running beside it create)."""
+    log = tmp_path / "shm.log"
+    env = {**os.environ, shmlog.ENV: str(log)}
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
+    return result, shmlog.leftovers(str(log))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="the seed's snippet picks a CUDA device: needs a CUDA GPU")
-def test_seed_snippet_runs_and_leaves_no_segment() -> None:
-    before = segments()
-    result = subprocess.run([sys.executable, str(EXAMPLE)], capture_output=True, text=True,
-                            timeout=600)
+def test_seed_snippet_runs_and_leaves_no_segment(tmp_path: Path) -> None:
+    result, left = run_example([sys.executable, str(EXAMPLE)], tmp_path)
     assert result.returncode == 0, result.stderr
     assert "rows read correctly" in result.stdout
     # first pass misses, second pass hits what the ~1,000-row GPU cache holds
     hit_rate = float(result.stdout.rsplit("hit rate", 1)[1].split()[0])
     assert 0.3 < hit_rate <= 0.5
-    assert segments() == before
+    assert left == []
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="the seed's snippet picks a CUDA device: needs a CUDA GPU")
-def test_seed_snippet_runs_under_torchrun_one_process_per_gpu() -> None:
+def test_seed_snippet_runs_under_torchrun_one_process_per_gpu(tmp_path: Path) -> None:
     """Two ranks (on two GPUs, or both on the one GPU) share one sharded MPIMemBlock."""
-    from ..servers import free_port
-
-    before = segments()
     ranks = max(2, torch.cuda.device_count())
-    result = subprocess.run(
+    result, left = run_example(
         [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
-         f"--master-port={free_port()}", str(EXAMPLE)],
-        capture_output=True, text=True, timeout=600)
+         f"--master-port={free_port()}", str(EXAMPLE)], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [ln for ln in result.stdout.splitlines() if "rows read correctly" in ln]
     assert sorted(ln.split(":")[0] for ln in lines) == [f"rank {r}" for r in range(ranks)]
-    assert segments() == before
+    assert left == []
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is present: the snippet runs")
