@@ -253,12 +253,13 @@ def test_change_feed_invalidates_host_cache_and_replica_layer(node_cfg: Any) -> 
         trainer = psclient.connect(t.ps_url, table=t.name)  # another node's writer
         trainer.update(torch.tensor([3]), rows_of(torch.tensor([3]), 5))
         trainer.close()
-        hc = layer._tiers.host
+        hc = HostCache.attach(t.name)  # the same shared table the layer reads
         wait_until(lambda: not hc.contains(torch.tensor([3])).item(), 10,
                    "the service to drop key 3 from the host cache")
         assert hc.contains(torch.tensor([4])).item()  # untouched keys stay
         assert layer(keys)[:, 1].tolist() == [5.0, 0.0]  # the new row, on the next lookup
         layer.close()
+        hc.close()
         _, body = http_get(run.url + "/metrics")
         assert f'nvec_feed_keys_applied_total{{kind="hostcache",table="{t.name}"}} 1.0' in body
     finally:
