@@ -79,7 +79,7 @@ def reap_orphaned_journals() -> list[str]:
         return []
     reaped: list[str] = []
     for entry in entries:  # a loop over /dev/shm entries, not over keys
-        for prefix in (segment.PREFIX, segment.LOCK_PREFIX):
+        for prefix in (segment.prefix(), segment.lock_prefix()):
             if not entry.startswith(prefix):
                 continue
             name = entry[len(prefix):]

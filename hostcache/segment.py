@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import re
 import stat
 import time
 from collections.abc import Callable, Iterator
@@ -32,8 +33,11 @@ from .errors import (
     SharedMemoryFullError,
 )
 
-PREFIX = "nvec."
-LOCK_PREFIX = "nvec-lock."
+#: this process's node namespace: tables of node ``X`` are ``nvec@X.<name>`` in /dev/shm
+#: (lock files ``nvec-lock@X.<name>``), so several simulated nodes share one machine without
+#: seeing each other's tables; unset (the default): ``nvec.<name>``, one node per machine.
+NODE_ENV = "NVEC_NODE"
+_NODE_RE = re.compile(r"[A-Za-z0-9_-]{1,32}")
 SHM_DIR = "/dev/shm"
 #: how long ``attach`` waits for a segment whose creator has not finished its header
 ATTACH_READY_TIMEOUT_S = 2.0
@@ -59,16 +63,41 @@ def check_mode(mode: object) -> int:
     return mode
 
 
+def node() -> str:
+    """This process's node namespace (``NVEC_NODE``; "" when unset).
+
+    Raises:
+        BadArgumentError: the variable holds something other than ``[A-Za-z0-9_-]{1,32}``.
+    """
+    value = os.environ.get(NODE_ENV, "")
+    if value and not _NODE_RE.fullmatch(value):
+        raise BadArgumentError(f"{NODE_ENV}={value!r} is not a node name: use 1-32 letters, "
+                               "digits, '_' or '-', or unset it")
+    return value
+
+
+def prefix() -> str:
+    """The file-name prefix of this node's segments in /dev/shm."""
+    n = node()
+    return f"nvec@{n}." if n else "nvec."
+
+
+def lock_prefix() -> str:
+    """The file-name prefix of this node's lock files in /dev/shm."""
+    n = node()
+    return f"nvec-lock@{n}." if n else "nvec-lock."
+
+
 def posix_name(name: str) -> str:
-    return "/" + PREFIX + name
+    return "/" + prefix() + name
 
 
 def shm_path(name: str) -> str:
-    return os.path.join(SHM_DIR, PREFIX + name)
+    return os.path.join(SHM_DIR, prefix() + name)
 
 
 def lock_path(name: str) -> str:
-    return os.path.join(SHM_DIR, LOCK_PREFIX + name)
+    return os.path.join(SHM_DIR, lock_prefix() + name)
 
 
 @dataclass
@@ -316,8 +345,9 @@ def list_names() -> Iterator[str]:
         if e.errno == errno.ENOENT:
             return
         raise
+    pre = prefix()
     for entry in entries:
-        if entry.startswith(PREFIX):
+        if entry.startswith(pre):
             path = os.path.join(SHM_DIR, entry)
             if stat.S_ISREG(os.stat(path).st_mode):
-                yield entry[len(PREFIX) :]
+                yield entry[len(pre) :]

@@ -48,7 +48,7 @@ def session_entries() -> set[str]:
         entries = os.listdir(segment.SHM_DIR)
     except FileNotFoundError:
         entries = []
-    ours = (segment.PREFIX + PREFIX, segment.LOCK_PREFIX + PREFIX)
+    ours = (segment.prefix() + PREFIX, segment.lock_prefix() + PREFIX)
     found.update(e for e in entries if e.startswith(ours))
     return found
 

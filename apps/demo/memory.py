@@ -80,8 +80,8 @@ def process_memory(pid: int | str = "self", names: list[str] | None = None) -> P
                 base = os.path.basename(path)
                 if wanted is not None:
                     name = wanted.get(path)
-                elif path.startswith(segment.SHM_DIR) and base.startswith(segment.PREFIX):
-                    name = base[len(segment.PREFIX):]
+                elif path.startswith(segment.SHM_DIR) and base.startswith(segment.prefix()):
+                    name = base[len(segment.prefix()):]
                 else:
                     name = None
                 current = segs.setdefault(name, [0, 0, 0]) if name is not None else None
