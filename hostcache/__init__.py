@@ -23,7 +23,7 @@ from .errors import (
 )
 from .memblock import SharedMemBlock
 from .ring import ChangeFeed
-from .table import TableStats
+from .table import FeedStatus, TableStats
 
 __all__ = [
     "BadArgumentError",
@@ -43,5 +43,6 @@ __all__ = [
     "SharedMemBlock",
     "SharedMemoryFullError",
     "TableInUseError",
+    "FeedStatus",
     "TableStats",
 ]

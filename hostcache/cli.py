@@ -16,13 +16,14 @@ any attacher, repairs a write section left by a dead writer.
 from __future__ import annotations
 
 import argparse
+import datetime as _dt
 import fnmatch
 import json
 import os
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TextIO
+from dataclasses import asdict, dataclass
+from typing import Any, TextIO
 
 import torch
 
@@ -110,6 +111,17 @@ def _stat_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+def _feed_lines(feed: dict[str, Any]) -> list[tuple[str, str]]:
+    """``stat``'s lines about the change feed a node service follows into the table."""
+    if feed["applied_ns"] is None:
+        return [("followed", "no change applied yet"), ("gaps", _fmt(feed["gaps"]))]
+    when = _dt.datetime.fromtimestamp(feed["applied_ns"] / 1e9, _dt.UTC)
+    return [("last_lag", f"{feed['last_lag_s'] * 1e3:.1f} ms"),
+            ("max_lag", f"{feed['max_lag_s'] * 1e3:.1f} ms"),
+            ("last_applied", when.isoformat(timespec="seconds")),
+            ("gaps", _fmt(feed["gaps"]))]
+
+
 def _stat(args: argparse.Namespace, out: TextIO) -> int:
     table = open_table(args.name)
     try:
@@ -125,6 +137,7 @@ def _stat(args: argparse.Namespace, out: TextIO) -> int:
             "node": counters,
             "ring_head": int(header[layout.W_RING_HEAD]),
             "repairs": int(header[layout.W_REPAIRS]),
+            "feed": asdict(table.feed_status()),
             "processes": _process_slots(table),
         }
     finally:
@@ -141,6 +154,7 @@ def _stat(args: argparse.Namespace, out: TextIO) -> int:
             ("ring_head", _fmt(info["ring_head"])),
             ("repairs", _fmt(info["repairs"])),
         ],
+        "change feed (node service)": _feed_lines(info["feed"]),
     }
     width = max(len(k) for pairs in sections.values() for k, _ in pairs)
     print(f"table {args.name}", file=out)

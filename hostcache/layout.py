@@ -45,6 +45,10 @@ word  name                 meaning
 33    ring_head            records ever appended to the invalidation ring
 34    writer_pid           pid of the writer inside a write section, 0 outside
 35    repairs              times a writer repaired a section left by a dead writer
+36    feed_lag_us          the node service: propagation lag of the last change applied
+37    feed_lag_max_us      the largest such lag since the service began following
+38    feed_applied_ns      when it last applied changes (ns since the epoch), 0: never
+39    feed_gaps            full re-syncs after a gap in the parameter server's feed
 40-47 retired counters     counters of process slots whose process has exited
 ====  ===================  =====================================================
 
@@ -120,6 +124,7 @@ W_ELEM, W_ROW_BYTES, W_ROW_STRIDE, W_POLICY, W_UID, W_CREATED, W_TOTAL = range(8
 W_KEYS_OFF, W_VERSIONS_OFF, W_COUNTERS_OFF, W_RING_SEQ_OFF, W_RING_KEY_OFF = range(15, 20)
 W_ROWS_OFF, W_RING_CAP, W_CHECKSUM = 20, 21, 22
 W_SIZE, W_RING_HEAD, W_WRITER_PID, W_REPAIRS = 32, 33, 34, 35
+W_FEED_LAG_US, W_FEED_LAG_MAX_US, W_FEED_APPLIED_NS, W_FEED_GAPS = 36, 37, 38, 39
 W_RETIRED = 40
 STATIC_WORDS = slice(1, 22)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Literal, Self
 
@@ -67,6 +68,22 @@ class TableStats(HitRate):
     def as_dict(self) -> dict[str, Any]:
         """Plain dict (JSON-ready) with the hit rate."""
         return {**asdict(self), "hit_rate": self.hit_rate}
+
+
+@dataclass(frozen=True)
+class FeedStatus:
+    """How the node service follows the parameter server's change feed into a table (what
+    it recorded in the table's header; all zero/None until a service follows it)."""
+
+    #: propagation lag of the last change applied: commit in the parameter server to the
+    #: erase here (seconds; None before the first).
+    last_lag_s: float | None
+    #: the largest such lag since the service began following.
+    max_lag_s: float | None
+    #: when changes were last applied (ns since the epoch; None: never).
+    applied_ns: int | None
+    #: full re-syncs after a gap in the feed (trimmed entries, a lost stream, a clear).
+    gaps: int
 
 
 def process_alive(pid: int) -> bool:
@@ -289,6 +306,33 @@ class SharedTable:
         self._live()
         assert self._lock is not None
         return self._lock.inode
+
+    def feed_status(self) -> FeedStatus:
+        """What the node service recorded about following the change feed into this table."""
+        h = self._header
+        applied = int(h[layout.W_FEED_APPLIED_NS])
+        return FeedStatus(
+            last_lag_s=int(h[layout.W_FEED_LAG_US]) / 1e6 if applied else None,
+            max_lag_s=int(h[layout.W_FEED_LAG_MAX_US]) / 1e6 if applied else None,
+            applied_ns=applied or None,
+            gaps=int(h[layout.W_FEED_GAPS]),
+        )
+
+    def record_feed(self, *, lag_s: float | None = None, gap: bool = False,
+                    restart: bool = False) -> None:
+        """For the node service: record a change applied ``lag_s`` after its commit, a gap
+        re-synced, or (``restart``) that following starts over (the max lag is reset).
+        Single writer (the one service of the node); readers may see a mix of two records."""
+        h = self._header
+        if restart:
+            h[layout.W_FEED_LAG_MAX_US] = 0
+        if lag_s is not None:
+            us = max(0, int(lag_s * 1e6))
+            h[layout.W_FEED_LAG_US] = us
+            h[layout.W_FEED_LAG_MAX_US] = max(int(h[layout.W_FEED_LAG_MAX_US]), us)
+            h[layout.W_FEED_APPLIED_NS] = time.time_ns()
+        if gap:
+            h[layout.W_FEED_GAPS] += 1
 
     @property
     def repairs(self) -> int:

@@ -334,3 +334,25 @@ def test_missing_table_messages_speak_to_command_line_users(
         assert rc == 2 and err.count("\n") == 1
         assert f"no table named {table_name!r}" in err and "hostcache ls" in err
         assert "HostCache" not in err and "create it" not in err
+
+
+def test_stat_shows_how_the_node_service_follows_the_change_feed(
+    capsys: pytest.CaptureFixture[str], names: list[str]
+) -> None:
+    name = names[0]
+    with HostCache.create(name, capacity=64, dim=4) as hc:
+        assert json.loads(run(capsys, "stat", name, "--json")[1])["feed"] == {
+            "last_lag_s": None, "max_lag_s": None, "applied_ns": None, "gaps": 0}
+        assert "no change applied yet" in run(capsys, "stat", name)[1]
+        hc.record_feed(restart=True)
+        for lag in (0.030, 0.0125):  # what the service records as it applies changes
+            hc.record_feed(lag_s=lag)
+        hc.record_feed(gap=True)
+        feed = json.loads(run(capsys, "stat", name, "--json")[1])["feed"]
+        assert feed["last_lag_s"] == 0.0125 and feed["max_lag_s"] == 0.03
+        assert feed["gaps"] == 1 and feed["applied_ns"] > 0
+        text = run(capsys, "stat", name)[1]
+        assert "12.5 ms" in text and "30.0 ms" in text
+        hc.record_feed(restart=True)  # a service that starts over forgets the old maximum
+        hc.record_feed(lag_s=0.001)
+        assert hc.feed_status().max_lag_s == 0.001
