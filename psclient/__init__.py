@@ -23,6 +23,7 @@ from .errors import (
     TableNotFoundError,
     UnsupportedURLError,
 )
+from .feed import FeedBatch
 from .registry import connect, list_tables, register_backend, schemes
 from .schema import LAYOUT_VERSION, TableSchema
 
@@ -33,6 +34,7 @@ __all__ = [
     "BadValuesError",
     "ChangeFeedGapError",
     "CorruptValueError",
+    "FeedBatch",
     "HandleClosedError",
     "PSAuthError",
     "PSClientError",

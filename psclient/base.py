@@ -17,6 +17,7 @@ import torch
 
 from .codec import check_keys, check_values
 from .errors import BadArgumentError, HandleClosedError
+from .feed import FeedBatch
 from .loader import load_into
 from .schema import TableSchema
 
@@ -123,27 +124,63 @@ class ParameterServer(ABC):
         self._enter(None)
         return self._size()
 
-    def changes(self, since: str | None = None, *, limit: int = 1024) -> tuple[torch.Tensor, str]:
-        """Keys written by update/erase/insert-over-existing since a cursor.
+    def follow(self, since: str | None = None, *, limit: int = 1024,
+               block_ms: int = 0) -> FeedBatch:
+        """Keys written by update/erase/insert-over-existing after a cursor, waiting if asked.
+
+        Args:
+            since: a cursor returned by an earlier call; ``None`` starts at the feed's end
+                now (no keys, the cursor to follow from).
+            limit: at most about this many feed entries per call (docs/psclient.md: per
+                partition stream on Redis, never fewer than one per partition).
+            block_ms: when nothing is new after ``since``, wait up to this long for the
+                first new entry and return as soon as one is committed (0: do not wait).
+                Redis wakes on the write itself (no timer polling; on a cluster, a doorbell
+                with a bounded fallback sweep); file:// polls its local store every few ms.
+
+        Returns:
+            A :class:`psclient.FeedBatch`: the unique keys changed after ``since``, the next
+            cursor, and the commit times of the oldest and newest entry read.
+
+        Raises:
+            ChangeFeedGapError: the changes after ``since`` cannot all be listed: entries
+                were trimmed from the bounded feed, the table was cleared, or the store lost
+                entries the cursor had already passed (a restart without persistence, a
+                failover). Drop every cached row of the table and resume from
+                ``err.cursor``.
+            BadArgumentError: ``since`` is not a cursor of this feed, or a bad
+                ``limit``/``block_ms``.
+        """
+        self._enter(None)
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
+            raise BadArgumentError(f"limit must be a positive int, got {limit!r}")
+        if isinstance(block_ms, bool) or not isinstance(block_ms, int) or block_ms < 0:
+            raise BadArgumentError(f"block_ms must be an int >= 0, got {block_ms!r}")
+        if since is not None and not isinstance(since, str):
+            raise BadArgumentError(
+                f"bad change-feed cursor {since!r}: pass a string returned by follow()")
+        return self._follow(since, limit, block_ms)
+
+    def changes(self, since: str | None = None, *, limit: int = 1024,
+                block_ms: int = 0) -> tuple[torch.Tensor, str]:
+        """:meth:`follow` without the commit times: ``(keys, cursor)``.
 
         Args:
             since: a cursor returned by an earlier call; ``None`` starts at the current end
                 (returns no keys and the cursor to poll from).
-            limit: at most this many feed entries (one per written batch) per call.
+            limit: as for :meth:`follow`.
+            block_ms: as for :meth:`follow`.
 
         Returns:
-            ``(keys, cursor)``: unique int64 keys changed after ``since`` (a superset where
-            noted in docs/psclient.md) and the cursor to pass next time.
+            ``(keys, cursor)``: unique int64 keys changed after ``since`` and the cursor to
+            pass next time.
 
         Raises:
-            ChangeFeedGapError: entries after ``since`` were trimmed from the bounded feed,
-                or the table was cleared; drop every cached row and resume from
-                ``err.cursor``.
+            ChangeFeedGapError: as for :meth:`follow`: drop every cached row of the table
+                and resume from ``err.cursor``.
         """
-        self._enter(None)
-        if limit <= 0:
-            raise BadArgumentError(f"limit must be positive, got {limit}")
-        return self._changes(since, limit)
+        batch = self.follow(since, limit=limit, block_ms=block_ms)
+        return batch.keys, batch.cursor
 
     def load(
         self,
@@ -257,7 +294,7 @@ class ParameterServer(ABC):
     def _size(self) -> int: ...
 
     @abstractmethod
-    def _changes(self, since: str | None, limit: int) -> tuple[torch.Tensor, str]: ...
+    def _follow(self, since: str | None, limit: int, block_ms: int) -> FeedBatch: ...
 
     @abstractmethod
     def _drop(self) -> None: ...

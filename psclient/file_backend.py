@@ -27,6 +27,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator
 from itertools import compress
 from pathlib import Path
@@ -48,6 +49,7 @@ from .errors import (
     TableNotFoundError,
     UnsupportedURLError,
 )
+from .feed import FeedBatch, make_batch
 from .schema import TableSchema
 
 log = logging.getLogger(__name__)
@@ -59,6 +61,8 @@ _DEFAULTS: dict[str, Any] = {"map_size": 1 << 40, "max_dbs": 128, "sync": True,
 
 _ENVS: dict[tuple[int, str], list[Any]] = {}  # (pid, path) -> [env, refcount]
 _ENVS_LOCK = threading.Lock()
+#: how often a blocking follow() looks at the (node-local) store again
+_POLL_S = 0.002
 
 
 def _forget_inherited_envs() -> None:
@@ -247,7 +251,10 @@ class FileParameterServer(ParameterServer):
             recs = [b"c"]
         else:
             keys = np.unique(keys)
-            recs = [b"k" + keys[a:a + per].astype("<i8").tobytes()
+            # NOTE: b"K" + commit time: a layout-1 reader takes the time for one more key
+            # (a superset, harmless), so an upgraded table stays safe for it.
+            now = time.time_ns().to_bytes(8, "little")
+            recs = [b"K" + now + keys[a:a + per].astype("<i8").tobytes()
                     for a in range(0, keys.size, per)]
         for rec in recs:
             seq += 1
@@ -261,37 +268,75 @@ class FileParameterServer(ParameterServer):
         if trimmed:
             txn.put(self._trim_key, _seq(trimmed), db=self._main)
 
-    def _changes(self, since: str | None, limit: int) -> tuple[torch.Tensor, str]:
-        empty = torch.zeros(0, dtype=torch.int64)
+    def _cursor(self, seq: int) -> str:
+        return f"{seq}:{self._schema.incarnation}"
+
+    def _parse_cursor(self, since: str) -> tuple[int, bool]:
+        """``(seq, same table)`` of a cursor; a plain number is a layout-1 cursor."""
+        seq, sep, inc = since.partition(":")
+        try:
+            start = int(seq)
+        except ValueError as e:
+            raise BadArgumentError(
+                f"bad change-feed cursor {since!r}: pass one returned by follow()") from e
+        if start < 0:
+            raise BadArgumentError(
+                f"bad change-feed cursor {since!r}: pass one returned by follow()")
+        return start, (not sep or inc == self._schema.incarnation)
+
+    def _follow(self, since: str | None, limit: int, block_ms: int) -> FeedBatch:
+        # NOTE: file:// is node-local: a blocking follow polls the store every
+        # _POLL_S (a read transaction on the memory map, no syscall when nothing changed).
+        deadline = time.monotonic() + block_ms / 1000
+        while True:
+            batch = self._read_feed(since, limit)
+            if since is None or batch.cursor != since or time.monotonic() >= deadline:
+                return batch
+            time.sleep(min(_POLL_S, max(0.0, deadline - time.monotonic())))
+
+    def _read_feed(self, since: str | None, limit: int) -> FeedBatch:
         with _lmdb_errors(self._where), self._env.begin(db=self._feed_db) as txn:
             cur = txn.cursor()
-            last = str(int.from_bytes(cur.key(), "big")) if cur.last() else "0"
+            last = int.from_bytes(cur.key(), "big") if cur.last() else 0
             if since is None:
-                return empty, last
-            try:
-                start = int(since)
-            except ValueError as e:
-                raise BadArgumentError(
-                    f"bad change-feed cursor {since!r}: pass one returned by changes()") from e
+                return make_batch([], self._cursor(last), [])
+            start, same = self._parse_cursor(since)
+            if not same:
+                raise ChangeFeedGapError(
+                    f"{self._where}: cursor {since} belongs to an earlier table of this name "
+                    "(dropped and created again): drop every cached row of the table and "
+                    "resume from err.cursor", cursor=self._cursor(last))
+            if start > last:
+                raise ChangeFeedGapError(
+                    f"{self._where}: cursor {since} is ahead of the change feed (at {last}): "
+                    "the store lost entries the cursor had read (restored from an older copy?); "
+                    "drop every cached row of the table and resume from err.cursor",
+                    cursor=self._cursor(last))
             trimmed = txn.get(self._trim_key, db=self._main)
             if trimmed is not None and start < int.from_bytes(trimmed, "big"):
                 raise ChangeFeedGapError(
                     f"{self._where}: change-feed entries after cursor {since} were trimmed: drop "
-                    "every cached row of the table and resume from err.cursor", cursor=last)
-            parts = []
-            cursor = since
+                    "every cached row of the table and resume from err.cursor",
+                    cursor=self._cursor(last))
+            parts: list[np.ndarray] = []
+            times: list[int] = []
+            seq = start
             if cur.set_range(_seq(start + 1)):
                 for key, rec in cur:
-                    cursor = str(int.from_bytes(key, "big"))
-                    if rec[:1] == b"c":
+                    seq = int.from_bytes(key, "big")
+                    kind = rec[:1]
+                    if kind == b"c":
                         raise ChangeFeedGapError(
-                            f"{self._where} was cleared at {cursor}: drop every cached row of "
-                            "the table and resume from err.cursor", cursor=cursor)
-                    parts.append(rec[1:])
+                            f"{self._where} was cleared at {seq}: drop every cached row of "
+                            "the table and resume from err.cursor", cursor=self._cursor(seq))
+                    if kind == b"K":  # layout 2: commit time, then the keys
+                        times.append(int.from_bytes(rec[1:9], "little"))
+                        parts.append(np.frombuffer(rec, dtype="<i8", offset=9))
+                    else:              # layout 1: the keys alone
+                        parts.append(np.frombuffer(rec, dtype="<i8", offset=1))
                     if len(parts) >= limit:
                         break
-        keys = np.unique(np.frombuffer(b"".join(parts), dtype="<i8")).astype(np.int64)
-        return torch.from_numpy(keys), cursor
+        return make_batch(parts, self._cursor(seq), times)
 
     # -- lifecycle -----------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ of duplicate keys in a batch wins, as in a dict.
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -43,6 +44,7 @@ from .errors import (
     SchemaMismatchError,
     TableNotFoundError,
 )
+from .feed import FeedBatch, make_batch
 from .redis_conn import cluster_factory, redact, redis_errors, split_options, standalone_factory
 from .redis_wire import reply_error, run_pipeline, run_row_pipeline
 from .schema import TableSchema
@@ -363,19 +365,35 @@ class RedisParameterServer(ParameterServer):
                 pipe.xadd(self._stream_key, fields, maxlen=maxlen, approximate=True)
             pipe.execute()
 
-    def _changes(self, since: str | None, limit: int) -> tuple[torch.Tensor, str]:
-        empty = torch.zeros(0, dtype=torch.int64)
+    def _follow(self, since: str | None, limit: int, block_ms: int) -> FeedBatch:
+        batch = self._read_feed(since, limit)
+        if since is None or batch.cursor != since or block_ms == 0:
+            return batch
+        deadline = time.monotonic() + block_ms / 1000
+        tmo = self._client.get_connection_kwargs().get("socket_timeout") or 2.0
+        while (left := int((deadline - time.monotonic()) * 1000)) > 0:
+            # NOTE: XREAD BLOCK wakes on the XADD itself; slices stay under the socket
+            # timeout so a dead server still raises within the configured time.
+            with redis_errors(self._where):
+                got = self._client.xread({self._stream_key: since}, count=1,
+                                         block=max(1, min(left, int(tmo * 500))))
+            if got:
+                return self._read_feed(since, limit)
+        return batch
+
+    def _read_feed(self, since: str | None, limit: int) -> FeedBatch:
+        empty: list[np.ndarray] = []
         with redis_errors(self._where):
             try:
                 info = self._client.xinfo_stream(self._stream_key)
             except rex.ResponseError as e:
                 if "no such key" not in str(e).lower():
                     raise
-                return empty, since or "0-0"
+                return make_batch(empty, since or "0-0", [])
             last = info["last-generated-id"]
             last = last.decode() if isinstance(last, bytes) else str(last)
             if since is None:
-                return empty, last
+                return make_batch(empty, last, [])
             start = _stream_id(since)
             entries = self._client.xrange(self._stream_key, min=f"({since}", count=limit)
         # NOTE: MAXLEN trimming removes entries from the head only (no XDEL here), so
@@ -391,6 +409,7 @@ class RedisParameterServer(ParameterServer):
                 f"keeps about {self._opts['changes_maxlen']} entries): drop every cached row of "
                 "the table and resume from err.cursor", cursor=last)
         parts = []
+        times: list[int] = []
         cursor = since
         for eid, fields in entries:
             cursor = eid.decode() if isinstance(eid, bytes) else str(eid)
@@ -399,8 +418,8 @@ class RedisParameterServer(ParameterServer):
                     f"{self._where} was cleared at {cursor}: drop every cached row of the table "
                     "and resume from err.cursor", cursor=cursor)
             parts.append(np.frombuffer(fields[b"k"], dtype="<i8"))
-        keys = np.unique(np.concatenate(parts)) if parts else np.empty(0, dtype=np.int64)
-        return torch.from_numpy(keys.astype(np.int64)), cursor
+            times.append(_stream_id(cursor)[0] * 1_000_000)
+        return make_batch(parts, cursor, times)
 
     # -- lifecycle -----------------------------------------------------------------------
 

@@ -12,7 +12,9 @@ difference is a :class:`SchemaMismatchError`, never a silent reinterpretation.
 
 from __future__ import annotations
 
+import struct
 import time
+import zlib
 from dataclasses import dataclass, field
 
 import msgpack
@@ -92,6 +94,13 @@ class TableSchema:
     def torch_dtype(self) -> torch.dtype:
         """The row dtype as a torch dtype."""
         return DTYPES[self.dtype]
+
+    @property
+    def incarnation(self) -> str:
+        """8 hex digits naming this table among tables of the same name created before it
+        (from the creation time): change-feed cursors carry it, so a cursor of a dropped
+        table is not read against its successor."""
+        return format(zlib.crc32(struct.pack("<d", self.created)), "08x")
 
     @property
     def row_bytes(self) -> int:
