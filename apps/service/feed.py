@@ -6,8 +6,11 @@ The loop (``FeedFollower.run``):
 2. pick the start cursor: the one handed in (taken before warm-up), else the cursor saved
    in the state dir if it belongs to the same PS table, else the feed's current end, and
    then the table is cleared, since changes made while nobody followed are unknown;
-3. poll ``ps.changes(cursor)``; apply the keys; save the cursor (atomically); wait
-   ``poll_interval`` when the feed is idle (never a busy spin), none while it has entries.
+3. ``ps.follow(cursor, block_ms=poll_interval)``: the call returns as soon as a change is
+   committed (it blocks on the feed: no timer between polls), or empty after
+   ``poll_interval``; apply the keys; record the propagation lag (commit in the parameter
+   server to the erase here, from the entries' commit times: the server's clock); save the
+   cursor (atomically); call again at once.
 
 Applying changes. Host cache: the changed keys are read from the PS, and every cached key
 whose row differs from the PS's row is erased (appended to the invalidation ring, so every
@@ -33,7 +36,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +52,10 @@ logger = logging.getLogger(__name__)
 
 #: the longest wait between attempts while the parameter server is unreachable
 MAX_BACKOFF_S = 5.0
-#: feed entries per ``changes`` call
+#: feed entries per ``follow`` call
 FEED_LIMIT = 256
+#: upper bounds (seconds) of the propagation-lag histogram's buckets
+LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 
 
 def ps_identity(cfg: TableConfig) -> str:
@@ -105,6 +110,19 @@ class FeedState:
     gaps: int = 0
     errors: int = 0
     full_resets: int = 0
+    #: propagation lag of each applied batch (its oldest change): counts per
+    #: ``LAG_BUCKETS`` bound (cumulative, as Prometheus wants them), the +Inf count, the sum
+    lag_buckets: list[int] = field(default_factory=lambda: [0] * len(LAG_BUCKETS))
+    lag_count: int = 0
+    lag_sum: float = 0.0
+
+    def observe_lag(self, seconds: float) -> None:
+        """Count one applied batch's propagation lag in the histogram."""
+        for i, bound in enumerate(LAG_BUCKETS):  # a loop over 13 buckets, once per batch
+            if seconds <= bound:
+                self.lag_buckets[i] += 1
+        self.lag_count += 1
+        self.lag_sum += seconds
 
 
 class FeedFollower(threading.Thread):
@@ -132,11 +150,9 @@ class FeedFollower(threading.Thread):
             try:
                 if cursor is None:
                     cursor = self._establish()
-                drained = self._step(cursor)
+                self._step(cursor)  # NOTE: blocks up to poll_interval for a change
                 cursor = self.state.cursor
                 failures = 0
-                if not drained:
-                    continue  # more entries waiting: poll again at once
             except PSClientError as e:
                 failures += 1
                 self._down(e, failures)
@@ -146,8 +162,6 @@ class FeedFollower(threading.Thread):
                 logger.exception("table %s: feed poll failed", self.cfg.name)
             if failures:
                 self._stop_event.wait(min(MAX_BACKOFF_S, self._poll * 2 ** min(failures, 10)))
-            else:
-                self._stop_event.wait(self._poll)
         if self._ps is not None:
             self._ps.close()
 
@@ -182,30 +196,36 @@ class FeedFollower(threading.Thread):
             how = "no saved cursor: table reset, following from the feed's end"
         self.store.save(cursor)
         self.state.cursor = cursor
+        self.state.up = True  # the feed answered (its end, or the saved cursor's table)
+        self.table.record_feed(restart=True)
         logger.info("table %s: following the change feed at %s (%s)", self.cfg.name, cursor, how)
         return cursor
 
-    def _step(self, cursor: str) -> bool:
-        """One poll; True when the feed was drained (the caller may wait)."""
+    def _step(self, cursor: str) -> None:
+        """One ``follow`` call (it waits up to ``poll_interval`` for a change), applied."""
         ps = self._connect()
         started = time.monotonic()
         try:
-            keys, new_cursor = ps.changes(cursor, limit=FEED_LIMIT)
+            batch = ps.follow(cursor, limit=FEED_LIMIT, block_ms=max(1, int(self._poll * 1e3)))
         except ChangeFeedGapError as gap:
             self._account(started)
             self.state.gaps += 1
             logger.warning("table %s: change feed gap (%s); resetting the table, resuming "
                            "from %s", self.cfg.name, gap, gap.cursor)
             self._reset(ps)
+            self.table.record_feed(gap=True)
             self._commit(gap.cursor)
-            return False
+            return
         self._account(started)
-        if keys.numel():
-            self._apply(ps, keys)
+        if batch.keys.numel():
+            self._apply(ps, batch.keys)
+            if batch.oldest_ns is not None:
+                lag = max(0.0, (time.time_ns() - batch.oldest_ns) / 1e9)
+                self.state.observe_lag(lag)
+                self.table.record_feed(lag_s=lag)
         self._resettle()
-        if new_cursor != cursor:
-            self._commit(new_cursor)
-        return keys.numel() == 0
+        if batch.cursor != cursor:
+            self._commit(batch.cursor)
 
     def _account(self, started: float) -> None:
         now = time.monotonic()

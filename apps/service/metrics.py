@@ -21,6 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
 from ..extras import require
+from .feed import LAG_BUCKETS
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -47,7 +48,7 @@ TABLE_METRICS: tuple[tuple[str, str, str, str], ...] = (
      "c", "reaped"),
     ("nvec_feed_up", "1 when the last change-feed poll reached the parameter server", "g",
      "feed_up"),
-    ("nvec_feed_lag_seconds", "Seconds since the last successful change-feed poll", "g",
+    ("nvec_feed_lag_seconds", "Seconds since the last successful change-feed call", "g",
      "feed_lag"),
     ("nvec_feed_keys_applied", "Changed keys applied from the change feed", "c",
      "feed_keys"),
@@ -68,6 +69,7 @@ class NodeCollector:
         from prometheus_client.metrics_core import (
             CounterMetricFamily,
             GaugeMetricFamily,
+            HistogramMetricFamily,
             SummaryMetricFamily,
         )
 
@@ -92,6 +94,16 @@ class NodeCollector:
             if s.get("feed_polls") is not None:
                 lat.add_metric([s["table"]], s["feed_polls"], s["feed_poll_seconds"])
         yield lat
+        prop = HistogramMetricFamily(
+            "nvec_feed_propagation_seconds", "Propagation lag of the changes applied from "
+            "the parameter server's feed: commit there to the erase here (per applied batch, "
+            "its oldest change)", labels=["table"])
+        for s in snaps:
+            if s.get("feed_propagation") is not None:
+                counts, total, seconds = s["feed_propagation"]
+                buckets = [(str(b), c) for b, c in zip(LAG_BUCKETS, counts, strict=True)]
+                prop.add_metric([s["table"]], [*buckets, ("+Inf", total)], seconds)
+        yield prop
 
 
 def _handler(registry: CollectorRegistry,

@@ -235,7 +235,8 @@ class NodeService:
                 s.update(feed_up=int(fs.up), feed_keys=fs.keys_applied, feed_gaps=fs.gaps,
                          feed_errors=fs.errors, feed_polls=fs.polls,
                          feed_poll_seconds=fs.poll_seconds,
-                         feed_lag=now - fs.last_ok if fs.last_ok else None)
+                         feed_lag=now - fs.last_ok if fs.last_ok else None,
+                         feed_propagation=(list(fs.lag_buckets), fs.lag_count, fs.lag_sum))
             out.append(s)
         return out
 

@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -363,6 +364,38 @@ def test_gap_clears_the_host_cache(node_cfg: Any, tmp_path: Path) -> None:
         trainer.close()
         wait_until(lambda: len(hc) == 0, 10, "the gap to clear the host cache")
         wait_until(lambda: run.service.followers[t.name].state.gaps == 1, 10, "a gap counted")
+        assert hc.feed_status().gaps == 1  # what `hostcache stat` shows
+        hc.close()
+    finally:
+        run.stop()
+
+
+def test_a_change_is_applied_as_soon_as_it_commits_and_its_lag_is_recorded(
+        node_cfg: Any) -> None:
+    """The follower blocks on the feed: with a poll interval of 6 s a change still reaches
+    the host cache at once (a timer would take 3 s on average); its propagation lag goes to
+    the histogram and the table's header (hostcache stat)."""
+    cfg = with_overrides(node_cfg, poll_interval=6.0)
+    t = cfg.tables[0]
+    run = Running(cfg)
+    try:
+        hc = HostCache.attach(t.name)
+        follower = run.service.followers[t.name]
+        wait_until(lambda: follower.state.up, 10, "the follower to reach the feed")
+        assert hc.contains(torch.tensor([7])).item()  # warmed up
+        trainer = psclient.connect(t.ps_url, table=t.name)
+        trainer.update(torch.tensor([7]), rows_of(torch.tensor([7]), 9))
+        trainer.close()
+        started = time.monotonic()
+        wait_until(lambda: not hc.contains(torch.tensor([7])).item(), 6, "key 7 dropped")
+        assert time.monotonic() - started < 2.0
+        wait_until(lambda: hc.feed_status().last_lag_s is not None, 5, "the lag recorded")
+        status = hc.feed_status()
+        assert 0 <= status.last_lag_s <= status.max_lag_s < 5  # type: ignore[operator]
+        _, body = http_get(run.url + "/metrics")
+        assert f'nvec_feed_propagation_seconds_count{{table="{t.name}"}} 1.0' in body
+        assert f'nvec_feed_propagation_seconds_bucket{{le="+Inf",table="{t.name}"}} 1.0' \
+            in body
         hc.close()
     finally:
         run.stop()
