@@ -11,8 +11,10 @@ Layout of one environment directory (any number of tables, two named databases e
               b"psc:trimmed:<T>"   8-byte big-endian: highest change-feed seq trimmed
     b"rows:<T>"   key: 8 big-endian bytes of key ^ 2**63 (byte order = signed order)
                   value: raw row bytes
-    b"feed:<T>"   key: 8-byte big-endian seq; value: b"k" + packed int64 keys, or b"c"
-                  (table cleared). Bounded to ``changes_maxlen`` entries.
+    b"feed:<T>"   key: 8-byte big-endian seq; value: b"K" + 8-byte little-endian commit
+                  time (ns since the epoch) + packed int64 keys (layout 1 wrote b"k" + keys,
+                  still read), or b"c" (table cleared). Bounded to ``changes_maxlen``
+                  entries.
 
 The change feed is written in the same transaction as the rows, so it is exact and atomic:
 it lists exactly the keys that existed before an insert/update/erase touched them.
@@ -55,7 +57,8 @@ from .schema import TableSchema
 log = logging.getLogger(__name__)
 
 _OPTIONS: dict[str, type] = {"map_size": int, "max_dbs": int, "sync": bool,
-                             "changes_maxlen": int, "feed_entry_keys": int}
+                             "changes_maxlen": int, "feed_entry_keys": int,
+                             "upgrade": bool}  # NOTE: accepted; file:// upgrades on open
 _DEFAULTS: dict[str, Any] = {"map_size": 1 << 40, "max_dbs": 128, "sync": True,
                              "changes_maxlen": 1000, "feed_entry_keys": 4096}
 
@@ -169,6 +172,14 @@ class FileParameterServer(ParameterServer):
                     log.info("created %s: %s", self._where, schema)
                     return schema
         schema = TableSchema.decode(raw, table)
+        if schema.layout == 1:
+            # NOTE: layout 1 -> 2 is transparent here: rows are unchanged, and a layout-1
+            # client still attached reads the new feed records as a superset (b"K" + time).
+            schema = TableSchema(dim=schema.dim, dtype=schema.dtype,
+                                 partitions=schema.partitions, created=schema.created)
+            with self._env.begin(write=True) as txn:
+                txn.put(self._schema_key, schema.encode())
+            log.info("upgraded %s to layout %d", self._where, schema.layout)
         schema.check(table, dim=dim, dtype=dtype, partitions=partitions)
         with self._env.begin(write=True) as txn:
             self._open_dbs(txn)

@@ -1,101 +1,68 @@
 """The Redis / Redis Cluster backend.
 
-Layout of table ``T`` (prefix ``psc``, ``P`` partitions fixed at creation)::
+Layout 2 of table ``T`` (prefix ``psc``, ``P`` partitions fixed at creation)::
 
-    psc:{T}:schema      string   msgpack TableSchema
-    psc:{T:p}           hash     field = key as 8 little-endian bytes, value = raw row bytes
-    psc:{T}:changes     stream   entries {"k": packed int64 keys} or {"clear": ""}
+    psc:{T}:schema          string   msgpack TableSchema (layout 2)
+    psc:{T:p}               hash     field = key as 8 little-endian bytes, value = raw row bytes
+    psc:{T:p}:changes       stream   partition p's change feed (psclient.redis_scripts)
+    psc:{T:p}:last          string   the ID of that stream's newest entry
+    psc:{T}:bell            channel  (cluster) the writers' doorbell for blocked followers
 
-Key ``k`` lives in partition ``fmix64(k) % P``. The hash tag ``{T:p}`` puts a partition
-in one cluster slot, so one HMGET/HSET per partition chunk is legal on a cluster while
-the partitions spread the table over every master. Hashes beat plain keys by
-measurement (docs/psclient.md, "Hashes (HMGET/HSET) or plain keys") and give O(P)
+Key ``k`` lives in partition ``fmix64(k) % P``. The hash tag ``{T:p}`` puts a partition, its
+stream and its ``last`` key in one cluster slot, so a partition chunk's rows and its feed
+record are written by one Lua script (:mod:`psclient.redis_scripts`): atomic on one server
+and on a cluster, while the partitions spread the table over every master. Hashes beat plain
+keys by measurement (docs/psclient.md, "Hashes (HMGET/HSET) or plain keys") and give O(P)
 size/clear.
 
-A batch is grouped by partition, cut into commands of at most ``chunk_keys`` keys, and
-the commands of whole partitions are packed into pipelines (no MULTI) of about
-``pipeline_keys`` keys, one node per pipeline, run concurrently on a thread pool. The
-commands' bytes come from :mod:`psclient.resp`; :mod:`psclient.redis_wire` sends them and
-reads the replies. This module keeps the table: layout, dispatch, change feed.
-
-NOTE: all chunks of one partition go into the same pipeline, in key order, so the last
-of duplicate keys in a batch wins, as in a dict.
+A batch is grouped by partition and cut into commands of at most ``chunk_keys`` keys:
+``HMGET`` for lookups, one ``EVAL`` of a script for every write.
+:class:`psclient.redis_dispatch.Dispatcher` packs them into pipelines per node and follows
+cluster redirections; :mod:`psclient.redis_feed` reads and waits on the change feed. This
+module keeps the table: layout, encoding, operations.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import redis.exceptions as rex
 import torch
 
+from . import redis_scripts as scripts
 from . import resp
 from .base import ParameterServer
 from .codec import group_by_partition
 from .errors import (
     BadArgumentError,
-    ChangeFeedGapError,
     CorruptValueError,
-    PSServerError,
     SchemaMismatchError,
     TableNotFoundError,
 )
-from .feed import FeedBatch, make_batch
+from .feed import FeedBatch
 from .redis_conn import cluster_factory, redact, redis_errors, split_options, standalone_factory
-from .redis_wire import reply_error, run_pipeline, run_row_pipeline
-from .schema import TableSchema
+from .redis_dispatch import REDIRECTS, Cmd, Dispatcher
+from .redis_feed import RedisFeed
+from .redis_wire import reply_error, run_row_pipeline
+from .schema import LAYOUT_VERSION, TableSchema
 
 log = logging.getLogger(__name__)
 
 
-class Cmd(NamedTuple):
-    """One encoded command: partition, the range of sorted keys it covers, its bytes."""
-
-    part: int
-    start: int
-    stop: int
-    payload: list[bytes | memoryview]
-
-
-# Writes only fields that exist; returns one '0'/'1' per field (atomic per partition).
-_UPDATE_LUA = b"""
-local out = {}
-for i = 1, #ARGV, 2 do
-  if redis.call('HEXISTS', KEYS[1], ARGV[i]) == 1 then
-    redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
-    out[#out + 1] = '1'
-  else
-    out[#out + 1] = '0'
-  end
-end
-return table.concat(out)
-"""
-
 _DEFAULTS = {"chunk_keys": 512, "pipeline_keys": 1024, "changes_maxlen": 1000,
-             "feed_entry_keys": 4096, "prefix": "psc", "max_workers": 4}
-
-
-def _stream_id(s: str | bytes) -> tuple[int, int]:
-    if isinstance(s, bytes):
-        s = s.decode()
-    ms, _, seq = s.partition("-")
-    try:
-        return int(ms), int(seq or 0)
-    except ValueError as e:
-        raise BadArgumentError(
-            f"bad change-feed cursor {s!r}: pass one returned by changes()"
-        ) from e
+             "feed_entry_keys": 4096, "prefix": "psc", "max_workers": 4,
+             "feed_sweep_ms": 250, "redirect_retries": 60, "upgrade": False}
+_SCRIPTS = {b"INSERT": scripts.INSERT, b"UPDATE": scripts.UPDATE, b"ERASE": scripts.ERASE}
 
 
 class RedisParameterServer(ParameterServer):
     """A table on one Redis server or a Redis Cluster. Create with :func:`psclient.connect`."""
 
     _client: Any = None
-    _executor: ThreadPoolExecutor | None = None
+    _dispatch: Dispatcher | None = None
+    _feed: RedisFeed | None = None
 
     def __init__(self, make_client: Any, url: str, table: str, dim: int | None,
                  dtype: str | None, opts: dict[str, Any], cluster: bool) -> None:
@@ -104,19 +71,60 @@ class RedisParameterServer(ParameterServer):
         self._cluster = cluster
         self._opts = {**_DEFAULTS, **opts}
         for name in ("chunk_keys", "pipeline_keys", "changes_maxlen", "feed_entry_keys",
-                     "max_workers"):
+                     "max_workers", "feed_sweep_ms", "redirect_retries"):
             if self._opts[name] <= 0:
                 raise BadArgumentError(f"option {name} must be positive")
         self._where = f"table {table!r} at {self._url}"
         pre = self._opts["prefix"]
         self._schema_key = f"{pre}:{{{table}}}:schema"
-        self._stream_key = f"{pre}:{{{table}}}:changes"
         self._client = make_client()
         schema = self._open_schema(table, dim, dtype, opts.get("partitions"))
         super().__init__(table, schema)
         self._part_keys = [f"{pre}:{{{table}:{p}}}".encode() for p in range(schema.partitions)]
+        # NOTE: per partition, the bulk strings of its 3 keys and the stream's MAXLEN
+        maxlen = resp.bulk(str(self._opts["changes_maxlen"]).encode())
+        self._part_tails = [resp.bulk(k) + resp.bulk(k + b":changes") + resp.bulk(k + b":last")
+                            + maxlen for k in self._part_keys]
         self._part_bulks = [resp.bulk(k) for k in self._part_keys]
-        self._node_of: list[Any] | None = None
+        bell = f"{pre}:{{{table}}}:bell".encode()
+        self._dispatch = Dispatcher(self._client, cluster, self._part_keys, self._opts,
+                                    self._where, bell if cluster else None)
+        self._feed = RedisFeed(self, bell, self._opts["feed_sweep_ms"])
+
+    # -- what redis_feed uses ------------------------------------------------------------
+
+    @property
+    def part_keys(self) -> list[bytes]:
+        """The partition hashes' key names, by partition."""
+        return self._part_keys
+
+    @property
+    def where(self) -> str:
+        """``table 'T' at URL`` (for messages)."""
+        return self._where
+
+    @property
+    def cluster(self) -> bool:
+        """Whether the store is a Redis Cluster."""
+        return self._cluster
+
+    @property
+    def client(self) -> Any:
+        """The redis-py client (``Redis`` or ``RedisCluster``)."""
+        return self._client
+
+    @property
+    def socket_timeout(self) -> float:
+        """The connections' socket timeout in seconds."""
+        return float(self._client.get_connection_kwargs().get("socket_timeout") or 2.0)
+
+    def option(self, name: str) -> Any:
+        """A table option's value."""
+        return self._opts[name]
+
+    def run_commands(self, cmds: list[tuple[int, bytes]]) -> list[Any]:
+        """Run small encoded commands, each on the node of its partition; replies in order."""
+        return self._run([Cmd(p, 0, 1, [c]) for p, c in cmds])
 
     # -- schema --------------------------------------------------------------------------
 
@@ -140,91 +148,46 @@ class RedisParameterServer(ParameterServer):
                 if raw is None:
                     raise SchemaMismatchError(f"{self._where} was dropped while being created")
             schema = TableSchema.decode(raw, table)
+            if schema.layout == 1:
+                schema = self._upgrade(table, schema, raw)
             schema.check(table, dim=dim, dtype=dtype, partitions=partitions)
             return schema
 
+    def _upgrade(self, table: str, old: TableSchema, raw: bytes) -> TableSchema:
+        """Layout 1 (one stream per table, written after the rows) to layout 2, if asked."""
+        if not self._opts["upgrade"]:
+            raise SchemaMismatchError(
+                f"{self._where} has layout 1 (one change stream per table, appended after the "
+                "rows: a writer killed in between left changes unannounced); this psclient "
+                f"reads and writes layout {LAYOUT_VERSION}. Stop every client of the older "
+                "psclient, then run `psclient upgrade URL --table NAME` (or connect with "
+                "upgrade=True) once: the rows stay, the old feed is dropped, followers re-sync")
+        new = TableSchema(dim=old.dim, dtype=old.dtype, partitions=old.partitions,
+                          created=old.created)
+        pre = self._opts["prefix"]
+        # NOTE: compare-and-set: only the process that still finds the old record upgrades
+        done = self._client.eval(
+            "if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('SET', KEYS[1], ARGV[2]) "
+            "redis.call('DEL', KEYS[2]) return 1 end return 0", 2, self._schema_key,
+            f"{pre}:{{{table}}}:changes", raw, new.encode())
+        if done:
+            log.warning("upgraded %s from layout 1 to %d", self._where, LAYOUT_VERSION)
+            return new
+        return TableSchema.decode(self._client.get(self._schema_key), table)
+
     # -- dispatch ------------------------------------------------------------------------
 
-    def _nodes(self) -> list[Any]:
-        """The client that serves each partition (one client when standalone)."""
-        if self._node_of is None:
-            if not self._cluster:
-                self._node_of = [self._client] * self._schema.partitions
-            else:
-                nm = self._client.nodes_manager
-                self._node_of = [
-                    self._client.get_redis_connection(
-                        nm.get_node_from_slot(self._client.keyslot(k)))
-                    for k in self._part_keys
-                ]
-        return self._node_of
-
-    def _pool(self) -> ThreadPoolExecutor:
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(self._opts["max_workers"],
-                                                thread_name_prefix="psclient")
-        return self._executor
-
-    def _run(self, cmds: list[Cmd], job: Any = None) -> list[Any]:
-        """Execute commands; return their replies in order.
-
-        ``job(client, commands)`` runs one pipeline (default:
-        :func:`psclient.redis_wire.run_pipeline`).
-        """
-        try:
-            with redis_errors(self._where):
-                return self._dispatch(cmds, job)
-        except PSServerError as e:
-            if not self._cluster or not isinstance(e.__cause__, (rex.MovedError, rex.AskError)):
-                raise
-        # NOTE: the slot map changed under us (resharding/failover): refresh it and send the
-        # batch once more; every command here is idempotent per key.
-        log.info("%s: cluster topology changed, refreshing the slot map", self._where)
+    def _run(self, cmds: list[Cmd], job: Any = None, finish: Any = None, *,
+             bell: bool = False) -> list[Any]:
+        """Execute commands on the partitions' nodes; replies in order (see Dispatcher.run)."""
+        assert self._dispatch is not None
         with redis_errors(self._where):
-            self._client.nodes_manager.initialize()
-            self._node_of = None
-            return self._dispatch(cmds, job)
+            return self._dispatch.run(cmds, job, finish, bell=bell)
 
-    def _dispatch(self, cmds: list[Cmd], job: Any) -> list[Any]:
-        nodes = self._nodes()
-        jobs: dict[int, list[list[int]]] = {}  # id(node) -> pipelines (command indices)
-        clients: dict[int, Any] = {}
-        rows_in_last: dict[int, int] = {}
-        last_part: dict[int, int] = {}
-        limit = self._opts["pipeline_keys"]
-        for i, cmd in enumerate(cmds):
-            node = nodes[cmd.part]
-            nid = id(node)
-            clients[nid] = node
-            pipes = jobs.setdefault(nid, [])
-            # NOTE: a new pipeline starts only at a partition boundary (keeps duplicate order)
-            if not pipes or (rows_in_last[nid] >= limit and last_part[nid] != cmd.part):
-                pipes.append([])
-                rows_in_last[nid] = 0
-            pipes[-1].append(i)
-            rows_in_last[nid] += cmd.stop - cmd.start
-            last_part[nid] = cmd.part
-        work = [(clients[nid], idx) for nid, pipes in jobs.items() for idx in pipes]
-
-        def execute(work_item: tuple[Any, list[int]]) -> list[Any]:
-            client, idx = work_item
-            if job is not None:
-                return job(client, [cmds[i] for i in idx])
-            return run_pipeline(client, [part for i in idx for part in cmds[i].payload], len(idx))
-
-        out: list[Any] = [None] * len(cmds)
-        if len(work) == 1:
-            results = [execute(work[0])]
-        else:
-            results = list(self._pool().map(execute, work))
-        for (_, idx), res in zip(work, results, strict=True):
-            for i, r in zip(idx, res, strict=True):
-                out[i] = r
-        return out
-
-    def _batch(self, name: bytes, keys: np.ndarray, values: torch.Tensor | None
+    def _batch(self, script: bytes | None, keys: np.ndarray, values: torch.Tensor | None
                ) -> tuple[np.ndarray, np.ndarray, list[Cmd]]:
-        """Group keys by partition and encode one command per chunk of a partition."""
+        """Group keys by partition and encode one command per chunk of a partition:
+        ``HMGET`` when ``script`` is None, else an ``EVAL`` of that write script."""
         order, bounds = group_by_partition(keys, self._schema.partitions)
         ks = keys[order]
         if values is None:
@@ -237,60 +200,73 @@ class RedisParameterServer(ParameterServer):
         ck = self._opts["chunk_keys"]
         size = rec.dtype.itemsize
         raw = resp.as_buffer(rec)  # NOTE: one buffer; commands send slices of it (no copy)
-        if name == b"EVAL":
-            lead, nlead = resp.bulk(b"EVAL") + resp.bulk(_UPDATE_LUA) + resp.bulk(b"1"), 4
+        if script is None:
+            lead, nlead, tails = resp.bulk(b"HMGET"), 2, self._part_bulks
         else:
-            lead, nlead = resp.bulk(name), 2
+            lead = resp.bulk(b"EVAL") + resp.bulk(_SCRIPTS[script]) + resp.bulk(b"3")
+            nlead, tails = 7, self._part_tails
         cmds: list[Cmd] = []
         bl = bounds.tolist()
         for p in np.flatnonzero(bounds[1:] > bounds[:-1]).tolist():
             a, b = bl[p], bl[p + 1]
-            tail = self._part_bulks[p]
+            tail = tails[p]
             for s in range(a, b, ck):
                 e = min(b, s + ck)
                 head = b"*%d\r\n%b%b" % (nlead + per_key * (e - s), lead, tail)
                 cmds.append(Cmd(p, s, e, [head, raw[s * size:e * size]]))
         return order, ks, cmds
 
-    def _control(self, *args: bytes | str) -> list[Cmd]:
-        """One small command per partition (``args`` then the partition key)."""
+    def _per_partition(self, script: bytes, *args: bytes | str) -> list[Cmd]:
+        """One small command per partition: ``script`` on its 3 keys, or ``args`` + its key."""
+        if script:
+            maxlen = self._opts["changes_maxlen"]
+            return [Cmd(p, 0, 1, [resp.pack("EVAL", script, 3, k, k + b":changes",
+                                             k + b":last", maxlen)])
+                    for p, k in enumerate(self._part_keys)]
         return [Cmd(p, 0, 1, [resp.pack(*args, k)]) for p, k in enumerate(self._part_keys)]
 
     # -- operations ----------------------------------------------------------------------
 
     def _lookup(self, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        order, ks, cmds = self._batch(b"HMGET", keys, None)
+        order, ks, cmds = self._batch(None, keys, None)
         n, rb = keys.size, self._schema.row_bytes
         values = np.empty(n, dtype=f"V{rb}")  # NOTE: one element per row (fast scatter)
         found = np.zeros(n, dtype=bool)
         rec_len = len(b"$%d\r\n" % rb) + rb + 2
 
-        def job(client: Any, mine: list[Cmd]) -> list[None]:
+        def place(i: int, reply: Any) -> Any:
+            c = cmds[i]
+            return self._place(order[c.start:c.stop], reply, ks[c.start:c.stop], values, found)
+
+        def job(client: Any, mine: list[Cmd]) -> list[Any]:
             # NOTE: runs on the pool; each job writes only the rows of its own commands.
             expect = sum(c.stop - c.start for c in mine) * rec_len + 16 * len(mine)
             payload = [part for c in mine for part in c.payload]
             replies = run_row_pipeline(client, payload, len(mine), expect, rb)
-            for c, reply in zip(mine, replies, strict=True):
-                self._place(order[c.start:c.stop], reply, ks[c.start:c.stop], values, found)
-            return [None] * len(mine)
+            return [self._place(order[c.start:c.stop], reply, ks[c.start:c.stop], values, found)
+                    for c, reply in zip(mine, replies, strict=True)]
 
-        self._run(cmds, job)
+        self._run(cmds, job, place)
         flat = values.view(np.uint8)
         out = torch.from_numpy(flat).view(self._schema.torch_dtype).reshape(n, self.dim)
         return out, torch.from_numpy(found)
 
     def _place(self, dest: np.ndarray, reply: Any, keys: np.ndarray, values: np.ndarray,
-               found: np.ndarray) -> None:
+               found: np.ndarray) -> Exception | None:
         """Write one HMGET reply (fast row view or decoded list) to rows ``dest`` of the output.
 
         ``values`` is the output as a 1-D ``V<row_bytes>`` array (one element per row).
+        Returns a cluster redirection (the command must be resent), else ``None``.
         """
         if isinstance(reply, np.ndarray):
             values[dest] = reply
             found[dest] = True
-            return
+            return None
         if isinstance(reply, Exception):
-            raise reply_error(reply)
+            err = reply if isinstance(reply, rex.RedisError) else reply_error(reply)
+            if isinstance(err, REDIRECTS):
+                return err
+            raise err
         obj = np.empty(len(reply), dtype=object)
         obj[:] = reply
         hit = obj != None  # noqa: E711 -- elementwise on an object array
@@ -307,129 +283,51 @@ class RedisParameterServer(ParameterServer):
         if rows:
             values[dest[hit]] = np.fromiter(rows, dtype=values.dtype, count=len(rows))
         found[dest] = hit
+        return None
 
     def _insert(self, keys: np.ndarray, values: torch.Tensor) -> None:
-        _, ks, cmds = self._batch(b"HSET", keys, values)
-        added = self._run(cmds)
-        # NOTE: HSET answers how many fields were new; a chunk where fewer were new than
-        # sent overwrote something, so its keys go to the change feed (a superset).
-        changed = [ks[c.start:c.stop] for c, n in zip(cmds, added, strict=True)
-                   if int(n) < c.stop - c.start]
-        if changed:
-            self._feed(np.concatenate(changed))
+        # NOTE: one script per chunk writes the rows and notices the keys that existed.
+        _, _, cmds = self._batch(b"INSERT", keys, values)
+        self._run(cmds, bell=self._cluster)
 
     def _update(self, keys: np.ndarray, values: torch.Tensor) -> torch.Tensor:
-        order, ks, cmds = self._batch(b"EVAL", keys, values)
-        flags = b"".join(self._run(cmds))
-        existed_sorted = np.frombuffer(flags, dtype=np.uint8) == ord("1")
+        order, _, cmds = self._batch(b"UPDATE", keys, values)
+        flags = b"".join(self._run(cmds, bell=self._cluster))
         existed = np.zeros(keys.size, dtype=bool)
-        existed[order] = existed_sorted
-        if existed_sorted.any():
-            self._feed(ks[existed_sorted])
+        existed[order] = np.frombuffer(flags, dtype=np.uint8) == ord("1")
         return torch.from_numpy(existed)
 
     def _erase(self, keys: np.ndarray) -> None:
-        _, ks, cmds = self._batch(b"HDEL", keys, None)
-        self._run(cmds)
-        self._feed(ks)
+        _, _, cmds = self._batch(b"ERASE", keys, None)
+        self._run(cmds, bell=self._cluster)
 
     def _clear(self) -> None:
-        self._run(self._control("UNLINK"))
-        self._feed(None)
+        self._run(self._per_partition(scripts.CLEAR), bell=self._cluster)
 
     def _size(self) -> int:
-        return sum(int(n) for n in self._run(self._control("HLEN")))
+        return sum(int(n) for n in self._run(self._per_partition(b"", "HLEN")))
 
     def _drop(self) -> None:
-        self._run(self._control("UNLINK"))
+        self._run([Cmd(p, 0, 1, [resp.pack("UNLINK", k, k + b":changes", k + b":last")])
+                   for p, k in enumerate(self._part_keys)])
         with redis_errors(self._where):
-            self._client.delete(self._stream_key)
             self._client.delete(self._schema_key)
         log.info("dropped %s", self._where)
 
     # -- change feed ---------------------------------------------------------------------
 
-    def _feed(self, keys: np.ndarray | None) -> None:
-        """Append changed keys (or a clear marker) to the bounded stream, after the write."""
-        maxlen = self._opts["changes_maxlen"]
-        per = self._opts["feed_entry_keys"]
-        if keys is None:
-            fields_list: list[dict[str, bytes]] = [{"clear": b""}]
-        else:
-            keys = np.unique(keys)
-            fields_list = [{"k": keys[a:a + per].astype("<i8").tobytes()}
-                           for a in range(0, keys.size, per)]
-        with redis_errors(self._where):
-            pipe = self._client.pipeline(transaction=False)
-            for fields in fields_list:
-                pipe.xadd(self._stream_key, fields, maxlen=maxlen, approximate=True)
-            pipe.execute()
-
     def _follow(self, since: str | None, limit: int, block_ms: int) -> FeedBatch:
-        batch = self._read_feed(since, limit)
-        if since is None or batch.cursor != since or block_ms == 0:
-            return batch
-        deadline = time.monotonic() + block_ms / 1000
-        tmo = self._client.get_connection_kwargs().get("socket_timeout") or 2.0
-        while (left := int((deadline - time.monotonic()) * 1000)) > 0:
-            # NOTE: XREAD BLOCK wakes on the XADD itself; slices stay under the socket
-            # timeout so a dead server still raises within the configured time.
-            with redis_errors(self._where):
-                got = self._client.xread({self._stream_key: since}, count=1,
-                                         block=max(1, min(left, int(tmo * 500))))
-            if got:
-                return self._read_feed(since, limit)
-        return batch
-
-    def _read_feed(self, since: str | None, limit: int) -> FeedBatch:
-        empty: list[np.ndarray] = []
+        assert self._feed is not None
         with redis_errors(self._where):
-            try:
-                info = self._client.xinfo_stream(self._stream_key)
-            except rex.ResponseError as e:
-                if "no such key" not in str(e).lower():
-                    raise
-                return make_batch(empty, since or "0-0", [])
-            last = info["last-generated-id"]
-            last = last.decode() if isinstance(last, bytes) else str(last)
-            if since is None:
-                return make_batch(empty, last, [])
-            start = _stream_id(since)
-            entries = self._client.xrange(self._stream_key, min=f"({since}", count=limit)
-        # NOTE: MAXLEN trimming removes entries from the head only (no XDEL here), so
-        # entries after ``since`` were lost iff some entry was trimmed and ``since`` is older
-        # than the first entry kept. Conservative: a cursor equal to the last trimmed entry
-        # also reports a gap (one needless cache clear, never a missed invalidation).
-        trimmed = int(info.get("entries-added", 0)) > int(info.get("length", 0))
-        first = info.get("first-entry")
-        first_id = _stream_id(first[0]) if first else _stream_id(last)
-        if trimmed and (start < first_id if first else start < first_id):
-            raise ChangeFeedGapError(
-                f"{self._where}: change-feed entries after cursor {since} were trimmed (the feed "
-                f"keeps about {self._opts['changes_maxlen']} entries): drop every cached row of "
-                "the table and resume from err.cursor", cursor=last)
-        parts = []
-        times: list[int] = []
-        cursor = since
-        for eid, fields in entries:
-            cursor = eid.decode() if isinstance(eid, bytes) else str(eid)
-            if b"clear" in fields or "clear" in fields:
-                raise ChangeFeedGapError(
-                    f"{self._where} was cleared at {cursor}: drop every cached row of the table "
-                    "and resume from err.cursor", cursor=cursor)
-            parts.append(np.frombuffer(fields[b"k"], dtype="<i8"))
-            times.append(_stream_id(cursor)[0] * 1_000_000)
-        return make_batch(parts, cursor, times)
+            return self._feed.follow(since, limit, block_ms)
 
     # -- lifecycle -----------------------------------------------------------------------
 
     def _stat(self) -> dict[str, Any]:
         with redis_errors(self._where):
             nodes = len(self._client.get_primaries()) if self._cluster else 1
-            try:
-                feed = self._client.xlen(self._stream_key)
-            except rex.ResponseError:
-                feed = 0
+        feed = sum(int(n) for n in self.run_commands(
+            [(p, resp.pack("XLEN", k + b":changes")) for p, k in enumerate(self._part_keys)]))
         return {"backend": "redis-cluster" if self._cluster else "redis", "url": self._url,
                 "masters": nodes, "feed_entries": feed}
 
@@ -437,14 +335,17 @@ class RedisParameterServer(ParameterServer):
         # NOTE: the parent's sockets and pool threads are not ours: drop them unclosed
         # (closing would shut the parent's sockets down) and build fresh ones.
         log.debug("%s: fork detected, reconnecting in pid child", self._where)
-        self._executor = None
-        self._node_of = None
         self._client = self._make_client()
+        if self._dispatch is not None:
+            self._dispatch.forget(self._client)
+        if self._feed is not None:
+            self._feed.forget()
 
     def _close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        if self._feed is not None:
+            self._feed.close()
+        if self._dispatch is not None:
+            self._dispatch.close()
         if self._client is not None:
             try:
                 self._client.close()

@@ -50,8 +50,9 @@ def bulk_socket(conn: Any) -> socket.socket | None:
     return sock if isinstance(sock, socket.socket) else None
 
 
-def read_replies(conn: Any, ncmds: int) -> list[Any]:
-    """Read ``ncmds`` replies through redis-py's parser; raise the first error reply.
+def read_replies(conn: Any, ncmds: int, keep: tuple[type[Exception], ...] = ()) -> list[Any]:
+    """Read ``ncmds`` replies through redis-py's parser; raise the first error reply, except
+    those of the ``keep`` types, which are returned in place.
 
     NOTE: every reply is read, errors included, so the connection stays in sync.
     """
@@ -61,15 +62,20 @@ def read_replies(conn: Any, ncmds: int) -> list[Any]:
         try:
             replies.append(conn.read_response())
         except rex.ResponseError as e:
-            first_error = first_error or e
+            if not isinstance(e, keep):
+                first_error = first_error or e
             replies.append(e)
     if first_error is not None:
         raise first_error
     return replies
 
 
-def run_pipeline(client: Any, payload: list[bytes | memoryview], ncmds: int) -> list[Any]:
+def run_pipeline(client: Any, payload: list[bytes | memoryview], ncmds: int,
+                 keep: tuple[type[Exception], ...] = ()) -> list[Any]:
     """Send pre-encoded commands on one connection and read ``ncmds`` replies (no MULTI).
+
+    Error replies raise (the first one, after every reply was read), except those of the
+    ``keep`` types (cluster redirections), which are returned in place.
 
     Retries follow the client's ``redis.retry.Retry`` (reconnecting between attempts); the
     commands are idempotent per key, so resending a batch is safe.
@@ -79,7 +85,7 @@ def run_pipeline(client: Any, payload: list[bytes | memoryview], ncmds: int) -> 
 
     def attempt() -> list[Any]:
         conn.send_packed_command(payload, check_health=True)
-        return read_replies(conn, ncmds)
+        return read_replies(conn, ncmds, keep)
 
     try:
         return conn.retry.call_with_retry(attempt, lambda _err: conn.disconnect())
@@ -142,6 +148,10 @@ def reply_error(err: Exception) -> rex.RedisError:
         return rex.MovedError(msg[6:])
     if msg.startswith("ASK "):
         return rex.AskError(msg[4:])
+    if msg.startswith("TRYAGAIN"):
+        return rex.TryAgainError(msg)
+    if msg.startswith("CLUSTERDOWN"):
+        return rex.ClusterDownError(msg)
     if msg.startswith(("NOAUTH", "WRONGPASS")):
         return rex.AuthenticationError(msg)
     return rex.ResponseError(msg)

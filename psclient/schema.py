@@ -23,8 +23,10 @@ import torch
 from .errors import BadArgumentError, CorruptValueError, SchemaMismatchError
 from .names import TABLE_NAME_RULE, is_table_name
 
-#: Bump when the stored byte layout of rows, keys or partitions changes.
-LAYOUT_VERSION = 1
+#: Bump when the stored byte layout of rows, keys, partitions or the change feed changes.
+#: 2: Redis writes rows and their change-feed record in one Lua step, one stream per
+#: partition (layout-1 tables need `psclient upgrade`); file:// records commit times.
+LAYOUT_VERSION = 2
 
 #: Supported row dtypes by their stored name.
 DTYPES: dict[str, torch.dtype] = {

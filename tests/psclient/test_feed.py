@@ -42,9 +42,7 @@ def open_ps(feed_url: str, table_name: str) -> Iterator:
             pass
 
 
-def test_follow_lists_changed_keys_with_server_times(open_ps, feed_url: str) -> None:  # noqa: ANN001
-    if not feed_url.startswith("file:"):
-        pytest.xfail("exact insert/erase notices on Redis come with layout 2")
+def test_follow_lists_changed_keys_with_server_times(open_ps) -> None:  # noqa: ANN001
     ps = open_ps(dim=2, partitions=8)
     start = ps.follow()
     assert isinstance(start, psclient.FeedBatch)
@@ -112,9 +110,7 @@ def test_gap_on_trim_and_on_clear_and_bad_cursor(open_ps) -> None:  # noqa: ANN0
         ps.follow(None, block_ms=-1)
 
 
-def test_cursor_of_a_dropped_table_is_a_gap(open_ps, feed_url: str) -> None:  # noqa: ANN001
-    if not feed_url.startswith("file:"):
-        pytest.xfail("Redis cursors name the table's incarnation from layout 2 on")
+def test_cursor_of_a_dropped_table_is_a_gap(open_ps) -> None:  # noqa: ANN001
     ps = open_ps(dim=2, partitions=4)
     ps.insert(torch.arange(8), torch.zeros(8, 2))
     ps.update(torch.arange(8), torch.ones(8, 2))

@@ -120,32 +120,6 @@ def test_bad_arguments_write_nothing(ps_factory) -> None:  # noqa: ANN001
     assert ps.size() == 0
 
 
-def test_change_feed(ps_factory) -> None:  # noqa: ANN001
-    ps = ps_factory(dim=2, changes_maxlen=2, feed_entry_keys=2)
-    _, cur = ps.changes()
-    ps.insert(torch.tensor([1, 2, 3]), torch.zeros(3, 2))
-    keys, cur1 = ps.changes(cur)
-    assert keys.numel() == 0 and cur1 == cur
-    assert ps.update(torch.tensor([2, 7]), torch.ones(2, 2)).tolist() == [True, False]
-    keys, cur2 = ps.changes(cur1)
-    assert keys.tolist() == [2]
-    ps.erase(torch.tensor([3]))
-    keys, cur3 = ps.changes(cur2)
-    assert keys.tolist() == [3]
-    ps.insert(torch.tensor([1]), torch.ones(1, 2))       # insert over an existing key
-    assert 1 in ps.changes(cur3)[0].tolist()
-    # a long erase spills over many entries: the bounded stream trims the old ones
-    ps.erase(torch.arange(100, 400))
-    with pytest.raises(psclient.ChangeFeedGapError) as gap:
-        ps.changes(cur3)
-    assert ps.changes(gap.value.cursor)[0].numel() == 0
-    ps.clear()
-    with pytest.raises(psclient.ChangeFeedGapError, match="cleared"):
-        ps.changes(gap.value.cursor)
-    with pytest.raises(psclient.BadArgumentError, match="cursor"):
-        ps.changes("not-a-cursor")
-
-
 def test_cli_round_trip(shared_redis: str, table_name: str, tmp_path, capsys) -> None:  # noqa: ANN001
     np.save(tmp_path / "rows.npy", np.random.rand(300, 16).astype(np.float32))
     assert main(["load", shared_redis, "--table", table_name, str(tmp_path / "rows.npy"),

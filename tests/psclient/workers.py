@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 import psclient
@@ -31,3 +32,30 @@ def file_reader(url: str, table: str, rounds: int) -> str:
             if got.unique().numel() != 1:  # one read transaction sees one whole batch
                 return "torn batch"
     return "ok"
+
+
+def versioned_writer_forever(url: str, table: str, n_keys: int, seed: int, version: int,
+                             ready: Any) -> None:
+    """Random insert/update/erase batches of rows ``[key, version]`` (float64), forever.
+
+    Versions only grow (from ``version``), so a row differs from the initial ``[key, 0]``
+    once any write touched it. Keys come from ``[0, 2 * n_keys)``: inserts both overwrite
+    and create rows. Runs until killed.
+    """
+    rng = np.random.default_rng(seed)
+    sizes = [1, 5, 100, 700, 3000]
+    with psclient.connect(url, table=table, changes_maxlen=1_000_000) as ps:
+        while True:
+            n = int(rng.choice(sizes))
+            keys = torch.from_numpy(rng.integers(0, 2 * n_keys, n, dtype=np.int64))
+            version += 1
+            rows = torch.stack([keys.double(), torch.full((n,), float(version),
+                                                          dtype=torch.float64)], 1)
+            op = int(rng.integers(0, 3))
+            if op == 0:
+                ps.insert(keys, rows)
+            elif op == 1:
+                ps.update(keys, rows)
+            else:
+                ps.erase(keys)
+            ready.set()

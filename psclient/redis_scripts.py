@@ -1,0 +1,85 @@
+"""The Lua steps that write a partition's rows and its change-feed record as one.
+
+Every write command of a batch is one ``EVAL`` on one partition chunk, with the keys::
+
+    KEYS[1] = psc:{T:p}            hash    the partition's rows
+    KEYS[2] = psc:{T:p}:changes    stream  the partition's change feed
+    KEYS[3] = psc:{T:p}:last       string  the ID of the stream's newest entry
+    ARGV[1] = MAXLEN of the stream (approximate trim, ``changes_maxlen``)
+    ARGV[2..] = key fields (8 little-endian bytes), each followed by its row for writes
+
+The three keys share the hash tag ``{T:p}``, so they live in one cluster slot and the script
+runs on one node: Redis runs a script to its end before any other command (and replicates or
+persists its effects as one unit), so a writer killed at any point leaves either the rows and
+their notice or neither. A stream entry is::
+
+    k  packed little-endian int64 keys whose rows changed   (or  c  "" : the partition was
+    t  the server's TIME in microseconds since the epoch          cleared)
+    p  the ID of the entry before it in this stream ("0-0": the first)
+
+``p`` chains the entries: a follower whose cursor for the partition is ``X`` must see ``p ==
+X`` on the first entry it reads after ``X``; anything else means entries between were lost
+(trimmed, or a restart or failover dropped writes the follower had read), never a silent skip.
+``KEYS[3]`` keeps the newest ID even when trimming removed the entry, so ``p`` is always known
+and a cursor ahead of it is seen as a loss too.
+
+The notice is exact: insert lists the keys whose field existed before (``HSET`` answers 0),
+update the keys that existed (and were written), erase the keys deleted (``HDEL`` answers 1).
+A key repeated within one command may be listed although it did not exist before the batch
+(harmless: a follower re-reads it).
+"""
+
+from __future__ import annotations
+
+_NOTICE = b"""
+local function notice(field, value)
+  local t = redis.call('TIME')
+  local prev = redis.call('GET', KEYS[3]) or '0-0'
+  local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', field, value,
+                        't', t[1] .. string.format('%06d', t[2]), 'p', prev)
+  redis.call('SET', KEYS[3], id)
+end
+"""
+
+#: insert: write every row; notice the keys that existed. Returns how many were noticed.
+INSERT = _NOTICE + b"""
+local h, hit = KEYS[1], {}
+for i = 2, #ARGV, 2 do
+  if redis.call('HSET', h, ARGV[i], ARGV[i + 1]) == 0 then hit[#hit + 1] = ARGV[i] end
+end
+if #hit > 0 then notice('k', table.concat(hit)) end
+return #hit
+"""
+
+#: update: write only rows that exist; notice them. Returns one '0'/'1' per key.
+UPDATE = _NOTICE + b"""
+local h, out, hit = KEYS[1], {}, {}
+for i = 2, #ARGV, 2 do
+  if redis.call('HEXISTS', h, ARGV[i]) == 1 then
+    redis.call('HSET', h, ARGV[i], ARGV[i + 1])
+    out[#out + 1] = '1'
+    hit[#hit + 1] = ARGV[i]
+  else
+    out[#out + 1] = '0'
+  end
+end
+if #hit > 0 then notice('k', table.concat(hit)) end
+return table.concat(out)
+"""
+
+#: erase: delete the keys; notice those that existed. Returns how many were deleted.
+ERASE = _NOTICE + b"""
+local h, hit = KEYS[1], {}
+for i = 2, #ARGV do
+  if redis.call('HDEL', h, ARGV[i]) == 1 then hit[#hit + 1] = ARGV[i] end
+end
+if #hit > 0 then notice('k', table.concat(hit)) end
+return #hit
+"""
+
+#: clear: delete the partition's rows; notice the clear (followers get a gap).
+CLEAR = _NOTICE + b"""
+redis.call('UNLINK', KEYS[1])
+notice('c', '')
+return 1
+"""
