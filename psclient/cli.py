@@ -7,6 +7,7 @@
                   [--keys FILE] [--dim D] [--dtype DTYPE] [--batch-size N] [--no-progress]
     psclient stat URL --table T [--json]
     psclient drop URL --table T
+    psclient upgrade URL --table T
 
 Every error prints one line ``psclient: error: ...`` to stderr and exits 1 (2 for a bad
 command line); nothing prints a traceback. A load that fails leaves the store as it was:
@@ -93,6 +94,14 @@ def _parser() -> argparse.ArgumentParser:
                         epilog=_URLS, formatter_class=argparse.RawDescriptionHelpFormatter)
     dr.add_argument("url", metavar="URL", help="the store (see store URLs below)")
     dr.add_argument("--table", required=True, metavar="T")
+    up = sub.add_parser(
+        "upgrade", epilog=_URLS, formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="bring a table written by an older psclient to this layout",
+        description="Upgrade table T to this psclient's layout (Redis layout 1 to 2: the rows "
+        "stay, the old change feed is dropped, followers re-sync once). Stop every client of "
+        "the older psclient first: its writes would not reach the new feed.")
+    up.add_argument("url", metavar="URL", help="the store (see store URLs below)")
+    up.add_argument("--table", required=True, metavar="T")
     return p
 
 
@@ -228,6 +237,17 @@ def _drop(args: argparse.Namespace) -> int:
     return 0
 
 
+def _upgrade(args: argparse.Namespace) -> int:
+    try:
+        ps = connect(args.url, table=args.table, upgrade=True)
+    except TableNotFoundError as e:
+        raise TableNotFoundError(f"no table {args.table!r} at {redact(args.url)}: "
+                                 "`psclient ls URL` lists the tables there") from e
+    with ps:
+        print(f"table {args.table}: layout {ps.schema.layout}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status (0 ok, 1 error, 2 bad command line)."""
     parser = _parser()
@@ -236,11 +256,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # --help/--version (0) or a bad command line (2), already printed
         return e.code if isinstance(e.code, int) else EXIT_USAGE
     if args.cmd is None:
-        print(f"{PROG}: error: give a command: ls, load, stat or drop (see `{PROG} --help`)",
-              file=sys.stderr)
+        print(f"{PROG}: error: give a command: ls, load, stat, drop or upgrade "
+              f"(see `{PROG} --help`)", file=sys.stderr)
         return EXIT_USAGE
     try:
-        return {"ls": _ls, "load": _load, "stat": _stat, "drop": _drop}[args.cmd](args)
+        return {"ls": _ls, "load": _load, "stat": _stat, "drop": _drop,
+                "upgrade": _upgrade}[args.cmd](args)
     except PSClientError as e:
         print(f"{PROG}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return EXIT_ERROR
