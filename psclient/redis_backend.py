@@ -54,7 +54,9 @@ log = logging.getLogger(__name__)
 _DEFAULTS = {"chunk_keys": 512, "pipeline_keys": 1024, "changes_maxlen": 1000,
              "feed_entry_keys": 4096, "prefix": "psc", "max_workers": 4,
              "feed_sweep_ms": 250, "redirect_retries": 60, "upgrade": False}
-_SCRIPTS = {b"INSERT": scripts.INSERT, b"UPDATE": scripts.UPDATE, b"ERASE": scripts.ERASE}
+_SCRIPTS = {b"UPDATE": scripts.UPDATE, b"ERASE": scripts.ERASE}
+_MULTI, _EXEC = resp.pack("MULTI"), resp.pack("EXEC")
+_FIELD = resp.field_records(np.zeros(1, dtype=np.int64)).dtype.itemsize  # 14 bytes per key
 
 
 class RedisParameterServer(ParameterServer):
@@ -187,7 +189,8 @@ class RedisParameterServer(ParameterServer):
     def _batch(self, script: bytes | None, keys: np.ndarray, values: torch.Tensor | None
                ) -> tuple[np.ndarray, np.ndarray, list[Cmd]]:
         """Group keys by partition and encode one command per chunk of a partition:
-        ``HMGET`` when ``script`` is None, else an ``EVAL`` of that write script."""
+        ``HMGET`` when ``script`` is None, ``INSERT``: the insert transaction (module
+        docstring of :mod:`psclient.redis_scripts`), else an ``EVAL`` of that script."""
         order, bounds = group_by_partition(keys, self._schema.partitions)
         ks = keys[order]
         if values is None:
@@ -200,8 +203,13 @@ class RedisParameterServer(ParameterServer):
         ck = self._opts["chunk_keys"]
         size = rec.dtype.itemsize
         raw = resp.as_buffer(rec)  # NOTE: one buffer; commands send slices of it (no copy)
-        if script is None:
-            lead, nlead, tails = resp.bulk(b"HMGET"), 2, self._part_bulks
+        insert = script == b"INSERT"
+        if insert:
+            fields = resp.as_buffer(resp.field_records(ks))
+            notice = resp.bulk(b"EVAL") + resp.bulk(scripts.INSERT_NOTICE) + resp.bulk(b"3")
+        if script is None or insert:
+            lead, nlead, tails = resp.bulk(b"HMGET" if script is None else b"HSET"), 2, \
+                self._part_bulks
         else:
             lead = resp.bulk(b"EVAL") + resp.bulk(_SCRIPTS[script]) + resp.bulk(b"3")
             nlead, tails = 7, self._part_tails
@@ -213,7 +221,12 @@ class RedisParameterServer(ParameterServer):
             for s in range(a, b, ck):
                 e = min(b, s + ck)
                 head = b"*%d\r\n%b%b" % (nlead + per_key * (e - s), lead, tail)
-                cmds.append(Cmd(p, s, e, [head, raw[s * size:e * size]]))
+                if insert:
+                    check = b"*%d\r\n%b%b" % (7 + e - s, notice, self._part_tails[p])
+                    cmds.append(Cmd(p, s, e, [_MULTI, check, fields[s * _FIELD:e * _FIELD], head,
+                                              raw[s * size:e * size], _EXEC], 4))
+                else:
+                    cmds.append(Cmd(p, s, e, [head, raw[s * size:e * size]]))
         return order, ks, cmds
 
     def _per_partition(self, script: bytes, *args: bytes | str) -> list[Cmd]:
@@ -286,7 +299,7 @@ class RedisParameterServer(ParameterServer):
         return None
 
     def _insert(self, keys: np.ndarray, values: torch.Tensor) -> None:
-        # NOTE: one script per chunk writes the rows and notices the keys that existed.
+        # NOTE: one transaction per chunk notices the keys that existed and writes the rows.
         _, _, cmds = self._batch(b"INSERT", keys, values)
         self._run(cmds, bell=self._cluster)
 

@@ -41,12 +41,32 @@ _ASKING = resp.pack("ASKING")
 
 
 class Cmd(NamedTuple):
-    """One encoded command: partition, the range of sorted keys it covers, its bytes."""
+    """One encoded command: partition, the range of sorted keys it covers, its bytes, and how
+    many replies it gets (4 for a ``MULTI``, script, ``HSET``, ``EXEC`` transaction)."""
 
     part: int
     start: int
     stop: int
     payload: list[bytes | memoryview]
+    replies: int = 1
+
+
+#: errors kept in place while a pipeline's replies are read
+_KEEP = (*REDIRECTS, rex.ExecAbortError)
+
+
+def _take(replies: Any, cmd: Cmd) -> Any:
+    """The result of ``cmd`` from the reply iterator: its one reply, or a transaction's
+    ``EXEC`` reply (a redirection of a queued command stands for the whole transaction)."""
+    if cmd.replies == 1:
+        return next(replies)
+    got = [next(replies) for _ in range(cmd.replies)]
+    redirect = next((r for r in got if isinstance(r, REDIRECTS)), None)
+    if redirect is not None:
+        return redirect
+    if isinstance(got[-1], Exception):
+        raise got[-1]
+    return got[-1]
 
 
 class _StillRedirectedError(Exception):
@@ -137,11 +157,14 @@ class Dispatcher:
             if job is not None:
                 return job(client, [cmds[i] for i in idx])
             payload = [part for i in idx for part in cmds[i].payload]
-            if ring is None:
-                return run_pipeline(client, payload, len(idx), keep=REDIRECTS)
-            # NOTE: the doorbell follows the scripts on the same connection: it rings after
-            # they committed. A hint only; atomicity is the scripts'.
-            return run_pipeline(client, [*payload, ring], len(idx) + 1, keep=REDIRECTS)[:-1]
+            n = sum(cmds[i].replies for i in idx)
+            if ring is not None:
+                # NOTE: the doorbell follows the scripts on the same connection: it rings
+                # after they committed. A hint only; atomicity is the scripts'.
+                payload.append(ring)
+                n += 1
+            replies = iter(run_pipeline(client, payload, n, keep=_KEEP))
+            return [_take(replies, cmds[i]) for i in idx]
 
         out: list[Any] = [None] * len(cmds)
         if len(work) == 1:
@@ -185,15 +208,16 @@ class Dispatcher:
                 payload: list[bytes | memoryview] = []
                 for i in idx:
                     payload += [_ASKING, *cmds[i].payload] if route[i][1] else cmds[i].payload
-                n = len(idx) + sum(route[i][1] for i in idx)
+                # NOTE: ASKING holds for a whole MULTI block (Redis keeps the flag in MULTI)
+                n = sum(cmds[i].replies + route[i][1] for i in idx)
                 if bell and self._bell is not None:
                     payload.append(self._bell)
                     n += 1
-                replies = iter(run_pipeline(client, payload, n, keep=REDIRECTS))
+                replies = iter(run_pipeline(client, payload, n, keep=_KEEP))
                 for i in idx:
                     if route[i][1]:
                         next(replies)  # ASKING's +OK
-                    reply = next(replies)
+                    reply = _take(replies, cmds[i])
                     out[i] = reply if isinstance(reply, REDIRECTS) or finish is None \
                         else finish(i, reply)
             left = [i for i in left if isinstance(out[i], REDIRECTS)]

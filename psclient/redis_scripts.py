@@ -1,6 +1,8 @@
 """The Lua steps that write a partition's rows and its change-feed record as one.
 
-Every write command of a batch is one ``EVAL`` on one partition chunk, with the keys::
+Every write command of a batch is one server-side step on one partition chunk: an ``EVAL``
+(update, erase, clear), or for insert ``MULTI``, the ``EVAL`` of :data:`INSERT_NOTICE` on
+the chunk's keys, a plain ``HSET`` of its rows, ``EXEC``. The scripts' keys::
 
     KEYS[1] = psc:{T:p}            hash    the partition's rows
     KEYS[2] = psc:{T:p}:changes    stream  the partition's change feed
@@ -8,10 +10,10 @@ Every write command of a batch is one ``EVAL`` on one partition chunk, with the 
     ARGV[1] = MAXLEN of the stream (approximate trim, ``changes_maxlen``)
     ARGV[2..] = key fields (8 little-endian bytes), each followed by its row for writes
 
-The three keys share the hash tag ``{T:p}``, so they live in one cluster slot and the script
-runs on one node: Redis runs a script to its end before any other command (and replicates or
-persists its effects as one unit), so a writer killed at any point leaves either the rows and
-their notice or neither. A stream entry is::
+The three keys share the hash tag ``{T:p}``, so they live in one cluster slot and the step
+runs on one node: Redis runs a script, or a ``MULTI``/``EXEC`` block, to its end before any
+other command (and replicates and persists it as one unit), so a writer killed at any point
+leaves either the rows and their notice or neither. A stream entry is::
 
     k  packed little-endian int64 keys whose rows changed   (or  c  "" : the partition was
     t  the server's TIME in microseconds since the epoch          cleared)
@@ -41,11 +43,16 @@ local function notice(field, value)
 end
 """
 
-#: insert: write every row; notice the keys that existed. Returns how many were noticed.
-INSERT = _NOTICE + b"""
+#: insert, with only the keys as ARGV[2..]: notice the keys whose field exists now. The
+#: backend sends it inside ``MULTI`` before the chunk's plain ``HSET`` of the rows, then
+#: ``EXEC``: one transaction (nothing runs between them; a client gone before ``EXEC`` runs
+#: none of it), and the rows never pass through Lua (copying them in and out of Lua strings
+#: made a Lua-only insert run at 0.4x of a plain HSET; this runs at about 0.7x: see
+#: bench/RESULTS.md, "The atomic change feed").
+INSERT_NOTICE = _NOTICE + b"""
 local h, hit = KEYS[1], {}
-for i = 2, #ARGV, 2 do
-  if redis.call('HSET', h, ARGV[i], ARGV[i + 1]) == 0 then hit[#hit + 1] = ARGV[i] end
+for i = 2, #ARGV do
+  if redis.call('HEXISTS', h, ARGV[i]) == 1 then hit[#hit + 1] = ARGV[i] end
 end
 if #hit > 0 then notice('k', table.concat(hit)) end
 return #hit
