@@ -63,6 +63,7 @@ class RedisParameterServer(ParameterServer):
     """A table on one Redis server or a Redis Cluster. Create with :func:`psclient.connect`."""
 
     _client: Any = None
+    _schema_raw = b""
     _dispatch: Dispatcher | None = None
     _feed: RedisFeed | None = None
 
@@ -124,6 +125,38 @@ class RedisParameterServer(ParameterServer):
         """A table option's value."""
         return self._opts[name]
 
+    @property
+    def schema_key(self) -> str:
+        """The key of the stored schema record."""
+        return self._schema_key
+
+    @property
+    def schema_record(self) -> bytes:
+        """The schema record this handle opened the table with."""
+        return self._schema_raw
+
+    def stored_schema(self) -> bytes | None:
+        """The schema record stored now (``None``: the table is gone)."""
+        with redis_errors(self._where):
+            raw: bytes | None = self._client.get(self._schema_key)
+            return raw
+
+    def adopt_schema(self, raw: bytes | None) -> str:
+        """After the table was created anew: take its schema if the geometry is the same.
+
+        Returns what happened, for the gap's message.
+        """
+        if raw is None:
+            return "the table is gone (dropped, or a restart lost it)"
+        new = TableSchema.decode(raw, self._table)
+        old = self._schema
+        if (new.layout, new.dim, new.dtype, new.partitions) != (
+                old.layout, old.dim, old.dtype, old.partitions):
+            raise SchemaMismatchError(
+                f"{self._where} was created anew with another schema ({new}): connect again")
+        self._schema, self._schema_raw = new, raw
+        return "the table was created anew (dropped, or lost in a restart, and written again)"
+
     def run_commands(self, cmds: list[tuple[int, bytes]]) -> list[Any]:
         """Run small encoded commands, each on the node of its partition; replies in order."""
         return self._run([Cmd(p, 0, 1, [c]) for p, c in cmds])
@@ -143,13 +176,15 @@ class RedisParameterServer(ParameterServer):
                     masters = len(self._client.get_primaries()) if self._cluster else 1
                     partitions = max(64, 8 * masters)
                 schema = TableSchema(dim=dim, dtype=dtype or "float32", partitions=partitions)
-                if self._client.set(self._schema_key, schema.encode(), nx=True):
+                self._schema_raw = schema.encode()
+                if self._client.set(self._schema_key, self._schema_raw, nx=True):
                     log.info("created %s: %s", self._where, schema)
                     return schema
                 raw = self._client.get(self._schema_key)  # lost a creation race: use theirs
                 if raw is None:
                     raise SchemaMismatchError(f"{self._where} was dropped while being created")
             schema = TableSchema.decode(raw, table)
+            self._schema_raw = raw
             if schema.layout == 1:
                 schema = self._upgrade(table, schema, raw)
             schema.check(table, dim=dim, dtype=dtype, partitions=partitions)
@@ -167,15 +202,18 @@ class RedisParameterServer(ParameterServer):
         new = TableSchema(dim=old.dim, dtype=old.dtype, partitions=old.partitions,
                           created=old.created)
         pre = self._opts["prefix"]
+        rec = new.encode()
         # NOTE: compare-and-set: only the process that still finds the old record upgrades
         done = self._client.eval(
             "if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('SET', KEYS[1], ARGV[2]) "
             "redis.call('DEL', KEYS[2]) return 1 end return 0", 2, self._schema_key,
-            f"{pre}:{{{table}}}:changes", raw, new.encode())
+            f"{pre}:{{{table}}}:changes", raw, rec)
         if done:
             log.warning("upgraded %s from layout 1 to %d", self._where, LAYOUT_VERSION)
+            self._schema_raw = rec
             return new
-        return TableSchema.decode(self._client.get(self._schema_key), table)
+        self._schema_raw = self._client.get(self._schema_key)
+        return TableSchema.decode(self._schema_raw, table)
 
     # -- dispatch ------------------------------------------------------------------------
 

@@ -57,9 +57,13 @@ def test_restart_without_persistence_is_a_gap(tmp_path: Path, table_name: str) -
         ps.update(torch.arange(100), torch.ones(100, 2))
         read = ps.follow(start)
         assert read.keys.tolist() == list(range(100))          # a cache now holds the ones
+        r = redis.Redis(port=srv.port)
+        record = r.get(f"psc:{{{table_name}}}:schema")
         srv.kill()
         srv.start()                                            # empty: rows and feed are gone
-        # the handle still holds the schema: its cursor is ahead of the (new, empty) streams
+        r.set(f"psc:{{{table_name}}}:schema", record)          # (say the schema survived)
+        r.close()
+        # the cursor is ahead of the (new, empty) streams
         with pytest.raises(psclient.ChangeFeedGapError, match="ahead"):
             ps.follow(read.cursor)                             # before any new write
         with pytest.raises(psclient.ChangeFeedGapError, match="ahead"):
@@ -77,6 +81,29 @@ def test_restart_without_persistence_is_a_gap(tmp_path: Path, table_name: str) -
             ps2.follow(read.cursor)
         ps.close()
         ps2.close()
+    finally:
+        srv.kill()
+
+
+def test_restart_before_any_notice_is_a_gap(tmp_path: Path, table_name: str) -> None:
+    """Only new keys were written (no feed entry: every cursor is at 0-0), then a restart
+    lost everything and another client wrote the table anew: the feed is empty again, yet a
+    follower's cache holds rows of the lost table. The stored schema tells."""
+    srv = RedisProc(tmp_path / "volatile").start()
+    try:
+        follower = psclient.connect(srv.url, table=table_name, dim=2, partitions=4)
+        follower.insert(torch.arange(100), torch.zeros(100, 2))
+        cur = follower.follow().cursor
+        srv.kill()
+        srv.start()
+        with psclient.connect(srv.url, table=table_name, dim=2, partitions=4) as writer:
+            writer.insert(torch.arange(100), torch.ones(100, 2))   # new keys: no notice
+        with pytest.raises(psclient.ChangeFeedGapError, match="created anew") as gap:
+            follower.follow(cur, block_ms=50)
+        with psclient.connect(srv.url, table=table_name) as writer:
+            writer.update(torch.arange(3), torch.full((3, 2), 2.0))
+        assert follower.follow(gap.value.cursor).keys.tolist() == [0, 1, 2]   # followed on
+        follower.close()
     finally:
         srv.kill()
 
