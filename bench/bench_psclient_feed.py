@@ -187,8 +187,6 @@ def bench_writes(url: str, batch: int, dim: int, reps: int, rounds: int) -> None
                 prep = refill if op in ("erase", "update", "insert-overwrite") else None
                 best = min(timed(ops[op], prep) for _ in range(reps))
                 results.setdefault((path, op), []).append(batch / best)
-        for k in range(1, next(fresh)):  # NOTE: drop the fresh rows between rounds
-            pass
     for (path, op), rates in results.items():
         base = results.get(("layout1", op))
         emit(bench="psclient-redis-writes", path=path, op=op, rows_per_s=float(np.median(rates)),
@@ -241,6 +239,9 @@ def bench_wakeup(url: str, kind: str, samples: int) -> None:
     proc.join(10)
     if proc.is_alive():
         proc.kill()
+    if not seen:
+        emit(bench="psclient-follow-wakeup", store=kind, samples=0, error="no wake-up seen")
+        return
     lat = np.array([(seen[i][0] - wrote[i]) / 1e6 for i in wrote if i in seen])
     lag = np.array([(seen[i][0] - seen[i][1]) / 1e6 for i in wrote if i in seen])
     emit(bench="psclient-follow-wakeup", store=kind, samples=len(lat), missing=samples - len(lat),
@@ -284,10 +285,12 @@ def main() -> None:
     ap.add_argument("--cluster-url", default=None)
     ap.add_argument("--batch", type=int, default=65536)
     ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--skip-writes", action="store_true", help="only the wake-up latency")
     a = ap.parse_args()
     emit(bench="config", batch=a.batch, dim=a.dim, cpus=os.cpu_count(),
          date=time.strftime("%Y-%m-%d"))
-    bench_writes(a.url, a.batch, a.dim, 2 if a.quick else 4, 3 if a.quick else 6)
+    if not a.skip_writes:
+        bench_writes(a.url, a.batch, a.dim, 2 if a.quick else 4, 3 if a.quick else 6)
     samples = 100 if a.quick else 300
     bench_wakeup(a.url, "redis", samples)
     if a.cluster_url:
