@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,30 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import redis  # noqa: E402
-
 from bench import cross_node  # noqa: E402
-from tests.servers import REDIS_CLI, REDIS_SERVER, RedisProc, free_port, wait_until  # noqa: E402
-
-
-def start_cluster(root: Path) -> tuple[str, list[RedisProc]]:
-    """A 3-master Redis Cluster on loopback ports: (its URL, the servers)."""
-    nodes = []
-    for i in range(3):
-        port = free_port(bus=True)
-        nodes.append(RedisProc(root / f"n{i}", port, "--cluster-enabled", "yes",
-                               "--cluster-config-file", f"nodes-{port}.conf",
-                               "--cluster-node-timeout", "2000", "--appendonly", "no").start())
-    addrs = [f"127.0.0.1:{n.port}" for n in nodes]
-    assert REDIS_CLI is not None
-    subprocess.run([REDIS_CLI, "--cluster", "create", *addrs, "--cluster-replicas", "0",
-                    "--cluster-yes"], check=True, capture_output=True, timeout=60)
-    clients = [redis.Redis(port=n.port, socket_timeout=1) for n in nodes]
-    wait_until(lambda: all(c.cluster("info")["cluster_state"] == "ok" for c in clients), 30,
-               "cluster_state:ok on every node")
-    for c in clients:
-        c.close()
-    return "redis+cluster://" + ",".join(addrs), nodes
+from tests.servers import REDIS_CLI, REDIS_SERVER, RedisProc, start_cluster  # noqa: E402
 
 
 def measure(url: str, backend: str, rate: float, seconds: float) -> dict[str, object]:

@@ -25,7 +25,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,6 +42,7 @@ from psclient import resp  # noqa: E402
 from psclient.codec import group_by_partition  # noqa: E402
 from psclient.redis_dispatch import Cmd  # noqa: E402
 from psclient.redis_scripts import _NOTICE  # noqa: E402
+from tests.servers import start_cluster  # noqa: E402
 
 _OLD_UPDATE = b"""
 local out = {}
@@ -253,28 +253,6 @@ def bench_wakeup(url: str, kind: str, samples: int) -> None:
               "entry's server TIME (FeedBatch.newest_ns)")
     ps.drop()
     ps.close()
-
-
-def start_cluster(root: Path) -> tuple[str, list[Any]]:
-    from tests.servers import REDIS_CLI, RedisProc, free_port, wait_until
-
-    nodes = []
-    for i in range(3):
-        port = free_port(bus=True)
-        nodes.append(RedisProc(root / f"n{i}", port, "--cluster-enabled", "yes",
-                               "--cluster-config-file", f"nodes-{port}.conf",
-                               "--appendonly", "no").start())
-    addrs = [f"127.0.0.1:{n.port}" for n in nodes]
-    assert REDIS_CLI is not None
-    subprocess.run([REDIS_CLI, "--cluster", "create", *addrs, "--cluster-replicas", "0",
-                    "--cluster-yes"], check=True, capture_output=True, timeout=60)
-    import redis
-
-    cs = [redis.Redis(port=n.port) for n in nodes]
-    wait_until(lambda: all(c.cluster("info")["cluster_state"] == "ok" for c in cs), 30,
-               "cluster ok")
-    time.sleep(1.0)
-    return "redis+cluster://" + ",".join(addrs), nodes
 
 
 def main() -> None:

@@ -98,3 +98,30 @@ class RedisProc:
             self.proc.terminate()
             self.proc.wait(10)
         self.proc = None
+
+
+def start_cluster(root: Path, masters: int = 3) -> tuple[str, list[RedisProc]]:
+    """A real Redis Cluster of ``masters`` masters (no replicas) on loopback ports, in
+    ``root``: ``(its redis+cluster:// URL, the servers)``; the caller kills them."""
+    assert REDIS_CLI is not None
+    nodes: list[RedisProc] = []
+    try:
+        for i in range(masters):
+            port = free_port(bus=True)
+            nodes.append(RedisProc(root / f"n{i}", port, "--cluster-enabled", "yes",
+                                   "--cluster-config-file", f"nodes-{port}.conf",
+                                   "--cluster-node-timeout", "2000",
+                                   "--appendonly", "no").start())
+        addrs = [f"127.0.0.1:{n.port}" for n in nodes]
+        subprocess.run([REDIS_CLI, "--cluster", "create", *addrs, "--cluster-replicas", "0",
+                        "--cluster-yes"], check=True, capture_output=True, timeout=60)
+        clients = [redis.Redis(port=n.port, socket_timeout=1) for n in nodes]
+        wait_until(lambda: all(c.cluster("info")["cluster_state"] == "ok" for c in clients),
+                   30, "cluster_state:ok on every node")
+        for c in clients:
+            c.close()
+    except BaseException:
+        for n in nodes:
+            n.kill()
+        raise
+    return "redis+cluster://" + ",".join(addrs), nodes

@@ -20,6 +20,7 @@ from tests.servers import (  # noqa: F401 - re-exported to the psclient tests
     RedisProc,
     free_port,
     needs_redis_server,
+    start_cluster,
     wait_until,
 )
 
@@ -51,23 +52,9 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if REDIS_SERVER is None or REDIS_CLI is None:
         pytest.skip("needs redis-server and redis-cli binaries (apt-get install redis-server)")
     root = tmp_path_factory.mktemp("cluster")
-    nodes: list[RedisProc] = []
+    url, nodes = start_cluster(root)
     try:
-        for i in range(3):
-            port = free_port(bus=True)
-            nodes.append(RedisProc(root / f"n{i}", port, "--cluster-enabled", "yes",
-                                   "--cluster-config-file", f"nodes-{port}.conf",
-                                   "--cluster-node-timeout", "2000",
-                                   "--appendonly", "no").start())
-        addrs = [f"127.0.0.1:{n.port}" for n in nodes]
-        subprocess.run([REDIS_CLI, "--cluster", "create", *addrs, "--cluster-replicas", "0",
-                        "--cluster-yes"], check=True, capture_output=True, timeout=60)
-        clients = [redis.Redis(port=n.port, socket_timeout=1) for n in nodes]
-        wait_until(lambda: all(c.cluster("info")["cluster_state"] == "ok" for c in clients),
-                   30, "cluster_state:ok on every node")
-        for c in clients:
-            c.close()
-        yield "redis+cluster://" + ",".join(addrs)
+        yield url
     finally:
         for n in nodes:
             n.kill()
