@@ -286,7 +286,9 @@ def test_replica_killed_mid_lookup_or_insert(node: dict[str, Any]) -> None:
         dead = {victim.pid, ins.pid}
         wait_until(lambda: not dead & set(hc.slot_pids()), 10,
                    "the service to reap the dead processes' slots")
-        assert hc.writer_pid == 0  # the reaper's lock repaired the section
+        # the reaper's lock repaired the dead writer's section (a live replica may be inside
+        # a write section of its own at this instant: its fills keep going)
+        assert hc.writer_pid not in dead
         time.sleep(0.3)  # the survivors keep serving after both deaths
         stop.value = 1
         results = collect(out, 2)
