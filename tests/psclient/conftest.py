@@ -6,14 +6,16 @@ need one skip (with the reason) where ``redis-server`` is not installed.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import redis
 
+import psclient
 from tests.servers import (  # noqa: F401 - re-exported to the psclient tests
     REDIS_CLI,
     REDIS_SERVER,
@@ -128,3 +130,36 @@ def unix_redis(tmp_path: Path) -> Iterator[str]:
     client.close()
     yield f"unix://{sock}"
     srv.kill()
+
+
+@pytest.fixture(params=["file", "redis", "cluster"])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """Each kind of store in turn: a file:// store, the shared Redis, the 3-master cluster."""
+    if request.param == "file":
+        return f"file://{tmp_path}/store"
+    if request.param == "redis":
+        return str(request.getfixturevalue("shared_redis"))
+    return str(request.getfixturevalue("redis_cluster"))
+
+
+@contextlib.contextmanager
+def opened_tables(url: str, base: str) -> Iterator[Callable[..., psclient.ParameterServer]]:
+    """``make(suffix="", **kw)`` connects to table ``base + suffix`` at ``url``; every handle
+    is closed and every table dropped afterwards."""
+    opened: list[psclient.ParameterServer] = []
+
+    def make(suffix: str = "", **kw: object) -> psclient.ParameterServer:
+        ps = psclient.connect(url, table=base + suffix, **kw)
+        opened.append(ps)
+        return ps
+
+    try:
+        yield make
+    finally:
+        for ps in opened:
+            ps.close()
+        for name in {ps.table for ps in opened}:
+            try:
+                psclient.connect(url, table=name).drop()
+            except psclient.TableNotFoundError:
+                pass

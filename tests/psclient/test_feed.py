@@ -6,40 +6,19 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
 
 import psclient
 
-
-@pytest.fixture(params=["file", "redis", "cluster"])
-def feed_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "file":
-        return f"file://{tmp_path}/store"
-    if request.param == "redis":
-        return request.getfixturevalue("shared_redis")
-    return request.getfixturevalue("redis_cluster")
+from .conftest import opened_tables
 
 
 @pytest.fixture
-def open_ps(feed_url: str, table_name: str) -> Iterator:
-    opened: list[psclient.ParameterServer] = []
-
-    def make(suffix: str = "", **kw: object) -> psclient.ParameterServer:
-        ps = psclient.connect(feed_url, table=table_name + suffix, **kw)
-        opened.append(ps)
-        return ps
-
-    yield make
-    for ps in opened:
-        ps.close()
-    for name in {ps.table for ps in opened}:
-        try:
-            psclient.connect(feed_url, table=name).drop()
-        except psclient.TableNotFoundError:
-            pass
+def open_ps(store_url: str, table_name: str) -> Iterator:
+    with opened_tables(store_url, table_name) as make:
+        yield make
 
 
 def test_follow_lists_changed_keys_with_server_times(open_ps) -> None:  # noqa: ANN001

@@ -15,7 +15,6 @@ import os
 import random
 import signal
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,18 +27,9 @@ N_KEYS = 4000
 KILLS = int(os.environ.get("PSC_KILLS", "25"))
 
 
-@pytest.fixture(params=["file", "redis", "cluster"])
-def kill_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "file":
-        return f"file://{tmp_path}/store"
-    if request.param == "redis":
-        return request.getfixturevalue("shared_redis")
-    return request.getfixturevalue("redis_cluster")
-
-
 @pytest.mark.slow
-def test_killed_writer_leaves_no_change_unannounced(kill_url: str, table_name: str) -> None:
-    ps = psclient.connect(kill_url, table=table_name, dim=2, dtype=torch.float64,
+def test_killed_writer_leaves_no_change_unannounced(store_url: str, table_name: str) -> None:
+    ps = psclient.connect(store_url, table=table_name, dim=2, dtype=torch.float64,
                           changes_maxlen=1_000_000)
     try:
         keys = torch.arange(N_KEYS)
@@ -54,7 +44,7 @@ def test_killed_writer_leaves_no_change_unannounced(kill_url: str, table_name: s
         for round_ in range(KILLS):
             ready = ctx.Event()
             proc = ctx.Process(target=versioned_writer_forever,
-                               args=(kill_url, table_name, N_KEYS, round_, round_ * 1_000_000,
+                               args=(store_url, table_name, N_KEYS, round_, round_ * 1_000_000,
                                      ready))
             proc.start()
             assert ready.wait(60), "the writer never finished a batch"

@@ -19,7 +19,7 @@ from psclient.cli import main
 from psclient.codec import partition_of
 
 from . import model
-from .conftest import RedisProc
+from .conftest import RedisProc, opened_tables
 
 pytestmark = pytest.mark.redis
 
@@ -27,21 +27,8 @@ pytestmark = pytest.mark.redis
 @pytest.fixture
 def ps_factory(shared_redis: str, table_name: str):  # noqa: ANN201
     """connect() to the shared server with a unique table; every table is dropped after."""
-    opened: list[psclient.ParameterServer] = []
-
-    def make(suffix: str = "", **kw: object) -> psclient.ParameterServer:
-        ps = psclient.connect(shared_redis, table=table_name + suffix, **kw)
-        opened.append(ps)
-        return ps
-
-    yield make
-    for ps in opened:
-        ps.close()
-    for name in {ps.table for ps in opened}:
-        try:
-            psclient.connect(shared_redis, table=name).drop()
-        except psclient.TableNotFoundError:
-            pass
+    with opened_tables(shared_redis, table_name) as make:
+        yield make
 
 
 @settings(max_examples=30, deadline=None,
