@@ -194,6 +194,7 @@ class GPUCache:
     def lookup_linear(
         self, keys: torch.Tensor, table: torch.Tensor, *, validate: bool = True,
         candidates: MissCandidates | None = None, host_table: bool = True,
+        err: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Hits from the cache, misses from row ``key`` of ``table``, in one launch.
 
@@ -210,6 +211,9 @@ class GPUCache:
                 then visited in host-page order, see ``gpu.cache_kernels``); pass False for
                 a table in GPU memory (a tensor in HBM, a ``DistMemBlock``). Same results
                 either way.
+            err: A key-error flag (``gpu.key_flag``, int64 ``[1]`` on the device) that the
+                Triton kernel writes an out-of-range key into (the torch twin ignores it:
+                its callers check keys on the host).
 
         Returns:
             ``(values [N, dim], hit bool [N])``; ``keys[~hit]`` are the keys to insert.
@@ -218,11 +222,13 @@ class GPUCache:
         table = self._checks.table(table)
         if validate:
             self._checks.linear_keys(keys, table.shape[0])
-        return self._lookup_rows(keys, table, self._checks.candidates(candidates), host_table)
+        return self._lookup_rows(keys, table, self._checks.candidates(candidates), host_table,
+                                 err)
 
     def _lookup_rows(
         self, keys: torch.Tensor, table: torch.Tensor | None,
         cand: torch.Tensor | None = None, host_table: bool = True,
+        err: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Probe + gather (+ misses from row ``key`` of ``table``), counted as a lookup."""
         # NOTE: where a large batch is visited in host-page order, start it at a different
@@ -235,7 +241,7 @@ class GPUCache:
                 keys, self._tkeys, self._counters, self._rows, self._hits, self.num_buckets,
                 self.ways, empty=EMPTY_KEY, gather=True, count=True,
                 want_slots=False, table=table, candidates=cand, host_table=host_table,
-                cmax=twin.COUNTER_MAX, rotate=rotate)
+                cmax=twin.COUNTER_MAX, rotate=rotate, err=err)
             assert out is not None
             return out, hit
         hit, slot = twin.probe(self._tkeys, self.num_buckets, self.ways, keys)
@@ -293,10 +299,11 @@ class GPUCache:
         *,
         validate: bool = True,
         candidates: MissCandidates | None = None,
+        err: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`lookup_pooled` whose misses read row ``key`` of ``table`` in the same launch.
 
-        ``candidates`` as in :meth:`lookup_linear`.
+        ``candidates`` and ``err`` as in :meth:`lookup_linear`.
 
         Returns:
             ``(pooled [B, dim], hit bool [N])``; ``keys[~hit]`` are the keys to insert.
@@ -308,12 +315,12 @@ class GPUCache:
         if validate:
             self._checks.linear_keys(keys, table.shape[0])
         return self._pooled(keys, offsets, mode == "mean", w, None, table,
-                            self._checks.candidates(candidates))
+                            self._checks.candidates(candidates), err=err)
 
     def _pooled(
         self, keys: torch.Tensor, offsets: torch.Tensor, mean: bool, w: torch.Tensor | None,
         mv: torch.Tensor | None, table: torch.Tensor | None, cand: torch.Tensor | None = None,
-        out_dtype: torch.dtype | None = None,
+        out_dtype: torch.dtype | None = None, err: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         self._lookups += keys.numel()
         if self._kernels is not None:
@@ -321,7 +328,7 @@ class GPUCache:
             return self._kernels.pooled(
                 keys, offsets, w, mv, self._tkeys, self._counters, self._rows, self._hits,
                 self.num_buckets, self.ways, mean=mean, empty=EMPTY_KEY, table=table,
-                candidates=cand, cmax=twin.COUNTER_MAX, out_dtype=out_dtype)
+                candidates=cand, cmax=twin.COUNTER_MAX, out_dtype=out_dtype, err=err)
         hit, slot = twin.probe(self._tkeys, self.num_buckets, self.ways, keys)
         twin.bump(self._counters, slot, hit)
         twin.count_hits(self._hits, hit)

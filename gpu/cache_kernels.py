@@ -65,12 +65,12 @@ _collect = _parts.collect
 def _lookup_kernel(
     keys_ptr, n, tkeys_ptr, counters_ptr, rows_ptr, stats_ptr, num_buckets,
     out_ptr, hit_ptr, slots_ptr, table_ptr, num_rows, tstride, dim, cand_ptr, cand_cap,
-    order_ptr, HAS_CACHE: tl.constexpr, GATHER: tl.constexpr, LINEAR: tl.constexpr,
+    order_ptr, err_ptr, HAS_CACHE: tl.constexpr, GATHER: tl.constexpr, LINEAR: tl.constexpr,
     WRITE_SLOTS: tl.constexpr, COUNT: tl.constexpr, COLLECT: tl.constexpr, WAYS: tl.constexpr,
     EMPTY: tl.constexpr, STAT_STRIPES: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, STREAM: tl.constexpr, AGG: tl.constexpr,
     SKIP_SAT: tl.constexpr, CMAX: tl.constexpr, ORDERED: tl.constexpr,
-    WRITE_HIT: tl.constexpr,
+    WRITE_HIT: tl.constexpr, CHECK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -129,18 +129,23 @@ def _lookup_kernel(
     if COLLECT:
         _collect(cand_ptr, cand_cap, keys, offs,
                  kmask & (hit == 0) & (keys >= 0) & (keys < num_rows))
+    if CHECK:
+        # NOTE: a key outside the linear table lands in the layer's key-error flag (a
+        # store over the host link, made only when a key is bad: gpu.key_flag)
+        tl.store(err_ptr + offs * 0, keys, mask=kmask & ((keys < 0) | (keys >= num_rows)))
 
 
 @triton.jit(do_not_specialize=["num_buckets", "num_rows", "cand_cap"])
 def _pooled_kernel(
     keys_ptr, offsets_ptr, weights_ptr, miss_ptr, tkeys_ptr, counters_ptr, rows_ptr,
     stats_ptr, num_buckets, out_ptr, part_ptr, hit_ptr, table_ptr, num_rows, tstride, dim,
-    cand_ptr, cand_cap, HAS_CACHE: tl.constexpr, HAS_W: tl.constexpr, HAS_MISS: tl.constexpr,
+    cand_ptr, cand_cap, err_ptr, HAS_CACHE: tl.constexpr, HAS_W: tl.constexpr,
+    HAS_MISS: tl.constexpr,
     COLLECT: tl.constexpr,
     LINEAR: tl.constexpr, MEAN: tl.constexpr, SPLIT: tl.constexpr, WAYS: tl.constexpr,
     EMPTY: tl.constexpr, STAT_STRIPES: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, AGG: tl.constexpr, COUNT: tl.constexpr,
-    SKIP_SAT: tl.constexpr, CMAX: tl.constexpr,
+    SKIP_SAT: tl.constexpr, CMAX: tl.constexpr, CHECK: tl.constexpr,
 ):
     bag = tl.program_id(0)
     split = tl.program_id(1)
@@ -213,6 +218,9 @@ def _pooled_kernel(
         if COLLECT:
             _collect(cand_ptr, cand_cap, keys, offs,
                      first & kmask & (hit == 0) & (keys >= 0) & (keys < num_rows))
+        if CHECK:
+            tl.store(err_ptr + offs * 0, keys,
+                     mask=first & kmask & ((keys < 0) | (keys >= num_rows)))
     res = tl.reduce(acc, 0, add_combine)
     if SPLIT == 1:
         if MEAN:
@@ -302,7 +310,7 @@ def lookup(
     stats: torch.Tensor, num_buckets: int, ways: int, *, empty: int, gather: bool,
     count: bool, want_slots: bool, table: torch.Tensor | None = None,
     candidates: torch.Tensor | None = None, host_table: bool = True, cmax: int,
-    rotate: int = 0,
+    rotate: int = 0, err: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """Probe (+ gather, + linear-table misses) of ``keys``: ``(values, hit, slots)``.
 
@@ -312,7 +320,8 @@ def lookup(
     that receives the in-range misses of a linear lookup (count, keys, batch positions).
     ``host_table``: the linear table lives in host memory, so large batches are visited
     in host-page order (a table in GPU memory never is); ``rotate`` shifts where that order
-    starts (see :func:`page_order`).
+    starts (see :func:`page_order`). ``err``: the layer's key-error flag (int64 ``[1]``,
+    ``gpu.key_flag``) that receives a key outside the linear table.
     """
     n = keys.numel()
     dim = rows.shape[1]
@@ -331,44 +340,16 @@ def lookup(
         slots if slots is not None else keys, table if linear else rows,
         table.shape[0] if table is not None else 0, _row_stride(table, dim), dim,
         candidates if candidates is not None else keys, _cand_cap(candidates),
-        order if order is not None else keys,
+        order if order is not None else keys, err if err is not None else keys,
         HAS_CACHE=num_buckets > 0, GATHER=gather, LINEAR=linear, WRITE_SLOTS=want_slots,
         COUNT=count, COLLECT=candidates is not None, WAYS=ways,
         EMPTY=empty, STAT_STRIPES=stats.numel(),
         BLOCK_K=bk, BLOCK_D=bd, EVEN_D=bd == dim, STREAM=bool(CONFIG["lookup_stream"]),
         AGG=bool(CONFIG["lookup_agg"]), SKIP_SAT=bool(CONFIG["skip_saturated"]),
         CMAX=cmax, ORDERED=order is not None, WRITE_HIT=True,
-        num_warps=CONFIG["lookup_warps"],
+        CHECK=err is not None and linear, num_warps=CONFIG["lookup_warps"],
     )
     return out, hit, slots
-
-
-@on_tensor_device
-def gather(keys: torch.Tensor, table: torch.Tensor, *, host_table: bool) -> torch.Tensor:
-    """Rows ``table[keys]`` (zero rows for keys outside the table): the GPULayer lookup.
-
-    The lookup kernel with no cache to probe and no hit flags to write, launched with as
-    little host work as possible (a 64k-key call is bound by it); large batches over a
-    host table are visited in page order, as in :func:`lookup`.
-    """
-    n = keys.numel()
-    dim = table.shape[1]
-    out = torch.empty((n, dim), dtype=table.dtype, device=keys.device)
-    if n == 0:
-        return out
-    bk = CONFIG["lookup_block_k"]
-    bd = _block_d(dim)
-    order = _visit_order(keys, table, host_table, 0)
-    _lookup_kernel[(_cdiv(n, bk),)](
-        keys, n, keys, keys, table, keys, 1, out, keys, keys, table, table.shape[0],
-        table.stride(0), dim, keys, 0, order if order is not None else keys,
-        HAS_CACHE=False, GATHER=True, LINEAR=True, WRITE_SLOTS=False, COUNT=False,
-        COLLECT=False, WAYS=1, EMPTY=0, STAT_STRIPES=1, BLOCK_K=bk, BLOCK_D=bd,
-        EVEN_D=bd == dim, STREAM=bool(CONFIG["lookup_stream"]), AGG=False, SKIP_SAT=False,
-        CMAX=0, ORDERED=order is not None, WRITE_HIT=False,
-        num_warps=CONFIG["lookup_warps"],
-    )
-    return out
 
 
 def _visit_order(keys: torch.Tensor, table: torch.Tensor | None, host_table: bool,
@@ -411,6 +392,7 @@ def pooled(
     rows: torch.Tensor, stats: torch.Tensor, num_buckets: int, ways: int, *, mean: bool,
     empty: int, table: torch.Tensor | None = None, candidates: torch.Tensor | None = None,
     count: bool = True, cmax: int, out_dtype: torch.dtype | None = None,
+    err: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Probe + gather + pool per bag, fused: ``(pooled [B, dim], hit [N])``; ``candidates``
     as in :func:`lookup`; ``out_dtype``: of ``pooled`` (default the rows' dtype; the sums
@@ -441,13 +423,14 @@ def pooled(
         max(num_buckets, 1), out, part, hit.view(torch.int8), table if linear else rows,
         table.shape[0] if table is not None else 0, _row_stride(table, dim), dim,
         candidates if candidates is not None else keys, _cand_cap(candidates),
+        err if err is not None else keys,
         HAS_CACHE=num_buckets > 0, HAS_W=weights is not None,
         HAS_MISS=miss_values is not None,
         COLLECT=candidates is not None, LINEAR=linear, MEAN=mean,
         SPLIT=split, WAYS=ways,
         EMPTY=empty, STAT_STRIPES=stats.numel(), BLOCK_K=CONFIG["pooled_block_k"],
         BLOCK_D=bd, EVEN_D=even_d, AGG=bool(CONFIG["pooled_agg"]), COUNT=count,
-        SKIP_SAT=bool(CONFIG["skip_saturated"]), CMAX=cmax,
+        SKIP_SAT=bool(CONFIG["skip_saturated"]), CMAX=cmax, CHECK=err is not None and linear,
         num_warps=CONFIG["pooled_warps"],
     )
     if split > 1:

@@ -69,7 +69,8 @@ def bags(
             raise BadArgumentError("offsets must be None when input is 2-D (one bag per row)")
         nbags, per_bag = keys.shape
         flat = keys.reshape(-1)
-        full = _even_offsets(nbags, per_bag, device)
+        full = (torch.arange(0, nbags + 1, dtype=torch.int64, device=device) * per_bag
+                if torch.compiler.is_compiling() else _even_offsets(nbags, per_bag, device))
     elif keys.dim() == 1:
         if offsets is None:
             raise BadArgumentError("offsets are required when input is 1-D")

@@ -29,20 +29,15 @@ import torch
 from hostcache import HostCache, SharedMemBlock
 from psclient import ParameterServer, connect
 
+from . import ops
+from .device_table import DeviceTable
 from .devices import resolve_device
 from .distmem import DistMemBlock
 from .errors import BadArgumentError
 from .inputs import bags, check_keys, check_values
 from .layer_config import InsertPolicy, LayerStats, LayerType, PoolingMode
-from .tiers import (
-    DeviceTable,
-    HierarchicalTiers,
-    LinearTiers,
-    Tiers,
-    table_gate,
-    write_linear,
-    write_tensor,
-)
+from .linear_tables import table_gate, write_linear, write_tensor
+from .tiers import HierarchicalTiers, LinearTiers, Tiers
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +89,7 @@ def _build_tiers(
     num_embeddings: int, dim: int, dtype: torch.dtype, layer_type: LayerType, device: torch.device,
     *, gpu_cache_size: int, host_cache: Any, storage: Any, weight_init: Any, table: str | None,
     default_row: Any, insert_policy: InsertPolicy | None,
-) -> Tiers:
+) -> Tiers | DeviceTable:
     linear_blocks = (SharedMemBlock, DistMemBlock)
     policy = insert_policy if insert_policy is not None else InsertPolicy()
     if not isinstance(policy, InsertPolicy):
@@ -192,7 +187,7 @@ class _NVBase(torch.nn.Module):
         storage: Any = None, weight_init: torch.Tensor | None = None,
         optimize_for_training: bool = False, device: object = None,
         default_row: Any = None, insert_policy: InsertPolicy | None = None,
-        table: str | None = None, validate: bool = True,
+        table: str | None = None, validate: bool = False,
     ) -> None:
         super().__init__()
         self.num_embeddings = _positive("num_embeddings", num_embeddings)
@@ -215,6 +210,23 @@ class _NVBase(torch.nn.Module):
             insert_policy=insert_policy)
         self.validate = bool(validate)
         self._tiers.validate = self.validate
+        self._op = ops.register(self._tiers)
+
+    def synchronize(self) -> None:
+        """Wait for this layer's queued lookups, then raise a bad key any of them met.
+
+        With the default ``validate=False`` a lookup on CUDA that meets a key outside a
+        linear table reads a zero row for it and reports the key on the device; the error
+        is raised by the layer's next call, or here at once.
+
+        Raises:
+            BadArgumentError: an earlier lookup held a key outside the table.
+        """
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        check = getattr(self._tiers, "check", None)
+        if check is not None:
+            check.flag.raise_pending()
 
     def _write_args(self, keys: object, values: object | None) -> tuple[torch.Tensor, Any]:
         if not isinstance(keys, torch.Tensor) or keys.dtype != torch.int64 or keys.dim() != 1:
@@ -289,17 +301,22 @@ class NVEmbedding(_NVBase):
         insert_policy: Hierarchical/LinearUVM: which misses enter the caches.
         table: the parameter server table name when ``storage`` is a URL.
         validate: check keys (linear tables: in range) and offsets on the host before each
-            lookup, raising typed errors (one device sync each). ``False`` skips the syncs
-            on CUDA: out-of-range keys then read as zero rows instead of raising. The CPU
-            always checks.
+            lookup, raising typed errors at once (one device sync each). The default,
+            ``False``, costs no sync on CUDA: a key outside a linear table reads as a zero
+            row and the kernel reports it, raised as ``BadArgumentError`` by the layer's
+            next call or by :meth:`synchronize` (offsets are not checked; the kernels
+            clamp bag bounds). The CPU always checks on the host.
     """
 
-    @torch.no_grad()
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - torch's name
         """Rows of ``input`` (int64 keys of any shape): ``[*input.shape, embedding_size]``,
         as ``torch.nn.functional.embedding``."""
         keys = check_keys(input, self.device)
-        rows = self._tiers.rows(keys.reshape(-1).contiguous())
+        flat = keys.reshape(-1).contiguous()
+        if torch.compiler.is_compiling():  # one custom op: no graph break (gpu.ops)
+            rows = ops.rows(flat, self._op)
+        else:
+            rows = self._tiers.rows(flat)
         return rows.view(*keys.shape, self.embedding_size)
 
 
@@ -318,7 +335,6 @@ class NVEmbeddingBag(_NVBase):
         self.mode: PoolingMode = mode
         self.include_last_offset = bool(include_last_offset)
 
-    @torch.no_grad()
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,  # noqa: A002
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         """Pooled rows, one per bag ``[B, embedding_size]``, as
@@ -326,4 +342,7 @@ class NVEmbeddingBag(_NVBase):
         keys, full, weights = bags(input, offsets, per_sample_weights, self.mode,
                                    self.include_last_offset, self.data_type, self.device,
                                    self.validate)
-        return self._tiers.pooled(keys, full, weights, self.mode)
+        if torch.compiler.is_compiling():  # one custom op: no graph break (gpu.ops)
+            return ops.pooled(keys, full, weights, self._op, self.mode)
+        with torch.no_grad():
+            return self._tiers.pooled(keys, full, weights, self.mode)

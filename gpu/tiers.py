@@ -23,7 +23,6 @@ thread's misses never hold up another thread's hits.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from collections.abc import Iterator
@@ -33,13 +32,21 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from hostcache.gate import TableGate, gate_for
 from hostcache.ring import ChangeFeed
 
 from .cache import GPUCache, MissCandidates
 from .errors import KeyNotFoundError, StorageUnavailableError, StorageWriteError
 from .inputs import check_range
+from .key_flag import RangeCheck
 from .layer_config import InsertPolicy, LayerStats, PoolingMode, TierStats
+from .linear_tables import (
+    add_user,
+    registered_rows,
+    remove_user,
+    table_gate,
+    write_linear,
+    write_tensor,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +93,9 @@ class Tiers:
     """Common machinery: the GPU cache, its lock and stream ordering, counters."""
 
     layer_type = "?"
+    #: check offsets on the host (one sync each); linear tables also check their keys there
+    #: (else on the device, gpu.key_flag). The CPU always checks.
+    validate = False
 
     def __init__(self, dim: int, dtype: torch.dtype, device: torch.device,
                  cache_bytes: int) -> None:
@@ -98,13 +108,6 @@ class Tiers:
         self.default_rows = 0
         self.invalidated_keys = 0
         self.full_invalidations = 0
-        #: check keys/offsets on the host (one sync each); off: out-of-range keys read as
-        #: zero rows (the kernels mask them), no sync. The CPU always checks.
-        self.validate = True
-
-    def _checked(self, keys: torch.Tensor, num_rows: int) -> None:
-        if self.validate or self.device.type == "cpu":
-            check_range(keys, num_rows)
 
     @contextmanager
     def _cache_op(self) -> Iterator[None]:
@@ -268,141 +271,6 @@ class Tiers:
         pass
 
 
-def _registered_rows(table: Any, device: torch.device) -> tuple[Any, torch.Tensor]:
-    """(registration or None, rows view on ``device``) of a SharedMemBlock or DistMemBlock."""
-    from .distmem import DistMemBlock
-
-    if isinstance(table, DistMemBlock):
-        return None, table.view(device)  # already mapped for its devices
-    if device.type == "cpu":
-        return None, table.tensor
-    from .hostreg import register
-
-    reg = register(table, device)
-    return reg, reg.rows()
-
-
-def write_linear(block: Any, keys: torch.Tensor, values: torch.Tensor) -> None:
-    """Write rows of a shared linear table; the write is announced to every process."""
-    from .distmem import DistMemBlock
-
-    if isinstance(block, DistMemBlock):
-        block.write(keys, values)  # on the device, no host round trip
-    else:
-        block.write(keys.cpu(), values.cpu())
-
-
-def table_gate(storage: Any, device: torch.device) -> TableGate:
-    """The process's read/write gate of a linear table (a block, or a layer's own tensor),
-    with a drain that waits for ``device``'s queued kernels before any write (they may still
-    be reading the rows)."""
-    if isinstance(storage, torch.Tensor):
-        gate = gate_for(("tensor", str(storage.device), storage.data_ptr()))
-    else:  # a SharedMemBlock or a DistMemBlock
-        gate = storage.gate
-    if device.type == "cuda":
-        gate.add_drain(("cuda", device.index), functools.partial(torch.cuda.synchronize, device))
-    return gate
-
-
-def write_tensor(gate: TableGate, table: torch.Tensor, keys: torch.Tensor,
-                 values: torch.Tensor) -> None:
-    """Write rows of a layer's own table tensor through its gate; on CUDA the rows are in
-    place when this returns (a lookup on another stream that starts later reads them)."""
-    with gate.writing():
-        table[keys.to(table.device)] = values.to(table.device)
-        if table.is_cuda:
-            torch.cuda.current_stream(table.device).synchronize()
-
-
-def _add_user(block: Any, tiers: Tiers) -> None:
-    if hasattr(block, "add_user"):  # a DistMemBlock: closing it first is an order error
-        block.add_user(tiers)
-
-
-def _remove_user(block: Any, tiers: Tiers) -> None:
-    if hasattr(block, "remove_user"):
-        block.remove_user(tiers)
-
-
-class DeviceTable(Tiers):
-    """GPULayer: the table in device memory or any GPU-accessible memory; no cache."""
-
-    layer_type = "GPULayer"
-
-    def __init__(self, table: torch.Tensor | Any, dim: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        super().__init__(dim, dtype, device, 0)
-        self._block = None
-        self._reg = None
-        if isinstance(table, torch.Tensor):
-            self.table = table
-        else:  # a SharedMemBlock or DistMemBlock: one copy serves every process
-            self._block = table
-            self._reg, self.table = _registered_rows(table, device)
-            _add_user(table, self)
-        #: the table is host memory read over the host link (large batches are then visited
-        #: in page order); a tensor or a DistMemBlock is read in batch order
-        self._host = self._reg is not None
-        self._lookups = 0
-        self.num_rows = int(self.table.shape[0])
-        #: the kernels read row ``key`` at ``key * stride(0)`` (rows may be padded, as a
-        #: SharedMemBlock's are); a view whose row elements are not contiguous (a user's
-        #: storage tensor) takes torch's gathers instead
-        self._kernels = (self.cache._kernels if (self.table.stride(-1) == 1 or dim == 1)
-                         and (self.num_rows <= 1 or self.table.stride(0) >= dim) else None)
-        #: lookups hold its read side, writes its write side (no torn rows in this process)
-        self._gate = table_gate(table, device)
-
-    def rows(self, keys: torch.Tensor) -> torch.Tensor:
-        self._checked(keys, self.num_rows)
-        self._lookups += keys.numel()
-        with self._gate:
-            if self._kernels is not None:
-                # NOTE: straight to the gather launch: there is no cache to probe, and the
-                # table and keys are checked already (GPUCache's own checks cost ~10 us of
-                # host time a call, and a 64k-key lookup is bound by host time)
-                return self._kernels.gather(keys, self.table, host_table=self._host)
-            return self.table.index_select(0, keys)
-
-    def pooled(self, keys: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
-               mode: PoolingMode) -> torch.Tensor:
-        self._checked(keys, self.num_rows)
-        self._lookups += keys.numel()
-        with self._gate:
-            if mode != "max" and self._kernels is not None:
-                return self.cache.lookup_linear_pooled(
-                    keys, offsets, self.table, mode, weights, validate=False)[0]
-            return F.embedding_bag(keys, self.table, offsets, mode=mode,
-                                   per_sample_weights=weights, include_last_offset=True)
-
-    def update(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        check_range(keys, self.num_rows, name="keys")
-        if self._block is not None:
-            write_linear(self._block, keys, values)  # gated, announced to other processes
-        else:
-            write_tensor(self._gate, self.table, keys, values)
-        return torch.ones(keys.numel(), dtype=torch.bool, device=keys.device)
-
-    def insert(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self.update(keys, values)
-
-    def erase(self, keys: torch.Tensor) -> None:
-        check_range(keys, self.num_rows, name="keys")  # a linear table keeps its rows
-
-    def clear(self) -> None:
-        pass
-
-    def gpu_stats(self) -> TierStats:
-        return TierStats(hits=self._lookups)
-
-    def close(self) -> None:
-        if self._reg is not None:
-            self._reg.close()
-            self._reg = None
-        _remove_user(self._block, self)
-
-
 class LinearTiers(Tiers):
     """LinearUVM: GPU cache in front of a linear host table read zero-copy on misses."""
 
@@ -418,23 +286,33 @@ class LinearTiers(Tiers):
             self.table = storage
         else:
             self._block = storage
-            self._reg, self.table = _registered_rows(storage, device)
-            _add_user(storage, self)
+            self._reg, self.table = registered_rows(storage, device)
+            add_user(storage, self)
             self._follow(storage)
         #: the table is host memory read over the host link (a DistMemBlock is GPU memory)
         self._host = self._reg is not None
         self.num_rows = int(self.table.shape[0])
         #: lookups hold its read side while they read table rows, writes its write side
         self._gate = table_gate(storage, device)
+        self.check = RangeCheck(device, self.num_rows)
+
+    @property
+    def validate(self) -> bool:
+        return self.check.on_host
+
+    @validate.setter
+    def validate(self, value: bool) -> None:
+        self.check.set_validate(value)
 
     def rows(self, keys: torch.Tensor) -> torch.Tensor:
-        self._checked(keys, self.num_rows)
+        self.check(keys)
         self._drain()
         cand = self._candidates(keys.numel())
         with self._gate, self._cache_op():
             since = self._sync()
             values, hit = self.cache.lookup_linear(keys, self.table, validate=False,
-                                                   candidates=cand, host_table=self._host)
+                                                   candidates=cand, host_table=self._host,
+                                                   err=self.check.err)
         self._admit_misses(keys, hit, since, values, cand)
         return values
 
@@ -442,13 +320,14 @@ class LinearTiers(Tiers):
                mode: PoolingMode) -> torch.Tensor:
         if mode == "max":
             return super().pooled(keys, offsets, weights, mode)
-        self._checked(keys, self.num_rows)
+        self.check(keys)
         self._drain()
         cand = self._candidates(keys.numel())
         with self._gate, self._cache_op():
             since = self._sync()
             out, hit = self.cache.lookup_linear_pooled(keys, offsets, self.table, mode, weights,
-                                                      validate=False, candidates=cand)
+                                                      validate=False, candidates=cand,
+                                                      err=self.check.err)
         self._admit_misses(keys, hit, since, None, cand)
         return out
 
@@ -566,7 +445,7 @@ class LinearTiers(Tiers):
             self._reg = None
         with self._lock:
             self._drop_pending()
-        _remove_user(self._block, self)
+        remove_user(self._block, self)
 
 
 class HierarchicalTiers(Tiers):

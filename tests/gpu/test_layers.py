@@ -460,8 +460,8 @@ def test_gpulayer_kernels_read_contiguous_and_strided_tables(
     from gpu._triton import kernel_module
 
     monkeypatch.setenv(FORCE_TRITON_ENV, "1")
-    kernels = kernel_module("cache_kernels", interpret=True)
-    monkeypatch.setitem(kernels.CONFIG, "linear_page_order", 1)  # every batch, page order
+    kernels = kernel_module("gather_kernels", interpret=True)
+    monkeypatch.setattr(kernels, "PAGE_ORDER_FROM", 1)  # every batch over a host table
     gen = torch.Generator().manual_seed(4)
     wide = torch.randn(ROWS, 2 * DIM, generator=gen)
     keys = torch.randint(0, ROWS, (37,), generator=gen)
@@ -469,16 +469,20 @@ def test_gpulayer_kernels_read_contiguous_and_strided_tables(
     for w in (wide[:, :DIM].contiguous(), wide[:, DIM:], wide[:, ::2]):
         emb = NVEmbedding(ROWS, DIM, torch.float32, LayerType.GPULayer, storage=w,
                           device="cpu")
-        assert (emb._tiers._kernels is not None) == (w.stride(1) == 1)
         assert torch.equal(emb(keys), F.embedding(keys, w))
         bag = NVEmbeddingBag(ROWS, DIM, torch.float32, LayerType.GPULayer, storage=w,
                              device="cpu")
         torch.testing.assert_close(bag(keys, offsets),
                                    F.embedding_bag(keys, w, offsets, mode="sum"))
-    # the gather itself, in batch and in page order: out-of-range keys read zero rows
+    # the gather itself, in batch and in page order: out-of-range keys read zero rows and
+    # one of them lands in the key-error flag
     table = wide[:, :DIM].contiguous()
     odd = torch.cat([keys, torch.tensor([-1, ROWS, 3])])
     want = F.embedding(odd.clamp(0, ROWS - 1), table)
     want[[37, 38]] = 0
     for host_table in (False, True):
-        assert torch.equal(kernels.gather(odd, table, host_table=host_table), want)
+        err = torch.zeros(1, dtype=torch.int64)
+        assert torch.equal(kernels.gather(odd, table, err, host_table=host_table), want)
+        assert int(err) in (-1, ROWS)
+        assert torch.equal(kernels.gather(keys, table, err.zero_(), host_table=host_table),
+                           F.embedding(keys, table)) and int(err) == 0

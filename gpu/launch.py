@@ -1,0 +1,78 @@
+"""Launching a compiled Triton kernel without the JIT's per-call work.
+
+``kernel[grid](*args, **constexprs)`` binds and specializes every argument, hashes a cache
+key and builds launch metadata on every call: on the H200 machine about 30 us of host time
+for the lookup kernel's 35 parameters, against 10 us for the launch itself, while a
+serving-size lookup's kernel runs for 3-10 us (bench/RESULTS.md, "Per-call path").
+:class:`DirectLaunch` binds once: the first call of a variant goes through the JIT (which
+compiles it or loads it from Triton's cache), later calls hand the compiled kernel's
+launcher the arguments directly, as torch inductor's generated launchers do.
+
+What keeps a direct launch exact: the variant is chosen by the caller's ``key`` (the
+constexprs it passes) plus the 16-byte alignment of every pointer argument, which is the
+only specialization the JIT makes for the arguments our kernels do not exclude from it
+(every integer argument of a kernel launched this way is in its ``do_not_specialize``;
+one that does not fit in 32 bits takes the JIT's path). A launch hook (a profiler) or the
+interpreter takes the JIT path too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+_INT32_MAX = (1 << 31) - 1
+
+
+class DirectLaunch:
+    """One Triton kernel's compiled variants, launched with as little host work as possible.
+
+    Args:
+        kernel: The ``@triton.jit`` function; its constexpr parameters come last.
+        num_warps: Warps per program.
+    """
+
+    def __init__(self, kernel: Any, *, num_warps: int = 4) -> None:
+        self._kernel = kernel
+        self._num_warps = num_warps
+        self._variants: dict[tuple[Any, ...], Any] = {}
+        import triton  # NOTE: lazy: only kernel modules build these
+
+        self._knobs = triton.knobs
+        self._interpret = bool(triton.knobs.runtime.interpret)
+        #: the current stream's handle for a device index (what Triton's own launch asks)
+        self._raw_stream: Any = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+    def __call__(self, grid: tuple[int, ...], args: Sequence[Any],
+                 constexprs: dict[str, Any], key: tuple[Any, ...]) -> None:
+        """Launch over ``grid`` (1 to 3 dims) with runtime ``args`` in parameter order and
+        ``constexprs`` (the same dict object for the same ``key``)."""
+        runtime = self._knobs.runtime
+        if self._interpret or runtime.launch_enter_hook is not None or \
+                runtime.launch_exit_hook is not None:
+            self._kernel[grid](*args, **constexprs, num_warps=self._num_warps)
+            return
+        aligned = []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                aligned.append(a.data_ptr() & 15 == 0)
+            elif isinstance(a, int) and not -_INT32_MAX <= a <= _INT32_MAX:
+                # NOTE: a 64-bit integer is another specialization: take the JIT's path
+                self._kernel[grid](*args, **constexprs, num_warps=self._num_warps)
+                return
+        full = (key, *aligned)
+        compiled = self._variants.get(full)
+        if compiled is None:
+            compiled = self._kernel[grid](*args, **constexprs, num_warps=self._num_warps)
+            if hasattr(compiled, "result"):  # an asynchronous compile
+                compiled = compiled.result()
+            self._variants[full] = compiled
+            return  # the JIT launched it
+        device = args[0].device.index
+        stream = self._raw_stream(device)
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata,
+                     None, None, None, *args, *constexprs.values())
