@@ -71,6 +71,11 @@ class DeviceTable:
         self._strided = self._gather is None
         #: lookups hold its read side, writes its write side (no torn rows in this process)
         self._gate = table_gate(table, device)
+        if self._gather is not None and device.type == "cuda":
+            # NOTE: load (or compile) the kernel now, so that the first forward does not pay
+            # it (bench/RESULTS.md, "Per-call path": first forward)
+            probe = torch.zeros(1, dtype=torch.int64, device=device)
+            self._gather(probe, self.table, self.check.flag.device_view, host_table=self._host)
 
     @property
     def validate(self) -> bool:

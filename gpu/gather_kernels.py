@@ -56,7 +56,7 @@ def _gather_kernel(
 
 
 _LAUNCH = DirectLaunch(_gather_kernel, num_warps=WARPS)
-_CONSTEXPRS: dict[tuple[int, bool, bool], dict[str, object]] = {}
+_CONSTEXPRS: dict[tuple[int, bool, bool, torch.dtype], dict[str, object]] = {}
 
 
 def _block_d(dim: int) -> int:
@@ -76,7 +76,8 @@ def gather(keys: torch.Tensor, table: torch.Tensor, err: torch.Tensor | None, *,
     order = None
     if host_table and n >= PAGE_ORDER_FROM:
         order = _page_order(keys, table.shape[0], 0)
-    key = (dim, order is not None, err is not None)
+    # NOTE: the variant: its constexprs and the table's dtype (the pointers' element type)
+    key = (dim, order is not None, err is not None, table.dtype)
     cx = _CONSTEXPRS.get(key)
     if cx is None:
         cx = _CONSTEXPRS[key] = {"DIM": dim, "BLOCK_K": BLOCK_K, "BLOCK_D": _block_d(dim),

@@ -9,11 +9,11 @@ compiles it or loads it from Triton's cache), later calls hand the compiled kern
 launcher the arguments directly, as torch inductor's generated launchers do.
 
 What keeps a direct launch exact: the variant is chosen by the caller's ``key`` (the
-constexprs it passes) plus the 16-byte alignment of every pointer argument, which is the
-only specialization the JIT makes for the arguments our kernels do not exclude from it
-(every integer argument of a kernel launched this way is in its ``do_not_specialize``;
-one that does not fit in 32 bits takes the JIT's path). A launch hook (a profiler) or the
-interpreter takes the JIT path too.
+constexprs it passes) plus the element type and 16-byte alignment of every pointer
+argument, the only specialization the JIT makes for the arguments our kernels do not
+exclude from it (every integer argument of a kernel launched this way is in its
+``do_not_specialize``; one that does not fit in 32 bits takes the JIT's path). A launch
+hook (a profiler) or the interpreter takes the JIT path too.
 """
 
 from __future__ import annotations
@@ -24,6 +24,15 @@ from typing import Any
 import torch
 
 _INT32_MAX = (1 << 31) - 1
+
+
+def _active(hook: Any) -> bool:
+    """Whether a Triton launch hook would do anything (Triton 3.6 keeps an empty
+    ``HookChain`` there; older versions None)."""
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return True if calls is None else bool(calls)
 
 
 class DirectLaunch:
@@ -50,14 +59,14 @@ class DirectLaunch:
         """Launch over ``grid`` (1 to 3 dims) with runtime ``args`` in parameter order and
         ``constexprs`` (the same dict object for the same ``key``)."""
         runtime = self._knobs.runtime
-        if self._interpret or runtime.launch_enter_hook is not None or \
-                runtime.launch_exit_hook is not None:
+        if self._interpret or _active(runtime.launch_enter_hook) or \
+                _active(runtime.launch_exit_hook):
             self._kernel[grid](*args, **constexprs, num_warps=self._num_warps)
             return
         aligned = []
         for a in args:
             if isinstance(a, torch.Tensor):
-                aligned.append(a.data_ptr() & 15 == 0)
+                aligned.append((a.dtype, a.data_ptr() & 15 == 0))
             elif isinstance(a, int) and not -_INT32_MAX <= a <= _INT32_MAX:
                 # NOTE: a 64-bit integer is another specialization: take the JIT's path
                 self._kernel[grid](*args, **constexprs, num_warps=self._num_warps)

@@ -312,11 +312,12 @@ class NVEmbedding(_NVBase):
         """Rows of ``input`` (int64 keys of any shape): ``[*input.shape, embedding_size]``,
         as ``torch.nn.functional.embedding``."""
         keys = check_keys(input, self.device)
-        flat = keys.reshape(-1).contiguous()
         if torch.compiler.is_compiling():  # one custom op: no graph break (gpu.ops)
-            rows = ops.rows(flat, self._op)
+            rows = ops.rows(keys.reshape(-1).contiguous(), self._op)
+        elif keys.dim() == 1 and keys.is_contiguous():  # NOTE: no reshape or view to pay
+            return self._tiers.rows(keys)
         else:
-            rows = self._tiers.rows(flat)
+            rows = self._tiers.rows(keys.reshape(-1).contiguous())
         return rows.view(*keys.shape, self.embedding_size)
 
 

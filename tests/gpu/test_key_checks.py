@@ -76,7 +76,7 @@ def test_cuda_bad_key_reads_zero_and_raises_at_the_next_call(kind: str, bad: int
         # pooled: the bad key adds nothing, and is reported the same way
         pooled = bag(keys.view(1, 3))
         torch.testing.assert_close(pooled, F.embedding_bag(
-            torch.tensor([[3, 7]]), w).cuda())
+            torch.tensor([[3, 7]]), w, mode="sum").cuda())
         with pytest.raises(BadArgumentError, match="outside"):
             bag.synchronize()
         # validate=True raises at once, before anything is read

@@ -1,0 +1,240 @@
+"""Per-call path of the layers (issue 14): what a serving process sees, against torch.
+
+Default constructor arguments everywhere. For each layer type: p50/p99 latency per call
+(a sync after each call, distinct Zipf 1.05 batches) against ``nn.Embedding`` on the same
+keys, back-to-back wall-clock throughput over distinct batches, LinearUVM's warm-up, the
+first forward after construction (a fresh process, Triton's kernel cache warm), and
+``torch.compile``. Prints one JSON line per figure. Run on a CUDA machine:
+``python bench/bench_per_call.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.workloads import ZipfKeys  # noqa: E402
+from gpu import LayerType, NVEmbedding, NVEmbeddingBag  # noqa: E402
+from hostcache import SharedMemBlock  # noqa: E402
+
+DIM = 128
+DEV = torch.device("cuda")
+
+
+def emit(**fields: Any) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def per_call(fn: Callable[[torch.Tensor], Any], batches: list[torch.Tensor],
+             reps: int) -> tuple[float, float]:
+    """(p50, p99) in microseconds of one call followed by a sync, over distinct batches."""
+    for b in batches[:3]:
+        fn(b)
+    torch.cuda.synchronize()
+    ts = []
+    for i in range(reps):
+        b = batches[i % len(batches)]
+        t0 = time.perf_counter()
+        fn(b)
+        torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t0)
+    ts.sort()
+    return ts[len(ts) // 2] * 1e6, ts[min(len(ts) - 1, int(len(ts) * 0.99))] * 1e6
+
+
+def back_to_back(fn: Callable[[torch.Tensor], Any], batches: list[torch.Tensor],
+                 min_s: float = 0.3) -> float:
+    """Seconds per call, wall clock over back-to-back calls on distinct batches."""
+    for b in batches[:3]:
+        fn(b)
+    torch.cuda.synchronize()
+    calls, t0 = 0, time.perf_counter()
+    while calls < 2 * len(batches) or time.perf_counter() - t0 < min_s:
+        fn(batches[calls % len(batches)])
+        calls += 1
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls
+
+
+def stream(z: ZipfKeys, n: int, count: int) -> list[torch.Tensor]:
+    return [z.sample(n).to(DEV) for _ in range(count)]
+
+
+def gpulayer(rows: int, sizes: list[int], reps: int) -> None:
+    w = torch.randn(rows, DIM, device=DEV)
+    emb = NVEmbedding(rows, DIM, torch.float32, LayerType.GPULayer, storage=w, device=DEV)
+    base = torch.nn.Embedding.from_pretrained(w)
+    for n in sizes:
+        batches = stream(ZipfKeys(rows, 1.05, seed=n), n, max(4, min(64, (64 << 20) // n)))
+        assert torch.equal(emb(batches[0]), base(batches[0]))
+        p50, p99 = per_call(emb, batches, reps if n <= 1 << 16 else reps // 4)
+        b50, b99 = per_call(base, batches, reps if n <= 1 << 16 else reps // 4)
+        emit(bench="gpulayer_per_call", batch=n, rows=rows, p50_us=p50, p99_us=p99,
+             torch_p50_us=b50, torch_p99_us=b99, p50_ratio_to_torch=p50 / b50,
+             p99_over_own_p50=p99 / p50)
+    for alpha in (1.05, 0.0):
+        for n in (1 << 16, 1 << 18, 1 << 20):
+            batches = stream(ZipfKeys(rows, alpha, seed=7), n, 16)
+            t, tb = back_to_back(emb, batches), back_to_back(base, batches)
+            emit(bench="gpulayer_back_to_back", alpha=alpha, batch=n, rows=rows,
+                 mkeys_s=n / t / 1e6, torch_mkeys_s=n / tb / 1e6, speedup=tb / t)
+    small = torch.randn(1 << 20, DIM, device=DEV)
+    emb_s = NVEmbedding(1 << 20, DIM, torch.float32, LayerType.GPULayer, storage=small,
+                        device=DEV)
+    base_s = torch.nn.Embedding.from_pretrained(small)
+    batches = [b.view(128, 128) for b in stream(ZipfKeys(1 << 20, 1.05, seed=8), 128 * 128,
+                                                 64)]
+    t, tb = back_to_back(emb_s, batches), back_to_back(base_s, batches)
+    emit(bench="gpulayer_back_to_back_128x128", rows=1 << 20, speedup=tb / t,
+         us_per_step=t * 1e6, torch_us_per_step=tb * 1e6)
+    bag = NVEmbeddingBag(rows, DIM, torch.float32, LayerType.GPULayer, storage=w, device=DEV)
+    base_bag = torch.nn.EmbeddingBag.from_pretrained(w, mode="sum")
+    for alpha in (1.05, 0.0):
+        batches = [b.view(256, 1024) for b in stream(ZipfKeys(rows, alpha, seed=9), 1 << 18,
+                                                      16)]
+        torch.testing.assert_close(bag(batches[0]), base_bag(batches[0]), rtol=1e-4,
+                                   atol=1e-3)
+        t, tb = back_to_back(bag, batches), back_to_back(base_bag, batches)
+        emit(bench="gpulayer_pooled_back_to_back", alpha=alpha, bags=256, keys_per_bag=1024,
+             speedup=tb / t, mkeys_s=(1 << 18) / t / 1e6)
+    compiled = torch.compile(emb, fullgraph=True, mode="reduce-overhead")
+    for n in (1024, 4096):
+        batches = stream(ZipfKeys(rows, 1.05, seed=n), n, 64)
+        for b in batches[:4]:
+            assert torch.equal(compiled(b).clone(), base(b))
+        p50, p99 = per_call(compiled, batches, reps)
+        b50, _ = per_call(base, batches, reps)
+        emit(bench="gpulayer_compiled_reduce_overhead", batch=n, p50_us=p50, p99_us=p99,
+             torch_p50_us=b50, p50_ratio_to_torch=p50 / b50)
+    emb.close()
+
+
+def linear_uvm(name: str, rows: int, sizes: list[int], reps: int, big_rows: int) -> None:
+    for table_rows, what in ((rows, "latency"), (big_rows, "throughput")):
+        mb = SharedMemBlock.create(name, num_rows=table_rows, dim=DIM)
+        try:
+            chunk = 1 << 20
+            for s in range(0, table_rows, chunk):
+                idx = torch.arange(s, min(table_rows, s + chunk))
+                mb.write(idx, torch.randn(idx.numel(), DIM))
+            cache = table_rows // 10 * (DIM * 4 + 12)
+            emb = NVEmbedding(table_rows, DIM, torch.float32, LayerType.LinearUVM,
+                              gpu_cache_size=cache, storage=mb, device=DEV)
+            if what == "latency":
+                hbm = torch.nn.Embedding.from_pretrained(mb.tensor.to(DEV).contiguous())
+                for n in sizes:
+                    batches = stream(ZipfKeys(table_rows, 1.05, seed=3), n,
+                                     max(8, (8 << 20) // n))
+                    for b in batches:  # to steady state
+                        emb(b)
+                    before = emb.stats().gpu
+                    p50, p99 = per_call(emb, batches, reps)
+                    after = emb.stats().gpu
+                    b50, _ = per_call(hbm, batches, reps)
+                    hits = after.hits - before.hits
+                    emit(bench="linear_uvm_per_call", batch=n, rows=table_rows, p50_us=p50,
+                         p99_us=p99, torch_p50_us=b50, p50_ratio_to_torch=p50 / b50,
+                         p99_over_own_p50=p99 / p50,
+                         hit_rate=hits / max(1, hits + after.misses - before.misses))
+            else:
+                view = emb._tiers.table  # the registered zero-copy view of the table
+                for n in (1 << 16, 1 << 18, 1 << 20):
+                    batches = stream(ZipfKeys(table_rows, 1.05, seed=4), n,
+                                     max(8, (16 << 20) // n))
+                    for b in batches:
+                        emb(b)
+                    t = back_to_back(emb, batches)
+                    tb = back_to_back(lambda k, v=view: v.index_select(0, k), batches[:8])
+                    emit(bench="linear_uvm_back_to_back", batch=n, rows=table_rows,
+                         mkeys_s=n / t / 1e6, index_select_mkeys_s=n / tb / 1e6,
+                         speedup=tb / t)
+                for n in (1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20):
+                    fresh = NVEmbedding(table_rows, DIM, torch.float32, LayerType.LinearUVM,
+                                        gpu_cache_size=cache, storage=mb, device=DEV)
+                    z = ZipfKeys(table_rows, 1.05, seed=5)
+                    rates = []
+                    for _ in range(3):  # keys 0-16M, 16M-32M, 32M-48M
+                        before = fresh.stats().gpu
+                        for _ in range((16 << 20) // n):
+                            fresh(z.sample(n).to(DEV))
+                        a = fresh.stats().gpu
+                        h, m = a.hits - before.hits, a.misses - before.misses
+                        rates.append(h / max(1, h + m))
+                    emit(bench="linear_uvm_warm_up", batch=n, rows=table_rows,
+                         hit_rate_first_16m=rates[0], hit_rate_16m_32m=rates[1],
+                         steady_hit_rate=rates[2], points_behind_after_16m=100 * (
+                             rates[2] - rates[1]))
+                    fresh.close()
+            emb.close()
+        finally:
+            mb.close()
+            SharedMemBlock.unlink(name)
+
+
+FIRST = """
+import time, torch; t0 = time.perf_counter()
+from gpu import LayerType, NVEmbedding
+e = NVEmbedding(1 << 20, 128, torch.float32, LayerType.{lt}, device="cuda"{extra})
+k = torch.randint(0, 1 << 20, (1024,), device="cuda"); torch.cuda.synchronize()
+t1 = time.perf_counter(); e(k); torch.cuda.synchronize(); t2 = time.perf_counter()
+print(t1 - t0, t2 - t1)
+"""
+
+
+def first_forward(name: str) -> None:
+    """Construction to first lookup in fresh processes: Triton's cache cold, then warm."""
+    mb = SharedMemBlock.create(name, num_rows=1 << 20, dim=DIM)
+    try:
+        env = dict(os.environ, TRITON_CACHE_DIR=f"/tmp/nvec-first-{os.getpid()}")
+        for lt, extra in (("GPULayer", ""), ("LinearUVM", f", storage=__import__('hostcache')"
+                                             f".SharedMemBlock.attach({name!r}), "
+                                             "gpu_cache_size=1 << 26")):
+            for cache in ("cold", "warm"):
+                t_start = time.perf_counter()
+                out = subprocess.run([sys.executable, "-c", FIRST.format(lt=lt, extra=extra)],
+                                     env=env, capture_output=True, text=True, check=True)
+                wall = time.perf_counter() - t_start
+                setup, first = (float(x) for x in out.stdout.split())
+                emit(bench="first_forward", layer=lt, triton_cache=cache,
+                     first_forward_ms=first * 1e3, import_and_construct_ms=setup * 1e3,
+                     process_start_to_first_lookup_ms=wall * 1e3)
+    finally:
+        mb.close()
+        SharedMemBlock.unlink(name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", action="append", choices=["gpu", "linear", "first"])
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_per_call needs a CUDA GPU", file=sys.stderr)
+        return 2
+    only = set(args.only or ["gpu", "linear", "first"])
+    reps = 100 if args.quick else 400
+    sizes = [1 << 10, 1 << 12, 1 << 14]
+    name = f"bench-per-call-{os.getpid()}"
+    if "gpu" in only:
+        gpulayer(1 << 20 if args.quick else 1 << 24, sizes + [1 << 16, 1 << 18, 1 << 20],
+                 reps)
+    if "linear" in only:
+        linear_uvm(name, 1 << 20, sizes, reps, 1 << 20 if args.quick else 1 << 22)
+    if "first" in only:
+        first_forward(name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
