@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import psclient  # noqa: E402
 from bench.workloads import ZipfKeys  # noqa: E402
-from gpu import InsertPolicy, LayerType, NVEmbedding, NVEmbeddingBag, tiers  # noqa: E402
+from gpu import InsertPolicy, LayerType, NVEmbedding, NVEmbeddingBag  # noqa: E402
 from hostcache import HostCache, SharedMemBlock  # noqa: E402
 
 DIM = 128
@@ -156,15 +156,6 @@ def linear_uvm(device: torch.device, rows: int, batches: list[int], reps: int) -
             assert torch.equal(emb(keys), table_view.index_select(0, keys))
             tb = timed(lambda k=keys: table_view.index_select(0, k), device, reps, wall=True)
             extra: dict[str, Any] = {}
-            # the same layer with the earlier admissions (one host sync per lookup)
-            tiers.SYNC_FREE_ADMISSION = False
-            try:
-                assert torch.equal(emb(keys), table_view.index_select(0, keys))
-                t_sync = timed(cycle(emb, stream), device, reps, wall=True)
-            finally:
-                tiers.SYNC_FREE_ADMISSION = True
-            extra.update(synced_admission_mkps=n / t_sync / 1e6,
-                         synced_admission_ratio=tb / t_sync)
             if emb._tiers.cache.backend == "triton":
                 # the same layer with every batch visited in batch order, or in host-page
                 # order; the default picks by batch size (CONFIG["linear_page_order"])

@@ -19,6 +19,7 @@ from .errors import (
 )
 from .layer_config import InsertPolicy, LayerStats, LayerType, TierStats
 from .layers import NVEmbedding, NVEmbeddingBag
+from .tier_config import TierConfig
 
 __all__ = [
     "BadArgumentError",
@@ -37,5 +38,6 @@ __all__ = [
     "NVEmbeddingBag",
     "StorageUnavailableError",
     "StorageWriteError",
+    "TierConfig",
     "TierStats",
 ]

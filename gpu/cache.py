@@ -225,6 +225,26 @@ class GPUCache:
         return self._lookup_rows(keys, table, self._checks.candidates(candidates), host_table,
                                  err)
 
+    def gather_linear(
+        self, keys: torch.Tensor, table: torch.Tensor, *,
+        candidates: MissCandidates | None, host_table: bool, err: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """:meth:`lookup_linear` for a caller that checked its arguments (a layer's stack):
+        no argument checks, no hit flags; keys outside the table read zero rows."""
+        cand = candidates.buffer if candidates is not None else None
+        if self._kernels is not None:
+            rotate = (self._lookups * _GOLDEN) & _INT32_MAX
+            self._lookups += keys.numel()
+            self._will_count(keys.numel())
+            out, _, _ = self._kernels.lookup(
+                keys, self._tkeys, self._counters, self._rows, self._hits, self.num_buckets,
+                self.ways, empty=EMPTY_KEY, gather=True, count=True, want_slots=False,
+                table=table, candidates=cand, host_table=host_table, cmax=twin.COUNTER_MAX,
+                rotate=rotate, err=err, want_hit=False)
+            assert out is not None
+            return out
+        return self._lookup_rows(keys, table, cand, host_table)[0]
+
     def _lookup_rows(
         self, keys: torch.Tensor, table: torch.Tensor | None,
         cand: torch.Tensor | None = None, host_table: bool = True,
@@ -357,8 +377,8 @@ class GPUCache:
 
         Duplicate keys keep their last occurrence; see ``gpu.cache_twin`` for the batch
         rules. Keys already cached are overwritten in place. No host sync with
-        ``validate=False`` (then a key equal to the empty marker is stored as an empty slot,
-        i.e. dropped, instead of raising).
+        ``validate=False`` (then a key equal to the empty marker is skipped instead of
+        raising: a batch may be padded with it).
 
         Raises:
             BadArgumentError: Bad keys/values, or a key equal to the reserved empty marker.

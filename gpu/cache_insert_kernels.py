@@ -72,7 +72,8 @@ def _insert_probe_kernel(
     is_last = kmask & ((offs + 1 >= n) | (nxt != k))
     hit, slot = probe(tkeys_ptr, k, kmask, num_buckets, WAYS, EMPTY)
     present = is_last & hit
-    fresh = is_last & (hit == 0)
+    # NOTE: the empty marker is never placed (a padded batch: gpu.miss_log)
+    fresh = is_last & (hit == 0) & (k != EMPTY)
     tl.store(skey_ptr + offs, tl.where(fresh, bucket_of(k, num_buckets), num_buckets),
              mask=kmask)
     tl.store(slot_ptr + offs, tl.where(present, slot, -1), mask=kmask)

@@ -48,6 +48,7 @@ import triton.language as tl
 
 from gpu._triton import helper_module
 from gpu.devices import on_tensor_device
+from gpu.launch import DirectLaunch
 
 # NOTE: the per-block device functions, decorated like this module's kernels (compiled or
 # interpreted)
@@ -284,6 +285,11 @@ if triton.knobs.runtime.interpret:
     CONFIG.update(lookup_block_k=8, pooled_block_k=8)
 
 
+#: the lookup kernel launched directly (gpu.launch), and its constexpr sets by key
+_LOOKUP = DirectLaunch(_lookup_kernel)
+_LOOKUP_CX: dict[tuple[object, ...], dict[str, object]] = {}
+
+
 # NOTE: plain integer helpers: triton.cdiv / triton.next_power_of_2 are constexpr
 # functions in Triton 3.6 and cost microseconds of host time per call.
 def _cdiv(a: int, b: int) -> int:
@@ -310,8 +316,8 @@ def lookup(
     stats: torch.Tensor, num_buckets: int, ways: int, *, empty: int, gather: bool,
     count: bool, want_slots: bool, table: torch.Tensor | None = None,
     candidates: torch.Tensor | None = None, host_table: bool = True, cmax: int,
-    rotate: int = 0, err: torch.Tensor | None = None,
-) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    rotate: int = 0, err: torch.Tensor | None = None, want_hit: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Probe (+ gather, + linear-table misses) of ``keys``: ``(values, hit, slots)``.
 
     Hit slots' counters get one unsaturated add per key (the caller clamps lazily), none
@@ -321,34 +327,41 @@ def lookup(
     ``host_table``: the linear table lives in host memory, so large batches are visited
     in host-page order (a table in GPU memory never is); ``rotate`` shifts where that order
     starts (see :func:`page_order`). ``err``: the layer's key-error flag (int64 ``[1]``,
-    ``gpu.key_flag``) that receives a key outside the linear table.
+    ``gpu.key_flag``) that receives a key outside the linear table. ``want_hit=False``:
+    no hit flags (None returned).
     """
     n = keys.numel()
     dim = rows.shape[1]
-    out = torch.empty((n, dim), dtype=rows.dtype, device=keys.device) if gather else None
-    hit = torch.empty(n, dtype=torch.bool, device=keys.device)
-    slots = torch.empty(n, dtype=torch.int64, device=keys.device) if want_slots else None
+    dev = keys.device
+    out = torch.empty((n, dim), dtype=rows.dtype, device=dev) if gather else None
+    hit = torch.empty(n, dtype=torch.bool, device=dev) if want_hit else None
+    slots = torch.empty(n, dtype=torch.int64, device=dev) if want_slots else None
     if n == 0:
         return out, hit, slots
-    bk = CONFIG["lookup_block_k"]
     bd = _block_d(dim)
     linear = table is not None
     order = _visit_order(keys, table, host_table, rotate) if gather else None
-    _lookup_kernel[(_cdiv(n, bk),)](
-        keys, n, tkeys, counters, rows, stats, max(num_buckets, 1),
-        out if out is not None else keys, hit.view(torch.int8),
-        slots if slots is not None else keys, table if linear else rows,
-        table.shape[0] if table is not None else 0, _row_stride(table, dim), dim,
-        candidates if candidates is not None else keys, _cand_cap(candidates),
-        order if order is not None else keys, err if err is not None else keys,
-        HAS_CACHE=num_buckets > 0, GATHER=gather, LINEAR=linear, WRITE_SLOTS=want_slots,
-        COUNT=count, COLLECT=candidates is not None, WAYS=ways,
-        EMPTY=empty, STAT_STRIPES=stats.numel(),
-        BLOCK_K=bk, BLOCK_D=bd, EVEN_D=bd == dim, STREAM=bool(CONFIG["lookup_stream"]),
-        AGG=bool(CONFIG["lookup_agg"]), SKIP_SAT=bool(CONFIG["skip_saturated"]),
-        CMAX=cmax, ORDERED=order is not None, WRITE_HIT=True,
-        CHECK=err is not None and linear, num_warps=CONFIG["lookup_warps"],
-    )
+    cxkey = (num_buckets > 0, gather, linear, want_slots, count, candidates is not None,
+             ways, empty, stats.numel(), bd, cmax, order is not None, want_hit,
+             err is not None and linear, tuple(CONFIG.values()))
+    cx = _LOOKUP_CX.get(cxkey)
+    if cx is None:
+        cx = _LOOKUP_CX[cxkey] = dict(
+            HAS_CACHE=cxkey[0], GATHER=gather, LINEAR=linear, WRITE_SLOTS=want_slots,
+            COUNT=count, COLLECT=cxkey[5], WAYS=ways, EMPTY=empty, STAT_STRIPES=cxkey[8],
+            BLOCK_K=CONFIG["lookup_block_k"], BLOCK_D=bd, EVEN_D=bd == dim,
+            STREAM=bool(CONFIG["lookup_stream"]), AGG=bool(CONFIG["lookup_agg"]),
+            SKIP_SAT=bool(CONFIG["skip_saturated"]), CMAX=cmax, ORDERED=cxkey[11],
+            WRITE_HIT=want_hit, CHECK=cxkey[13], num_warps=CONFIG["lookup_warps"])
+    _LOOKUP(
+        (_cdiv(n, CONFIG["lookup_block_k"]),),
+        (keys, n, tkeys, counters, rows, stats, max(num_buckets, 1),
+         out if out is not None else keys, hit.view(torch.int8) if hit is not None else keys,
+         slots if slots is not None else keys, table if linear else rows,
+         table.shape[0] if table is not None else 0, _row_stride(table, dim), dim,
+         candidates if candidates is not None else keys, _cand_cap(candidates),
+         order if order is not None else keys, err if err is not None else keys),
+        cx, cxkey)
     return out, hit, slots
 
 

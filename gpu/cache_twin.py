@@ -191,7 +191,7 @@ def plan_insert(
     is_last[:-1] = ks[1:] != ks[:-1]
     hit, slot = probe(tkeys, num_buckets, ways, ks)
     present = is_last & hit
-    fresh = is_last & ~hit
+    fresh = is_last & ~hit & (ks != EMPTY_KEY)  # the empty marker is never placed
     # new keys by bucket; ascending keys inside a bucket (ks is sorted, the sort is stable)
     skey = torch.where(fresh, bucket_of(ks, num_buckets), num_buckets)
     sb, order = torch.sort(skey, stable=True)

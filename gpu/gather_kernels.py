@@ -55,7 +55,7 @@ def _gather_kernel(
         tl.store(err_ptr + offs * 0, keys, mask=bad)
 
 
-_LAUNCH = DirectLaunch(_gather_kernel, num_warps=WARPS)
+_LAUNCH = DirectLaunch(_gather_kernel)
 _CONSTEXPRS: dict[tuple[int, bool, bool, torch.dtype], dict[str, object]] = {}
 
 
@@ -81,7 +81,7 @@ def gather(keys: torch.Tensor, table: torch.Tensor, err: torch.Tensor | None, *,
     cx = _CONSTEXPRS.get(key)
     if cx is None:
         cx = _CONSTEXPRS[key] = {"DIM": dim, "BLOCK_K": BLOCK_K, "BLOCK_D": _block_d(dim),
-                                 "ORDERED": key[1], "CHECK": key[2]}
+                                 "ORDERED": key[1], "CHECK": key[2], "num_warps": WARPS}
     _LAUNCH(((n + BLOCK_K - 1) // BLOCK_K,),
             (keys, n, table, table.shape[0], table.stride(0), out,
              err if err is not None else keys, order if order is not None else keys),

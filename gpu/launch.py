@@ -9,10 +9,9 @@ compiles it or loads it from Triton's cache), later calls hand the compiled kern
 launcher the arguments directly, as torch inductor's generated launchers do.
 
 What keeps a direct launch exact: the variant is chosen by the caller's ``key`` (the
-constexprs it passes) plus the element type and 16-byte alignment of every pointer
-argument, the only specialization the JIT makes for the arguments our kernels do not
-exclude from it (every integer argument of a kernel launched this way is in its
-``do_not_specialize``; one that does not fit in 32 bits takes the JIT's path). A launch
+constexprs it passes) plus what the JIT specializes the other arguments on: each
+pointer's element type and 16-byte alignment, and whether each integer is 1 or a
+multiple of 16 (an integer that does not fit in 32 bits takes the JIT's path). A launch
 hook (a profiler) or the interpreter takes the JIT path too.
 """
 
@@ -46,7 +45,7 @@ class DirectLaunch:
     def __init__(self, kernel: Any, *, num_warps: int = 4) -> None:
         self._kernel = kernel
         self._num_warps = num_warps
-        self._variants: dict[tuple[Any, ...], Any] = {}
+        self._variants: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...]]] = {}
         import triton  # NOTE: lazy: only kernel modules build these
 
         self._knobs = triton.knobs
@@ -57,31 +56,37 @@ class DirectLaunch:
     def __call__(self, grid: tuple[int, ...], args: Sequence[Any],
                  constexprs: dict[str, Any], key: tuple[Any, ...]) -> None:
         """Launch over ``grid`` (1 to 3 dims) with runtime ``args`` in parameter order and
-        ``constexprs`` (the same dict object for the same ``key``)."""
+        ``constexprs`` by name (``num_warps`` among them, or the default); ``key`` names
+        the constexprs (the same key, the same values)."""
+        if "num_warps" not in constexprs:
+            constexprs = {**constexprs, "num_warps": self._num_warps}
         runtime = self._knobs.runtime
         if self._interpret or _active(runtime.launch_enter_hook) or \
                 _active(runtime.launch_exit_hook):
-            self._kernel[grid](*args, **constexprs, num_warps=self._num_warps)
+            self._kernel[grid](*args, **constexprs)
             return
-        aligned = []
+        spec: list[Any] = [key]
         for a in args:
             if isinstance(a, torch.Tensor):
-                aligned.append((a.dtype, a.data_ptr() & 15 == 0))
-            elif isinstance(a, int) and not -_INT32_MAX <= a <= _INT32_MAX:
-                # NOTE: a 64-bit integer is another specialization: take the JIT's path
-                self._kernel[grid](*args, **constexprs, num_warps=self._num_warps)
-                return
-        full = (key, *aligned)
-        compiled = self._variants.get(full)
-        if compiled is None:
-            compiled = self._kernel[grid](*args, **constexprs, num_warps=self._num_warps)
+                spec.append((a.dtype, a.data_ptr() & 15 == 0))
+            elif isinstance(a, int):
+                if not -_INT32_MAX <= a <= _INT32_MAX:
+                    # NOTE: a 64-bit integer is another specialization: the JIT's path
+                    self._kernel[grid](*args, **constexprs)
+                    return
+                spec.append((a == 1, a & 15 == 0))
+        full = tuple(spec)
+        variant = self._variants.get(full)
+        if variant is None:
+            compiled = self._kernel[grid](*args, **constexprs)
             if hasattr(compiled, "result"):  # an asynchronous compile
                 compiled = compiled.result()
-            self._variants[full] = compiled
+            order = [self._kernel.arg_names[i] for i in sorted(self._kernel.constexprs)]
+            self._variants[full] = (compiled, tuple(constexprs[n] for n in order))
             return  # the JIT launched it
-        device = args[0].device.index
-        stream = self._raw_stream(device)
+        compiled, cx = variant
+        stream = self._raw_stream(args[0].device.index)
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
         compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata,
-                     None, None, None, *args, *constexprs.values())
+                     None, None, None, *args, *cx)

@@ -1,7 +1,8 @@
 """The torch layers users put in serving code: ``NVEmbedding`` and ``NVEmbeddingBag``.
 
 Forward semantics are torch's (``F.embedding`` / ``F.embedding_bag``); where the rows
-come from is the :class:`~gpu.layer_config.LayerType`'s business (see ``gpu.tiers``).
+come from is the :class:`~gpu.layer_config.LayerType`'s business: one stack per type,
+``gpu.device_table``, ``gpu.linear_stack``, ``gpu.hierarchical_stack``.
 Inference only: outputs carry no autograd history.
 
 Writes per layer type:
@@ -34,10 +35,12 @@ from .device_table import DeviceTable
 from .devices import resolve_device
 from .distmem import DistMemBlock
 from .errors import BadArgumentError
+from .hierarchical_stack import HierarchicalStack
 from .inputs import bags, check_keys, check_values
 from .layer_config import InsertPolicy, LayerStats, LayerType, PoolingMode
+from .linear_stack import LinearStack
 from .linear_tables import table_gate, write_linear, write_tensor
-from .tiers import HierarchicalTiers, LinearTiers, Tiers
+from .tier_config import DEFAULT, TierConfig
 
 logger = logging.getLogger(__name__)
 
@@ -88,12 +91,15 @@ def _write_init(storage: Any, init: torch.Tensor | None) -> None:
 def _build_tiers(
     num_embeddings: int, dim: int, dtype: torch.dtype, layer_type: LayerType, device: torch.device,
     *, gpu_cache_size: int, host_cache: Any, storage: Any, weight_init: Any, table: str | None,
-    default_row: Any, insert_policy: InsertPolicy | None,
-) -> Tiers | DeviceTable:
+    default_row: Any, insert_policy: InsertPolicy | None, tuning: TierConfig | None,
+) -> DeviceTable | LinearStack | HierarchicalStack:
     linear_blocks = (SharedMemBlock, DistMemBlock)
     policy = insert_policy if insert_policy is not None else InsertPolicy()
     if not isinstance(policy, InsertPolicy):
         raise BadArgumentError("insert_policy must be a gpu.InsertPolicy")
+    config = DEFAULT if tuning is None else tuning
+    if not isinstance(config, TierConfig):
+        raise BadArgumentError("tuning must be a gpu.TierConfig")
     if layer_type is not LayerType.Hierarchical and host_cache is not None:
         raise BadArgumentError(f"host_cache is only used by LayerType.Hierarchical, not "
                                f"{layer_type.name}")
@@ -142,7 +148,7 @@ def _build_tiers(
                 "weight_init is written into it"
             )
         _write_init(storage, init)
-        return LinearTiers(storage, dim, dtype, device, gpu_cache_size, policy)
+        return LinearStack(storage, dim, dtype, device, gpu_cache_size, policy, config)
 
     if layer_type is not LayerType.Hierarchical:
         raise BadArgumentError(f"layer_type must be a gpu.LayerType; got {layer_type!r}")
@@ -176,8 +182,8 @@ def _build_tiers(
             raise BadArgumentError(f"default_row must be a scalar or a [{dim}] row; got shape "
                                    f"{tuple(default.shape)}")
         default = default.to(device)
-    return HierarchicalTiers(host_cache, storage, dim, dtype, device, gpu_cache_size, policy,
-                             default)
+    return HierarchicalStack(host_cache, storage, dim, dtype, device, gpu_cache_size, policy,
+                             default, config)
 
 
 class _NVBase(torch.nn.Module):
@@ -187,7 +193,7 @@ class _NVBase(torch.nn.Module):
         storage: Any = None, weight_init: torch.Tensor | None = None,
         optimize_for_training: bool = False, device: object = None,
         default_row: Any = None, insert_policy: InsertPolicy | None = None,
-        table: str | None = None, validate: bool = False,
+        table: str | None = None, validate: bool = False, tuning: TierConfig | None = None,
     ) -> None:
         super().__init__()
         self.num_embeddings = _positive("num_embeddings", num_embeddings)
@@ -207,7 +213,7 @@ class _NVBase(torch.nn.Module):
             num_embeddings, embedding_size, data_type, layer_type, self.device,
             gpu_cache_size=gpu_cache_size, host_cache=host_cache, storage=storage,
             weight_init=weight_init, table=table, default_row=default_row,
-            insert_policy=insert_policy)
+            insert_policy=insert_policy, tuning=tuning)
         self.validate = bool(validate)
         self._tiers.validate = self.validate
         self._op = ops.register(self._tiers)
@@ -264,6 +270,19 @@ class _NVBase(torch.nn.Module):
         """Drop every cached row of this layer's caches."""
         self._tiers.clear()
 
+    def in_gpu_cache(self, keys: torch.Tensor) -> torch.Tensor:
+        """bool ``[N]``: which keys this layer's GPU cache holds now (not counted as a
+        lookup; a GPULayer has no cache: all False)."""
+        keys, _ = self._write_args(keys, None)
+        if isinstance(self._tiers, DeviceTable):
+            return torch.zeros(keys.numel(), dtype=torch.bool, device=keys.device)
+        return self._tiers.in_cache(keys).to(keys.device)
+
+    def flush(self) -> None:
+        """Admit what waits for an admission round now (LinearUVM: the logged misses)."""
+        if isinstance(self._tiers, LinearStack):
+            self._tiers.flush()
+
     def stats(self) -> LayerStats:
         """Per-tier counters of this layer (this process), plus node-wide host counters."""
         return self._tiers.stats()
@@ -299,6 +318,7 @@ class NVEmbedding(_NVBase):
         default_row: Hierarchical: row (or scalar) for keys in no tier; None raises
             KeyNotFoundError (and StorageUnavailableError while the PS is down).
         insert_policy: Hierarchical/LinearUVM: which misses enter the caches.
+        tuning: Hierarchical/LinearUVM: admission tunables (a :class:`TierConfig`).
         table: the parameter server table name when ``storage`` is a URL.
         validate: check keys (linear tables: in range) and offsets on the host before each
             lookup, raising typed errors at once (one device sync each). The default,

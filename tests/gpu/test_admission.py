@@ -1,4 +1,5 @@
-"""The GPU cache's admission rounds keep a small cache's hot rows (gpu.tiers).
+"""The GPU cache's admission rounds keep a small cache's hot rows (gpu.admission,
+gpu.miss_log).
 
 Everything random is seeded: the Zipf key stream (its own generators) and the rounds'
 sampling of miss occurrences (torch's default generator, seeded inside ``fork_rng``), so
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from gpu import LayerType, NVEmbedding, tiers
+from gpu import LayerType, NVEmbedding, TierConfig
 
 ROWS = 1 << 17
 DIM = 4
@@ -42,18 +43,18 @@ class Run:
     slots: int  # the cache's slots (an upper bound: rows * cache fraction)
 
 
-def run(monkeypatch: pytest.MonkeyPatch, table: torch.Tensor, fraction: float,
-        cache: float, batch: int) -> Run:
+def run(table: torch.Tensor, fraction: float, cache: float, batch: int,
+        **tuning: float) -> Run:
     """A LinearUVM layer whose cache holds ``cache`` of the rows, behind Zipf 1.05 batches,
     with warm rounds capped at ``fraction`` of the slots."""
-    monkeypatch.setattr(tiers, "WARM_ROUND_FRACTION", fraction)
     slots = int(ROWS * cache)
     keys = ZipfKeys(ROWS, 1.05, seed=5)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)  # the rounds' samples of miss occurrences (torch.randperm)
         layer = NVEmbedding(ROWS, DIM, torch.float32, LayerType.LinearUVM,
                             gpu_cache_size=slots * (8 + 4 + DIM * 4), storage=table,
-                            device="cpu")
+                            device="cpu",
+                            tuning=TierConfig(warm_round_fraction=fraction, **tuning))
         for _ in range(WARM):
             layer(keys.sample(batch))
         before = layer.stats().gpu
@@ -69,20 +70,21 @@ def table() -> torch.Tensor:
     return torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(0))
 
 
-def test_warm_cap_keeps_a_small_cache_hot_behind_large_batches(monkeypatch, table) -> None:
-    # a 1% cache, batches of 6% of the keys: uncapped rounds replace the whole cache
-    fraction = tiers.WARM_ROUND_FRACTION
-    capped = run(monkeypatch, table, fraction, 0.01, 8192)
-    uncapped = run(monkeypatch, table, 1.0, 0.01, 8192)
+def test_warm_cap_keeps_a_small_cache_hot_behind_large_batches(table) -> None:
+    # a 1% cache, batches of 6% of the keys (a round after every lookup: 4x the slots)
+    fraction = TierConfig().warm_round_fraction
+    capped = run(table, fraction, 0.01, 8192)
+    uncapped = run(table, 1.0, 0.01, 8192)
     # a lookup runs at most one round, and a warm round admits at most its cap
     assert capped.inserts <= MEASURED * max(1, int(capped.slots * fraction))
     assert uncapped.inserts > capped.inserts  # uncapped rounds do replace more
     assert capped.hit_rate > uncapped.hit_rate + 0.10, (capped, uncapped)
 
 
-def test_warm_cap_changes_nothing_where_rounds_are_small(monkeypatch, table) -> None:
-    # a 10% cache: rounds stay under 1/8 of its slots, so the cap never bites
-    capped = run(monkeypatch, table, tiers.WARM_ROUND_FRACTION, 0.1, 512)
-    uncapped = run(monkeypatch, table, 1.0, 0.1, 512)
+def test_warm_cap_changes_nothing_where_rounds_are_small(table) -> None:
+    # a 10% cache, a round after every lookup: each round's misses stay under 1/8 of its
+    # slots, so the cap never bites
+    capped = run(table, TierConfig().warm_round_fraction, 0.1, 512, round_lookups=1)
+    uncapped = run(table, 1.0, 0.1, 512, round_lookups=1)
     assert capped == uncapped
     assert 0.0 < capped.hit_rate < 1.0

@@ -353,63 +353,40 @@ def test_mismatched_tables_are_refused(table_name, tmp_path) -> None:
         NVEmbedding(ROWS, DIM, torch.float32, LayerType.Hierarchical, device="cpu")
 
 
-def test_admissions_are_batched_and_writes_drop_pending_rows(table_name) -> None:
-    """A large cache admits misses in batches (ADMIT_BATCHES lookups), never stale ones."""
-    from gpu import tiers
+def test_linear_misses_are_admitted_in_rounds_with_fresh_rows(table_name) -> None:
+    """A LinearUVM cache logs its misses and admits them when a round is due (while it
+    fills: every ``admit_fraction`` of its slots of keys looked up); a write between the
+    lookups and the round is what the round admits, never the row the lookup read."""
+    from gpu import TierConfig
 
     weights = torch.randn(ROWS, DIM)
+    slots = 1 << 10
     with SharedMemBlock.create(table_name, num_rows=ROWS, dim=DIM) as mb:
         try:
             mb.write(torch.arange(ROWS), weights)
             layer = NVEmbedding(ROWS, DIM, torch.float32, LayerType.LinearUVM, storage=mb,
-                                gpu_cache_size=(1 << 17) * (DIM * 4 + 12), device="cpu")
+                                gpu_cache_size=slots * (DIM * 4 + 12), device="cpu",
+                                tuning=TierConfig(admit_fraction=40 / slots))
             keys = torch.arange(10)
-            for _ in range(tiers.ADMIT_BATCHES - 1):
+            for _ in range(3):  # 30 keys looked up: no round yet
                 assert torch.equal(layer(keys), weights[:10])
-            assert layer.stats().gpu.inserts == 0  # waiting to be admitted together
-            layer.update(keys[:2], torch.zeros(2, DIM))  # a write drops what was waiting
-            assert layer._tiers._pending == []
-            for _ in range(tiers.ADMIT_BATCHES):
-                out = layer(keys)
-            assert layer.stats().gpu.inserts == 10
-            assert torch.equal(layer(keys)[2:], weights[2:10]) and not layer(keys)[:2].any()
-            assert layer.stats().gpu.hits >= 20
-            assert torch.equal(out[2:], weights[2:10])
+            assert layer.stats().gpu.inserts == 0 and not layer.in_gpu_cache(keys).any()
+            fresh = torch.full((2, DIM), 7.0)
+            layer.update(keys[:2], fresh)  # after the misses were logged
+            weights[:2] = fresh
+            assert torch.equal(layer(keys), weights[:10])  # 40 keys: the round runs
+            assert layer.stats().gpu.inserts == 10 and layer.in_gpu_cache(keys).all()
+            before = layer.stats().gpu.hits
+            assert torch.equal(layer(keys), weights[:10])  # served by the cache
+            assert layer.stats().gpu.hits == before + 10
+            layer.erase(keys[:4])  # erase drops keys from the cache and from the log
+            assert layer.in_gpu_cache(keys).tolist() == [False] * 4 + [True] * 6
+            assert torch.equal(layer(keys), weights[:10])
+            layer.flush()  # a round now: the 4 misses go back in
+            assert layer.in_gpu_cache(keys).all()
+            layer.close()
         finally:
             SharedMemBlock.unlink(table_name)
-
-
-@pytest.mark.parametrize(
-    ("layer_type", "kwargs", "match"),
-    [
-        (LayerType.GPULayer, {"optimize_for_training": True}, "optimize_for_training"),
-        (LayerType.GPULayer, {"gpu_cache_size": 1024}, "gpu_cache_size"),
-        (LayerType.GPULayer, {"host_cache": "x"}, "host_cache"),
-        (LayerType.GPULayer, {"default_row": 0.0}, "default_row"),
-        (LayerType.GPULayer, {"weight_init": torch.zeros(ROWS, DIM + 1)}, "weight_init"),
-        (LayerType.GPULayer, {"weight_init": torch.zeros(ROWS, DIM),
-                              "storage": torch.zeros(ROWS, DIM + 1)}, "storage has"),
-        (LayerType.Hierarchical, {"weight_init": torch.zeros(ROWS, DIM),
-                                  "storage": "file:///tmp/x", "table": "t"}, "ps.load"),
-        (LayerType.GPULayer, {"storage": [1, 2]}, "storage"),
-        (LayerType.LinearUVM, {"storage": None}, "SharedMemBlock"),
-        (LayerType.LinearUVM, {"weight_init": torch.zeros(ROWS, DIM)}, "weight_init"),
-        (LayerType.Hierarchical, {"storage": 5}, "ParameterServer"),
-        (LayerType.Hierarchical, {"host_cache": 5}, "HostCache"),
-        (LayerType.Hierarchical, {"storage": "file:///tmp/x"}, "table="),
-        (LayerType.GPULayer, {"insert_policy": "always"}, "InsertPolicy"),
-        (LayerType.GPULayer, {"device": "tpu"}, "device"),
-    ],
-)
-def test_bad_constructor_arguments_name_the_argument(layer_type, kwargs, match) -> None:
-    with pytest.raises(BadArgumentError, match=match):
-        NVEmbedding(ROWS, DIM, torch.float32, layer_type, **{"device": "cpu", **kwargs})
-
-
-@pytest.mark.parametrize("value", [-0.1, 1.5, True, "1"])
-def test_insert_policy_probabilities_are_checked(value) -> None:
-    with pytest.raises(BadArgumentError, match="probability"):
-        InsertPolicy(host=value)
 
 
 def test_default_row_of_the_wrong_shape_is_refused(tmp_path) -> None:
@@ -421,13 +398,12 @@ def test_default_row_of_the_wrong_shape_is_refused(tmp_path) -> None:
 
 
 def test_gpu_host_hits_reach_the_host_policy_weighted_by_the_sample(
-        table_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        table_name: str) -> None:
     """What a CUDA layer does after its kernel read the host cache (run here on the CPU):
     a sample of the hits, weighted, bumps the host cache's eviction counters."""
-    from gpu import tiers
+    from gpu import TierConfig
     from hostcache.hashing import bucket_of
 
-    monkeypatch.setattr(tiers, "HOST_TOUCH_SAMPLE", 2)
     with HostCache.create(table_name, capacity=64, dim=4, ways=4) as hc:
         try:
             cand = torch.arange(200_000)
@@ -435,7 +411,8 @@ def test_gpu_host_hits_reach_the_host_policy_weighted_by_the_sample(
             same = cand[b == b[0]][:7]
             hc.insert(same[:4], torch.zeros(4, 4))
             layer = NVEmbedding(1 << 20, 4, torch.float32, LayerType.Hierarchical,
-                                host_cache=hc, device="cpu")
+                                host_cache=hc, device="cpu",
+                                tuning=TierConfig(host_touch_sample=2))
             # 60 hits of same[1] (a sample of 2, each counted 30 times), none of the others
             keys = torch.cat([same[1].repeat(60), same[[0, 2, 3]]])
             hit = torch.zeros(keys.numel(), dtype=torch.bool)

@@ -1,0 +1,86 @@
+"""What the cached layer stacks share: a GPU cache, its guard, the change-feed follower,
+the admission budget and the counters. One subclass per cached layer type:
+:mod:`gpu.linear_stack` (LinearUVM) and :mod:`gpu.hierarchical_stack`."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from hostcache.ring import ChangeFeed
+
+from .admission import RoundBudget
+from .cache import GPUCache
+from .cache_guard import CacheGuard
+from .change_follower import ChangeFollower
+from .layer_config import LayerStats, PoolingMode, TierStats
+from .tier_config import TierConfig
+
+
+def pool_rows(
+    rows: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None, mode: PoolingMode
+) -> torch.Tensor:
+    """Pool ``rows`` [N, dim] over bags ``offsets`` [B + 1] exactly as embedding_bag does."""
+    idx = torch.arange(rows.shape[0], device=rows.device)
+    return F.embedding_bag(
+        idx, rows, offsets, mode=mode, per_sample_weights=weights, include_last_offset=True
+    )
+
+
+class CachedStack:
+    """A GPU cache in front of lower tiers, following ``feed`` (a shared table) if any."""
+
+    layer_type = "?"
+    #: check offsets on the host (one sync each); linear tables also check their keys there
+    #: (else on the device, gpu.key_flag). The CPU always checks.
+    validate = False
+
+    def __init__(self, dim: int, dtype: torch.dtype, device: torch.device, cache_bytes: int,
+                 config: TierConfig, feed: ChangeFeed | None) -> None:
+        self.dim, self.dtype, self.device = dim, dtype, device
+        self.config = config
+        self.cache = GPUCache(cache_bytes, dim, dtype, device)
+        self.guard = CacheGuard(device)
+        self.budget = RoundBudget(self.cache, config)
+        self.follower = ChangeFollower(feed, self.cache, self.budget.reset)
+        self.default_rows = 0
+
+    def rows(self, keys: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def pooled(self, keys: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
+               mode: PoolingMode) -> torch.Tensor:
+        return pool_rows(self.rows(keys), offsets, weights, mode)
+
+    def _drop_waiting(self) -> None:
+        """Forget admissions not yet made (overridden by stacks that keep any)."""
+
+    def erase(self, keys: torch.Tensor) -> None:
+        with self.guard:
+            self._drop_waiting()
+            self.cache.erase(keys.to(self.device))
+
+    def clear(self) -> None:
+        with self.guard:
+            self._drop_waiting()
+            self.follower.sync()
+            self.cache.clear()
+            self.budget.reset()
+
+    def in_cache(self, keys: torch.Tensor) -> torch.Tensor:
+        """Whether each key is in this layer's GPU cache now (not counted as a lookup)."""
+        with self.guard:
+            self.follower.sync()
+            return self.cache.probe(keys.to(self.device), record=False) >= 0
+
+    def gpu_stats(self) -> TierStats:
+        s = self.cache.stats()
+        return TierStats(s.hits, s.misses, s.inserts, s.evictions)
+
+    def stats(self) -> LayerStats:
+        return LayerStats(self.layer_type, self.gpu_stats(), None, None, self.default_rows,
+                          None, self.follower.invalidated_keys,
+                          self.follower.full_invalidations)
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,140 @@
+"""The LinearUVM stack: a GPU cache in front of a linear host table read zero-copy.
+
+A lookup is one kernel launch: hits from the cache, misses read from the registered
+table (``SharedMemBlock``; or a ``DistMemBlock`` in GPU memory), and each miss logged on
+the device for admission (:mod:`gpu.miss_log`). Before it, the stack applies the table's
+change feed to the cache (:mod:`gpu.change_follower`). No host sync, no allocation but
+the output, and a Python path of a few microseconds: on CUDA the kernel is launched
+directly (:mod:`gpu.launch`) and keys are checked on the device (:mod:`gpu.key_flag`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .cached_stack import CachedStack
+from .inputs import check_range
+from .key_flag import RangeCheck
+from .layer_config import InsertPolicy, PoolingMode
+from .linear_tables import (
+    add_user,
+    registered_rows,
+    remove_user,
+    table_gate,
+    write_linear,
+    write_tensor,
+)
+from .miss_log import MissLog
+from .tier_config import TierConfig
+
+
+def _torch_gather(keys: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Rows of ``keys`` (any row for keys outside the table: an admission skips those)."""
+    return table.index_select(0, keys.clamp(0, max(table.shape[0] - 1, 0)))
+
+
+class LinearStack(CachedStack):
+    """LinearUVM: GPU cache in front of a linear host table read zero-copy on misses."""
+
+    layer_type = "LinearUVM"
+
+    def __init__(self, storage: Any, dim: int, dtype: torch.dtype, device: torch.device,
+                 cache_bytes: int, policy: InsertPolicy, config: TierConfig) -> None:
+        block = None if isinstance(storage, torch.Tensor) else storage
+        super().__init__(dim, dtype, device, cache_bytes, config, block)
+        self._block = block
+        self._reg = None
+        if block is None:
+            self.table = storage
+        else:
+            self._reg, self.table = registered_rows(block, device)
+            add_user(block, self)
+        #: the table is host memory read over the host link (a DistMemBlock is GPU memory)
+        self._host = self._reg is not None
+        self.num_rows = int(self.table.shape[0])
+        #: lookups hold its read side while they read table rows, writes its write side
+        self._gate = table_gate(storage, device)
+        self.check = RangeCheck(device, self.num_rows)
+        gather: Any = _torch_gather
+        if self.cache.backend == "triton" and device.type == "cuda":
+            from ._triton import kernel_module
+
+            kernels = kernel_module("gather_kernels", interpret=False)
+
+            def gather(keys: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+                return kernels.gather(keys, table, None, host_table=self._host)
+        self.log = MissLog(self.cache, self.table, gather, self.budget, config, policy.gpu)
+
+    @property
+    def validate(self) -> bool:
+        return self.check.on_host
+
+    @validate.setter
+    def validate(self, value: bool) -> None:
+        self.check.set_validate(value)
+
+    def rows(self, keys: torch.Tensor) -> torch.Tensor:
+        self.check(keys)
+        with self._gate, self.guard:
+            self.follower.sync()
+            values = self.cache.gather_linear(keys, self.table,
+                                              candidates=self.log.candidates(),
+                                              host_table=self._host, err=self.check.err)
+            if self.log.active:
+                self.log.logged(keys.numel())
+        return values
+
+    def pooled(self, keys: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
+               mode: PoolingMode) -> torch.Tensor:
+        if mode == "max":
+            return super().pooled(keys, offsets, weights, mode)
+        self.check(keys)
+        with self._gate, self.guard:
+            self.follower.sync()
+            out, _ = self.cache.lookup_linear_pooled(keys, offsets, self.table, mode, weights,
+                                                     validate=False,
+                                                     candidates=self.log.candidates(),
+                                                     err=self.check.err)
+            if self.log.active:
+                self.log.logged(keys.numel())
+        return out
+
+    def _drop_waiting(self) -> None:
+        self.log.drop()
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        self.check.flag.raise_pending()
+        check_range(keys, self.num_rows, name="keys")
+        if self._block is not None:
+            write_linear(self._block, keys, values)  # gated, announced: every cache drops them
+            with self.guard:
+                self.follower.sync()
+        else:
+            write_tensor(self._gate, self.table, keys, values)
+            with self.guard:
+                self.cache.erase(keys.to(self.device))
+        # NOTE: logged misses stay: a round reads their rows when it runs, after this write
+        return torch.ones(keys.numel(), dtype=torch.bool, device=keys.device)
+
+    def insert(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.update(keys, values)
+
+    def erase(self, keys: torch.Tensor) -> None:
+        check_range(keys, self.num_rows, name="keys")
+        super().erase(keys)
+
+    def flush(self) -> None:
+        """Run the admission round now (what is logged goes in)."""
+        with self._gate, self.guard:
+            self.follower.sync()
+            self.log.round()
+
+    def close(self) -> None:
+        if self._reg is not None:
+            self._reg.close()
+            self._reg = None
+        with self.guard:
+            self.log.drop()
+        remove_user(self._block, self)

@@ -1,0 +1,118 @@
+"""Admission of a LinearUVM cache's misses with no host sync (the LinearUVM stack's).
+
+The lookup kernel itself appends each key it missed to a miss log on the device (a
+:class:`~gpu.cache.MissCandidates` buffer: a count, then the keys; slots not written hold
+the empty marker). Nothing travels to the host: the host only counts lookups and keys.
+When a round is due, it is queued on the stream behind the lookups: the logged keys' rows
+are read from the linear table (zero-copy), the cache inserts them (the empty marker is
+skipped, so the host never needs the count), and the log is emptied. A round runs:
+
+* while the cache fills: after every ``admit_fraction`` of its slots of keys looked up;
+* once it is warm: every ``round_lookups`` lookups, or after ``round_capacities`` times
+  its slots of keys, whichever comes first (a round costs ~0.1-0.2 ms of host time, so
+  serving-size lookups pay it rarely).
+
+A round admits at most its :class:`~gpu.admission.RoundBudget` (the log holds no more:
+the first misses of the round's lookups, in kernel block order). Consistency needs no
+check at admission: rows are read when the round runs, after the stack applied the
+change feed up to then, and any change announced later is applied by the next lookup
+before it reads the cache (see ``gpu.change_follower``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hostcache.layout import EMPTY_KEY
+
+from .admission import RoundBudget
+from .cache import GPUCache, MissCandidates
+from .tier_config import TierConfig
+
+
+class MissLog:
+    """The device-side log of one cache's misses, and its admission rounds.
+
+    Args:
+        cache: The GPU cache.
+        table: ``[num_rows, dim]`` rows of the linear table as the lookups read them.
+        gather: ``gather(keys, table) -> rows``, zero rows for keys outside the table.
+        budget: The round budget shared with the stack (reset on clear).
+        config: Round cadence.
+        prob: Admission probability of a logged miss (``InsertPolicy.gpu``).
+    """
+
+    def __init__(self, cache: GPUCache, table: torch.Tensor, gather: Any,
+                 budget: RoundBudget, config: TierConfig, prob: float) -> None:
+        self._cache, self._table, self._gather = cache, table, gather
+        self._budget, self._config, self._prob = budget, config, prob
+        self._cand: MissCandidates | None = None
+        self._calls = 0
+        self._keys = 0
+        self.rounds = 0
+
+    @property
+    def active(self) -> bool:
+        return self._cache.capacity > 0 and self._prob > 0.0
+
+    def candidates(self) -> MissCandidates | None:
+        """Where the next lookup logs its misses (None: this cache admits nothing)."""
+        if not self.active:
+            return None
+        if self._cand is None:
+            cap = self._budget.cap()
+            buf = torch.full((1 + 2 * cap,), EMPTY_KEY, dtype=torch.int64,
+                             device=self._cache.device)
+            buf[0] = 0
+            self._cand = MissCandidates(buf)
+        return self._cand
+
+    def logged(self, n: int) -> None:
+        """After a lookup of ``n`` keys logged its misses (caller holds the cache guard
+        and the table's read side): run a round if one is due."""
+        self._calls += 1
+        self._keys += n
+        cfg, slots = self._config, self._cache.capacity
+        if self._budget.warm:
+            due = self._calls >= cfg.round_lookups or self._keys >= cfg.round_capacities * slots
+        else:
+            due = self._keys >= max(1, int(slots * cfg.admit_fraction))
+        if due:
+            self.round()
+
+    def round(self) -> None:
+        """Admit what is logged (caller holds the guard and the table's read side)."""
+        cand = self._cand
+        if cand is None:
+            return
+        keys = cand.keys
+        if keys.device.type == "cpu":  # NOTE: the count is at hand: insert no padding
+            keys = keys[:min(int(cand.count), cand.cap)]
+        if self._prob < 1.0:
+            keep = torch.rand(keys.numel(), device=keys.device) < self._prob
+            keys = torch.where(keep, keys, EMPTY_KEY)
+        if keys.numel():
+            rows = self._gather(keys, self._table)
+            self._cache.insert(keys, rows, validate=False)
+        self._budget.admitted += min(self._keys, cand.cap)
+        self.rounds += 1
+        self.drop()
+
+    def drop(self) -> None:
+        """Empty the log, in stream order (a write made logged keys' rows stale, or a round
+        took them); caller holds the cache guard."""
+        self._calls = self._keys = 0
+        cand = self._cand
+        if cand is None:
+            return
+        if cand.cap == self._budget.cap():
+            cand.buffer.fill_(EMPTY_KEY)
+            cand.buffer[:1].zero_()
+            return
+        if cand.buffer.is_cuda:
+            # NOTE: lookups on other streams were ordered before this one (the cache
+            # guard): the allocator reuses the block only after this stream's work
+            cand.buffer.record_stream(torch.cuda.current_stream(cand.buffer.device))
+        self._cand = None  # the next lookup gets a buffer sized for the budget

@@ -1,0 +1,50 @@
+"""The tunables of the cached layer stacks, in one frozen object.
+
+Every field has a measured default (bench/RESULTS.md, "Layers (H200)" and "Per-call
+path"); a layer takes another through its ``tuning=`` argument.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from .errors import BadArgumentError
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """How a cached stack admits rows into its GPU cache.
+
+    Hierarchical layers gather the rows their lookups fetched from the lower tiers and
+    admit them in rounds: a round starts once ``admit_keys`` keys (at most
+    ``admit_fraction`` of the cache's slots) or ``admit_batches`` lookups have gathered.
+    LinearUVM layers log their misses on the device and admit them in rounds too: every
+    lookup while the cache fills (at most ``admit_fraction`` of its slots of keys looked
+    up per round), then once ``round_lookups`` lookups or ``round_capacities`` times the
+    cache's slots of keys have gone by. A warm cache (offered as many keys as it has
+    slots) takes at most ``warm_round_fraction`` of its slots per round.
+    """
+
+    admit_keys: int = 1 << 20
+    admit_fraction: float = 1 / 4
+    admit_batches: int = 32
+    #: at most this many of a GPU lookup's host-cache hits are reported to the host cache's
+    #: eviction policy (weighted by hits / sample), so its counters see the GPU's traffic.
+    host_touch_sample: int = 4096
+    warm_round_fraction: float = 1 / 8
+    round_lookups: int = 128
+    round_capacities: float = 4.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise BadArgumentError(f"TierConfig.{f.name} must be a number > 0; got "
+                                       f"{value!r}")
+        for name in ("admit_fraction", "warm_round_fraction"):
+            if getattr(self, name) > 1:
+                raise BadArgumentError(f"TierConfig.{name} must be in (0, 1]; got "
+                                       f"{getattr(self, name)!r}")
+
+
+DEFAULT = TierConfig()

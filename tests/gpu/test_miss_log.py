@@ -1,0 +1,119 @@
+"""LinearUVM admissions (gpu.miss_log): the lookup kernel logs its misses on the device,
+a round admits them with no host sync, at the cadence of gpu.TierConfig; lookups on two
+streams and their rounds are ordered (gpu.cache_guard)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu import InsertPolicy, LayerType, NVEmbedding, TierConfig
+from hostcache import SharedMemBlock
+
+ROWS, DIM = 4096, 4
+SLOT = 8 + 4 + DIM * 4
+CUDA = torch.cuda.is_available()
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not CUDA, reason="needs a CUDA GPU (torch.cuda.is_available() is False)")])]
+
+
+@pytest.fixture
+def block(table_name: str):
+    mb = SharedMemBlock.create(table_name, num_rows=ROWS, dim=DIM)
+    mb.write(torch.arange(ROWS), torch.randn(ROWS, DIM, generator=torch.Generator()
+                                             .manual_seed(2)))
+    yield mb
+    mb.close()
+    SharedMemBlock.unlink(table_name)
+
+
+def layer_on(block: SharedMemBlock, device: str, slots: int, **kw: object) -> NVEmbedding:
+    tuning = kw.pop("tuning", None)
+    return NVEmbedding(ROWS, DIM, torch.float32, LayerType.LinearUVM, storage=block,
+                       gpu_cache_size=slots * SLOT, device=device, tuning=tuning, **kw)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rounds_come_at_the_configured_cadence(block: SharedMemBlock, device: str) -> None:
+    # 8 slots per row: no bucket overflows, every logged key goes in
+    layer = layer_on(block, device, 8 * ROWS,
+                     tuning=TierConfig(admit_fraction=1.0, round_lookups=5,
+                                       round_capacities=1e9))
+    keys = torch.arange(ROWS, device=device)
+    inserts = []
+    for _ in range(8):  # cold: a round once as many keys as slots were looked up
+        layer(keys)
+        inserts.append(layer.stats().gpu.inserts)
+    assert inserts == [0] * 7 + [ROWS]
+    assert layer.in_gpu_cache(keys).all()
+    # warm now (offered as many keys as it has slots): a round every 5 lookups
+    fresh = torch.arange(100, 200, device=device)
+    layer.erase(fresh)
+    assert not layer.in_gpu_cache(fresh).any()
+    inserts = []
+    for _ in range(5):
+        assert torch.equal(layer(fresh).cpu(), block.tensor[100:200])
+        inserts.append(layer.stats().gpu.inserts - ROWS)
+    assert inserts == [0, 0, 0, 0, 100]
+    assert layer.in_gpu_cache(fresh).all()
+    layer.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_policy_zero_admits_nothing_and_half_admits_some(block: SharedMemBlock,
+                                                         device: str) -> None:
+    keys = torch.arange(0, 1000, device=device)
+    none = layer_on(block, device, 4 * ROWS, insert_policy=InsertPolicy(gpu=0.0))
+    some = layer_on(block, device, 4 * ROWS, insert_policy=InsertPolicy(gpu=0.5))
+    for layer in (none, some):
+        layer(keys)
+        layer.flush()
+    assert not none.in_gpu_cache(keys).any()
+    admitted = int(some.in_gpu_cache(keys).sum())
+    assert 300 < admitted < 700
+    for layer in (none, some):
+        assert torch.equal(layer(keys).cpu(), block.tensor[:1000])
+        layer.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_write_announced_by_the_block_reaches_cached_and_logged_keys(
+        block: SharedMemBlock, device: str) -> None:
+    """A write through the block itself (as another process would make it): the cache
+    drops the key before the next lookup, and a round after it admits the new row."""
+    layer = layer_on(block, device, 4 * ROWS)
+    keys = torch.arange(0, 64, device=device)
+    layer(keys)
+    layer.flush()
+    assert layer.in_gpu_cache(keys).all()
+    block.write(torch.tensor([3, 5]), torch.full((2, DIM), 9.0))  # announced
+    got = layer(keys).cpu()
+    assert torch.equal(got, block.tensor[:64])
+    assert got[3].eq(9.0).all()
+    assert layer.in_gpu_cache(keys).sum() == 62
+    layer.flush()
+    assert torch.equal(layer(keys).cpu(), block.tensor[:64])
+    layer.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (two streams)")
+def test_lookups_on_two_streams_are_ordered_with_their_rounds(block: SharedMemBlock) -> None:
+    """Stream A is busy when its lookup logs misses; stream B's lookup runs the round: B
+    waits for A, so the round admits A's misses with their rows."""
+    layer = layer_on(block, "cuda", 4 * ROWS,
+                     tuning=TierConfig(admit_fraction=600 / (4 * ROWS)))
+    a, b = torch.cuda.Stream(), torch.cuda.Stream()
+    keys_a = torch.arange(0, 16, device="cuda")
+    keys_b = torch.arange(16, 16 + 600, device="cuda")  # enough for the round
+    with torch.cuda.stream(a):
+        torch.cuda._sleep(200_000_000)  # A is busy for a while (~0.1 s)
+        out_a = layer(keys_a)
+    with torch.cuda.stream(b):
+        out_b = layer(keys_b)
+    torch.cuda.synchronize()
+    assert layer.in_gpu_cache(keys_a).all() and layer.in_gpu_cache(keys_b).all()
+    assert torch.equal(out_a.cpu(), block.tensor[:16])
+    assert torch.equal(out_b.cpu(), block.tensor[16:616])
+    assert torch.equal(layer(keys_a).cpu(), block.tensor[:16])
+    layer.close()
