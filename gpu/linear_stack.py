@@ -62,9 +62,10 @@ class LinearStack(CachedStack):
             from ._triton import kernel_module
 
             kernels = kernel_module("gather_kernels", interpret=False)
+            host = self._host  # NOTE: not self: a closure over the stack would be a cycle
 
             def gather(keys: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-                return kernels.gather(keys, table, None, host_table=self._host)
+                return kernels.gather(keys, table, None, host_table=host)
         self.log = MissLog(self.cache, self.table, gather, self.budget, config, policy.gpu)
 
     @property
