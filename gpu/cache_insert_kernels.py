@@ -28,6 +28,7 @@ import triton.language as tl
 
 from gpu._triton import helper_module
 from gpu.devices import on_tensor_device
+from gpu.launch import DirectLaunch
 
 # NOTE: helpers decorated like this module's kernels (compiled or interpreted)
 bucket_of = helper_module("hash_kernels").bucket_of
@@ -192,6 +193,24 @@ def _block_d(dim: int) -> int:
     return max(16, 1 << (dim - 1).bit_length())
 
 
+# NOTE: launched directly (gpu.launch): an admission round is five of these launches, and
+# the JIT's per-call binding cost ~30 us each
+_PROBE = DirectLaunch(_insert_probe_kernel)
+_PLAN = DirectLaunch(_insert_plan_kernel)
+_DECAY = DirectLaunch(_insert_decay_kernel)
+_APPLY = DirectLaunch(_insert_apply_kernel)
+_SCATTER = DirectLaunch(_scatter_rows_kernel)
+_CX: dict[tuple[object, ...], dict[str, object]] = {}
+
+
+def _launch(launcher: DirectLaunch, grid: tuple[int, ...], args: tuple[object, ...],
+            key: tuple[object, ...], **constexprs: object) -> None:
+    cx = _CX.get(key)
+    if cx is None:
+        cx = _CX[key] = constexprs
+    launcher(grid, args, cx, key)
+
+
 @on_tensor_device
 def scatter_rows(
     rows: torch.Tensor, target: torch.Tensor, values: torch.Tensor, src: torch.Tensor
@@ -201,9 +220,9 @@ def scatter_rows(
     if n == 0:
         return
     bk = CONFIG["scatter_block_k"]
-    _scatter_rows_kernel[(_cdiv(n, bk),)](
-        rows, target, values, src, n, rows.shape[1], BLOCK_K=bk, BLOCK_D=_block_d(rows.shape[1]),
-    )
+    dim = rows.shape[1]
+    _launch(_SCATTER, (_cdiv(n, bk),), (rows, target, values, src, n, dim),
+            ("scatter", rows.dtype, values.dtype, bk, dim), BLOCK_K=bk, BLOCK_D=_block_d(dim))
 
 
 @on_tensor_device
@@ -224,8 +243,8 @@ def insert(
     skey = torch.empty_like(ks)
     slot = torch.empty_like(ks)
     mark = torch.zeros(trash, dtype=torch.int8, device=keys.device)
-    _insert_probe_kernel[grid](ks, n, tkeys, num_buckets, skey, slot, mark, WAYS=ways,
-                               EMPTY=empty, BLOCK_K=bk)
+    _launch(_PROBE, grid, (ks, n, tkeys, num_buckets, skey, slot, mark),
+            ("probe", ways, empty, bk), WAYS=ways, EMPTY=empty, BLOCK_K=bk)
     sb, order = torch.sort(skey, stable=True)
     start = torch.searchsorted(sb, sb)
     key_target = torch.empty_like(ks)
@@ -234,12 +253,14 @@ def insert(
     row_target = torch.empty_like(ks)
     row_src = torch.empty_like(ks)
     decay = torch.empty(n, dtype=torch.int8, device=keys.device)
-    _insert_plan_kernel[grid](
-        sb, start, order, ks, src, slot, mark, n, tkeys, counters, num_buckets, trash,
-        key_target, new_keys, new_counters, row_target, row_src, decay, stats,
-        CMAX=cmax, DECAY_AT=decay_at, WAYS=ways, EMPTY=empty, BLOCK_K=bk)
-    _insert_decay_kernel[grid](sb, decay, n, counters, CMAX=cmax, DECAY_AT=decay_at,
-                               WAYS=ways, BLOCK_K=bk)
-    _insert_apply_kernel[grid](key_target, new_keys, new_counters, n, tkeys, counters, trash,
-                               BLOCK_K=bk)
+    _launch(_PLAN, grid,
+            (sb, start, order, ks, src, slot, mark, n, tkeys, counters, num_buckets, trash,
+             key_target, new_keys, new_counters, row_target, row_src, decay, stats),
+            ("plan", counters.dtype, cmax, decay_at, ways, empty, bk),
+            CMAX=cmax, DECAY_AT=decay_at, WAYS=ways, EMPTY=empty, BLOCK_K=bk)
+    _launch(_DECAY, grid, (sb, decay, n, counters),
+            ("decay", counters.dtype, cmax, decay_at, ways, bk),
+            CMAX=cmax, DECAY_AT=decay_at, WAYS=ways, BLOCK_K=bk)
+    _launch(_APPLY, grid, (key_target, new_keys, new_counters, n, tkeys, counters, trash),
+            ("apply", counters.dtype, bk), BLOCK_K=bk)
     scatter_rows(rows_all, row_target, values, row_src)

@@ -343,7 +343,7 @@ def lookup(
     order = _visit_order(keys, table, host_table, rotate) if gather else None
     cxkey = (num_buckets > 0, gather, linear, want_slots, count, candidates is not None,
              ways, empty, stats.numel(), bd, cmax, order is not None, want_hit,
-             err is not None and linear, bd == dim, tuple(CONFIG.values()))
+             err is not None and linear, bd == dim, rows.dtype, tuple(CONFIG.values()))
     cx = _LOOKUP_CX.get(cxkey)
     if cx is None:
         cx = _LOOKUP_CX[cxkey] = dict(

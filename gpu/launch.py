@@ -8,10 +8,11 @@ serving-size lookup's kernel runs for 3-10 us (bench/RESULTS.md, "Per-call path"
 compiles it or loads it from Triton's cache), later calls hand the compiled kernel's
 launcher the arguments directly, as torch inductor's generated launchers do.
 
-What keeps a direct launch exact: the variant is chosen by the caller's ``key`` (the
-constexprs it passes) plus what the JIT specializes the other arguments on: each
-pointer's element type and 16-byte alignment, and whether each integer is 1 or a
-multiple of 16 (an integer that does not fit in 32 bits takes the JIT's path). A launch
+What keeps a direct launch exact: the variant is chosen by the caller's ``key``, which
+names the constexprs it passes and the element types of its tensors, plus what the JIT
+specializes the other arguments on: each pointer's 16-byte alignment, and whether each
+integer is 1 or a multiple of 16 (an integer that does not fit in 32 bits takes the JIT's
+path). A launch
 hook (a profiler) or the interpreter takes the JIT path too.
 """
 
@@ -57,7 +58,8 @@ class DirectLaunch:
                  constexprs: dict[str, Any], key: tuple[Any, ...]) -> None:
         """Launch over ``grid`` (1 to 3 dims) with runtime ``args`` in parameter order and
         ``constexprs`` by name (``num_warps`` among them, or the default); ``key`` names
-        the constexprs (the same key, the same values)."""
+        the constexprs and the tensors' element types (the same key, the same values and
+        dtypes)."""
         if "num_warps" not in constexprs:
             constexprs = {**constexprs, "num_warps": self._num_warps}
         runtime = self._knobs.runtime
@@ -68,7 +70,7 @@ class DirectLaunch:
         spec: list[Any] = [key]
         for a in args:
             if isinstance(a, torch.Tensor):
-                spec.append((a.dtype, a.data_ptr() & 15 == 0))
+                spec.append(a.data_ptr() & 15 == 0)
             elif isinstance(a, int):
                 if not -_INT32_MAX <= a <= _INT32_MAX:
                     # NOTE: a 64-bit integer is another specialization: the JIT's path

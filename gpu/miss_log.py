@@ -7,10 +7,11 @@ When a round is due, it is queued on the stream behind the lookups: the logged k
 are read from the linear table (zero-copy), the cache inserts them (the empty marker is
 skipped, so the host never needs the count), and the log is emptied. A round runs:
 
-* while the cache fills: after every ``admit_fraction`` of its slots of keys looked up;
-* once it is warm: every ``round_lookups`` lookups, or after ``round_capacities`` times
-  its slots of keys, whichever comes first (a round costs ~0.1-0.2 ms of host time, so
-  serving-size lookups pay it rarely).
+* while the cache fills, and after every lookup of at least ``admit_fraction`` of its
+  slots of keys: once that many keys were looked up;
+* once it is warm, for smaller lookups: every ``round_lookups`` lookups, or after
+  ``round_capacities`` times its slots of keys, whichever comes first (a round costs
+  ~0.1-0.2 ms of host time, so serving-size lookups pay it rarely).
 
 A round admits at most its :class:`~gpu.admission.RoundBudget` (the log holds no more:
 the first misses of the round's lookups, in kernel block order). Consistency needs no
@@ -75,10 +76,11 @@ class MissLog:
         self._calls += 1
         self._keys += n
         cfg, slots = self._config, self._cache.capacity
-        if self._budget.warm:
+        fill = max(1, int(slots * cfg.admit_fraction))
+        if self._budget.warm and n < fill:
             due = self._calls >= cfg.round_lookups or self._keys >= cfg.round_capacities * slots
-        else:
-            due = self._keys >= max(1, int(slots * cfg.admit_fraction))
+        else:  # filling, or a batch large enough to pay for a round of its own
+            due = self._keys >= fill
         if due:
             self.round()
 

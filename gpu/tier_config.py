@@ -18,11 +18,12 @@ class TierConfig:
     Hierarchical layers gather the rows their lookups fetched from the lower tiers and
     admit them in rounds: a round starts once ``admit_keys`` keys (at most
     ``admit_fraction`` of the cache's slots) or ``admit_batches`` lookups have gathered.
-    LinearUVM layers log their misses on the device and admit them in rounds too: every
-    lookup while the cache fills (at most ``admit_fraction`` of its slots of keys looked
-    up per round), then once ``round_lookups`` lookups or ``round_capacities`` times the
-    cache's slots of keys have gone by. A warm cache (offered as many keys as it has
-    slots) takes at most ``warm_round_fraction`` of its slots per round.
+    LinearUVM layers log their misses on the device and admit them in rounds too: while
+    the cache fills, and for lookups of at least ``admit_fraction`` of its slots, once
+    that many keys were looked up; for smaller lookups of a warm cache, once
+    ``round_lookups`` lookups or ``round_capacities`` times its slots of keys have gone
+    by. A warm cache (offered as many keys as it has slots) takes at most
+    ``warm_round_fraction`` of its slots per round.
     """
 
     admit_keys: int = 1 << 20
@@ -33,7 +34,7 @@ class TierConfig:
     host_touch_sample: int = 4096
     warm_round_fraction: float = 1 / 8
     round_lookups: int = 128
-    round_capacities: float = 4.0
+    round_capacities: float = 16.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
