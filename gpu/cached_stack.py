@@ -62,10 +62,10 @@ class CachedStack:
 
     def clear(self) -> None:
         with self.guard:
-            self._drop_waiting()
             self.follower.sync()
             self.cache.clear()
-            self.budget.reset()
+            self.budget.reset()  # NOTE: first: what waits is sized for the next budget
+            self._drop_waiting()
 
     def in_cache(self, keys: torch.Tensor) -> torch.Tensor:
         """Whether each key is in this layer's GPU cache now (not counted as a lookup)."""

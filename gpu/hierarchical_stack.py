@@ -222,11 +222,7 @@ class HierarchicalStack(CachedStack):
         """Drop every cached row (GPU cache, and the shared host cache for every process)."""
         if self.host is not None:
             self.host.clear()
-        with self.guard:
-            self.pending.drop()
-            self.follower.sync()
-            self.cache.clear()
-            self.budget.reset()
+        super().clear()
 
     def stats(self) -> LayerStats:
         host = TierStats(self._host[0], self._host[1], self._host[2]) if self.host else None
@@ -237,9 +233,6 @@ class HierarchicalStack(CachedStack):
 
     def _drop_waiting(self) -> None:
         self.pending.drop()
-
-    def flush(self) -> None:
-        """Nothing to force: admissions wait for their round (see gpu.admission)."""
 
     def close(self) -> None:
         self.pending.drop()
