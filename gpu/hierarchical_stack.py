@@ -46,7 +46,7 @@ class HierarchicalStack(CachedStack):
                 from .hostreg import register
 
                 self._reg = register(host_cache, device)
-        self._host = [0, 0, 0]  # hits, misses, admitted
+        self._host = [0, 0, 0, 0]  # hits, misses, rows it placed, residents they evicted
         self._ps = [0, 0]  # found, missing
 
     def rows(self, keys: torch.Tensor) -> torch.Tensor:
@@ -169,8 +169,10 @@ class HierarchicalStack(CachedStack):
             if self._policy.host < 1.0:
                 admit &= torch.rand(admit.numel()) < self._policy.host
             if bool(admit.any()):
-                self.host.insert(need_keys[admit], values[admit], overwrite=False, since=since)
-                self._host[2] += int(admit.sum())
+                done = self.host.insert(need_keys[admit], values[admit], overwrite=False,
+                                        since=since)
+                self._host[2] += done.written
+                self._host[3] += done.evicted
 
     # -- writes -----------------------------------------------------------------------------
 
@@ -225,7 +227,7 @@ class HierarchicalStack(CachedStack):
         super().clear()
 
     def stats(self) -> LayerStats:
-        host = TierStats(self._host[0], self._host[1], self._host[2]) if self.host else None
+        host = TierStats(*self._host) if self.host is not None else None
         ps = TierStats(self._ps[0], self._ps[1]) if self.ps is not None else None
         node = self.host.stats() if self.host is not None else None
         return LayerStats(self.layer_type, self.gpu_stats(), host, ps, self.default_rows, node,

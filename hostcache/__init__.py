@@ -5,7 +5,7 @@ No CUDA is touched at import time; the ``gpu`` package registers these segments 
 
 from __future__ import annotations
 
-from .cache import CacheAudit, HostCache
+from .cache import CacheAudit, HostCache, Inserted
 from .errors import (
     BadArgumentError,
     BadNameError,
@@ -29,6 +29,7 @@ __all__ = [
     "BadArgumentError",
     "BadNameError",
     "CacheAudit",
+    "Inserted",
     "ChangeFeed",
     "CorruptedHeaderError",
     "GeometryMismatchError",

@@ -15,7 +15,7 @@ counters pass 2**30 has them halved.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Self
+from typing import NamedTuple, Self
 
 import torch
 
@@ -37,6 +37,15 @@ from .validate import check_cache_keys, check_values, dedup_last
 
 _COUNTER_CAP = 1 << 30
 _PROTECTED = torch.iinfo(torch.int32).max
+
+
+class Inserted(NamedTuple):
+    """What one :meth:`HostCache.insert` did."""
+
+    #: new keys placed, plus cached keys overwritten (with ``overwrite=True``)
+    written: int
+    #: resident keys it displaced
+    evicted: int
 
 
 @dataclass(frozen=True)
@@ -271,8 +280,8 @@ class HostCache(SharedTable):
         *,
         overwrite: bool = True,
         since: int | None = None,
-    ) -> None:
-        """Insert rows, best effort: evicts by policy.
+    ) -> Inserted:
+        """Insert rows, best effort: evicts by policy; returns what it wrote and evicted.
 
         Args:
             keys: int64 CPU ``[N]``; duplicates: the last occurrence wins.
@@ -290,7 +299,9 @@ class HostCache(SharedTable):
         When more new keys than ``ways`` fall in one bucket in one batch, the extra ones
         are not inserted.
         """
-        self._upsert(keys, values, overwrite=overwrite, announce_new=False, since=since)
+        _, written, evicted = self._upsert(keys, values, overwrite=overwrite,
+                                           announce_new=False, since=since)
+        return Inserted(written, evicted)
 
     def announce(self, keys: torch.Tensor) -> None:
         """Append keys to the invalidation ring without touching rows: tell every process
@@ -310,12 +321,13 @@ class HostCache(SharedTable):
         overwrite: bool,
         announce_new: bool,
         since: int | None = None,
-    ) -> torch.Tensor:
-        """Write present keys (if ``overwrite``) and place absent ones; bool [N] present."""
+    ) -> tuple[torch.Tensor, int, int]:
+        """Write present keys (if ``overwrite``) and place absent ones: (bool [N] present,
+        keys written, keys evicted)."""
         keys = check_cache_keys(keys)
         values = check_values(values, keys.numel(), self.geometry.dim, self.geometry.dtype)
         if keys.numel() == 0:
-            return torch.zeros(0, dtype=torch.bool)
+            return torch.zeros(0, dtype=torch.bool), 0, 0
         ways = self.geometry.ways
         with self._writing():
             ukeys, last, inverse_or_none = dedup_last(keys)
@@ -323,7 +335,7 @@ class HostCache(SharedTable):
             if since is not None:
                 changed, _, overflowed = self.ring.changes_since(since)
                 if overflowed:
-                    return torch.zeros(keys.numel(), dtype=torch.bool)
+                    return torch.zeros(keys.numel(), dtype=torch.bool), 0, 0
                 if changed.numel():
                     fresh = ~torch.isin(ukeys, changed)
                     ukeys, last = ukeys[fresh], last[fresh]
@@ -341,11 +353,12 @@ class HostCache(SharedTable):
                 )
             self.ring.append(ukeys if announce_new else ukeys[found] if overwrite else ukeys[:0])
             c = self._counters
-            c[C_INSERTS] += (int(found.sum()) if overwrite else 0) + written
+            written += int(found.sum()) if overwrite else 0
+            c[C_INSERTS] += written
             c[C_EVICTIONS] += evicted
         if inverse is None:  # some keys were refused: report the found ones by key
-            return torch.isin(keys, ukeys[found])
-        return found[inverse]
+            return torch.isin(keys, ukeys[found]), written, evicted
+        return found[inverse], written, evicted
 
     def _insert_new(
         self,
@@ -403,7 +416,7 @@ class HostCache(SharedTable):
         parameter server just before is told to drop it).
         """
         if insert_missing:
-            found = self._upsert(keys, values, overwrite=True, announce_new=True)
+            found, _, _ = self._upsert(keys, values, overwrite=True, announce_new=True)
             self._counters[C_UPDATES] += int(found.sum())
             return found
         keys = check_cache_keys(keys)

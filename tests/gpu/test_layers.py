@@ -463,3 +463,21 @@ def test_gpulayer_kernels_read_contiguous_and_strided_tables(
         assert int(err) in (-1, ROWS)
         assert torch.equal(kernels.gather(keys, table, err.zero_(), host_table=host_table),
                            F.embedding(keys, table)) and int(err) == 0
+
+
+def test_hierarchical_host_tier_counts_what_its_fills_evicted(tmp_path) -> None:
+    """A layer's host-tier stats count the rows its fills placed and the residents they
+    displaced: with the layer as the host cache's only writer, the node's counters agree."""
+    weights = torch.randn(ROWS, DIM)
+    with stack(LayerType.Hierarchical, weights, tmp_path, "cpu") as kw:
+        layer = NVEmbedding(ROWS, DIM, torch.float32, LayerType.Hierarchical, device="cpu",
+                            **kw)
+        for start in range(0, ROWS, 8):  # 64 distinct keys through a 24-row host cache
+            keys = torch.arange(start, start + 8)
+            assert torch.equal(layer(keys), weights[keys])
+        host, node = layer.stats().host, layer.stats().host_node
+        assert host is not None and node is not None
+        assert host.evictions > 0
+        assert (host.inserts, host.evictions) == (node.inserts, node.evictions)
+        assert host.inserts - host.evictions == node.size
+        layer.close()

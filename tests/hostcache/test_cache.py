@@ -98,10 +98,10 @@ def test_eviction_takes_the_coldest_way(table_name: str) -> None:
         try:
             same = keys_in_one_bucket(hc, 6)
             first = same[:4]
-            hc.insert(first, rows_for(first))
+            assert hc.insert(first, rows_for(first)) == (4, 0)  # (written, evicted)
             for _ in range(3):  # make all but first[2] hot
                 hc.lookup(first[[0, 1, 3]])
-            hc.insert(same[4:5], rows_for(same[4:5]))
+            assert hc.insert(same[4:5], rows_for(same[4:5])) == (1, 1)
             _, hit = hc.lookup(same[:5])
             assert hit.tolist() == [True, True, False, True, True]
             stats = hc.stats()
@@ -353,12 +353,13 @@ def test_fill_since_a_cursor_refuses_keys_announced_meanwhile(cache: HostCache) 
     cursor = cache.change_cursor  # a replica takes the cursor, then reads the PS (old rows)
     cache.announce(torch.tensor([2]))  # another node changed key 2 (the service announces)
     cache.update(torch.tensor([3]), rows_for(torch.tensor([3]), 5), insert_missing=True)
-    cache.insert(keys, rows_for(keys, 0), overwrite=False, since=cursor)
+    done = cache.insert(keys, rows_for(keys, 0), overwrite=False, since=cursor)
+    assert (done.written, done.evicted) == (1, 0)  # key 1 only
     values, hit = cache.lookup(keys)
     assert hit.tolist() == [True, False, True]
     assert torch.equal(values[2], rows_for(torch.tensor([3]), 5)[0])  # the update stands
     cache.clear()  # overflow: a fill from before a clear is refused entirely
-    cache.insert(keys, rows_for(keys, 0), overwrite=False, since=cursor)
+    assert cache.insert(keys, rows_for(keys, 0), overwrite=False, since=cursor) == (0, 0)
     assert not cache.lookup(keys)[1].any()
 
 
