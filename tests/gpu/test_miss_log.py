@@ -117,3 +117,15 @@ def test_lookups_on_two_streams_are_ordered_with_their_rounds(block: SharedMemBl
     assert torch.equal(out_b.cpu(), block.tensor[16:616])
     assert torch.equal(layer(keys_a).cpu(), block.tensor[:16])
     layer.close()
+
+
+@pytest.mark.parametrize("field,value", [("admit_fraction", 1.5), ("round_lookups", 0),
+                                         ("warm_round_fraction", -0.1), ("admit_keys", True)])
+def test_bad_tuning_is_refused_and_builds_nothing(field: str, value: object,
+                                                  block: SharedMemBlock) -> None:
+    from gpu import BadArgumentError
+
+    with pytest.raises(BadArgumentError, match=f"TierConfig.{field}"):
+        TierConfig(**{field: value})
+    with pytest.raises(BadArgumentError, match="tuning must be a gpu.TierConfig"):
+        layer_on(block, "cpu", 64, tuning={"admit_fraction": 0.5})
