@@ -39,7 +39,8 @@ class DirectLaunch:
     """One Triton kernel's compiled variants, launched with as little host work as possible.
 
     Args:
-        kernel: The ``@triton.jit`` function; its constexpr parameters come last.
+        kernel: The ``@triton.jit`` function; its constexpr parameters come last; its
+            first argument a tensor on the device it runs on.
         num_warps: Warps per program.
     """
 
@@ -67,7 +68,9 @@ class DirectLaunch:
                 _active(runtime.launch_exit_hook):
             self._kernel[grid](*args, **constexprs)
             return
-        spec: list[Any] = [key]
+        device = args[0].device.index
+        # NOTE: a compiled kernel's function handle belongs to the device it was loaded on
+        spec: list[Any] = [key, device]
         for a in args:
             if isinstance(a, torch.Tensor):
                 spec.append(a.data_ptr() & 15 == 0)
@@ -87,7 +90,7 @@ class DirectLaunch:
             self._variants[full] = (compiled, tuple(constexprs[n] for n in order))
             return  # the JIT launched it
         compiled, cx = variant
-        stream = self._raw_stream(args[0].device.index)
+        stream = self._raw_stream(device)
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
         compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata,
