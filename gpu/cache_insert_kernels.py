@@ -194,7 +194,7 @@ def _block_d(dim: int) -> int:
 
 
 # NOTE: launched directly (gpu.launch): an admission round is five of these launches, and
-# the JIT's per-call binding cost ~30 us each
+# the JIT's per-call binding costs more than each launch (bench/RESULTS.md, "Per-call path")
 _PROBE = DirectLaunch(_insert_probe_kernel)
 _PLAN = DirectLaunch(_insert_plan_kernel)
 _DECAY = DirectLaunch(_insert_decay_kernel)

@@ -1,9 +1,9 @@
 """Launching a compiled Triton kernel without the JIT's per-call work.
 
 ``kernel[grid](*args, **constexprs)`` binds and specializes every argument, hashes a cache
-key and builds launch metadata on every call: on the H200 machine about 30 us of host time
-for the lookup kernel's 35 parameters, against 10 us for the launch itself, while a
-serving-size lookup's kernel runs for 3-10 us (bench/RESULTS.md, "Per-call path").
+key and builds launch metadata on every call: on the H200 machine that costs several times
+the launch itself, and more than a serving-size lookup's kernel runs (bench/RESULTS.md,
+"Per-call path (H200)", "Where the host time goes").
 :class:`DirectLaunch` binds once: the first call of a variant goes through the JIT (which
 compiles it or loads it from Triton's cache), later calls hand the compiled kernel's
 launcher the arguments directly, as torch inductor's generated launchers do.

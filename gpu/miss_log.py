@@ -11,7 +11,8 @@ skipped, so the host never needs the count), and the log is emptied. A round run
   slots of keys: once that many keys were looked up;
 * once it is warm, for smaller lookups: every ``round_lookups`` lookups, or after
   ``round_capacities`` times its slots of keys, whichever comes first (a round costs
-  ~0.1-0.2 ms of host time, so serving-size lookups pay it rarely).
+  several lookups' time: bench/RESULTS.md, "Per-call path (H200)"), so serving-size
+  lookups pay it rarely.
 
 A round admits at most its :class:`~gpu.admission.RoundBudget` (the log holds no more:
 the first misses of the round's lookups, in kernel block order). Consistency needs no
