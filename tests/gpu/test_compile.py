@@ -34,43 +34,45 @@ def _model(kind: str, device: str, w: torch.Tensor, mb: SharedMemBlock | None) -
                  NVEmbeddingBag(ROWS, DIM, torch.float32, lt, mode="sum", **kw))
 
 
-@pytest.mark.parametrize("kind", ["gpu", "linear"])
-def test_fullgraph_compile_equals_eager_cpu(kind: str, table_name: str) -> None:
+@pytest.fixture
+def block(table_name: str):
+    """A SharedMemBlock holding seeded rows (also the GPULayer's ``weight_init``)."""
     torch._dynamo.reset()
-    w = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(3))
-    with SharedMemBlock.create(table_name, num_rows=ROWS, dim=DIM) as mb:
-        try:
-            mb.write(torch.arange(ROWS), w)
-            model = _model(kind, "cpu", w, mb)
-            # aot_eager: the whole tracing stack (dynamo, the ops' fake kernels, AOT
-            # autograd) without a C++ toolchain for inductor's CPU code
-            compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-            for seed in range(3):
-                keys = torch.randint(0, ROWS, (8, 5), generator=torch.Generator()
-                                     .manual_seed(seed))
-                torch.testing.assert_close(compiled(keys), model(keys))
-        finally:
-            SharedMemBlock.unlink(table_name)
+    mb = SharedMemBlock.create(table_name, num_rows=ROWS, dim=DIM)
+    mb.write(torch.arange(ROWS), torch.randn(ROWS, DIM, generator=torch.Generator()
+                                             .manual_seed(3)))
+    yield mb
+    mb.close()
+    SharedMemBlock.unlink(table_name)
+
+
+def _keys(seed: int, device: str) -> torch.Tensor:
+    return torch.randint(0, ROWS, (8, 5), generator=torch.Generator().manual_seed(seed)
+                         ).to(device)
+
+
+@pytest.mark.parametrize("kind", ["gpu", "linear"])
+def test_fullgraph_compile_equals_eager_cpu(kind: str, block: SharedMemBlock) -> None:
+    model = _model(kind, "cpu", block.tensor.clone(), block)
+    # aot_eager: the whole tracing stack (dynamo, the ops' fake kernels, AOT autograd)
+    # without a C++ toolchain for inductor's CPU code
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    for seed in range(3):
+        keys = _keys(seed, "cpu")
+        torch.testing.assert_close(compiled(keys), model(keys))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 @pytest.mark.parametrize("kind", ["gpu", "linear"])
-def test_inductor_compile_equals_eager_cuda(kind: str, mode: str, table_name: str) -> None:
-    torch._dynamo.reset()
-    w = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(3))
-    with SharedMemBlock.create(table_name, num_rows=ROWS, dim=DIM) as mb:
-        try:
-            mb.write(torch.arange(ROWS), w)
-            model = _model(kind, "cuda", w, mb)
-            compiled = torch.compile(model, fullgraph=True, mode=mode)
-            for seed in range(4):  # replays, for reduce-overhead
-                keys = torch.randint(0, ROWS, (8, 5), generator=torch.Generator()
-                                     .manual_seed(seed)).cuda()
-                got = compiled(keys).clone()
-                torch.testing.assert_close(got, model(keys))
-            model.plain.close()
-            model.bag.close()
-        finally:
-            SharedMemBlock.unlink(table_name)
+def test_inductor_compile_equals_eager_cuda(kind: str, mode: str,
+                                            block: SharedMemBlock) -> None:
+    model = _model(kind, "cuda", block.tensor.clone(), block)
+    compiled = torch.compile(model, fullgraph=True, mode=mode)
+    for seed in range(4):  # replays, for reduce-overhead
+        keys = _keys(seed, "cuda")
+        got = compiled(keys).clone()
+        torch.testing.assert_close(got, model(keys))
+    model.plain.close()
+    model.bag.close()
