@@ -14,8 +14,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from ._triton import kernel_module, triton_available
-from .cache import FORCE_TRITON_ENV, GPUCache
+from ._triton import kernel_module
+from .cache import GPUCache
 from .inputs import check_range
 from .key_flag import RangeCheck
 from .layer_config import LayerStats, PoolingMode, TierStats
@@ -27,14 +27,6 @@ from .linear_tables import (
     write_linear,
     write_tensor,
 )
-
-
-def _use_triton(device: torch.device) -> bool:
-    import os
-
-    if device.type == "cuda":
-        return triton_available()
-    return os.environ.get(FORCE_TRITON_ENV, "") == "1" and triton_available()
 
 
 class DeviceTable:
@@ -63,10 +55,13 @@ class DeviceTable:
         #: storage tensor) takes torch's gathers, its keys checked on the host
         fits = (self.table.stride(-1) == 1 or dim == 1) and (
             self.num_rows <= 1 or self.table.stride(0) >= dim)
+        #: pooled lookups: the cache's fused pooled kernel over a zero-slot cache, whose
+        #: backend choice (Triton on CUDA, or forced) is the gather's too
+        pool = GPUCache(0, dim, dtype, device)
+        triton = fits and pool.backend == "triton"
+        self._pool = pool if triton else None
         self._gather = (kernel_module("gather_kernels", interpret=device.type != "cuda").gather
-                        if fits and _use_triton(device) else None)
-        #: pooled lookups: the cache's fused pooled kernel over a zero-slot cache
-        self._pool = GPUCache(0, dim, dtype, device) if self._gather is not None else None
+                        if triton else None)
         self.check = RangeCheck(device, self.num_rows)
         self._strided = self._gather is None
         #: lookups hold its read side, writes its write side (no torn rows in this process)

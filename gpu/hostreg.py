@@ -92,14 +92,15 @@ _TYPESTR = {
 }
 
 
-class _DeviceArray:
-    """A ``__cuda_array_interface__`` holder; torch keeps it (and the registration) alive."""
+class DeviceArray:
+    """A ``__cuda_array_interface__`` holder of device-visible memory at ``ptr``; torch keeps
+    it, and so ``owner`` (a registration, a pinned tensor), alive while a view lives."""
 
     def __init__(
-        self, pinned: Pinned, ptr: int, shape: tuple[int, ...], strides: tuple[int, ...],
+        self, owner: object, ptr: int, shape: tuple[int, ...], strides: tuple[int, ...],
         typestr: str,
     ) -> None:
-        self._pinned = pinned  # NOTE: what keeps the memory registered while a view lives
+        self._owner = owner  # NOTE: what keeps the memory mapped while a view lives
         self.__cuda_array_interface__ = {
             "shape": shape,
             "strides": strides,
@@ -117,7 +118,7 @@ def _cuda_view(
     size = torch.empty((), dtype=dtype).element_size()
     ptr = pinned.device_address + offset
     byte_strides = tuple(s * size for s in strides)
-    holder = _DeviceArray(pinned, ptr, shape, byte_strides, _TYPESTR[base_dtype])
+    holder = DeviceArray(pinned, ptr, shape, byte_strides, _TYPESTR[base_dtype])
     view = torch.as_tensor(holder, device=device)
     if view.data_ptr() != ptr or view.device != device:
         raise HostRegError(

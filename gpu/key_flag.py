@@ -22,17 +22,6 @@ from .inputs import check_range
 CLEAR = 0
 
 
-class _Mapped:
-    """A ``__cuda_array_interface__`` holder of the flag's device address."""
-
-    def __init__(self, host: torch.Tensor, ptr: int) -> None:
-        self._host = host  # NOTE: keeps the pinned memory alive while the view lives
-        self.__cuda_array_interface__ = {
-            "shape": (1,), "strides": (8,), "typestr": "<i8", "data": (ptr, False),
-            "version": 3,
-        }
-
-
 class KeyErrorFlag:
     """The slot a layer's kernels report an out-of-range key in.
 
@@ -48,11 +37,13 @@ class KeyErrorFlag:
         if device.type == "cuda":
             host = torch.zeros(1, dtype=torch.int64, pin_memory=True)
             from . import _cuda
+            from .hostreg import DeviceArray
 
             ptr = int(_cuda.call("cudaHostGetDevicePointer", host.data_ptr(), 0,
                                  detail="mapping the layer's key-error flag"))
             #: what the kernels write (a CUDA tensor over the pinned host word)
-            self.device_view = torch.as_tensor(_Mapped(host, ptr), device=device)
+            self.device_view = torch.as_tensor(DeviceArray(host, ptr, (1,), (8,), "<i8"),
+                                               device=device)
         else:
             host = torch.zeros(1, dtype=torch.int64)
             self.device_view = host
