@@ -49,19 +49,30 @@ def register(stack: Any) -> int:
     return handle
 
 
+def _gone(handle: int) -> BadArgumentError:
+    return BadArgumentError(f"no layer with handle {handle} in this process (it was "
+                            "garbage collected): build the model again")
+
+
 def _stack(handle: int) -> Any:
     ref = _stacks.get(handle)
     stack = ref() if ref is not None else None
     if stack is None:
-        raise BadArgumentError(f"no layer with handle {handle} in this process (it was "
-                               "garbage collected): build the model again")
+        raise _gone(handle)
     return stack
+
+
+def _geometry(handle: int) -> tuple[int, torch.dtype, bool]:
+    meta = _meta.get(handle)
+    if meta is None:
+        raise _gone(handle)
+    return meta
 
 
 def rows(keys: torch.Tensor, handle: int) -> torch.Tensor:
     """Rows ``[N, dim]`` of flat int64 ``keys`` from the layer's stack, through the op
     that fits it (a GPULayer's may be captured in a CUDA graph)."""
-    if _meta[handle][2]:
+    if _geometry(handle)[2]:
         return table_rows(keys, handle)
     return stack_rows(keys, handle)
 
@@ -82,7 +93,7 @@ def stack_rows(keys: torch.Tensor, handle: int) -> torch.Tensor:
 
 @table_rows.register_fake
 def _table_rows_fake(keys: torch.Tensor, handle: int) -> torch.Tensor:
-    dim, dtype, _ = _meta[handle]
+    dim, dtype, _ = _geometry(handle)
     return keys.new_empty((keys.shape[0], dim), dtype=dtype)
 
 
@@ -102,5 +113,5 @@ def pooled(keys: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | No
 @pooled.register_fake
 def _pooled_fake(keys: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
                  handle: int, mode: str) -> torch.Tensor:
-    dim, dtype, _ = _meta[handle]
+    dim, dtype, _ = _geometry(handle)
     return keys.new_empty((offsets.shape[0] - 1, dim), dtype=dtype)

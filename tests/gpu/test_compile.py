@@ -76,3 +76,17 @@ def test_inductor_compile_equals_eager_cuda(kind: str, mode: str,
         torch.testing.assert_close(got, model(keys))
     model.plain.close()
     model.bag.close()
+
+
+def test_a_handle_of_a_collected_layer_raises_a_typed_error() -> None:
+    from gpu import BadArgumentError, ops
+
+    layer = NVEmbedding(ROWS, DIM, torch.float32, LayerType.GPULayer, device="cpu")
+    handle = layer._op
+    assert torch.equal(ops.rows(torch.tensor([1, 2]), handle), layer(torch.tensor([1, 2])))
+    del layer
+    for call in (lambda: ops.rows(torch.tensor([1]), handle),
+                 lambda: ops.pooled(torch.tensor([1]), torch.tensor([0, 1]), None, handle,
+                                    "sum")):
+        with pytest.raises(BadArgumentError, match=f"no layer with handle {handle}"):
+            call()
