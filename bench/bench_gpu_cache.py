@@ -24,6 +24,7 @@ Run: ``python bench/bench_gpu_cache.py [--quick] [--sweep]`` (needs CUDA and tri
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -166,11 +167,11 @@ def sweep(args: argparse.Namespace, cache: GPUCache, keys: torch.Tensor, slot_of
           gen: torch.Generator) -> None:
     """Tile sizes and stages left out, by difference: kernel launches only, no validation.
 
-    ``sat``: the policy counters set to ``COUNTER_MAX`` first (every slot saturated, the
-    best case of ``skip_saturated``); otherwise they hold what the run counted.
+    ``sat``: the policy counters set to ``COUNTER_MAX`` first (every slot saturated: no
+    counter atomic at all); otherwise they hold what the run counted.
     """
     kernels = kernel_module("cache_kernels", interpret=False)
-    saved = dict(kernels.CONFIG)
+    saved = kernels.TILES
     c = cache
     counted = c._counters.clone()
 
@@ -180,82 +181,79 @@ def sweep(args: argparse.Namespace, cache: GPUCache, keys: torch.Tensor, slot_of
         else:
             c._counters.copy_(counted)
 
-    lookup_configs = ((16, 4, 1, 0, 0), (16, 4, 0, 0, 0), (16, 4, 1, 1, 0), (16, 4, 1, 1, 1),
-                      (16, 4, 0, 1, 1), (8, 2, 1, 0, 0), (8, 4, 1, 0, 0), (16, 2, 1, 0, 0),
-                      (32, 4, 1, 0, 0), (32, 8, 1, 0, 0), (4, 1, 1, 0, 0), (8, 1, 1, 0, 0))
-    for dist, alpha in (("zipf", 1.05), ("uniform", 0.0)):
-        for n in (1 << 16, 1 << 20):
+    lookup_configs = ((16, 4, 0), (16, 4, 1), (8, 2, 0), (8, 4, 0), (16, 2, 0), (32, 4, 0),
+                      (32, 8, 0), (4, 1, 0), (8, 1, 0))
+    try:
+        for dist, alpha in (("zipf", 1.05), ("uniform", 0.0)):
+            for n in (1 << 16, 1 << 20):
+                pick = zipf_ranks(keys.numel(), n, alpha, gen)
+                q, idx = keys[pick], slot_of[pick]
+
+                def run(count: bool, gather: bool = True, q: torch.Tensor = q) -> Any:
+                    c._will_count(q.numel())
+                    return kernels.lookup(q, c._tkeys, c._counters, c._rows, c._hits,
+                                          c.num_buckets, c.ways, empty=EMPTY_KEY,
+                                          gather=gather, count=count, want_slots=False,
+                                          cmax=COUNTER_MAX)
+
+                def plain(idx: torch.Tensor = idx) -> Any:
+                    return kernels.lookup(idx, c._tkeys, c._counters, c._rows, c._hits, 0,
+                                          c.ways, empty=EMPTY_KEY, gather=True, count=False,
+                                          want_slots=False, table=c._rows, host_table=False,
+                                          cmax=COUNTER_MAX)
+
+                t_emb = bench(lambda idx=idx: torch.nn.functional.embedding(idx, c._rows),
+                              True)
+                for bk, warps, sat in lookup_configs:
+                    kernels.TILES = dataclasses.replace(saved, lookup_block_k=bk,
+                                                        lookup_warps=warps)
+                    set_counters(sat)
+                    row = {}
+                    for what, fn in (("full", lambda: run(True)), ("no_count",
+                                     lambda: run(False)), ("probe_only",
+                                     lambda: run(True, False)), ("plain_gather", plain)):
+                        row[what] = round(n / bench(fn, True) / 1e6, 1)
+                    emit(bench="sweep_lookup", dist=dist, block_k=bk, warps=warps,
+                         saturated=sat, batch=n, emb_mkps=round(n / t_emb / 1e6, 1),
+                         full_ratio=round(row["full"] * t_emb / n * 1e6, 3), **row)
+                set_counters(0)
+        n = 256 * 1024
+        offsets = torch.arange(0, n + 1, 1024, device="cuda")
+        pooled_configs = ((64, 8, 256, 0), (64, 8, 256, 1), (32, 4, 256, 0), (64, 8, 1024, 0),
+                          (128, 8, 256, 0), (64, 4, 256, 0), (32, 8, 512, 0))
+        for dist, alpha in (("zipf", 1.05), ("uniform", 0.0)):
             pick = zipf_ranks(keys.numel(), n, alpha, gen)
             q, idx = keys[pick], slot_of[pick]
+            t_bag = bench(lambda idx=idx: torch.nn.functional.embedding_bag(
+                idx, c._rows, offsets, mode="sum", include_last_offset=True), True)
 
-            def run(count: bool, gather: bool = True, q: torch.Tensor = q) -> Any:
+            def pooled(count: bool, q: torch.Tensor = q) -> Any:
                 c._will_count(q.numel())
-                return kernels.lookup(q, c._tkeys, c._counters, c._rows, c._hits,
-                                      c.num_buckets, c.ways, empty=EMPTY_KEY, gather=gather,
-                                      count=count, want_slots=False, cmax=COUNTER_MAX)
+                return kernels.pooled(q, offsets, None, None, c._tkeys, c._counters, c._rows,
+                                      c._hits, c.num_buckets, c.ways, mean=False,
+                                      empty=EMPTY_KEY, count=count, cmax=COUNTER_MAX)
 
-            def plain(idx: torch.Tensor = idx) -> Any:
-                return kernels.lookup(idx, c._tkeys, c._counters, c._rows, c._hits, 0, c.ways,
-                                      empty=EMPTY_KEY, gather=True, count=False,
-                                      want_slots=False, table=c._rows, host_table=False,
-                                      cmax=COUNTER_MAX)
+            def plain_pooled(idx: torch.Tensor = idx) -> Any:
+                return kernels.pooled(idx, offsets, None, None, c._tkeys, c._counters, c._rows,
+                                      c._hits, 0, c.ways, mean=False, empty=EMPTY_KEY,
+                                      table=c._rows, cmax=COUNTER_MAX)
 
-            t_emb = bench(lambda idx=idx: torch.nn.functional.embedding(idx, c._rows), True)
-            for bk, warps, agg, skip, sat in lookup_configs:
-                kernels.CONFIG.update(lookup_block_k=bk, lookup_warps=warps, lookup_agg=agg,
-                                      skip_saturated=skip)
+            for bk, warps, programs, sat in pooled_configs:
+                kernels.TILES = dataclasses.replace(saved, pooled_block_k=bk,
+                                                    pooled_warps=warps,
+                                                    pooled_programs=programs)
                 set_counters(sat)
-                row = {}
-                for what, fn in (("full", lambda: run(True)), ("no_count",
-                                 lambda: run(False)), ("probe_only",
-                                 lambda: run(True, False)), ("plain_gather", plain)):
-                    row[what] = round(n / bench(fn, True) / 1e6, 1)
-                emit(bench="sweep_lookup", dist=dist, block_k=bk, warps=warps, agg=agg,
-                     skip_saturated=skip, saturated=sat, batch=n,
-                     emb_mkps=round(n / t_emb / 1e6, 1),
-                     full_ratio=round(row["full"] * t_emb / n * 1e6, 3), **row)
-            kernels.CONFIG.update(saved)
+                t = bench(lambda: pooled(True), True)
+                t_nc = bench(lambda: pooled(False), True)
+                t0 = bench(plain_pooled, True)
+                emit(bench="sweep_pooled", dist=dist, block_k=bk, warps=warps,
+                     programs=programs, saturated=sat, split=kernels.pooled_split(n, 256),
+                     mkps=round(n / t / 1e6, 1), ratio=round(t_bag / t, 3),
+                     no_count_mkps=round(n / t_nc / 1e6, 1), plain_mkps=round(n / t0 / 1e6, 1),
+                     bag_mkps=round(n / t_bag / 1e6, 1))
             set_counters(0)
-    n = 256 * 1024
-    offsets = torch.arange(0, n + 1, 1024, device="cuda")
-    pooled_configs = ((64, 8, 256, 0, 0, 0), (64, 8, 256, 1, 0, 0), (64, 8, 256, 0, 1, 0),
-                      (64, 8, 256, 0, 1, 1), (64, 8, 256, 1, 1, 1), (32, 4, 256, 0, 0, 0),
-                      (32, 4, 256, 1, 1, 1), (64, 8, 1024, 0, 0, 0), (64, 8, 1024, 0, 1, 1),
-                      (128, 8, 256, 0, 1, 1), (64, 4, 256, 0, 1, 1), (32, 8, 512, 0, 1, 1))
-    for dist, alpha in (("zipf", 1.05), ("uniform", 0.0)):
-        pick = zipf_ranks(keys.numel(), n, alpha, gen)
-        q, idx = keys[pick], slot_of[pick]
-        t_bag = bench(lambda idx=idx: torch.nn.functional.embedding_bag(
-            idx, c._rows, offsets, mode="sum", include_last_offset=True), True)
-
-        def pooled(count: bool, q: torch.Tensor = q) -> Any:
-            c._will_count(q.numel())
-            return kernels.pooled(q, offsets, None, None, c._tkeys, c._counters, c._rows,
-                                  c._hits, c.num_buckets, c.ways, mean=False,
-                                  empty=EMPTY_KEY, count=count, cmax=COUNTER_MAX)
-
-        def plain_pooled(idx: torch.Tensor = idx) -> Any:
-            return kernels.pooled(idx, offsets, None, None, c._tkeys, c._counters, c._rows,
-                                  c._hits, 0, c.ways, mean=False, empty=EMPTY_KEY,
-                                  table=c._rows, cmax=COUNTER_MAX)
-
-        for bk, warps, programs, agg, skip, sat in pooled_configs:
-            kernels.CONFIG.update(pooled_block_k=bk, pooled_warps=warps,
-                                  pooled_programs=programs, pooled_agg=agg,
-                                  skip_saturated=skip)
-            set_counters(sat)
-            t = bench(lambda: pooled(True), True)
-            t_nc = bench(lambda: pooled(False), True)
-            t0 = bench(plain_pooled, True)
-            emit(bench="sweep_pooled", dist=dist, block_k=bk, warps=warps,
-                 programs=programs, agg=agg, skip_saturated=skip, saturated=sat,
-                 split=kernels.pooled_split(n, 256, 1), mkps=round(n / t / 1e6, 1),
-                 ratio=round(t_bag / t, 3), no_count_mkps=round(n / t_nc / 1e6, 1),
-                 plain_mkps=round(n / t0 / 1e6, 1), bag_mkps=round(n / t_bag / 1e6, 1))
-        kernels.CONFIG.update(saved)
-        set_counters(0)
-    kernels.CONFIG.clear()
-    kernels.CONFIG.update(saved)
+    finally:
+        kernels.TILES = saved
 
 
 def pinned_copy_gbps(host: torch.Tensor, quick: bool) -> float:
@@ -290,18 +288,18 @@ def run_linear(args: argparse.Namespace, gen: torch.Generator) -> None:
         t = bench(lambda q=q: cache.lookup_linear(q, table), args.quick)
         tb = bench(lambda q=q: torch.index_select(table, 0, q), args.quick)
         # the same lookups with every batch visited in batch order, or in host-page order;
-        # the default picks by batch size (CONFIG["linear_page_order"])
+        # the default picks by batch size (TILES.linear_page_order)
         kernels = kernel_module("cache_kernels", interpret=False)
-        saved = dict(kernels.CONFIG)
+        saved = kernels.TILES
         variants = {}
         for label, from_n in (("batch_order", 0), ("page_order", 1)):
-            kernels.CONFIG.update(linear_page_order=from_n)
+            kernels.TILES = dataclasses.replace(saved, linear_page_order=from_n)
             try:
                 got_v, hit_v = cache.lookup_linear(q, table)
                 assert torch.equal(got_v, got) and torch.equal(hit_v, hit)
                 t_v = bench(lambda q=q: cache.lookup_linear(q, table), args.quick)
             finally:
-                kernels.CONFIG.update(saved)
+                kernels.TILES = saved
             variants[f"{label}_mkps"] = round(n / t_v / 1e6, 1)
             variants[f"{label}_ratio"] = round(tb / t_v, 3)
         batches = [perm[zipf_ranks(rows, n, 1.05, gen)] for _ in range(10)]

@@ -18,6 +18,7 @@ Usage: ``python3 bench/bench_host_tier.py [--quick]`` (needs CUDA; says so witho
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -124,12 +125,12 @@ def bench_lookups(capacity: int, batches: list[int], reps: int, ceiling: float) 
 
                     def variant(q=q, **cfg):
                         def run_variant():
-                            saved = dict(hk.CONFIG)
-                            hk.CONFIG.update(cfg)
+                            saved = hk.TILES
+                            hk.TILES = dataclasses.replace(saved, **cfg)
                             try:
                                 return hk.hostcache_lookup(reg, q)
                             finally:
-                                hk.CONFIG.update(saved)
+                                hk.TILES = saved
                         return run_variant
 
                     def sort_only(q=q):

@@ -13,6 +13,7 @@ machine without CUDA it runs the CPU variants at small sizes (figures then say "
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -158,20 +159,20 @@ def linear_uvm(device: torch.device, rows: int, batches: list[int], reps: int) -
             extra: dict[str, Any] = {}
             if emb._tiers.cache.backend == "triton":
                 # the same layer with every batch visited in batch order, or in host-page
-                # order; the default picks by batch size (CONFIG["linear_page_order"])
+                # order; the default picks by batch size (TILES.linear_page_order)
                 from gpu._triton import kernel_module
 
                 kernels = kernel_module("cache_kernels", interpret=device.type != "cuda")
-                saved = dict(kernels.CONFIG)
+                saved = kernels.TILES
                 for label, from_n in (("batch_order", 0), ("page_order", 1)):
-                    kernels.CONFIG.update(linear_page_order=from_n)
+                    kernels.TILES = dataclasses.replace(saved, linear_page_order=from_n)
                     try:
                         assert torch.equal(emb(keys), table_view.index_select(0, keys))
                         b = emb.stats().gpu
                         ts = timed(cycle(emb, stream), device, reps, wall=True)
                         a = emb.stats().gpu
                     finally:
-                        kernels.CONFIG.update(saved)
+                        kernels.TILES = saved
                     vh, vm = a.hits - b.hits, a.misses - b.misses
                     extra.update({f"{label}_mkps": n / ts / 1e6, f"{label}_ratio": tb / ts,
                                   f"{label}_hit_rate": vh / max(1, vh + vm)})

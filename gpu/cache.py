@@ -18,8 +18,10 @@ With ``device="cpu"`` the cache lives in host memory and no CUDA call is made.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from types import ModuleType
 from typing import Literal
 
@@ -430,6 +432,21 @@ class GPUCache:
         self._tkeys.fill_(EMPTY_KEY)
         self._counters.zero_()
         self._unclamped = 0
+
+    @contextlib.contextmanager
+    def warming_up(self) -> Iterator[None]:
+        """Work whose effects are forgotten after it: every row dropped, the statistics as
+        they were. For loading kernels at a layer's construction (the cache is empty then)
+        with the very argument shapes its lookups and rounds will use."""
+        saved = (self._hits.clone(), self._insert_stats.clone(), self._lookups,
+                 self._updates, self._erases)
+        try:
+            yield
+        finally:
+            self.clear()
+            self._hits.copy_(saved[0])
+            self._insert_stats.copy_(saved[1])
+            self._lookups, self._updates, self._erases = saved[2:]
 
     # ------------------------------------------------------------------ introspection
 

@@ -22,6 +22,8 @@ launches make the same placements as ``gpu.cache_twin.plan_insert``:
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -175,14 +177,18 @@ def _insert_apply_kernel(
 
 # ---------------------------------------------------------------- launchers
 
-#: tile sizes; the bench may override them to pick better ones per GPU.
-CONFIG: dict[str, int] = {
-    "scatter_block_k": 16,
-    "insert_block_k": 32,
-}
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """Keys per program of the writes (a test swaps the whole object)."""
+
+    scatter_block_k: int = 16
+    insert_block_k: int = 32
+
+
+TILES = Tiles()
 if triton.knobs.runtime.interpret:
     # NOTE: small blocks keep the CPU tests fast (and cover many programs per launch).
-    CONFIG.update(insert_block_k=8)
+    TILES = Tiles(insert_block_k=8)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -219,7 +225,7 @@ def scatter_rows(
     n = target.numel()
     if n == 0:
         return
-    bk = CONFIG["scatter_block_k"]
+    bk = TILES.scatter_block_k
     dim = rows.shape[1]
     _launch(_SCATTER, (_cdiv(n, bk),), (rows, target, values, src, n, dim),
             ("scatter", rows.dtype, values.dtype, bk, dim), BLOCK_K=bk, BLOCK_D=_block_d(dim))
@@ -237,7 +243,7 @@ def insert(
     and dropped counts."""
     n = keys.numel()
     trash = tkeys.numel()
-    bk = CONFIG["insert_block_k"]
+    bk = TILES.insert_block_k
     grid = (_cdiv(n, bk),)
     ks, src = torch.sort(keys, stable=True)
     skey = torch.empty_like(ks)

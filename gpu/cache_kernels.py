@@ -25,7 +25,7 @@ launch: a block of keys waits for its few host reads while other blocks gather h
 device memory. The table's rows may be padded: row ``k`` starts ``k * table.stride(0)``
 elements in (a ``SharedMemBlock`` rounds rows up to 16 bytes).
 
-Small batches are visited in batch order. From ``CONFIG["linear_page_order"]`` keys a
+Small batches are visited in batch order. From ``TILES.linear_page_order`` keys a
 batch over a table in host memory (0: never) is visited in row (= host page) order instead
 (``page_order``: one int32 ``argsort``; each result still goes to its key's batch
 position), so that neighbouring programs read neighbouring host pages: slower than batch
@@ -41,6 +41,8 @@ The writes (insert, row scatters) are in :mod:`gpu.cache_insert_kernels`.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import triton
@@ -69,8 +71,7 @@ def _lookup_kernel(
     order_ptr, err_ptr, HAS_CACHE: tl.constexpr, GATHER: tl.constexpr, LINEAR: tl.constexpr,
     WRITE_SLOTS: tl.constexpr, COUNT: tl.constexpr, COLLECT: tl.constexpr, WAYS: tl.constexpr,
     EMPTY: tl.constexpr, STAT_STRIPES: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, STREAM: tl.constexpr, AGG: tl.constexpr,
-    SKIP_SAT: tl.constexpr, CMAX: tl.constexpr, ORDERED: tl.constexpr,
+    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CMAX: tl.constexpr, ORDERED: tl.constexpr,
     WRITE_HIT: tl.constexpr, CHECK: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -109,12 +110,8 @@ def _lookup_kernel(
             else:
                 vals = tl.full([BLOCK_K, BLOCK_D], 0, rows_ptr.dtype.element_ty)
     if GATHER:
-        optr = out_ptr + offs[:, None] * dim + d[None, :]
-        omask = kmask[:, None] & dmask[None, :]
-        if STREAM:
-            tl.store(optr, vals, mask=omask, cache_modifier=".cs")
-        else:
-            tl.store(optr, vals, mask=omask)
+        tl.store(out_ptr + offs[:, None] * dim + d[None, :], vals,
+                 mask=kmask[:, None] & dmask[None, :])
     if WRITE_HIT:
         tl.store(hit_ptr + offs, hit.to(tl.int8), mask=kmask)
     if WRITE_SLOTS:
@@ -124,7 +121,7 @@ def _lookup_kernel(
             # NOTE: fire-and-forget (result unused: a `red`, no round trip), issued after the
             # loads and stores so no warp waits on a contended hot slot; not saturated here
             # (see the module docstring for the lazy clamp).
-            _bump(counters_ptr, slot, hit, BLOCK_K, AGG, SKIP_SAT, CMAX)
+            _bump(counters_ptr, slot, hit, CMAX)
             nhits = tl.reduce(hit.to(tl.int64), 0, add_combine)
             tl.atomic_add(stats_ptr + pid % STAT_STRIPES, nhits, sem="relaxed")
     if COLLECT:
@@ -145,19 +142,16 @@ def _pooled_kernel(
     COLLECT: tl.constexpr,
     LINEAR: tl.constexpr, MEAN: tl.constexpr, SPLIT: tl.constexpr, WAYS: tl.constexpr,
     EMPTY: tl.constexpr, STAT_STRIPES: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, AGG: tl.constexpr, COUNT: tl.constexpr,
-    SKIP_SAT: tl.constexpr, CMAX: tl.constexpr, CHECK: tl.constexpr,
+    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, COUNT: tl.constexpr, CMAX: tl.constexpr,
+    CHECK: tl.constexpr,
 ):
     bag = tl.program_id(0)
     split = tl.program_id(1)
-    dchunk = tl.program_id(2)
-    # NOTE: only the first dim chunk bumps counters, counts hits and writes ``hit``.
-    first = tl.full([BLOCK_K], 0, tl.int32) + dchunk == 0
     start = tl.load(offsets_ptr + bag)
     end = tl.load(offsets_ptr + bag + 1)
-    d = dchunk * BLOCK_D + tl.arange(0, BLOCK_D)
+    d = tl.arange(0, BLOCK_D)
     if EVEN_D:
-        dmask = tl.full([BLOCK_D], 1, tl.int1)  # dim is a multiple of BLOCK_D
+        dmask = tl.full([BLOCK_D], 1, tl.int1)  # dim is BLOCK_D
     else:
         dmask = d < dim
     # NOTE: accumulate a [BLOCK_K, BLOCK_D] tile in registers and reduce it across keys once
@@ -211,17 +205,16 @@ def _pooled_kernel(
             w = tl.load(weights_ptr + offs, mask=kmask, other=0.0).to(tl.float32)
             vals = vals * w[:, None]
         acc += vals
-        tl.store(hit_ptr + offs, hit.to(tl.int8), mask=kmask & first)
+        tl.store(hit_ptr + offs, hit.to(tl.int8), mask=kmask)
         if HAS_CACHE:
             if COUNT:
-                _bump(counters_ptr, slot, hit & first, BLOCK_K, AGG, SKIP_SAT, CMAX)
+                _bump(counters_ptr, slot, hit, CMAX)
             nhits += hit.to(tl.int64)
         if COLLECT:
             _collect(cand_ptr, cand_cap, keys, offs,
-                     first & kmask & (hit == 0) & (keys >= 0) & (keys < num_rows))
+                     kmask & (hit == 0) & (keys >= 0) & (keys < num_rows))
         if CHECK:
-            tl.store(err_ptr + offs * 0, keys,
-                     mask=first & kmask & ((keys < 0) | (keys >= num_rows)))
+            tl.store(err_ptr + offs * 0, keys, mask=kmask & ((keys < 0) | (keys >= num_rows)))
     res = tl.reduce(acc, 0, add_combine)
     if SPLIT == 1:
         if MEAN:
@@ -232,9 +225,7 @@ def _pooled_kernel(
         tl.store(part_ptr + (bag.to(tl.int64) * SPLIT + split) * dim + d, res, mask=dmask)
     if HAS_CACHE:
         total = tl.reduce(nhits, 0, add_combine)
-        if dchunk == 0:
-            tl.atomic_add(stats_ptr + (bag * SPLIT + split) % STAT_STRIPES, total,
-                          sem="relaxed")
+        tl.atomic_add(stats_ptr + (bag * SPLIT + split) % STAT_STRIPES, total, sem="relaxed")
 
 
 @triton.jit
@@ -244,7 +235,7 @@ def _pool_finish_kernel(
 ):
     """Sums the ``SPLIT`` fp32 partial rows of a bag in a fixed order (deterministic)."""
     bag = tl.program_id(0)
-    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d = tl.arange(0, BLOCK_D)
     if EVEN_D:
         dmask = tl.full([BLOCK_D], 1, tl.int1)
     else:
@@ -262,27 +253,29 @@ def _pool_finish_kernel(
 
 # ---------------------------------------------------------------- launchers
 
-#: tile sizes; the bench may override them (``--sweep``) to pick better ones per GPU.
-CONFIG: dict[str, int] = {
-    "lookup_block_k": 16,
-    "lookup_warps": 4,
-    "lookup_stream": 0,  # 1: store gathered rows with .cs (streaming, evict first)
-    "lookup_agg": 0,  # 1: one counter atomic per distinct slot of a block (see _bump)
-    # from this many keys a batch over a host table is visited in page order (page_order;
-    # 0: never)
-    "linear_page_order": 1 << 17,
-    "pooled_block_k": 64,
-    "pooled_warps": 8,
-    "pooled_block_d": 0,  # 0: the whole row in one program
-    "pooled_programs": 256,  # split bags over about this many programs in all
-    "pooled_max_split": 64,
-    "pooled_agg": 0,
-    "skip_saturated": 1,  # 1: no counter atomic for a slot already at cmax (see _bump)
-}
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """Tile sizes and the batch-size rules of the lookups (measured on the H200:
+    bench/RESULTS.md, "GPU cache kernels"); a bench or a test swaps the whole object
+    (``dataclasses.replace``)."""
+
+    lookup_block_k: int = 16
+    lookup_warps: int = 4
+    #: from this many keys a batch over a host table is visited in page order
+    #: (:func:`page_order`; 0: never)
+    linear_page_order: int = 1 << 17
+    pooled_block_k: int = 64
+    pooled_warps: int = 8
+    #: split bags over about this many programs in all, at most this many per bag
+    pooled_programs: int = 256
+    pooled_max_split: int = 64
+
+
+TILES = Tiles()
 if triton.knobs.runtime.interpret:
-    # NOTE: the interpreter runs a block's [BLOCK_K, BLOCK_K] duplicate-slot comparison in
-    # numpy: small blocks keep the CPU tests fast (and cover many programs per launch).
-    CONFIG.update(lookup_block_k=8, pooled_block_k=8)
+    # NOTE: small blocks keep the interpreted CPU tests fast and cover many programs per
+    # launch
+    TILES = Tiles(lookup_block_k=8, pooled_block_k=8)
 
 
 #: the lookup kernel launched directly (gpu.launch), and its constexpr sets by key
@@ -321,7 +314,7 @@ def lookup(
     """Probe (+ gather, + linear-table misses) of ``keys``: ``(values, hit, slots)``.
 
     Hit slots' counters get one unsaturated add per key (the caller clamps lazily), none
-    where a counter already reads ``cmax`` (with ``CONFIG["skip_saturated"]``).
+    where a counter already reads ``cmax``.
     ``candidates``: a zeroed int64 buffer ``[1 + 2 * cap]`` (see ``cache.MissCandidates``)
     that receives the in-range misses of a linear lookup (count, keys, batch positions).
     ``host_table``: the linear table lives in host memory, so large batches are visited
@@ -341,20 +334,20 @@ def lookup(
     bd = _block_d(dim)
     linear = table is not None
     order = _visit_order(keys, table, host_table, rotate) if gather else None
+    tiles = TILES
     cxkey = (num_buckets > 0, gather, linear, want_slots, count, candidates is not None,
              ways, empty, stats.numel(), bd, cmax, order is not None, want_hit,
-             err is not None and linear, bd == dim, rows.dtype, tuple(CONFIG.values()))
+             err is not None and linear, bd == dim, rows.dtype, tiles)
     cx = _LOOKUP_CX.get(cxkey)
     if cx is None:
         cx = _LOOKUP_CX[cxkey] = dict(
             HAS_CACHE=cxkey[0], GATHER=gather, LINEAR=linear, WRITE_SLOTS=want_slots,
             COUNT=count, COLLECT=cxkey[5], WAYS=ways, EMPTY=empty, STAT_STRIPES=cxkey[8],
-            BLOCK_K=CONFIG["lookup_block_k"], BLOCK_D=bd, EVEN_D=bd == dim,
-            STREAM=bool(CONFIG["lookup_stream"]), AGG=bool(CONFIG["lookup_agg"]),
-            SKIP_SAT=bool(CONFIG["skip_saturated"]), CMAX=cmax, ORDERED=cxkey[11],
-            WRITE_HIT=want_hit, CHECK=cxkey[13], num_warps=CONFIG["lookup_warps"])
+            BLOCK_K=tiles.lookup_block_k, BLOCK_D=bd, EVEN_D=bd == dim, CMAX=cmax,
+            ORDERED=cxkey[11], WRITE_HIT=want_hit, CHECK=cxkey[13],
+            num_warps=tiles.lookup_warps)
     _LOOKUP(
-        (_cdiv(n, CONFIG["lookup_block_k"]),),
+        (_cdiv(n, tiles.lookup_block_k),),
         (keys, n, tkeys, counters, rows, stats, max(num_buckets, 1),
          out if out is not None else keys, hit.view(torch.int8) if hit is not None else keys,
          slots if slots is not None else keys, table if linear else rows,
@@ -368,8 +361,8 @@ def lookup(
 def _visit_order(keys: torch.Tensor, table: torch.Tensor | None, host_table: bool,
                  rotate: int) -> torch.Tensor | None:
     """The order a lookup visits its batch in: None (batch order), or page order for a
-    batch of ``CONFIG["linear_page_order"]`` keys or more over a table in host memory."""
-    from_n = CONFIG["linear_page_order"]
+    batch of ``TILES.linear_page_order`` keys or more over a table in host memory."""
+    from_n = TILES.linear_page_order
     if table is None or not host_table or not 0 < from_n <= keys.numel():
         return None
     return page_order(keys, table.shape[0], rotate)
@@ -388,14 +381,20 @@ def page_order(keys: torch.Tensor, num_rows: int, rotate: int) -> torch.Tensor:
     return torch.argsort(r)
 
 
-def pooled_split(n: int, nbags: int, dchunks: int) -> int:
+def pooled_split(n: int, nbags: int) -> int:
     """Programs per bag (a power of two): enough to fill the GPU, none idle on average."""
-    bk = CONFIG["pooled_block_k"]
+    tiles = TILES
     per_bag = max(1, -(-n // max(nbags, 1)))  # average bag length, rounded up
-    useful = -(-per_bag // bk)  # key blocks of an average bag
-    want = -(-CONFIG["pooled_programs"] // max(nbags * dchunks, 1))
-    split = max(1, min(useful, want, CONFIG["pooled_max_split"]))
+    useful = -(-per_bag // tiles.pooled_block_k)  # key blocks of an average bag
+    want = -(-tiles.pooled_programs // max(nbags, 1))
+    split = max(1, min(useful, want, tiles.pooled_max_split))
     return 1 << (split.bit_length() - 1)
+
+
+#: the pooled kernels launched directly, and their constexpr sets by key
+_POOLED = DirectLaunch(_pooled_kernel)
+_POOL_FINISH = DirectLaunch(_pool_finish_kernel)
+_POOLED_CX: dict[tuple[object, ...], dict[str, object]] = {}
 
 
 @on_tensor_device
@@ -413,42 +412,49 @@ def pooled(
 
     Each bag is split over ``pooled_split`` programs (key blocks dealt round robin); with
     more than one, the programs write fp32 partial rows and a second launch sums them in a
-    fixed order, so results are deterministic.
+    fixed order, so results are deterministic. A program holds whole rows.
     """
     n = keys.numel()
     nbags = offsets.numel() - 1
     dim = rows.shape[1]
-    out = torch.empty((nbags, dim), dtype=out_dtype or rows.dtype, device=keys.device)
-    hit = torch.empty(n, dtype=torch.bool, device=keys.device)
+    dev = keys.device
+    out = torch.empty((nbags, dim), dtype=out_dtype or rows.dtype, device=dev)
+    hit = torch.empty(n, dtype=torch.bool, device=dev)
     if nbags == 0:
         return out, hit
-    bd = CONFIG["pooled_block_d"] or _block_d(dim)
-    bd = min(bd, _block_d(dim))
-    nd = _cdiv(dim, bd)
-    split = pooled_split(n, nbags, nd)
-    part = (torch.empty((nbags, split, dim), dtype=torch.float32, device=keys.device)
-            if split > 1 else out)
+    tiles = TILES
+    bd = _block_d(dim)
+    split = pooled_split(n, nbags)
+    part = torch.empty((nbags, split, dim), dtype=torch.float32, device=dev) \
+        if split > 1 else out
     linear = table is not None
-    even_d = dim % bd == 0
-    _pooled_kernel[(nbags, split, nd)](
-        keys, offsets, weights if weights is not None else rows,
-        miss_values if miss_values is not None else rows, tkeys, counters, rows, stats,
-        max(num_buckets, 1), out, part, hit.view(torch.int8), table if linear else rows,
-        table.shape[0] if table is not None else 0, _row_stride(table, dim), dim,
-        candidates if candidates is not None else keys, _cand_cap(candidates),
-        err if err is not None else keys,
-        HAS_CACHE=num_buckets > 0, HAS_W=weights is not None,
-        HAS_MISS=miss_values is not None,
-        COLLECT=candidates is not None, LINEAR=linear, MEAN=mean,
-        SPLIT=split, WAYS=ways,
-        EMPTY=empty, STAT_STRIPES=stats.numel(), BLOCK_K=CONFIG["pooled_block_k"],
-        BLOCK_D=bd, EVEN_D=even_d, AGG=bool(CONFIG["pooled_agg"]), COUNT=count,
-        SKIP_SAT=bool(CONFIG["skip_saturated"]), CMAX=cmax, CHECK=err is not None and linear,
-        num_warps=CONFIG["pooled_warps"],
-    )
+    w = weights if weights is not None else rows
+    mv = miss_values if miss_values is not None else rows
+    # NOTE: the key names every constexpr and every tensor's element type (gpu.launch)
+    cxkey = (num_buckets > 0, weights is not None, miss_values is not None,
+             candidates is not None, linear, mean, split, ways, empty, stats.numel(), bd,
+             bd == dim, count, cmax, err is not None and linear, tiles, offsets.dtype,
+             w.dtype, mv.dtype, rows.dtype, out.dtype,
+             table.dtype if table is not None else None)
+    cx = _POOLED_CX.get(cxkey)
+    if cx is None:
+        cx = _POOLED_CX[cxkey] = dict(
+            HAS_CACHE=cxkey[0], HAS_W=cxkey[1], HAS_MISS=cxkey[2], COLLECT=cxkey[3],
+            LINEAR=linear, MEAN=mean, SPLIT=split, WAYS=ways, EMPTY=empty,
+            STAT_STRIPES=cxkey[9], BLOCK_K=tiles.pooled_block_k, BLOCK_D=bd,
+            EVEN_D=bd == dim, COUNT=count, CMAX=cmax, CHECK=cxkey[14],
+            num_warps=tiles.pooled_warps)
+    _POOLED(
+        (nbags, split),
+        (keys, offsets, w, mv, tkeys, counters, rows, stats, max(num_buckets, 1), out, part,
+         hit.view(torch.int8), table if linear else rows,
+         table.shape[0] if table is not None else 0, _row_stride(table, dim), dim,
+         candidates if candidates is not None else keys, _cand_cap(candidates),
+         err if err is not None else keys),
+        cx, cxkey)
     if split > 1:
-        _pool_finish_kernel[(nbags, nd)](
-            part, offsets, out, dim, MEAN=mean, SPLIT=split, BLOCK_D=bd, EVEN_D=even_d,
-            num_warps=4,
-        )
+        _POOL_FINISH(
+            (nbags,), (part, offsets, out, dim),
+            dict(MEAN=mean, SPLIT=split, BLOCK_D=bd, EVEN_D=bd == dim, num_warps=4),
+            (mean, split, bd, bd == dim, offsets.dtype, out.dtype))
     return out, hit

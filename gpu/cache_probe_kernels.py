@@ -12,9 +12,8 @@ Counters: a hit adds 1 to its slot's counter with a fire-and-forget atomic (the 
 unused, so it compiles to a ``red``: no warp waits for it), issued after the row loads and
 stores. Same-address atomics serialize in L2, and a Zipf batch hits its hottest slots
 thousands of times, so a slot whose counter already reads ``CMAX`` gets no atomic at all
-(``gpu.cache_kernels.CONFIG["skip_saturated"]``; the hot slots saturate within a few
-batches); summing equal slots per block first (``lookup_agg`` / ``pooled_agg``) is a
-switch, off by default (slower than the skip: bench/RESULTS.md, "GPU cache kernels").
+(the hot slots saturate within a few batches). Summing equal slots per block first lost
+to that skip by measurement and is gone (bench/RESULTS.md, "GPU cache kernels").
 
 The kernels do not saturate: ``GPUCache`` clamps lazily. Saturating adds of non-negative
 amounts compose, ``min(min(c + a, CMAX) + b, CMAX) == min(c + a + b, CMAX)``, so a stored
@@ -63,29 +62,16 @@ def probe(tkeys_ptr, keys, kmask, num_buckets, WAYS: tl.constexpr, EMPTY: tl.con
 
 
 @triton.jit
-def bump(counters_ptr, slot, hit, BLOCK_K: tl.constexpr, AGG: tl.constexpr,
-          SKIP_SAT: tl.constexpr, CMAX: tl.constexpr):
-    """Add each hit to its slot's counter (fire-and-forget atomics).
+def bump(counters_ptr, slot, hit, CMAX: tl.constexpr):
+    """Add each hit to its slot's counter (fire-and-forget atomics, ``red``).
 
-    With ``AGG``, duplicates inside the block (Zipf batches repeat hot keys) are summed
-    first, so a hot slot takes one atomic per block instead of one per key (same-address
-    atomics serialize in L2), at the price of a ``[BLOCK_K, BLOCK_K]`` comparison.
-    Fire-and-forget (``red``) either way. With ``SKIP_SAT``, a slot whose counter already
-    reads ``CMAX`` or more takes no atomic at all (exact: the counter only grows during a
-    launch, so a value read at ``CMAX`` stays saturated, and adds to it change nothing it
-    stands for); a hot slot then costs one cached load per key instead of a serialized add.
+    A slot whose counter already reads ``CMAX`` or more takes no atomic at all (exact: the
+    counter only grows during a launch, so a value read at ``CMAX`` stays saturated, and
+    adds to it change nothing it stands for); a hot slot then costs one cached load per key
+    instead of a serialized add.
     """
-    if SKIP_SAT:
-        c = tl.load(counters_ptr + slot, mask=hit, other=0)
-        hit = hit & (c < CMAX)
-    if AGG:
-        i = tl.arange(0, BLOCK_K)
-        same = (slot[:, None] == slot[None, :]) & hit[:, None] & hit[None, :]
-        count = tl.reduce(same.to(tl.int32), 1, add_combine)
-        first = tl.reduce(tl.where(same, i[None, :], BLOCK_K), 1, min_combine)
-        tl.atomic_add(counters_ptr + slot, count, mask=hit & (first == i), sem="relaxed")
-    else:
-        tl.atomic_add(counters_ptr + slot, 1, mask=hit, sem="relaxed")
+    c = tl.load(counters_ptr + slot, mask=hit, other=0)
+    tl.atomic_add(counters_ptr + slot, 1, mask=hit & (c < CMAX), sem="relaxed")
 
 
 @triton.jit

@@ -20,7 +20,7 @@ in their arrays, with ``slot = bucket * ways + way``: sorting the keys by *bucke
 therefore puts the probe's key/version reads and the row reads all in page order at once.
 So a lookup:
 
-1. batches up to ``CONFIG["one_sort_max"]`` keys: one kernel computes a sort key per key
+1. batches up to ``TILES.one_sort_max`` keys: one kernel computes a sort key per key
    (``bucket << 32 | low hash bits``) and one ``torch.sort`` puts the batch in bucket order
    with equal keys next to each other (no host sync); the probe kernel visits that order
    and fetches only the first key of each run, and a second kernel copies its row to the
@@ -36,6 +36,7 @@ GPU lookups do not bump the tables' LFU counters nor its hit/miss statistics.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from types import ModuleType
@@ -51,7 +52,7 @@ from .devices import on_tensor_device
 from .errors import BadArgumentError, TritonNotInstalledError
 from .hostreg import HostRegistration
 
-__all__ = ["BACKEND_ENV", "CONFIG", "Backend", "TritonNotInstalledError", "hostcache_lookup",
+__all__ = ["BACKEND_ENV", "TILES", "Backend", "TritonNotInstalledError", "hostcache_lookup",
            "linear_gather", "torch_lookup", "triton_lookup"]
 
 logger = logging.getLogger(__name__)
@@ -223,17 +224,24 @@ def _lookup_torch(reg: Any, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return values, hit
 
 
-#: launch settings of the host-tier lookup; the bench overrides them to compare variants.
-CONFIG: dict[str, int] = {
-    "block_k": 0,  # keys per program of the row gather; 0: 2048 // BLOCK_D, at most 32
-    "probe_block_k": 64,  # keys per program of the probe
-    "warps": 4,
-    # Batches up to this many keys dedup and sort with one sort and no host sync; larger
-    # ones with torch.unique, then a sort of the distinct keys by bucket, so the probe runs
-    # over the distinct keys only (where each is faster: bench/RESULTS.md, "Host tier read
-    # from the GPU").
-    "one_sort_max": 1 << 17,
-}
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """Launch settings of the host-tier lookup (a bench or a test swaps the whole object,
+    ``dataclasses.replace``, to compare variants)."""
+
+    #: keys per program of the row gather; 0: 2048 // BLOCK_D, at most 32
+    block_k: int = 0
+    #: keys per program of the probe
+    probe_block_k: int = 64
+    warps: int = 4
+    #: batches up to this many keys dedup and sort with one sort and no host sync; larger
+    #: ones with torch.unique, then a sort of the distinct keys by bucket, so the probe runs
+    #: over the distinct keys only (where each is faster: bench/RESULTS.md, "Host tier read
+    #: from the GPU")
+    one_sort_max: int = 1 << 17
+
+
+TILES = Tiles()
 
 
 @on_tensor_device
@@ -258,12 +266,12 @@ def _lookup_triton(
     ver2 = versions if versions_again is None else versions_again
     dev = keys.device
     bd = _block_d(g.dim)
-    pk = CONFIG["probe_block_k"]
+    pk = TILES.probe_block_k
     common = dict(WAYS=g.ways, BLOCK_K=pk, FENCE=fence and not interpret,
-                  num_warps=CONFIG["warps"])
+                  num_warps=TILES.warps)
     n = keys.numel()
     found = torch.empty(n, dtype=torch.int64, device=dev)
-    if sort and 1 < n <= CONFIG["one_sort_max"]:
+    if sort and 1 < n <= TILES.one_sort_max:
         # One sort of (bucket, hash bits): bucket (= host page) order, and equal keys next
         # to each other; the probe looks up only the first key of each run of equal keys
         # and, once the rows are read and checked, a last kernel copies its row to the
@@ -322,10 +330,10 @@ def _read_found(k: ModuleType, reg: Any, found: torch.Tensor, ver2: torch.Tensor
         return out, hit
     if gather:
         bd = _block_d(g.dim)
-        bk = CONFIG["block_k"] or _block_k(bd)
+        bk = TILES.block_k or _block_k(bd)
         k.gather_found_kernel[(_cdiv(n, bk),)](
             found, rows, out, n, rows.stride(0), g.dim, BLOCK_K=bk, BLOCK_D=bd,
-            EVEN_D=bd == g.dim, num_warps=CONFIG["warps"])
+            EVEN_D=bd == g.dim, num_warps=TILES.warps)
     k.verify_kernel[(_cdiv(n, 1024),)](found, ver2, hit, n, BLOCK=1024)
     if gather:
         out.masked_fill_(~hit[:, None], 0)  # read while a writer was in the slot

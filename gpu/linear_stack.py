@@ -67,6 +67,26 @@ class LinearStack(CachedStack):
             def gather(keys: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
                 return kernels.gather(keys, table, None, host_table=host)
         self.log = MissLog(self.cache, self.table, gather, self.budget, config, policy.gpu)
+        if device.type == "cuda" and self.cache.backend == "triton":
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Load the lookup and admission kernels now, in the variants this stack's lookups
+        and rounds launch (a round while the cache fills and one once it is warm), so that
+        neither the first forward nor the first round pays it. The cache is left empty,
+        its statistics untouched."""
+        if self.num_rows == 0 or not self.log.active:
+            return
+        key = torch.zeros(1, dtype=torch.int64, device=self.device)
+        with self._gate, self.guard, self.cache.warming_up():
+            for admitted in (0, self.cache.capacity):
+                self.budget.admitted = admitted
+                self.log.drop()  # NOTE: a log sized for this budget
+                self.cache.gather_linear(key, self.table, candidates=self.log.candidates(),
+                                         host_table=self._host, err=self.check.err)
+                self.log.round()
+            self.budget.reset()
+            self.log.drop()
 
     @property
     def validate(self) -> bool:

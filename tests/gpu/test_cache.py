@@ -268,6 +268,21 @@ def test_disabled_cache_and_clear() -> None:
     assert full.stats().size == 0 and not full.lookup(torch.tensor([1, 2]))[1].any()
 
 
+def test_warming_up_leaves_no_rows_and_the_statistics_as_they_were() -> None:
+    cache = small_cache(8)
+    cache.insert(torch.tensor([1, 2]), torch.ones(2, DIM))
+    cache.lookup(torch.tensor([1, 3]))
+    before = cache.stats()
+    with cache.warming_up():
+        cache.insert(torch.arange(10, 20), torch.ones(10, DIM))
+        cache.lookup(torch.arange(10, 30))
+        assert cache.stats() != before  # the work counted while it ran
+    after = cache.stats()
+    assert after.size == 0
+    assert (after.hits, after.misses, after.inserts, after.evictions) == (
+        before.hits, before.misses, before.inserts, before.evictions)
+
+
 def test_bad_arguments_raise_typed_errors_and_change_nothing() -> None:
     cache = small_cache(4)
     cache.insert(torch.tensor([1]), torch.ones(1, DIM))

@@ -3,6 +3,8 @@ on CUDA where a GPU is present (tests marked ``gpu``)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
@@ -125,11 +127,7 @@ def test_interpreter_matches_twin(seed: int, ways: int, dim: int) -> None:
 
 
 @needs_triton
-def test_interpreter_half_rows_and_split_dim(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gpu._triton import kernel_module
-
-    kernels = kernel_module("cache_kernels", interpret=True)
-    monkeypatch.setitem(kernels.CONFIG, "pooled_block_d", 16)  # two programs per bag
+def test_interpreter_half_rows() -> None:
     a = make("cpu", "torch", dim=32, dtype=torch.float16)
     b = make("cpu", "triton", dim=32, dtype=torch.float16)
     assert_same(a, b, run_ops(a, 7, 14), run_ops(b, 7, 14))
@@ -159,7 +157,7 @@ def test_interpreter_page_ordered_linear_lookups(monkeypatch: pytest.MonkeyPatch
     from gpu._triton import kernel_module
 
     kernels = kernel_module("cache_kernels", interpret=True)
-    monkeypatch.setitem(kernels.CONFIG, "linear_page_order", 1)
+    monkeypatch.setattr(kernels, "TILES", replace(kernels.TILES, linear_page_order=1))
     a = make("cpu", "torch", buckets=buckets)
     b = make("cpu", "triton", buckets=buckets)
     assert_same(a, b, run_ops(a, 3, 21), run_ops(b, 3, 21))
@@ -201,20 +199,11 @@ def test_interpreter_saturating_counters(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 @needs_triton
-@pytest.mark.parametrize(("skip", "agg"), [(1, 0), (1, 1), (0, 1)])
-def test_interpreter_skips_saturated_counters_exactly(
-        monkeypatch: pytest.MonkeyPatch, skip: int, agg: int) -> None:
+def test_interpreter_skips_saturated_counters_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
     """Counters that saturate (and buckets that decay) within a few ops: the kernels skip
-    the atomics of saturated slots, or aggregate them per block, and end in the twin's
-    state after every op."""
-    from gpu._triton import kernel_module
-
-    kernels = kernel_module("cache_kernels", interpret=True)
+    the atomics of saturated slots and end in the twin's state after every op."""
     monkeypatch.setattr(twin, "COUNTER_MAX", 3)
     monkeypatch.setattr(twin, "DECAY_AT", 3)
-    monkeypatch.setitem(kernels.CONFIG, "skip_saturated", skip)
-    monkeypatch.setitem(kernels.CONFIG, "lookup_agg", agg)
-    monkeypatch.setitem(kernels.CONFIG, "pooled_agg", agg)
     a = make("cpu", "torch", buckets=2, ways=4)
     b = make("cpu", "triton", buckets=2, ways=4)
     assert_same(a, b, run_ops(a, 11, 21, key_range=12), run_ops(b, 11, 21, key_range=12))
@@ -230,9 +219,9 @@ def test_interpreter_split_bags(monkeypatch: pytest.MonkeyPatch, cache_buckets: 
     from gpu._triton import kernel_module
 
     kernels = kernel_module("cache_kernels", interpret=True)
-    monkeypatch.setitem(kernels.CONFIG, "pooled_block_k", 4)
-    monkeypatch.setitem(kernels.CONFIG, "pooled_programs", 64)
-    assert kernels.pooled_split(200, 5, 1) == 8
+    monkeypatch.setattr(kernels, "TILES", replace(kernels.TILES, pooled_block_k=4,
+                                                  pooled_programs=64))
+    assert kernels.pooled_split(200, 5) == 8
     gen = torch.Generator().manual_seed(3)
     a = make("cpu", "torch", buckets=cache_buckets)
     b = make("cpu", "triton", buckets=cache_buckets)
@@ -319,7 +308,7 @@ def test_cuda_page_ordered_linear_lookups_match_cpu_twin(
     from gpu._triton import kernel_module
 
     kernels = kernel_module("cache_kernels", interpret=False)
-    monkeypatch.setitem(kernels.CONFIG, "linear_page_order", 1)
+    monkeypatch.setattr(kernels, "TILES", replace(kernels.TILES, linear_page_order=1))
     for buckets, dim in [(6, 128), (0, 12)]:
         a = make("cpu", "torch", buckets=buckets, dim=dim)
         b = make("cuda", "auto", buckets=buckets, dim=dim)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -245,7 +246,7 @@ def test_interpreted_unique_then_sort_path(
             q = _queries(keys, 120, torch.Generator().manual_seed(9))
             want_v, want_h = hc.lookup(q)
             for one_sort_max in (0, 1 << 40):
-                monkeypatch.setitem(hk.CONFIG, "one_sort_max", one_sort_max)
+                monkeypatch.setattr(hk, "TILES", replace(hk.TILES, one_sort_max=one_sort_max))
                 values, hit = hk.hostcache_lookup(reg, q, backend="triton")
                 assert torch.equal(hit, want_h)
                 assert torch.equal(values, want_v)
