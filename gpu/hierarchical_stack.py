@@ -6,7 +6,9 @@ parameter server; rows from the parameter server enter the host cache with
 ``overwrite=False`` and a cursor check (``since``), so a concurrent ``update`` (PS first,
 then the host cache, announced to every process) always wins; fetched rows wait for
 their GPU admission round (:mod:`gpu.admission`). Fetches run outside the cache guard,
-so one thread's misses never hold up another thread's hits.
+so one thread's misses never hold up another thread's hits. The host-cache fills and the
+GPU's hit reports to the host cache's policy run on a worker thread
+(:mod:`gpu.host_filler`): the lookup returns without waiting for them.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from .admission import PendingAdmissions
 from .cached_stack import CachedStack
 from .errors import KeyNotFoundError, StorageUnavailableError, StorageWriteError
+from .host_filler import HostFiller
 from .layer_config import InsertPolicy, LayerStats, PoolingMode, TierStats
 from .tier_config import TierConfig
 
@@ -41,6 +44,9 @@ class HierarchicalStack(CachedStack):
         self._policy = policy
         self._default = default_row
         self._reg = None
+        #: host-cache fills and hit reports, off the lookups' path (gpu.host_filler)
+        self.filler = HostFiller("nvecache-host-fill")
+        self._side: Any = None  # the filler's CUDA stream (copies of the hit reports)
         if host_cache is not None:
             if device.type == "cuda":
                 from .hostreg import register
@@ -53,14 +59,21 @@ class HierarchicalStack(CachedStack):
         with self.guard:
             since = self.follower.sync()
             values, hit = self.cache.lookup(keys)
-        if bool(hit.all()):
+        miss = (~hit).nonzero().squeeze(1)  # NOTE: the call's first host sync
+        if miss.numel() == 0:
             return values
-        miss = (~hit).nonzero().squeeze(1)
         ukeys, inverse = torch.unique(keys[miss], return_inverse=True)
-        urows, cacheable = self._fetch(ukeys, since)
+        urows, found, complete = self._fetch(ukeys, since)
         values[miss] = urows[inverse]
-        self.pending.offer(ukeys[cacheable], urows[cacheable], since, self._policy.gpu)
+        self._offer(ukeys, urows, found, complete, since)
         return values
+
+    def _offer(self, ukeys: torch.Tensor, urows: torch.Tensor, found: torch.Tensor,
+               complete: bool, since: int) -> None:
+        """Fetched rows wait for their GPU admission (default rows never go in)."""
+        if not complete:
+            ukeys, urows = ukeys[found], urows[found]
+        self.pending.offer(ukeys, urows, since, self._policy.gpu)
 
     def pooled(self, keys: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
                mode: PoolingMode) -> torch.Tensor:
@@ -72,11 +85,11 @@ class HierarchicalStack(CachedStack):
             # one rounding to the table's dtype (as embedding_bag rounds once)
             out, hit = self.cache.lookup_pooled(keys, offsets, mode, weights, validate=False,
                                                 out_dtype=torch.float32)
-        if bool(hit.all()):
+        miss = (~hit).nonzero().squeeze(1)  # NOTE: the call's first host sync
+        if miss.numel() == 0:
             return out.to(self.dtype)
-        miss = (~hit).nonzero().squeeze(1)
         ukeys, inverse = torch.unique(keys[miss], return_inverse=True)
-        urows, cacheable = self._fetch(ukeys, since)
+        urows, found, complete = self._fetch(ukeys, since)
         contrib = urows[inverse].float()
         if weights is not None:
             contrib = contrib * weights[miss, None].float()
@@ -85,53 +98,69 @@ class HierarchicalStack(CachedStack):
             length = (offsets[1:] - offsets[:-1]).float()
             contrib = contrib / length[bag, None]
         out.index_add_(0, bag, contrib)
-        self.pending.offer(ukeys[cacheable], urows[cacheable], since, self._policy.gpu)
+        self._offer(ukeys, urows, found, complete, since)
         return out.to(self.dtype)
 
-    def _host_lookup(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _host_lookup(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """``(rows, hit, hits)`` of distinct keys in the shared host cache."""
         if self._reg is not None:
             from .host_kernels import hostcache_lookup
 
             values, hit = hostcache_lookup(self._reg, keys)
             hits = int(hit.sum())
-            self.host.count_lookup(keys.numel(), hits)
-            self._touch_host(keys, hit, hits)
-            return values, hit
-        return self.host.lookup(keys)
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(keys.device))
+            self.filler.submit(self._report_hits, keys, hit, hits, ready)
+            return values, hit, hits
+        values, hit = self.host.lookup(keys)
+        return values, hit, int(hit.sum())
+
+    def _report_hits(self, keys: torch.Tensor, hit: torch.Tensor, hits: int,
+                     ready: Any) -> None:
+        """On the filler: count a GPU lookup of the host cache and report its hits to the
+        eviction policy, as a CPU lookup does itself."""
+        ready.synchronize()
+        if self._side is None:
+            self._side = torch.cuda.Stream(keys.device)
+        with torch.cuda.stream(self._side):
+            keys, hit = keys.cpu(), hit.cpu()
+        self.host.count_lookup(keys.numel(), hits)
+        self._touch_host(keys, hit, hits)
 
     def _touch_host(self, keys: torch.Tensor, hit: torch.Tensor, hits: int) -> None:
-        """Report the GPU's host-cache hits to its eviction policy, as a CPU lookup does.
-
-        A sample of at most ``host_touch_sample`` hit keys goes to the CPU, each counted
-        ``hits / sample`` times: the policy sees the traffic without a full copy."""
+        """Report host-cache hits (CPU tensors) to its eviction policy: a sample of at most
+        ``host_touch_sample`` hit keys, each counted ``hits / sample`` times, so the policy
+        sees the traffic at a bounded cost."""
         if hits == 0:
             return
         hk = keys[hit]
         weight = 1
         if hits > self.config.host_touch_sample:
-            pick = torch.randint(0, hits, (self.config.host_touch_sample,), device=hk.device)
+            pick = torch.randint(0, hits, (self.config.host_touch_sample,))
             hk, weight = hk[pick], max(1, round(hits / self.config.host_touch_sample))
-        self.host.touch(hk.cpu(), weight)
+        self.host.touch(hk, weight)
 
-    def _fetch(self, ukeys: torch.Tensor, since: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows of distinct missed keys from the lower tiers: (rows, found).
+    def _fetch(self, ukeys: torch.Tensor, since: int
+               ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """Rows of distinct missed keys from the lower tiers: ``(rows, found, complete)``,
+        ``complete`` when every key was found (the counts are known on the host: no sync).
 
         ``since`` is the ring cursor taken before anything was read: fills of keys
         announced after it are refused (their rows may predate the change)."""
         n = ukeys.numel()
         if self.host is not None:
-            rows, found = self._host_lookup(ukeys)
-            nh = int(found.sum())
+            rows, found, nh = self._host_lookup(ukeys)
             self._host[0] += nh
             self._host[1] += n - nh
         else:
             rows = torch.zeros(n, self.dim, dtype=self.dtype, device=self.device)
             found = torch.zeros(n, dtype=torch.bool, device=self.device)
-        need = ~found
-        if self.ps is not None and bool(need.any()):
-            self._fetch_ps(ukeys, rows, found, need, since)
-        missing = ~found
-        if bool(missing.any()):
+            nh = 0
+        left = n - nh
+        if self.ps is not None and left:
+            left -= self._fetch_ps(ukeys, rows, found, since)
+        if left:
+            missing = ~found
             if self._default is None:
                 examples = ukeys[missing][:5].tolist()
                 raise KeyNotFoundError(
@@ -140,13 +169,16 @@ class HierarchicalStack(CachedStack):
                     "default row for missing keys"
                 )
             rows[missing] = self._default
-            self.default_rows += int(missing.sum())
-        return rows, found
+            self.default_rows += left
+        return rows, found, left == 0
 
     def _fetch_ps(self, ukeys: torch.Tensor, rows: torch.Tensor, found: torch.Tensor,
-                  need: torch.Tensor, since: int) -> None:
+                  since: int) -> int:
+        """Read the keys not ``found`` from the parameter server into ``rows`` and
+        ``found``; returns how many it found."""
         from psclient import PSClientError
 
+        need = (~found).nonzero().squeeze(1)
         need_keys = ukeys[need].cpu()
         try:
             values, ok = self.ps.lookup(need_keys)
@@ -158,21 +190,30 @@ class HierarchicalStack(CachedStack):
                     "row for misses while it is down"
                 ) from e
             logger.warning("parameter server unavailable (%s); serving default rows", e)
-            return
+            return 0
         nf = int(ok.sum())
         self._ps[0] += nf
         self._ps[1] += need_keys.numel() - nf
-        rows[need] = values.to(self.device)
-        found[need] = ok.to(self.device)
+        rows.index_copy_(0, need, values.to(self.device, self.dtype))
+        found.index_copy_(0, need, ok.to(self.device))
         if self.host is not None and nf and self._policy.host > 0.0:
             admit = ok.clone()
             if self._policy.host < 1.0:
                 admit &= torch.rand(admit.numel()) < self._policy.host
             if bool(admit.any()):
-                done = self.host.insert(need_keys[admit], values[admit], overwrite=False,
-                                        since=since)
-                self._host[2] += done.written
-                self._host[3] += done.evicted
+                self.filler.submit(self._fill, need_keys[admit], values[admit], since)
+        return nf
+
+    def _fill(self, keys: torch.Tensor, values: torch.Tensor, since: int) -> None:
+        """On the filler: offer rows read from the parameter server to the host cache
+        (refused for keys announced after ``since``, and for keys already there)."""
+        done = self.host.insert(keys, values, overwrite=False, since=since)
+        self._host[2] += done.written
+        self._host[3] += done.evicted
+
+    def flush(self) -> None:
+        """Finish the host-cache fills and hit reports of earlier lookups."""
+        self.filler.drain()
 
     # -- writes -----------------------------------------------------------------------------
 
@@ -222,11 +263,13 @@ class HierarchicalStack(CachedStack):
 
     def clear(self) -> None:
         """Drop every cached row (GPU cache, and the shared host cache for every process)."""
+        self.filler.drain()
         if self.host is not None:
             self.host.clear()
         super().clear()
 
     def stats(self) -> LayerStats:
+        self.filler.drain()
         host = TierStats(*self._host) if self.host is not None else None
         ps = TierStats(self._ps[0], self._ps[1]) if self.ps is not None else None
         node = self.host.stats() if self.host is not None else None
@@ -237,6 +280,7 @@ class HierarchicalStack(CachedStack):
         self.pending.drop()
 
     def close(self) -> None:
+        self.filler.close()
         self.pending.drop()
         if self._reg is not None:
             self._reg.close()

@@ -63,6 +63,28 @@ Backend = Literal["auto", "torch", "triton"]
 BACKEND_ENV = "NVEC_HOST_KERNELS"
 
 
+#: the host-tier kernels launched directly (gpu.launch), by name
+_DIRECT: dict[str, Any] = {}
+
+
+def _launch(k: ModuleType, interpret: bool, name: str, grid: tuple[int, ...],
+            args: tuple[Any, ...], key: tuple[Any, ...], **constexprs: Any) -> None:
+    """Launch kernel ``name`` of ``k``. On CUDA through :class:`gpu.launch.DirectLaunch`
+    (a lookup is five or six small launches, and the JIT's per-call argument binding costs
+    more than each of them runs); ``key`` names the constexprs and the element types of
+    the tensors whose type varies. The interpreter takes the JIT's path."""
+    fn = getattr(k, name)
+    if interpret:
+        fn[grid](*args, **constexprs)
+        return
+    launcher = _DIRECT.get(name)
+    if launcher is None:
+        from .launch import DirectLaunch
+
+        launcher = _DIRECT[name] = DirectLaunch(fn)
+    launcher(grid, args, constexprs, (name, *key))
+
+
 def _kernels(interpret: bool) -> ModuleType:
     """``gpu.host_tier_kernels`` decorated for CUDA or for the Triton interpreter."""
     if not triton_available():
@@ -278,19 +300,21 @@ def _lookup_triton(
         # others, in device memory.
         shift = max(0, 62 - max(1, g.num_buckets - 1).bit_length())
         skey = torch.empty_like(keys)
-        k.sort_key_kernel[(_cdiv(n, 1024),)](
-            keys, skey, n, g.num_buckets, SHIFT=min(shift, 32), BLOCK=1024)
+        _launch(k, interpret, "sort_key_kernel", (_cdiv(n, 1024),),
+                (keys, skey, n, g.num_buckets), (min(shift, 32),), SHIFT=min(shift, 32),
+                BLOCK=1024)
         perm = torch.sort(skey).indices
         head = torch.empty(n, dtype=torch.int64, device=dev) if dedup else perm
-        k.probe_kernel[(_cdiv(n, pk),)](
-            keys, perm, head, tab_keys, versions, found, n, g.num_buckets, PERM=True,
-            DEDUP=dedup, **common)
+        _launch(k, interpret, "probe_kernel", (_cdiv(n, pk),),
+                (keys, perm, head, tab_keys, versions, found, n, g.num_buckets),
+                (True, dedup, *common.values()), PERM=True, DEDUP=dedup, **common)
         out, hit = _read_found(k, reg, found, ver2, gather)
         if dedup:
             head = torch.cummax(head, 0).values
             bkf = max(1, min(64, 4096 // bd))
-            k.fill_dups_kernel[(_cdiv(n, bkf),)](
-                perm, head, out, hit, n, g.dim, BLOCK_K=bkf, BLOCK_D=bd, EVEN_D=bd == g.dim)
+            _launch(k, interpret, "fill_dups_kernel", (_cdiv(n, bkf),),
+                    (perm, head, out, hit, n, g.dim), (bkf, bd, out.dtype), BLOCK_K=bkf,
+                    BLOCK_D=bd, EVEN_D=bd == g.dim)
         return out, hit
     if dedup:
         uniq, inverse = torch.unique(keys, return_inverse=True)
@@ -300,7 +324,8 @@ def _lookup_triton(
     if sort and n > 1:
         buckets = torch.empty_like(uniq)
         grid = (_cdiv(n, 1024),)
-        k.bucket_kernel[grid](uniq, buckets, n, g.num_buckets, BLOCK=1024)
+        _launch(k, interpret, "bucket_kernel", grid, (uniq, buckets, n, g.num_buckets), (),
+                BLOCK=1024)
         pos = torch.argsort(buckets)
         visit = uniq.index_select(0, pos)
     else:
@@ -308,8 +333,9 @@ def _lookup_triton(
         pos = torch.arange(n, dtype=torch.int64, device=dev)
     found = found[:n]
     if n:
-        k.probe_kernel[(_cdiv(n, pk),)](
-            visit, pos, pos, tab_keys, versions, found, n, g.num_buckets, **common)
+        _launch(k, interpret, "probe_kernel", (_cdiv(n, pk),),
+                (visit, pos, pos, tab_keys, versions, found, n, g.num_buckets),
+                (False, False, *common.values()), PERM=False, DEDUP=False, **common)
     out, hit = _read_found(k, reg, found, ver2, gather)
     if inverse is not None:
         return out.index_select(0, inverse), hit.index_select(0, inverse)
@@ -321,6 +347,7 @@ def _read_found(k: ModuleType, reg: Any, found: torch.Tensor, ver2: torch.Tensor
     """Steps 2 and 3 of a lookup: the rows of the probed slots, then the versions again;
     rows of keys whose version changed are zeroed (``gather=False``: no rows, zeros)."""
     g = reg.geometry
+    interpret = reg.device.type != "cuda"
     n = found.numel()
     rows = reg.rows()
     out = (torch.empty if gather else torch.zeros)((n, g.dim), dtype=g.dtype,
@@ -331,10 +358,11 @@ def _read_found(k: ModuleType, reg: Any, found: torch.Tensor, ver2: torch.Tensor
     if gather:
         bd = _block_d(g.dim)
         bk = TILES.block_k or _block_k(bd)
-        k.gather_found_kernel[(_cdiv(n, bk),)](
-            found, rows, out, n, rows.stride(0), g.dim, BLOCK_K=bk, BLOCK_D=bd,
-            EVEN_D=bd == g.dim, num_warps=TILES.warps)
-    k.verify_kernel[(_cdiv(n, 1024),)](found, ver2, hit, n, BLOCK=1024)
+        _launch(k, interpret, "gather_found_kernel", (_cdiv(n, bk),),
+                (found, rows, out, n, rows.stride(0), g.dim), (bk, bd, TILES.warps, g.dtype),
+                BLOCK_K=bk, BLOCK_D=bd, EVEN_D=bd == g.dim, num_warps=TILES.warps)
+    _launch(k, interpret, "verify_kernel", (_cdiv(n, 1024),), (found, ver2, hit, n), (),
+            BLOCK=1024)
     if gather:
         out.masked_fill_(~hit[:, None], 0)  # read while a writer was in the slot
     return out, hit

@@ -279,8 +279,10 @@ class _NVBase(torch.nn.Module):
         return self._tiers.in_cache(keys).to(keys.device)
 
     def flush(self) -> None:
-        """Admit what waits for an admission round now (LinearUVM: the logged misses)."""
-        if isinstance(self._tiers, LinearStack):
+        """Finish the work earlier lookups left behind: LinearUVM admits its logged misses
+        now; Hierarchical finishes its host-cache fills and hit reports (they run off the
+        lookup's path)."""
+        if isinstance(self._tiers, LinearStack | HierarchicalStack):
             self._tiers.flush()
 
     def stats(self) -> LayerStats:

@@ -1,0 +1,88 @@
+"""Host-cache work no lookup waits for, run in order on one worker thread.
+
+A Hierarchical lookup that read rows from the parameter server offers them to the shared
+host cache, and one that hit the host cache from the GPU reports those hits to the host
+cache's eviction policy. Neither changes what the lookup returns, and both cost more than
+the rest of a small lookup (the host cache's insert plans on the CPU), so the lookup hands
+them to this worker and returns.
+
+Safety does not depend on when a fill runs: a fill carries the change-feed cursor taken
+before its rows were read (``since``) and the host cache refuses it for any key announced
+after that cursor, so a fill that runs late only refuses more. Failures are logged, never
+raised into a later lookup (a fill is best effort: the row is still in the parameter
+server). :meth:`HostFiller.drain` waits for everything submitted so far: the layer's
+``flush()``, ``stats()``, ``clear()`` and ``close()`` call it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class HostFiller:
+    """One worker thread (started at the first submission) and its queue."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._queue: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]] | None] = \
+            queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._pid = 0
+        self._outstanding = 0
+        self._idle = threading.Condition()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on the worker, after everything submitted before it."""
+        with self._idle:
+            if self._thread is None or self._pid != os.getpid():
+                # NOTE: a forked child has the queue but not the thread: start its own
+                self._queue = queue.SimpleQueue()
+                self._outstanding = 0
+                self._thread = threading.Thread(target=self._run, name=self._name,
+                                                daemon=True)
+                self._pid = os.getpid()
+                self._thread.start()
+            self._outstanding += 1
+        self._queue.put((fn, args))
+
+    def drain(self) -> None:
+        """Wait until everything submitted so far has run."""
+        with self._idle:
+            if self._pid != os.getpid():
+                return
+            self._idle.wait_for(lambda: self._outstanding == 0)
+
+    def close(self) -> None:
+        """Drain, then stop the worker (a later submission starts a new one)."""
+        self.drain()
+        with self._idle:
+            thread = self._thread if self._pid == os.getpid() else None
+            self._thread = None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join()
+
+    def _run(self) -> None:
+        q = self._queue
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            fn, args = item
+            try:
+                fn(*args)
+            except Exception:  # noqa: BLE001  (best effort: log, keep serving)
+                logger.exception("%s: a host-cache fill failed (the rows stay in the "
+                                 "parameter server)", self._name)
+            finally:
+                with self._idle:
+                    self._outstanding -= 1
+                    if self._outstanding == 0:
+                        self._idle.notify_all()
