@@ -108,24 +108,27 @@ class HierarchicalStack(CachedStack):
 
             values, hit = hostcache_lookup(self._reg, keys)
             hits = int(hit.sum())
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(keys.device))
-            self.filler.submit(self._report_hits, keys, hit, hits, ready)
+            self.host.count_lookup(keys.numel(), hits)
+            if hits:
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(keys.device))
+                self.filler.submit(self._report_hits, (keys, hit, hits, ready))
             return values, hit, hits
         values, hit = self.host.lookup(keys)
         return values, hit, int(hit.sum())
 
-    def _report_hits(self, keys: torch.Tensor, hit: torch.Tensor, hits: int,
-                     ready: Any) -> None:
-        """On the filler: count a GPU lookup of the host cache and report its hits to the
-        eviction policy, as a CPU lookup does itself."""
-        ready.synchronize()
+    def _report_hits(self, reports: list[tuple[torch.Tensor, torch.Tensor, int, Any]]
+                     ) -> None:
+        """On the filler: report the hits of GPU lookups of the host cache to its eviction
+        policy, as a CPU lookup does itself (``(keys, hit, hits, ready event)`` each)."""
+        for _, _, _, ready in reports:
+            ready.synchronize()
         if self._side is None:
-            self._side = torch.cuda.Stream(keys.device)
+            self._side = torch.cuda.Stream(reports[0][0].device)
         with torch.cuda.stream(self._side):
-            keys, hit = keys.cpu(), hit.cpu()
-        self.host.count_lookup(keys.numel(), hits)
-        self._touch_host(keys, hit, hits)
+            keys = torch.cat([k for k, _, _, _ in reports]).cpu()
+            hit = torch.cat([h for _, h, _, _ in reports]).cpu()
+        self._touch_host(keys, hit, sum(n for _, _, n, _ in reports))
 
     def _touch_host(self, keys: torch.Tensor, hit: torch.Tensor, hits: int) -> None:
         """Report host-cache hits (CPU tensors) to its eviction policy: a sample of at most
@@ -201,12 +204,16 @@ class HierarchicalStack(CachedStack):
             if self._policy.host < 1.0:
                 admit &= torch.rand(admit.numel()) < self._policy.host
             if bool(admit.any()):
-                self.filler.submit(self._fill, need_keys[admit], values[admit], since)
+                self.filler.submit(self._fill, (need_keys[admit], values[admit], since))
         return nf
 
-    def _fill(self, keys: torch.Tensor, values: torch.Tensor, since: int) -> None:
-        """On the filler: offer rows read from the parameter server to the host cache
-        (refused for keys announced after ``since``, and for keys already there)."""
+    def _fill(self, fills: list[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
+        """On the filler: offer rows read from the parameter server to the host cache in
+        one insert (refused for keys announced after the earliest fill's cursor, and for
+        keys already there)."""
+        keys = torch.cat([k for k, _, _ in fills])
+        values = torch.cat([v for _, v, _ in fills])
+        since = min(c for _, _, c in fills)
         done = self.host.insert(keys, values, overwrite=False, since=since)
         self._host[2] += done.written
         self._host[3] += done.evicted

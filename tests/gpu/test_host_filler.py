@@ -16,37 +16,50 @@ from gpu.host_filler import HostFiller
 from .test_layers import DEVICES, DIM, ROWS, stack
 
 
-def test_work_runs_in_order_and_drain_waits_for_it() -> None:
+def test_queued_work_is_merged_per_handler_and_drain_waits_for_it() -> None:
     filler = HostFiller("test-filler")
-    gate, done = threading.Event(), []
-    filler.submit(gate.wait)  # the worker waits here: nothing after it can run yet
-    filler.submit(done.append, 1)
-    filler.submit(done.append, 2)
-    assert done == []
+    started, gate, calls = threading.Event(), threading.Event(), []
+
+    def hold(items: list[object]) -> None:
+        started.set()
+        gate.wait()
+
+    filler.submit(hold, None)
+    started.wait()  # the worker is inside its first batch: the rest queues for the next
+    for i in range(3):
+        filler.submit(calls.append, i)  # calls.append(items): one call per batch
+        filler.submit(lambda items: calls.append(("other", items)), i)
+    assert calls == []
     gate.set()
     filler.drain()
-    assert done == [1, 2]
+    assert calls[0] == [0, 1, 2]  # one handler's items together, in submission order
+    assert all(c[0] == "other" for c in calls[1:]) and sum(len(c[1]) for c in calls[1:]) == 3
     filler.close()
-    filler.submit(done.append, 3)  # a new worker after close
+    filler.submit(calls.append, 3)  # a new worker after close
     filler.drain()
-    assert done == [1, 2, 3]
+    assert calls[-1] == [3]
     filler.close()
 
 
-def test_a_failing_fill_is_logged_and_the_next_ones_run(caplog: pytest.LogCaptureFixture
-                                                         ) -> None:
+def test_failing_work_is_logged_and_later_work_runs(caplog: pytest.LogCaptureFixture
+                                                     ) -> None:
     filler = HostFiller("test-filler")
-    done: list[int] = []
+    done: list[list[int]] = []
+    gate = threading.Event()
 
-    def boom() -> None:
+    def boom(items: list[object]) -> None:
         raise RuntimeError("host cache closed")
 
     with caplog.at_level(logging.ERROR, logger="gpu.host_filler"):
-        filler.submit(boom)
-        filler.submit(done.append, 7)
+        filler.submit(lambda items: gate.wait(), None)
+        filler.submit(boom, None)
+        filler.submit(done.append, 7)  # queued in the same batch as the failure
+        gate.set()
         filler.drain()
-    assert done == [7]
-    assert "host-cache fill failed" in caplog.text and "host cache closed" in caplog.text
+        filler.submit(done.append, 8)  # and a batch after it
+        filler.drain()
+    assert done == [[7], [8]]
+    assert "host-cache work failed" in caplog.text and "host cache closed" in caplog.text
     filler.close()
 
 
@@ -76,7 +89,8 @@ def test_a_queued_fill_never_wins_over_a_later_write(tmp_path, device: str) -> N
         layer = NVEmbedding(ROWS, DIM, torch.float32, LayerType.Hierarchical, device=device,
                             **kw)
         gate = threading.Event()
-        layer._tiers.filler.submit(gate.wait)  # hold the worker: the fills below queue
+        # hold the worker: the fills below queue behind this
+        layer._tiers.filler.submit(lambda items: gate.wait(), None)
         keys = torch.tensor([4, 5, 6], device=device)
         assert torch.equal(layer(keys).cpu(), weights[keys.cpu()])
         new = torch.full((3, DIM), 5.0)
