@@ -233,7 +233,7 @@ class GPUCache:
     ) -> torch.Tensor:
         """:meth:`lookup_linear` for a caller that checked its arguments (a layer's stack):
         no argument checks, no hit flags; keys outside the table read zero rows."""
-        cand = candidates.buffer if candidates is not None else None
+        cand = candidates
         if self._kernels is not None:
             rotate = (self._lookups * _GOLDEN) & _INT32_MAX
             self._lookups += keys.numel()
@@ -241,15 +241,16 @@ class GPUCache:
             out, _, _ = self._kernels.lookup(
                 keys, self._tkeys, self._counters, self._rows, self._hits, self.num_buckets,
                 self.ways, empty=EMPTY_KEY, gather=True, count=True, want_slots=False,
-                table=table, candidates=cand, host_table=host_table, cmax=twin.COUNTER_MAX,
-                rotate=rotate, err=err, want_hit=False)
+                table=table, candidates=cand.buffer if cand is not None else None,
+                host_table=host_table, cmax=twin.COUNTER_MAX, rotate=rotate, err=err,
+                want_hit=False, candidate_rows=cand.rows if cand is not None else None)
             assert out is not None
             return out
         return self._lookup_rows(keys, table, cand, host_table)[0]
 
     def _lookup_rows(
         self, keys: torch.Tensor, table: torch.Tensor | None,
-        cand: torch.Tensor | None = None, host_table: bool = True,
+        cand: MissCandidates | None = None, host_table: bool = True,
         err: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Probe + gather (+ misses from row ``key`` of ``table``), counted as a lookup."""
@@ -262,8 +263,10 @@ class GPUCache:
             out, hit, _ = self._kernels.lookup(
                 keys, self._tkeys, self._counters, self._rows, self._hits, self.num_buckets,
                 self.ways, empty=EMPTY_KEY, gather=True, count=True,
-                want_slots=False, table=table, candidates=cand, host_table=host_table,
-                cmax=twin.COUNTER_MAX, rotate=rotate, err=err)
+                want_slots=False, table=table,
+                candidates=cand.buffer if cand is not None else None, host_table=host_table,
+                cmax=twin.COUNTER_MAX, rotate=rotate, err=err,
+                candidate_rows=cand.rows if cand is not None else None)
             assert out is not None
             return out, hit
         hit, slot = twin.probe(self._tkeys, self.num_buckets, self.ways, keys)
@@ -271,9 +274,10 @@ class GPUCache:
         twin.count_hits(self._hits, hit)
         if table is None:
             return twin.gather(self._rows, slot, hit), hit
+        vals = twin.gather_linear(self._rows, slot, hit, keys, table)
         if cand is not None:
-            twin.collect_misses(cand, keys, hit, table.shape[0])
-        return twin.gather_linear(self._rows, slot, hit, keys, table), hit
+            twin.collect_misses(cand.buffer, keys, hit, table.shape[0], vals, cand.rows)
+        return vals, hit
 
     def lookup_pooled(
         self,
@@ -341,8 +345,9 @@ class GPUCache:
 
     def _pooled(
         self, keys: torch.Tensor, offsets: torch.Tensor, mean: bool, w: torch.Tensor | None,
-        mv: torch.Tensor | None, table: torch.Tensor | None, cand: torch.Tensor | None = None,
-        out_dtype: torch.dtype | None = None, err: torch.Tensor | None = None,
+        mv: torch.Tensor | None, table: torch.Tensor | None,
+        cand: MissCandidates | None = None, out_dtype: torch.dtype | None = None,
+        err: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         self._lookups += keys.numel()
         if self._kernels is not None:
@@ -350,14 +355,16 @@ class GPUCache:
             return self._kernels.pooled(
                 keys, offsets, w, mv, self._tkeys, self._counters, self._rows, self._hits,
                 self.num_buckets, self.ways, mean=mean, empty=EMPTY_KEY, table=table,
-                candidates=cand, cmax=twin.COUNTER_MAX, out_dtype=out_dtype, err=err)
+                candidates=cand.buffer if cand is not None else None, cmax=twin.COUNTER_MAX,
+                out_dtype=out_dtype, err=err,
+                candidate_rows=cand.rows if cand is not None else None)
         hit, slot = twin.probe(self._tkeys, self.num_buckets, self.ways, keys)
         twin.bump(self._counters, slot, hit)
         twin.count_hits(self._hits, hit)
         if table is not None:
-            if cand is not None:
-                twin.collect_misses(cand, keys, hit, table.shape[0])
             vals = twin.gather_linear(self._rows, slot, hit, keys, table)
+            if cand is not None:
+                twin.collect_misses(cand.buffer, keys, hit, table.shape[0], vals, cand.rows)
         else:
             vals = twin.gather(self._rows, slot, hit)
             if mv is not None:

@@ -115,13 +115,21 @@ class ArgumentChecks:
         mv = None if miss_values is None else self.rows(miss_values, n, "miss_values")
         return offsets, w, mv
 
-    def candidates(self, candidates: MissCandidates | None) -> torch.Tensor | None:
-        """The buffer of a :class:`MissCandidates` on the cache's device (or None)."""
+    def candidates(self, candidates: MissCandidates | None) -> MissCandidates | None:
+        """A :class:`MissCandidates` on the cache's device, its rows (if any) of the
+        cache's row shape and dtype (or None)."""
         if candidates is None:
             return None
-        buf = candidates.buffer
+        buf, rows = candidates.buffer, candidates.rows
         if (buf.dtype != torch.int64 or buf.dim() != 1 or buf.numel() % 2 != 1
                 or not buf.is_contiguous() or not same_device(buf, self.device)):
             raise BadArgumentError(
                 f"candidates must be a MissCandidates.empty(cap, {self.device}) buffer")
-        return buf
+        if rows is not None and (
+                tuple(rows.shape) != (candidates.cap, self.dim) or rows.dtype != self.dtype
+                or not rows.is_contiguous() or not same_device(rows, self.device)):
+            raise BadArgumentError(
+                f"candidates' rows must be [cap, {self.dim}] {self.dtype} on {self.device}: "
+                f"MissCandidates.empty(cap, {self.device}, dim={self.dim}, "
+                f"dtype={self.dtype})")
+        return candidates

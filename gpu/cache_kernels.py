@@ -68,11 +68,12 @@ _collect = _parts.collect
 def _lookup_kernel(
     keys_ptr, n, tkeys_ptr, counters_ptr, rows_ptr, stats_ptr, num_buckets,
     out_ptr, hit_ptr, slots_ptr, table_ptr, num_rows, tstride, dim, cand_ptr, cand_cap,
-    order_ptr, err_ptr, HAS_CACHE: tl.constexpr, GATHER: tl.constexpr, LINEAR: tl.constexpr,
-    WRITE_SLOTS: tl.constexpr, COUNT: tl.constexpr, COLLECT: tl.constexpr, WAYS: tl.constexpr,
+    order_ptr, err_ptr, crows_ptr, HAS_CACHE: tl.constexpr, GATHER: tl.constexpr,
+    LINEAR: tl.constexpr, WRITE_SLOTS: tl.constexpr, COUNT: tl.constexpr,
+    COLLECT: tl.constexpr, WAYS: tl.constexpr,
     EMPTY: tl.constexpr, STAT_STRIPES: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CMAX: tl.constexpr, ORDERED: tl.constexpr,
-    WRITE_HIT: tl.constexpr, CHECK: tl.constexpr,
+    WRITE_HIT: tl.constexpr, CHECK: tl.constexpr, COLLECT_ROWS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -125,8 +126,13 @@ def _lookup_kernel(
             nhits = tl.reduce(hit.to(tl.int64), 0, add_combine)
             tl.atomic_add(stats_ptr + pid % STAT_STRIPES, nhits, sem="relaxed")
     if COLLECT:
-        _collect(cand_ptr, cand_cap, keys, offs,
-                 kmask & (hit == 0) & (keys >= 0) & (keys < num_rows))
+        cpos, stored = _collect(cand_ptr, cand_cap, keys, offs,
+                                kmask & (hit == 0) & (keys >= 0) & (keys < num_rows))
+        if COLLECT_ROWS:
+            # NOTE: the row just read from the table, so that the admission round need
+            # not read it again (over the host link)
+            tl.store(crows_ptr + cpos[:, None] * dim + d[None, :], vals,
+                     mask=stored[:, None] & dmask[None, :])
     if CHECK:
         # NOTE: a key outside the linear table lands in the layer's key-error flag (a
         # store over the host link, made only when a key is bad: gpu.key_flag)
@@ -137,13 +143,13 @@ def _lookup_kernel(
 def _pooled_kernel(
     keys_ptr, offsets_ptr, weights_ptr, miss_ptr, tkeys_ptr, counters_ptr, rows_ptr,
     stats_ptr, num_buckets, out_ptr, part_ptr, hit_ptr, table_ptr, num_rows, tstride, dim,
-    cand_ptr, cand_cap, err_ptr, HAS_CACHE: tl.constexpr, HAS_W: tl.constexpr,
+    cand_ptr, cand_cap, err_ptr, crows_ptr, HAS_CACHE: tl.constexpr, HAS_W: tl.constexpr,
     HAS_MISS: tl.constexpr,
     COLLECT: tl.constexpr,
     LINEAR: tl.constexpr, MEAN: tl.constexpr, SPLIT: tl.constexpr, WAYS: tl.constexpr,
     EMPTY: tl.constexpr, STAT_STRIPES: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, COUNT: tl.constexpr, CMAX: tl.constexpr,
-    CHECK: tl.constexpr,
+    CHECK: tl.constexpr, COLLECT_ROWS: tl.constexpr,
 ):
     bag = tl.program_id(0)
     split = tl.program_id(1)
@@ -201,6 +207,14 @@ def _pooled_kernel(
                 ).to(tl.float32)
             else:
                 vals = tl.full([BLOCK_K, BLOCK_D], 0.0, tl.float32)
+        if COLLECT:
+            cpos, stored = _collect(cand_ptr, cand_cap, keys, offs,
+                                    kmask & (hit == 0) & (keys >= 0) & (keys < num_rows))
+            if COLLECT_ROWS:
+                # NOTE: the rows as read (before any weight), in the cache's dtype
+                tl.store(crows_ptr + cpos[:, None] * dim + d[None, :],
+                         vals.to(crows_ptr.dtype.element_ty),
+                         mask=stored[:, None] & dmask[None, :])
         if HAS_W:
             w = tl.load(weights_ptr + offs, mask=kmask, other=0.0).to(tl.float32)
             vals = vals * w[:, None]
@@ -210,9 +224,6 @@ def _pooled_kernel(
             if COUNT:
                 _bump(counters_ptr, slot, hit, CMAX)
             nhits += hit.to(tl.int64)
-        if COLLECT:
-            _collect(cand_ptr, cand_cap, keys, offs,
-                     kmask & (hit == 0) & (keys >= 0) & (keys < num_rows))
         if CHECK:
             tl.store(err_ptr + offs * 0, keys, mask=kmask & ((keys < 0) | (keys >= num_rows)))
     res = tl.reduce(acc, 0, add_combine)
@@ -310,6 +321,7 @@ def lookup(
     count: bool, want_slots: bool, table: torch.Tensor | None = None,
     candidates: torch.Tensor | None = None, host_table: bool = True, cmax: int,
     rotate: int = 0, err: torch.Tensor | None = None, want_hit: bool = True,
+    candidate_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Probe (+ gather, + linear-table misses) of ``keys``: ``(values, hit, slots)``.
 
@@ -321,7 +333,9 @@ def lookup(
     in host-page order (a table in GPU memory never is); ``rotate`` shifts where that order
     starts (see :func:`page_order`). ``err``: the layer's key-error flag (int64 ``[1]``,
     ``gpu.key_flag``) that receives a key outside the linear table. ``want_hit=False``:
-    no hit flags (None returned).
+    no hit flags (None returned). ``candidate_rows``: ``[cap, dim]`` rows of ``rows``'
+    dtype that receive the row read for each listed miss (with ``candidates``, a linear
+    gather).
     """
     n = keys.numel()
     dim = rows.shape[1]
@@ -337,7 +351,8 @@ def lookup(
     tiles = TILES
     cxkey = (num_buckets > 0, gather, linear, want_slots, count, candidates is not None,
              ways, empty, stats.numel(), bd, cmax, order is not None, want_hit,
-             err is not None and linear, bd == dim, rows.dtype, tiles)
+             err is not None and linear, bd == dim, rows.dtype, tiles,
+             candidate_rows is not None)
     cx = _LOOKUP_CX.get(cxkey)
     if cx is None:
         cx = _LOOKUP_CX[cxkey] = dict(
@@ -345,7 +360,7 @@ def lookup(
             COUNT=count, COLLECT=cxkey[5], WAYS=ways, EMPTY=empty, STAT_STRIPES=cxkey[8],
             BLOCK_K=tiles.lookup_block_k, BLOCK_D=bd, EVEN_D=bd == dim, CMAX=cmax,
             ORDERED=cxkey[11], WRITE_HIT=want_hit, CHECK=cxkey[13],
-            num_warps=tiles.lookup_warps)
+            COLLECT_ROWS=cxkey[17], num_warps=tiles.lookup_warps)
     _LOOKUP(
         (_cdiv(n, tiles.lookup_block_k),),
         (keys, n, tkeys, counters, rows, stats, max(num_buckets, 1),
@@ -353,7 +368,8 @@ def lookup(
          slots if slots is not None else keys, table if linear else rows,
          table.shape[0] if table is not None else 0, _row_stride(table, dim), dim,
          candidates if candidates is not None else keys, _cand_cap(candidates),
-         order if order is not None else keys, err if err is not None else keys),
+         order if order is not None else keys, err if err is not None else keys,
+         candidate_rows if candidate_rows is not None else rows),
         cx, cxkey)
     return out, hit, slots
 
@@ -404,11 +420,11 @@ def pooled(
     rows: torch.Tensor, stats: torch.Tensor, num_buckets: int, ways: int, *, mean: bool,
     empty: int, table: torch.Tensor | None = None, candidates: torch.Tensor | None = None,
     count: bool = True, cmax: int, out_dtype: torch.dtype | None = None,
-    err: torch.Tensor | None = None,
+    err: torch.Tensor | None = None, candidate_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Probe + gather + pool per bag, fused: ``(pooled [B, dim], hit [N])``; ``candidates``
-    as in :func:`lookup`; ``out_dtype``: of ``pooled`` (default the rows' dtype; the sums
-    are fp32 either way).
+    and ``candidate_rows`` as in :func:`lookup`; ``out_dtype``: of ``pooled`` (default the
+    rows' dtype; the sums are fp32 either way).
 
     Each bag is split over ``pooled_split`` programs (key blocks dealt round robin); with
     more than one, the programs write fp32 partial rows and a second launch sums them in a
@@ -435,7 +451,7 @@ def pooled(
              candidates is not None, linear, mean, split, ways, empty, stats.numel(), bd,
              bd == dim, count, cmax, err is not None and linear, tiles, offsets.dtype,
              w.dtype, mv.dtype, rows.dtype, out.dtype,
-             table.dtype if table is not None else None)
+             table.dtype if table is not None else None, candidate_rows is not None)
     cx = _POOLED_CX.get(cxkey)
     if cx is None:
         cx = _POOLED_CX[cxkey] = dict(
@@ -443,14 +459,15 @@ def pooled(
             LINEAR=linear, MEAN=mean, SPLIT=split, WAYS=ways, EMPTY=empty,
             STAT_STRIPES=cxkey[9], BLOCK_K=tiles.pooled_block_k, BLOCK_D=bd,
             EVEN_D=bd == dim, COUNT=count, CMAX=cmax, CHECK=cxkey[14],
-            num_warps=tiles.pooled_warps)
+            COLLECT_ROWS=cxkey[22], num_warps=tiles.pooled_warps)
     _POOLED(
         (nbags, split),
         (keys, offsets, w, mv, tkeys, counters, rows, stats, max(num_buckets, 1), out, part,
          hit.view(torch.int8), table if linear else rows,
          table.shape[0] if table is not None else 0, _row_stride(table, dim), dim,
          candidates if candidates is not None else keys, _cand_cap(candidates),
-         err if err is not None else keys),
+         err if err is not None else keys,
+         candidate_rows if candidate_rows is not None else rows),
         cx, cxkey)
     if split > 1:
         _POOL_FINISH(

@@ -78,10 +78,12 @@ def bump(counters_ptr, slot, hit, CMAX: tl.constexpr):
 def collect(cand_ptr, cap, keys, offs, miss):
     """Append the ``miss`` keys of a block and their batch positions to the candidate
     buffer ``[count, keys[cap], positions[cap]]``: one atomic on the count per block; keys
-    past ``cap`` are counted, not stored."""
+    past ``cap`` are counted, not stored. Returns ``(pos, stored)``: each key's place in
+    the buffer and whether it went there."""
     mi = miss.to(tl.int64)
     base = tl.atomic_add(cand_ptr, tl.reduce(mi, 0, add_combine), sem="relaxed")
     pos = base + tl.associative_scan(mi, 0, add_combine) - mi
     m = miss & (pos < cap)
     tl.store(cand_ptr + 1 + pos, keys, mask=m)
     tl.store(cand_ptr + 1 + cap + pos, offs, mask=m)
+    return pos, m

@@ -104,17 +104,21 @@ def gather_linear(
 
 
 def collect_misses(cand: torch.Tensor, keys: torch.Tensor, hit: torch.Tensor,
-                   num_rows: int) -> None:
+                   num_rows: int, vals: torch.Tensor | None = None,
+                   cand_rows: torch.Tensor | None = None) -> None:
     """The twin of the kernels' candidate collection (``cache.MissCandidates``): count the
     in-range misses into ``cand[0]``, the first ``cap`` of them (batch order) and their
-    positions after it."""
+    positions after it; their rows of ``vals`` into ``cand_rows`` where given."""
     cap = (cand.numel() - 1) // 2
     pos = (~hit & (keys >= 0) & (keys < num_rows)).nonzero().squeeze(1)
+    base = int(cand[0])
     cand[0] += pos.numel()
-    pos = pos[:cap]
+    pos = pos[:max(0, cap - base)]
     m = pos.numel()
-    cand[1:1 + m] = keys[pos]
-    cand[1 + cap:1 + cap + m] = pos
+    cand[1 + base:1 + base + m] = keys[pos]
+    cand[1 + cap + base:1 + cap + base + m] = pos
+    if cand_rows is not None and vals is not None:
+        cand_rows[base:base + m] = vals[pos]
 
 
 def pool(

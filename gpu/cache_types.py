@@ -46,13 +46,20 @@ class MissCandidates:
     kernel's key blocks ran (a block's misses stay together, in the order the block visits
     them: batch order, or host-page order from a rotating start row for large batches over
     a host table, see ``gpu.cache_kernels.page_order``).
+
+    With ``rows`` (``[cap, dim]``, the cache's dtype) the lookup also copies the row it
+    read for each listed miss there (row ``i`` belongs to ``keys[i]``): an admission then
+    inserts them without reading the linear table again.
     """
 
     buffer: torch.Tensor
+    rows: torch.Tensor | None = None
 
     @classmethod
-    def empty(cls, cap: int, device: object) -> MissCandidates:
-        """A zeroed buffer for up to ``cap`` candidates (one allocation, one memset).
+    def empty(cls, cap: int, device: object, *, dim: int | None = None,
+              dtype: torch.dtype | None = None) -> MissCandidates:
+        """A zeroed buffer for up to ``cap`` candidates (one allocation, one memset), with
+        room for their rows where ``dim`` and ``dtype`` are given.
 
         Raises:
             BadArgumentError: ``cap`` is not a non-negative int, or a bad device.
@@ -61,7 +68,10 @@ class MissCandidates:
             raise BadArgumentError(f"cap must be a non-negative int; got {cap!r}")
         # NOTE: a torch.device is taken as is (the layers pass their own, once per lookup)
         dev = device if isinstance(device, torch.device) else resolve_device(device)
-        return cls(torch.zeros(1 + 2 * cap, dtype=torch.int64, device=dev))
+        rows = None
+        if dim is not None:
+            rows = torch.empty((cap, dim), dtype=dtype or torch.float32, device=dev)
+        return cls(torch.zeros(1 + 2 * cap, dtype=torch.int64, device=dev), rows)
 
     @property
     def cap(self) -> int:

@@ -24,6 +24,10 @@ class ChangeFollower:
         table: The shared table (``SharedMemBlock``, ``HostCache``) or None.
         cache: The GPU cache to keep consistent.
         on_clear: Called when the whole cache was dropped.
+
+    ``on_change`` (settable, None by default) is called after every change applied, keys
+    or the whole cache: what the stack keeps beside the cache (rows logged for admission)
+    is as stale as the cache was.
     """
 
     def __init__(self, table: ChangeFeed | None, cache: GPUCache,
@@ -34,6 +38,7 @@ class ChangeFollower:
         self.cursor = table.change_cursor if table is not None else 0
         self.invalidated_keys = 0
         self.full_invalidations = 0
+        self.on_change: Callable[[], None] | None = None
 
     def sync(self) -> int:
         """Apply the changes announced since the cursor (caller holds the cache guard);
@@ -51,6 +56,8 @@ class ChangeFollower:
         elif keys.numel():
             self._cache.erase(keys.to(self._cache.device))
             self.invalidated_keys += int(keys.numel())
+        if (overflowed or keys.numel()) and self.on_change is not None:
+            self.on_change()
         self.cursor = cursor
         return cursor
 

@@ -30,11 +30,6 @@ from .miss_log import MissLog
 from .tier_config import TierConfig
 
 
-def _torch_gather(keys: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Rows of ``keys`` (any row for keys outside the table: an admission skips those)."""
-    return table.index_select(0, keys.clamp(0, max(table.shape[0] - 1, 0)))
-
-
 class LinearStack(CachedStack):
     """LinearUVM: GPU cache in front of a linear host table read zero-copy on misses."""
 
@@ -57,16 +52,9 @@ class LinearStack(CachedStack):
         #: lookups hold its read side while they read table rows, writes its write side
         self._gate = table_gate(storage, device)
         self.check = RangeCheck(device, self.num_rows)
-        gather: Any = _torch_gather
-        if self.cache.backend == "triton" and device.type == "cuda":
-            from ._triton import kernel_module
-
-            kernels = kernel_module("gather_kernels", interpret=False)
-            host = self._host  # NOTE: not self: a closure over the stack would be a cycle
-
-            def gather(keys: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-                return kernels.gather(keys, table, None, host_table=host)
-        self.log = MissLog(self.cache, self.table, gather, self.budget, config, policy.gpu)
+        self.log = MissLog(self.cache, self.budget, config, policy.gpu)
+        #: a change to the table makes logged rows stale: the log goes with the cache's
+        self.follower.on_change = self.log.drop
         if device.type == "cuda" and self.cache.backend == "triton":
             self._warm_up()
 
@@ -136,7 +124,7 @@ class LinearStack(CachedStack):
             write_tensor(self._gate, self.table, keys, values)
             with self.guard:
                 self.cache.erase(keys.to(self.device))
-        # NOTE: logged misses stay: a round reads their rows when it runs, after this write
+                self.log.drop()  # NOTE: logged rows may predate the write
         return torch.ones(keys.numel(), dtype=torch.bool, device=keys.device)
 
     def insert(self, keys: torch.Tensor, values: torch.Tensor) -> None:

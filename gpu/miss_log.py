@@ -2,10 +2,11 @@
 
 The lookup kernel itself appends each key it missed to a miss log on the device (a
 :class:`~gpu.cache.MissCandidates` buffer: a count, then the keys; slots not written hold
-the empty marker). Nothing travels to the host: the host only counts lookups and keys.
-When a round is due, it is queued on the stream behind the lookups: the logged keys' rows
-are read from the linear table (zero-copy), the cache inserts them (the empty marker is
-skipped, so the host never needs the count), and the log is emptied. A round runs:
+the empty marker), and the row it read for it from the linear table. Nothing travels to
+the host: the host only counts lookups and keys. When a round is due, it is queued on the
+stream behind the lookups: the cache inserts the logged keys with their logged rows (the
+empty marker is skipped, so the host never needs the count) and the log is emptied; the
+table is not read again. A round runs:
 
 * while the cache fills, and after every lookup of at least ``admit_fraction`` of its
   slots of keys: once that many keys were looked up;
@@ -14,16 +15,19 @@ skipped, so the host never needs the count), and the log is emptied. A round run
   several lookups' time: bench/RESULTS.md, "Per-call path (H200)"), so serving-size
   lookups pay it rarely.
 
-A round admits at most its :class:`~gpu.admission.RoundBudget` (the log holds no more:
-the first misses of the round's lookups, in kernel block order). Consistency needs no
-check at admission: rows are read when the round runs, after the stack applied the
-change feed up to then, and any change announced later is applied by the next lookup
-before it reads the cache (see ``gpu.change_follower``).
+A round admits at most ``admit_fraction`` of the cache's slots while the cache fills, and
+its :class:`~gpu.admission.RoundBudget` (``warm_round_fraction`` of them) once it is warm:
+the log holds no more, the first misses of the round's lookups in kernel block order. The
+log's rows cost that much device memory beside the cache: a quarter of the cache's rows
+while it fills and an eighth once it is warm, with the defaults.
+
+Consistency: a logged row is as old as the lookup that read it, so the log is emptied
+whenever the stack learns of a change to the table (:class:`~gpu.change_follower.
+ChangeFollower`'s ``on_change``, a write through the layer, an erase): a row logged
+before a change is never admitted after it.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 
@@ -35,25 +39,29 @@ from .tier_config import TierConfig
 
 
 class MissLog:
-    """The device-side log of one cache's misses, and its admission rounds.
+    """The device-side log of one cache's misses and their rows, and its admission rounds.
 
     Args:
         cache: The GPU cache.
-        table: ``[num_rows, dim]`` rows of the linear table as the lookups read them.
-        gather: ``gather(keys, table) -> rows``, zero rows for keys outside the table.
         budget: The round budget shared with the stack (reset on clear).
         config: Round cadence.
         prob: Admission probability of a logged miss (``InsertPolicy.gpu``).
     """
 
-    def __init__(self, cache: GPUCache, table: torch.Tensor, gather: Any,
-                 budget: RoundBudget, config: TierConfig, prob: float) -> None:
-        self._cache, self._table, self._gather = cache, table, gather
-        self._budget, self._config, self._prob = budget, config, prob
+    def __init__(self, cache: GPUCache, budget: RoundBudget, config: TierConfig,
+                 prob: float) -> None:
+        self._cache, self._budget, self._config, self._prob = cache, budget, config, prob
         self._cand: MissCandidates | None = None
         self._calls = 0
         self._keys = 0
         self.rounds = 0
+
+    def _cap(self) -> int:
+        """Keys the log holds for the next round."""
+        budget = self._budget
+        if budget.warm:
+            return budget.cap()
+        return min(budget.cap(), max(1, int(self._cache.capacity * self._config.admit_fraction)))
 
     @property
     def active(self) -> bool:
@@ -64,11 +72,11 @@ class MissLog:
         if not self.active:
             return None
         if self._cand is None:
-            cap = self._budget.cap()
-            buf = torch.full((1 + 2 * cap,), EMPTY_KEY, dtype=torch.int64,
-                             device=self._cache.device)
+            cache, cap = self._cache, self._cap()
+            buf = torch.full((1 + 2 * cap,), EMPTY_KEY, dtype=torch.int64, device=cache.device)
             buf[0] = 0
-            self._cand = MissCandidates(buf)
+            rows = torch.empty((cap, cache.dim), dtype=cache.dtype, device=cache.device)
+            self._cand = MissCandidates(buf, rows)
         return self._cand
 
     def logged(self, n: int) -> None:
@@ -90,32 +98,36 @@ class MissLog:
         cand = self._cand
         if cand is None:
             return
-        keys = cand.keys
+        keys, rows = cand.keys, cand.rows
+        assert rows is not None
         if keys.device.type == "cpu":  # NOTE: the count is at hand: insert no padding
-            keys = keys[:min(int(cand.count), cand.cap)]
+            used = min(int(cand.count), cand.cap)
+            keys, rows = keys[:used], rows[:used]
         if self._prob < 1.0:
             keep = torch.rand(keys.numel(), device=keys.device) < self._prob
             keys = torch.where(keep, keys, EMPTY_KEY)
         if keys.numel():
-            rows = self._gather(keys, self._table)
             self._cache.insert(keys, rows, validate=False)
         self._budget.admitted += min(self._keys, cand.cap)
         self.rounds += 1
         self.drop()
 
     def drop(self) -> None:
-        """Empty the log, in stream order (a write made logged keys' rows stale, or a round
+        """Empty the log, in stream order (a change made logged rows stale, or a round
         took them); caller holds the cache guard."""
         self._calls = self._keys = 0
         cand = self._cand
         if cand is None:
             return
-        if cand.cap == self._budget.cap():
+        if cand.cap == self._cap():
             cand.buffer.fill_(EMPTY_KEY)
             cand.buffer[:1].zero_()
             return
         if cand.buffer.is_cuda:
             # NOTE: lookups on other streams were ordered before this one (the cache
-            # guard): the allocator reuses the block only after this stream's work
-            cand.buffer.record_stream(torch.cuda.current_stream(cand.buffer.device))
+            # guard): the allocator reuses the blocks only after this stream's work
+            stream = torch.cuda.current_stream(cand.buffer.device)
+            cand.buffer.record_stream(stream)
+            if cand.rows is not None:
+                cand.rows.record_stream(stream)
         self._cand = None  # the next lookup gets a buffer sized for the budget

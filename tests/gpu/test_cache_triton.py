@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from gpu import cache_twin as twin
 from gpu._triton import triton_available
 from gpu.cache import GPUCache, MissCandidates
+from gpu.errors import BadArgumentError
 from hostcache.layout import EMPTY_KEY
 
 needs_triton = pytest.mark.skipif(
@@ -183,6 +184,39 @@ def test_interpreter_reads_linear_tables_with_padded_rows(dim: int, dtype: torch
     a = make("cpu", "torch", dim=dim, dtype=dtype)
     b = make("cpu", "triton", dim=dim, dtype=dtype)
     assert_same(a, b, run_ops(a, 7, 14), run_ops(b, 7, 14, pad=pad))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_listed_misses_carry_the_rows_read(dtype: torch.dtype) -> None:
+    """Candidates with rows: each listed miss's row is the table row the lookup read, the
+    same on the interpreter and the twin, for plain and pooled linear lookups, over two
+    lookups appending to one buffer."""
+    gen = torch.Generator().manual_seed(4)
+    table = torch.randn(50, 12, generator=gen).to(dtype)
+    keys = torch.randint(0, 50, (30,), generator=gen)
+    offsets = torch.tensor([0, 7, 7, 30])
+    for backend in ("torch", "triton"):
+        cache = make("cpu", backend, dtype=dtype)
+        cache.insert(torch.arange(0, 50, 3), table[::3])
+        cand = MissCandidates.empty(40, "cpu", dim=12, dtype=dtype)
+        _, hit = cache.lookup_linear(keys, table, candidates=cand)
+        cache.lookup_linear_pooled(keys, offsets, table, candidates=cand)
+        misses = int((~hit).sum())
+        listed = min(int(cand.count), cand.cap)
+        assert int(cand.count) == 2 * misses and listed == min(40, 2 * misses) > misses
+        got = cand.keys[:listed]
+        assert torch.isin(got, keys[~hit]).all()
+        assert torch.equal(cand.rows[:listed], table[got])
+
+
+def test_candidate_rows_of_the_wrong_shape_are_refused() -> None:
+    cache = make("cpu", "torch")
+    table = torch.randn(50, 12)
+    bad = MissCandidates.empty(8, "cpu", dim=11, dtype=torch.float32)
+    with pytest.raises(BadArgumentError, match=r"rows must be \[cap, 12\]"):
+        cache.lookup_linear(torch.arange(4), table, candidates=bad)
+    assert cache.stats().misses == 0  # refused before anything was counted
 
 
 @needs_triton

@@ -354,9 +354,10 @@ def test_mismatched_tables_are_refused(table_name, tmp_path) -> None:
 
 
 def test_linear_misses_are_admitted_in_rounds_with_fresh_rows(table_name) -> None:
-    """A LinearUVM cache logs its misses and admits them when a round is due (while it
-    fills: every ``admit_fraction`` of its slots of keys looked up); a write between the
-    lookups and the round is what the round admits, never the row the lookup read."""
+    """A LinearUVM cache logs its misses (and the rows read for them) and admits them when
+    a round is due (while it fills: every ``admit_fraction`` of its slots of keys looked
+    up); a write between the lookups and the round drops what was logged, so the cache
+    only ever takes rows read after it."""
     from gpu import TierConfig
 
     weights = torch.randn(ROWS, DIM)
@@ -372,9 +373,12 @@ def test_linear_misses_are_admitted_in_rounds_with_fresh_rows(table_name) -> Non
                 assert torch.equal(layer(keys), weights[:10])
             assert layer.stats().gpu.inserts == 0 and not layer.in_gpu_cache(keys).any()
             fresh = torch.full((2, DIM), 7.0)
-            layer.update(keys[:2], fresh)  # after the misses were logged
+            layer.update(keys[:2], fresh)  # the rows logged before it are dropped
             weights[:2] = fresh
-            assert torch.equal(layer(keys), weights[:10])  # 40 keys: the round runs
+            assert torch.equal(layer(keys), weights[:10])  # 40 keys, 10 since the write
+            assert layer.stats().gpu.inserts == 0
+            for _ in range(3):  # 40 keys logged since the write: the round runs
+                assert torch.equal(layer(keys), weights[:10])
             assert layer.stats().gpu.inserts == 10 and layer.in_gpu_cache(keys).all()
             before = layer.stats().gpu.hits
             assert torch.equal(layer(keys), weights[:10])  # served by the cache

@@ -96,6 +96,26 @@ def test_a_write_announced_by_the_block_reaches_cached_and_logged_keys(
     layer.close()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_logged_before_an_announced_write_are_never_admitted(block: SharedMemBlock,
+                                                                  device: str) -> None:
+    """The log holds the rows its lookups read: a write announced after them (as another
+    process makes it) empties the log, so the next round cannot admit the old rows."""
+    layer = layer_on(block, device, 4 * ROWS, tuning=TierConfig(round_lookups=1000))
+    keys = torch.arange(0, 64, device=device)
+    assert torch.equal(layer(keys).cpu(), block.tensor[:64])  # logged, no round yet
+    block.write(torch.tensor([3, 5]), torch.full((2, DIM), 9.0))  # announced
+    layer.flush()  # follows the feed first: the log is dropped, the round admits nothing
+    assert not layer.in_gpu_cache(keys).any()
+    assert layer.stats().gpu.inserts == 0
+    assert torch.equal(layer(keys).cpu(), block.tensor[:64])  # logs the new rows
+    layer.flush()
+    assert layer.in_gpu_cache(keys).all()
+    got = layer(keys).cpu()  # every row from the cache now
+    assert torch.equal(got, block.tensor[:64]) and got[[3, 5]].eq(9.0).all()
+    layer.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (two streams)")
 def test_lookups_on_two_streams_are_ordered_with_their_rounds(block: SharedMemBlock) -> None:
