@@ -70,7 +70,7 @@ class LinearStack(CachedStack):
             for admitted in (0, self.cache.capacity):
                 self.budget.admitted = admitted
                 self.log.drop()  # NOTE: a log sized for this budget
-                self.cache.gather_linear(key, self.table, candidates=self.log.candidates(),
+                self.cache.gather_linear(key, self.table, candidates=self.log.candidates(1),
                                          host_table=self._host, err=self.check.err)
                 self.log.round()
             self.budget.reset()
@@ -89,7 +89,7 @@ class LinearStack(CachedStack):
         with self._gate, self.guard:
             self.follower.sync()
             values = self.cache.gather_linear(keys, self.table,
-                                              candidates=self.log.candidates(),
+                                              candidates=self.log.candidates(keys.numel()),
                                               host_table=self._host, err=self.check.err)
             if self.log.active:
                 self.log.logged(keys.numel())
@@ -104,7 +104,7 @@ class LinearStack(CachedStack):
             self.follower.sync()
             out, _ = self.cache.lookup_linear_pooled(keys, offsets, self.table, mode, weights,
                                                      validate=False,
-                                                     candidates=self.log.candidates(),
+                                                     candidates=self.log.candidates(keys.numel()),
                                                      err=self.check.err)
             if self.log.active:
                 self.log.logged(keys.numel())

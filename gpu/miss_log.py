@@ -15,11 +15,12 @@ table is not read again. A round runs:
   several lookups' time: bench/RESULTS.md, "Per-call path (H200)"), so serving-size
   lookups pay it rarely.
 
-A round admits at most ``admit_fraction`` of the cache's slots while the cache fills, and
-its :class:`~gpu.admission.RoundBudget` (``warm_round_fraction`` of them) once it is warm:
-the log holds no more, the first misses of the round's lookups in kernel block order. The
-log's rows cost that much device memory beside the cache: a quarter of the cache's rows
-while it fills and an eighth once it is warm, with the defaults.
+A round admits at most what the log holds: the first misses of the round's lookups, in
+kernel block order, up to its :class:`~gpu.admission.RoundBudget` (``warm_round_fraction``
+of the cache's slots) once the cache is warm; while it fills, up to ``admit_fraction`` of
+its slots, or a larger lookup's size. The log's rows cost that much device memory beside
+the cache: an eighth of the cache's rows once it is warm with the defaults, while it fills
+a quarter, or one lookup's output.
 
 Consistency: a logged row is as old as the lookup that read it, so the log is emptied
 whenever the stack learns of a change to the table (:class:`~gpu.change_follower.
@@ -52,32 +53,43 @@ class MissLog:
                  prob: float) -> None:
         self._cache, self._budget, self._config, self._prob = cache, budget, config, prob
         self._cand: MissCandidates | None = None
+        self._warm = False  # the budget's phase when the log was sized
         self._calls = 0
         self._keys = 0
         self.rounds = 0
 
-    def _cap(self) -> int:
-        """Keys the log holds for the next round."""
+    def _cap(self, n: int) -> int:
+        """Keys the log holds for a round that a lookup of ``n`` keys may run: the round
+        budget once the cache is warm; while it fills, ``admit_fraction`` of its slots or
+        the lookup's size, the larger (a large lookup of a cold cache admits what it can
+        in one round, at the memory of its own output at most)."""
         budget = self._budget
         if budget.warm:
             return budget.cap()
-        return min(budget.cap(), max(1, int(self._cache.capacity * self._config.admit_fraction)))
+        fill = max(1, int(self._cache.capacity * self._config.admit_fraction))
+        return min(budget.cap(), max(fill, n))
 
     @property
     def active(self) -> bool:
         return self._cache.capacity > 0 and self._prob > 0.0
 
-    def candidates(self) -> MissCandidates | None:
-        """Where the next lookup logs its misses (None: this cache admits nothing)."""
+    def candidates(self, n: int) -> MissCandidates | None:
+        """Where the next lookup, of ``n`` keys, logs its misses (None: this cache admits
+        nothing)."""
         if not self.active:
             return None
-        if self._cand is None:
-            cache, cap = self._cache, self._cap()
+        cand = self._cand
+        if cand is None or (self._calls == 0 and cand.cap < self._cap(n)):
+            # NOTE: a new log, or a larger one while it is empty (a cold cache's first
+            # large lookup)
+            self._release()
+            cache, cap = self._cache, self._cap(n)
             buf = torch.full((1 + 2 * cap,), EMPTY_KEY, dtype=torch.int64, device=cache.device)
             buf[0] = 0
             rows = torch.empty((cap, cache.dim), dtype=cache.dtype, device=cache.device)
-            self._cand = MissCandidates(buf, rows)
-        return self._cand
+            cand = self._cand = MissCandidates(buf, rows)
+            self._warm = self._budget.warm
+        return cand
 
     def logged(self, n: int) -> None:
         """After a lookup of ``n`` keys logged its misses (caller holds the cache guard
@@ -119,15 +131,18 @@ class MissLog:
         cand = self._cand
         if cand is None:
             return
-        if cand.cap == self._cap():
+        if self._warm == self._budget.warm:
             cand.buffer.fill_(EMPTY_KEY)
             cand.buffer[:1].zero_()
             return
-        if cand.buffer.is_cuda:
+        self._release()  # NOTE: warm now (or cold again): the next log is sized for it
+
+    def _release(self) -> None:
+        cand, self._cand = self._cand, None
+        if cand is not None and cand.buffer.is_cuda:
             # NOTE: lookups on other streams were ordered before this one (the cache
             # guard): the allocator reuses the blocks only after this stream's work
             stream = torch.cuda.current_stream(cand.buffer.device)
             cand.buffer.record_stream(stream)
             if cand.rows is not None:
                 cand.rows.record_stream(stream)
-        self._cand = None  # the next lookup gets a buffer sized for the budget

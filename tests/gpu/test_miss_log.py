@@ -60,6 +60,19 @@ def test_rounds_come_at_the_configured_cadence(block: SharedMemBlock, device: st
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_large_lookup_of_a_cold_cache_admits_all_its_misses_in_one_round(
+        block: SharedMemBlock, device: str) -> None:
+    """The log holds a quarter of the slots while the cache fills, or a larger lookup's
+    keys: one lookup of ROWS keys (twice the quarter) admits every one of them."""
+    layer = layer_on(block, device, 8 * ROWS, tuning=TierConfig(admit_fraction=1 / 16))
+    keys = torch.arange(ROWS, device=device)
+    assert torch.equal(layer(keys).cpu(), block.tensor)  # ROWS >= a sixteenth: a round
+    assert layer.stats().gpu.inserts == ROWS
+    assert layer.in_gpu_cache(keys).all()
+    layer.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_policy_zero_admits_nothing_and_half_admits_some(block: SharedMemBlock,
                                                          device: str) -> None:
     keys = torch.arange(0, 1000, device=device)
@@ -125,7 +138,7 @@ def test_lookups_on_two_streams_are_ordered_with_their_rounds(block: SharedMemBl
                      tuning=TierConfig(admit_fraction=600 / (4 * ROWS)))
     a, b = torch.cuda.Stream(), torch.cuda.Stream()
     keys_a = torch.arange(0, 16, device="cuda")
-    keys_b = torch.arange(16, 16 + 600, device="cuda")  # enough for the round
+    keys_b = torch.arange(16, 600, device="cuda")  # 600 keys in all: the round, a full log
     with torch.cuda.stream(a):
         torch.cuda._sleep(200_000_000)  # A is busy for a while (~0.1 s)
         out_a = layer(keys_a)
@@ -134,7 +147,7 @@ def test_lookups_on_two_streams_are_ordered_with_their_rounds(block: SharedMemBl
     torch.cuda.synchronize()
     assert layer.in_gpu_cache(keys_a).all() and layer.in_gpu_cache(keys_b).all()
     assert torch.equal(out_a.cpu(), block.tensor[:16])
-    assert torch.equal(out_b.cpu(), block.tensor[16:616])
+    assert torch.equal(out_b.cpu(), block.tensor[16:600])
     assert torch.equal(layer(keys_a).cpu(), block.tensor[:16])
     layer.close()
 
