@@ -10,7 +10,9 @@ hit rates; against ``nn.Embedding`` on the same keys (the table in device memory
 plain baseline a user would write without the library (a parameter-server lookup of every
 key, then one host-to-device copy). Then the GPU-hit steady state: batches drawn from keys
 already in the GPU cache, against a GPULayer on the same keys. Prints one JSON line per
-figure. Run on a CUDA machine: ``python bench/bench_hierarchical.py [--quick]``.
+figure. Last, the host cache's hit rate with the GPU reading it against the CPU's own
+lookups on the same stream. Run on a CUDA machine:
+``python bench/bench_hierarchical.py [--quick] [--redis URL]``.
 """
 
 from __future__ import annotations
@@ -137,6 +139,40 @@ def run(url: str, backend: str, rows: int, sizes: list[int], calls: int) -> None
         ps.close()
 
 
+def host_hit_rates(url: str, rows: int, n: int, warm_keys: int, measured_keys: int) -> None:
+    """The shared host cache's hit rate with the GPU reading it (CUDA: hits reported to
+    its policy by a sample) against the CPU's own lookups, on the same key stream."""
+    table = f"bench-hier-rate-{os.getpid()}"
+    ps = psclient.connect(url, table=table, dim=DIM, dtype=torch.float32)
+    ps.load(torch.randn(rows, DIM, generator=torch.Generator().manual_seed(1)), progress=False)
+    rates = {}
+    try:
+        for device in ("cuda", "cpu"):
+            hc = HostCache.create(f"{table}-{device}", capacity=rows // 5, dim=DIM)
+            try:
+                emb = NVEmbedding(rows, DIM, torch.float32, LayerType.Hierarchical,
+                                  gpu_cache_size=rows // 20 * (ROW_BYTES + 12),
+                                  host_cache=hc, storage=ps, device=device)
+                z = ZipfKeys(rows, 1.05, seed=7)
+                for _ in range(warm_keys // n):
+                    emb(z.sample(n).to(device))
+                s0 = emb.stats()
+                for _ in range(measured_keys // n):
+                    emb(z.sample(n).to(device))
+                s1 = emb.stats()
+                rates[device] = (rate(s0.host, s1.host), rate(s0.gpu, s1.gpu))
+                emb.close()
+            finally:
+                hc.close()
+                HostCache.unlink(hc.name)
+    finally:
+        ps.drop()
+    emit(bench="hierarchical_host_hit_rate", batch=n, rows=rows,
+         cuda_host_hit_rate=rates["cuda"][0], cpu_host_hit_rate=rates["cpu"][0],
+         points_apart=100 * abs(rates["cuda"][0] - rates["cpu"][0]),
+         cuda_gpu_hit_rate=rates["cuda"][1], cpu_gpu_hit_rate=rates["cpu"][1])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true")
@@ -150,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     calls = 100 if args.quick else 300
     with tempfile.TemporaryDirectory() as tmp:
         run(f"file://{tmp}/ps", "file", rows, sizes, calls)
+        host_hit_rates(f"file://{tmp}/ps", rows, 1 << 12, (2 if args.quick else 4) << 20,
+                       1 << 21)
     if args.redis:
         run(args.redis, "redis", rows, sizes, calls)
     return 0

@@ -108,21 +108,24 @@ class HierarchicalStack(CachedStack):
 
             values, hit = hostcache_lookup(self._reg, keys)
             hits = int(hit.sum())
-            self.host.count_lookup(keys.numel(), hits)
-            if hits:
-                ready = torch.cuda.Event()
-                ready.record(torch.cuda.current_stream(keys.device))
-                self.filler.submit(self._report_hits, (keys, hit, hits, ready))
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(keys.device))
+            self.filler.submit(self._report_hits, (keys, hit, hits, ready))
             return values, hit, hits
         values, hit = self.host.lookup(keys)
         return values, hit, int(hit.sum())
 
     def _report_hits(self, reports: list[tuple[torch.Tensor, torch.Tensor, int, Any]]
                      ) -> None:
-        """On the filler: report the hits of GPU lookups of the host cache to its eviction
-        policy, as a CPU lookup does itself (``(keys, hit, hits, ready event)`` each)."""
-        for _, _, _, ready in reports:
+        """On the filler: count GPU lookups of the host cache and report their hits to its
+        eviction policy, as a CPU lookup does itself (``(keys, hit, hits, ready event)``
+        each)."""
+        for keys, _, hits, ready in reports:
+            self.host.count_lookup(keys.numel(), hits)
             ready.synchronize()
+        reports = [r for r in reports if r[2]]
+        if not reports:
+            return
         if self._side is None:
             self._side = torch.cuda.Stream(reports[0][0].device)
         with torch.cuda.stream(self._side):
