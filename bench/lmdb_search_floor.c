@@ -1,5 +1,5 @@
 /* LMDB's own lookup rate, with no Python: the ceiling of any file:// read path that goes
- * through LMDB's API (bench/RESULTS.md, "file:// lookups of 8k keys").
+ * through LMDB's API (bench/RESULTS.md, "Issue 15").
  *
  * Reads every key of KEYS (little-endian int64, as numpy's tofile writes them) from the
  * named database of the psclient store at DIR (key bytes as psclient writes them: 8

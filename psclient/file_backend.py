@@ -214,7 +214,7 @@ class FileParameterServer(ParameterServer):
         zeros as the default: a miss is that very object, and reads as zeros. py-lmdb's
         native batched read (``Cursor.getmulti``) and zero-copy buffers were slower here,
         and LMDB's own search caps any read path through its API far below 5 M rows/s
-        (measured: bench/RESULTS.md, "file://").
+        (measured: bench/RESULTS.md, "Issue 15").
         """
         order, ks, _ = self._sorted(keys, encode=False)
         first = first_of_runs(ks)

@@ -140,7 +140,7 @@ class Dispatcher:
         last_part: dict[int, int] = {}
         # NOTE: a node's share of up to inline_keys keys is one pipeline (on the calling
         # thread when it is the only one): below that, splitting it over the pool cost more
-        # client CPU than it overlapped (bench/RESULTS.md, "Redis lookups of 8k keys").
+        # client CPU than it overlapped (bench/RESULTS.md, "Issue 15").
         keys_on: dict[int, int] = {}
         for cmd in cmds:
             nid = id(nodes[cmd.part])
