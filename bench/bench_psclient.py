@@ -1,17 +1,24 @@
 """Parameter-server client throughput against its baselines, in one run.
 
-Redis (``--url``): psclient lookups/inserts of 64k-key batches of dim-128 fp32 rows against
-``redis-benchmark`` (pipelined GET/SET of 512-byte values, same server: the server's
-ceiling) and a naive redis-py pipeline of GET/SET per key. Also the raw layout choice:
-HMGET/HSET over hash partitions against MGET/MSET over plain keys, and HMGET replies read
-off the socket in bulk (psclient.redis_wire) against redis-py's parser.
+Redis (``--url``): psclient lookups of 8k distinct keys (``--lookup-batch``) against
+``redis-benchmark``'s pipelined MGET over the same 8k stored 512-byte values, alternated in
+rounds; then 64k-key batches (``--batch``) of dim-128 fp32 rows against ``redis-benchmark``
+(pipelined GET/SET of 512-byte values, same server: the server's ceiling) and a naive
+redis-py pipeline of GET/SET per key. Also the raw layout choice: HMGET/HSET over hash
+partitions against MGET/MSET over plain keys, and HMGET replies read off the socket in bulk
+(psclient.redis_wire) against redis-py's parser.
 
-file:// : the LMDB backend against a plain in-memory dict lookup of the same rows, and
-the embedded-store choice: LMDB against SQLite (WAL) for the same batches.
+file:// : lookups of 8k distinct keys of a 1M-row table (``--file-rows``) against the
+per-key reference path (``FileParameterServer._lookup_per_key``), py-lmdb's native batched
+read (``Cursor.getmulti``) and LMDB's search alone, alternated in rounds; a batch with
+duplicate keys; a plain in-memory dict of the same rows; the embedded-store choice, LMDB
+against SQLite (WAL), for the same batches.
 
 Prints one JSON line per result; ratios are against the baseline measured in this run.
 
     python bench/bench_psclient.py [--quick] [--url redis://127.0.0.1:6379/0]
+        [--skip-redis] [--skip-file] [--lookup-batch 8192] [--file-rows 1048576]
+        [--lmdb-floor /tmp/lmdb_search_floor]   # cc ... bench/lmdb_search_floor.c, see there
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -38,7 +46,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import psclient  # noqa: E402
 from psclient import resp  # noqa: E402
-from psclient.codec import group_by_partition, le_key_bytes, row_bytes_list  # noqa: E402
+from psclient.codec import (  # noqa: E402
+    be_bytes_to_keys,
+    be_key_bytes,
+    group_by_partition,
+    le_key_bytes,
+    row_bytes_list,
+)
 from psclient.redis_wire import run_row_pipeline  # noqa: E402
 
 
@@ -246,6 +260,48 @@ def bench_redis(url: str, batch: int, dim: int, reps: int, bench_n: int, rounds:
               "cached, as with redis-benchmark's one hot key")
 
 
+def bench_redis_lookup(url: str, batch: int, dim: int, reps: int, bench_n: int,
+                       rounds: int) -> None:
+    """psclient lookups of ``batch`` distinct keys against redis-benchmark's pipelined MGET
+    (16 random keys per command, ``-P 64``) over ``batch`` stored 512-byte values: the same
+    working set and value size on the same server, alternated in ``rounds``."""
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 6379
+    db = int(parts.path.strip("/") or 0)
+    redis_benchmark(host, port, "set", 16 * batch, keyspace=batch, db=db)  # key:0..batch-1
+    rng = np.random.default_rng(2)
+    keys = torch.from_numpy(rng.choice(2**40, size=batch, replace=False).astype(np.int64))
+    table = f"bench-{uuid.uuid4().hex[:8]}"
+    looks, mgets, ratios = [], [], []
+    with psclient.connect(url, table=table, dim=dim) as ps:
+        ps.insert(keys, torch.randn(batch, dim))
+        perm = keys[torch.randperm(batch)]
+        got, found = ps.lookup(perm)
+        assert bool(found.all())
+        for _ in range(rounds):
+            g = redis_benchmark_mget(host, port, bench_n, batch, db=db)
+            look = best_rate(lambda: ps.lookup(perm), batch, reps)
+            looks.append(look)
+            if g:
+                mgets.append(g)
+                ratios.append(look / g)
+        ps.drop()
+    r = redis.Redis.from_url(url)
+    names = [b"key:%012d" % i for i in range(batch)]
+    for i in range(0, batch, 4096):
+        r.unlink(*names[i:i + 4096])
+    emit(bench="psclient-redis", op=f"lookup-{batch}-distinct", rows_per_s=max(looks),
+         rows_per_s_per_round=[round(x) for x in looks],
+         redis_benchmark_mget16_per_round=[round(x) for x in mgets],
+         vs_redis_benchmark_mget16_per_round=[round(x, 3) for x in ratios],
+         vs_redis_benchmark_mget16_median=float(np.median(ratios)) if ratios else None,
+         vs_redis_benchmark_mget16_best=max(looks) / max(mgets) if mgets else None,
+         command=f"redis-benchmark -h {host} -p {port} --dbnum {db} -P 64 "
+                 f"-n {max(1, bench_n // 16)} -r {batch} -q --csv MGET key:__rand_int__ x16",
+         goal=">= 0.8 of redis-benchmark MGET over the same working set",
+         goal_met=bool(ratios) and float(np.median(ratios)) >= 0.8)
+
+
 def bench_read_paths(r: redis.Redis, table: str, keys: np.ndarray, bounds: np.ndarray,
                      row_bytes: int, reps: int, rounds: int = 10) -> None:
     """HMGET replies read off the socket in bulk against redis-py's parser, alternated.
@@ -296,27 +352,106 @@ def bench_read_paths(r: redis.Redis, table: str, keys: np.ndarray, bounds: np.nd
                   "partition, 512 keys per command, sequential")
 
 
-def bench_file(batch: int, dim: int, reps: int, total: int) -> None:
+def _getmulti_lookup(ps: Any, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The same lookup through py-lmdb's native batched read, ``Cursor.getmulti``: one call
+    for every distinct key (a found key comes back as a ``(key, value)`` tuple, a missing
+    one is left out), assembled with numpy. Kept here as the measured alternative.
+
+    NOTE: reads the backend's private environment (LMDB allows one per process).
+    """
+    u, inv = np.unique(keys, return_inverse=True)
+    with ps._env.begin(db=ps._rows) as txn:
+        got = txn.cursor().getmulti(be_key_bytes(u))
+    rb = ps.schema.row_bytes
+    vals = np.zeros(u.size, dtype=f"V{rb}")
+    found = np.zeros(u.size, dtype=bool)
+    if got:
+        ks, vs = zip(*got, strict=True)
+        pos = np.searchsorted(u, be_bytes_to_keys(b"".join(ks)))
+        vals[pos] = np.frombuffer(b"".join(vs), dtype=vals.dtype)
+        found[pos] = True
+    return vals[inv], found[inv]
+
+
+def _search_only(ps: Any, keys: np.ndarray) -> int:
+    """LMDB's B-tree search alone: ``getmulti(values=False)`` finds every key in C and
+    copies no value (a ceiling for any read path through LMDB's API)."""
+    with ps._env.begin(db=ps._rows) as txn:
+        return len(txn.cursor().getmulti(be_key_bytes(np.sort(keys)), values=False))
+
+
+def lmdb_floor(exe: str, store: str, table: str, keys: np.ndarray, threads: int) -> object:
+    """bench/lmdb_search_floor.c (built by the user) on the same store and keys: LMDB's own
+    lookup rate from C, no Python."""
+    with tempfile.NamedTemporaryFile(suffix=".bin") as f:
+        keys.astype("<i8").tofile(f.name)
+        out = subprocess.run([exe, store, f"rows:{table}", f.name, str(threads)],
+                             capture_output=True, text=True, timeout=300, check=True).stdout
+    return json.loads(out)
+
+
+def bench_file(insert_batch: int, lookup_batch: int, dim: int, reps: int, total: int,
+               rounds: int, floor_exe: str | None = None) -> None:
+    """file:// at ``lookup_batch`` distinct keys of a ``total``-row table: the lookup against
+    the per-key reference path, py-lmdb's getmulti and LMDB's search alone, alternated in
+    ``rounds`` (and LMDB from C when ``floor_exe`` is given); then a dict of the same rows
+    and SQLite (WAL) on the same batches."""
     rng = np.random.default_rng(1)
     keys = torch.from_numpy(rng.choice(2**40, size=total, replace=False).astype(np.int64))
     vals = torch.randn(total, dim)
-    probe = keys[torch.randint(0, total, (batch,))]
+    probe = keys[torch.from_numpy(rng.choice(total, size=lookup_batch, replace=False))]
+    # NOTE: a batch with duplicates, as a serving batch has: 1024 distinct keys repeated
+    hot = keys[:1024].repeat(max(1, lookup_batch // 1024))
     tmp = tempfile.mkdtemp(prefix="psc-bench-")
     try:
         with psclient.connect(f"file://{tmp}/lmdb", table="bench", dim=dim) as ps:
-            chunks = iter(range(0, total, batch))
-
-            def ins() -> None:
-                a = next(chunks, None)
-                if a is None:
-                    return
-                ps.insert(keys[a:a + batch], vals[a:a + batch])
-
             t = time.perf_counter()
-            for a in range(0, total, batch):
-                ps.insert(keys[a:a + batch], vals[a:a + batch])
+            for a in range(0, total, insert_batch):
+                ps.insert(keys[a:a + insert_batch], vals[a:a + insert_batch])
             ins_rate = total / (time.perf_counter() - t)
-            look = best_rate(lambda: ps.lookup(probe), batch, reps)
+            pn = probe.numpy()
+            want, want_found = ps._lookup_per_key(pn)
+            got, found = ps.lookup(probe)
+            assert bool(found.all()) and torch.equal(found, want_found)
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+            gm_vals, gm_found = _getmulti_lookup(ps, pn)
+            assert gm_found.all() and gm_vals.tobytes() == got.numpy().tobytes()
+            runs: dict[str, list[float]] = {"lookup": [], "per-key": [], "getmulti": [],
+                                            "search-only": []}
+            for _ in range(rounds):
+                runs["lookup"].append(best_rate(lambda: ps.lookup(probe), lookup_batch, reps))
+                runs["per-key"].append(
+                    best_rate(lambda: ps._lookup_per_key(pn), lookup_batch, reps))
+                runs["getmulti"].append(
+                    best_rate(lambda: _getmulti_lookup(ps, pn), lookup_batch, reps))
+                runs["search-only"].append(
+                    best_rate(lambda: _search_only(ps, pn), lookup_batch, reps))
+            if floor_exe:
+                for threads in (1, 2):
+                    emit(bench="lmdb-from-c", op=f"lookup-{lookup_batch}-distinct",
+                         table_rows=total, **lmdb_floor(floor_exe, f"{tmp}/lmdb", "bench",
+                                                        np.sort(pn), threads),
+                         command=f"{floor_exe} STORE rows:bench KEYS {threads}")
+            hn = hot.numpy()
+            hot_new = best_rate(lambda: ps.lookup(hot), hot.numel(), reps)
+            hot_old = best_rate(lambda: ps._lookup_per_key(hn), hot.numel(), reps)
+            ratios = [a / b for a, b in zip(runs["lookup"], runs["per-key"], strict=True)]
+            look = max(runs["lookup"])
+        emit(bench="psclient-file(lmdb)", op="insert", rows_per_s=ins_rate, table_rows=total,
+             batch=insert_batch, note="a durable commit (sync=True) per batch")
+        emit(bench="psclient-file(lmdb)", op=f"lookup-{lookup_batch}-distinct",
+             rows_per_s=look, table_rows=total,
+             rows_per_s_per_round=[round(x) for x in runs["lookup"]],
+             per_key_rows_per_s=max(runs["per-key"]),
+             vs_per_key_per_round=[round(x, 3) for x in ratios],
+             vs_per_key_median=float(np.median(ratios)),
+             getmulti_rows_per_s=max(runs["getmulti"]),
+             vs_getmulti=look / max(runs["getmulti"]),
+             lmdb_search_only_rows_per_s=max(runs["search-only"]),
+             goal=">= 5M rows/s", goal_met=look >= 5e6)
+        emit(bench="psclient-file(lmdb)", op=f"lookup-{lookup_batch}-of-1024-distinct",
+             rows_per_s=hot_new, per_key_rows_per_s=hot_old, vs_per_key=hot_new / hot_old,
+             note="duplicate keys: the lookup reads each distinct key once")
 
         # baseline: a plain in-memory dict of key -> row bytes, same rows and probe
         d = dict(zip(keys.tolist(), row_bytes_list(vals), strict=True))
@@ -324,13 +459,12 @@ def bench_file(batch: int, dim: int, reps: int, total: int) -> None:
         def dict_lookup() -> torch.Tensor:
             got = list(map(d.get, probe.tolist()))
             flat = np.frombuffer(b"".join(got), dtype=np.float32)
-            return torch.from_numpy(flat.copy()).view(batch, dim)
+            return torch.from_numpy(flat.copy()).view(lookup_batch, dim)
 
-        dict_rate = best_rate(dict_lookup, batch, reps)
-        emit(bench="psclient-file(lmdb)", op="insert", rows_per_s=ins_rate, table_rows=total)
-        emit(bench="psclient-file(lmdb)", op="lookup", rows_per_s=look, table_rows=total,
-             vs_dict=look / dict_rate)
-        emit(bench="in-memory-dict", op="lookup", rows_per_s=dict_rate)
+        dict_rate = best_rate(dict_lookup, lookup_batch, reps)
+        d.clear()  # NOTE: 1M row objects: give the memory back before SQLite
+        emit(bench="in-memory-dict", op=f"lookup-{lookup_batch}-distinct", rows_per_s=dict_rate,
+             table_rows=total, lmdb_over_dict=look / dict_rate)
 
         # embedded-store choice: SQLite (WAL, INTEGER PRIMARY KEY) for the same batches
         db = sqlite3.connect(f"{tmp}/sqlite.db")
@@ -339,9 +473,10 @@ def bench_file(batch: int, dim: int, reps: int, total: int) -> None:
         db.execute("CREATE TABLE t (k INTEGER PRIMARY KEY, v BLOB NOT NULL)")
         rows = list(zip(keys.tolist(), row_bytes_list(vals), strict=True))
         t = time.perf_counter()
-        for a in range(0, total, batch):
+        for a in range(0, total, insert_batch):
             with db:
-                db.executemany("INSERT OR REPLACE INTO t VALUES (?, ?)", rows[a:a + batch])
+                db.executemany("INSERT OR REPLACE INTO t VALUES (?, ?)",
+                               rows[a:a + insert_batch])
         sq_ins = total / (time.perf_counter() - t)
         pj = json.dumps(probe.tolist())
 
@@ -349,11 +484,11 @@ def bench_file(batch: int, dim: int, reps: int, total: int) -> None:
             db.execute("SELECT t.k, t.v FROM json_each(?) j JOIN t ON t.k = j.value",
                        (pj,)).fetchall()
 
-        sq_look = best_rate(sq_lookup, batch, reps)
+        sq_look = best_rate(sq_lookup, lookup_batch, reps)
         db.close()
         emit(bench="sqlite-wal", op="insert", rows_per_s=sq_ins,
              lmdb_over_sqlite=ins_rate / sq_ins)
-        emit(bench="sqlite-wal", op="lookup", rows_per_s=sq_look,
+        emit(bench="sqlite-wal", op=f"lookup-{lookup_batch}-distinct", rows_per_s=sq_look,
              lmdb_over_sqlite=look / sq_look)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -364,20 +499,33 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="few repetitions (seconds)")
     ap.add_argument("--url", default=os.environ.get("NVEC_BENCH_REDIS_URL",
                                                     "redis://127.0.0.1:6379/0"))
-    ap.add_argument("--batch", type=int, default=65536)
+    ap.add_argument("--batch", type=int, default=65536,
+                    help="keys per batch of the Redis runs and of file:// inserts")
+    ap.add_argument("--lookup-batch", type=int, default=8192,
+                    help="distinct keys per lookup of the 8k-key runs (Redis and file://)")
+    ap.add_argument("--file-rows", type=int, default=None,
+                    help="rows of the file:// table (default 1M; 128k with --quick)")
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--skip-redis", action="store_true")
+    ap.add_argument("--skip-file", action="store_true")
+    ap.add_argument("--lmdb-floor", metavar="BIN", default=None,
+                    help="bench/lmdb_search_floor.c built: LMDB's lookup rate from C as well")
     a = ap.parse_args()
     reps = 3 if a.quick else 10
-    emit(bench="config", batch=a.batch, dim=a.dim, dtype="float32", reps=reps,
-         cpus=os.cpu_count(), date=time.strftime("%Y-%m-%d"))
+    rounds = 2 if a.quick else 5
+    file_rows = a.file_rows or (1 << 17 if a.quick else 1 << 20)
+    emit(bench="config", batch=a.batch, lookup_batch=a.lookup_batch, file_rows=file_rows,
+         dim=a.dim, dtype="float32", reps=reps, cpus=os.cpu_count(),
+         date=time.strftime("%Y-%m-%d"), load_avg=os.getloadavg())
     if not a.skip_redis:
+        bench_n = 200_000 if a.quick else 1_000_000
         try:
-            bench_redis(a.url, a.batch, a.dim, reps, 200_000 if a.quick else 1_000_000,
-                        2 if a.quick else 5)
+            bench_redis_lookup(a.url, a.lookup_batch, a.dim, reps, bench_n, rounds)
+            bench_redis(a.url, a.batch, a.dim, reps, bench_n, rounds)
         except (redis.RedisError, psclient.PSClientError) as e:
             emit(bench="psclient-redis", skipped=f"no Redis at {a.url}: {e}")
-    bench_file(a.batch, a.dim, reps, a.batch * (2 if a.quick else 8))
+    if not a.skip_file:
+        bench_file(a.batch, a.lookup_batch, a.dim, reps, file_rows, rounds, a.lmdb_floor)
 
 
 if __name__ == "__main__":

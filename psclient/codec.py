@@ -11,6 +11,9 @@ batches with numpy/torch ops and C-level ``map``/``tolist``; no Python loop per 
 
 from __future__ import annotations
 
+from itertools import repeat
+from operator import is_not
+
 import numpy as np
 import torch
 
@@ -120,6 +123,73 @@ def group_by_partition(keys: np.ndarray, partitions: int) -> tuple[np.ndarray, n
     return order, bounds
 
 
+def _corrupt(table: str, key: int, length: int, schema: TableSchema, count: int
+             ) -> CorruptValueError:
+    return CorruptValueError(
+        f"table {table!r}, key {key}: stored value has {length} bytes, expected "
+        f"{schema.row_bytes} (dim {schema.dim} x {schema.dtype}); {count} bad value(s) in "
+        "this batch: rewrite them with insert() or drop the table"
+    )
+
+
+def first_of_runs(sorted_keys: np.ndarray) -> np.ndarray:
+    """bool ``[N]``: which positions of a sorted key array start a run of equal keys
+    (``sorted_keys[first]`` are the distinct keys)."""
+    first = np.ones(sorted_keys.size, dtype=bool)
+    np.not_equal(sorted_keys[1:], sorted_keys[:-1], out=first[1:])
+    return first
+
+
+def assemble_distinct_rows(
+    replies: list[bytes], miss: bytes, order: np.ndarray, first: np.ndarray,
+    distinct: np.ndarray, schema: TableSchema, table: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lookup result from one stored value per *distinct* key.
+
+    Args:
+        replies: one stored value per distinct key, in the order of ``distinct``; the
+            ``miss`` object itself (told apart by identity) where the key is missing.
+        miss: a row of zeros (``row_bytes`` long) standing for a miss: it is what a missing
+            key reads as.
+        order: the permutation that sorts the caller's keys (``keys[order]``).
+        first: :func:`first_of_runs` of ``keys[order]``.
+        distinct: ``keys[order][first]`` (for error messages).
+        schema: the table schema (row length, dtype).
+        table: table name for error messages.
+
+    Returns:
+        ``(values, found)`` in the caller's key order; missing rows are zeros.
+
+    Raises:
+        CorruptValueError: a stored value does not have the row length; names the key.
+
+    NOTE: C-level passes (``is_not``, ``len``), the references permuted to the caller's
+    order by numpy, then one copy of every row into the array the returned tensor owns
+    (no temporary copy of the rows: a second 4 MB buffer per 8k-row batch costs more in
+    page faults than the copy, bench/RESULTS.md, "Issue 15").
+    """
+    n, m, rb = order.size, len(replies), schema.row_bytes
+    hit = np.fromiter(map(is_not, replies, repeat(miss)), dtype=bool, count=m)
+    lengths = np.fromiter(map(len, replies), dtype=np.int64, count=m)
+    bad = np.flatnonzero(lengths != rb)
+    if bad.size:
+        raise _corrupt(table, int(distinct[bad[0]]), int(lengths[bad[0]]), schema, bad.size)
+    obj = np.empty(n, dtype=object)
+    found = np.empty(n, dtype=bool)
+    if m == n:  # NOTE: no duplicates: each reply goes to one place
+        obj[order] = replies
+        found[order] = hit
+    else:
+        run = np.cumsum(first) - 1  # sorted position -> its distinct key
+        objs = np.empty(m, dtype=object)
+        objs[:] = replies
+        obj[order] = objs[run]
+        found[order] = hit[run]
+    flat = np.fromiter(obj.tolist(), dtype=f"V{rb}", count=n).view(np.uint8)
+    values = torch.from_numpy(flat).view(schema.torch_dtype)
+    return values.reshape(n, schema.dim), torch.from_numpy(found)
+
+
 def assemble_rows(
     replies: list[bytes | None], order: np.ndarray, keys: np.ndarray, schema: TableSchema,
     table: str,
@@ -148,12 +218,7 @@ def assemble_rows(
     lengths = np.fromiter(map(len, ordered), dtype=np.int64, count=n)
     bad = np.flatnonzero(lengths != schema.row_bytes)
     if bad.size:
-        raise CorruptValueError(
-            f"table {table!r}, key {int(keys[bad[0]])}: stored value has "
-            f"{int(lengths[bad[0]])} bytes, expected {schema.row_bytes} (dim {schema.dim} x "
-            f"{schema.dtype}); {bad.size} bad value(s) in this batch: rewrite them with "
-            "insert() or drop the table"
-        )
+        raise _corrupt(table, int(keys[bad[0]]), int(lengths[bad[0]]), schema, bad.size)
     # NOTE: one C-level copy of every row into a fresh array the returned tensor owns.
     flat = np.fromiter(ordered, dtype=f"V{schema.row_bytes}", count=n).view(np.uint8)
     values = torch.from_numpy(flat).view(schema.torch_dtype)

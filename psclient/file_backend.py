@@ -31,7 +31,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from itertools import compress
+from itertools import compress, repeat
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
@@ -41,7 +41,14 @@ import numpy as np
 import torch
 
 from .base import ParameterServer
-from .codec import assemble_rows, be_bytes_to_keys, be_key_bytes, row_bytes_list
+from .codec import (
+    assemble_distinct_rows,
+    assemble_rows,
+    be_bytes_to_keys,
+    be_key_bytes,
+    first_of_runs,
+    row_bytes_list,
+)
 from .errors import (
     BadArgumentError,
     ChangeFeedGapError,
@@ -191,15 +198,38 @@ class FileParameterServer(ParameterServer):
         self._rows = self._env.open_db(b"rows:" + name, txn=txn, create=True)
         self._feed_db = self._env.open_db(b"feed:" + name, txn=txn, create=True)
 
-    def _sorted(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[bytes]]:
+    def _sorted(self, keys: np.ndarray, encode: bool = True
+                ) -> tuple[np.ndarray, np.ndarray, list[bytes]]:
+        """``(order, keys[order], their LMDB key bytes)`` (no bytes when not ``encode``)."""
         order = np.argsort(keys, kind="stable")  # NOTE: B-tree locality; keeps dup order
         ks = keys[order]
-        return order, ks, be_key_bytes(ks)
+        return order, ks, be_key_bytes(ks) if encode else []
 
     # -- operations ----------------------------------------------------------------------
 
     def _lookup(self, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        order, ks, kb = self._sorted(keys)
+        """One read transaction; each distinct key read once, in key order.
+
+        NOTE: ``txn.get`` through C-level ``map`` (no Python code per key), with a row of
+        zeros as the default: a miss is that very object, and reads as zeros. py-lmdb's
+        native batched read (``Cursor.getmulti``) and zero-copy buffers were slower here,
+        and LMDB's own search caps any read path through its API far below 5 M rows/s
+        (measured: bench/RESULTS.md, "Issue 15").
+        """
+        order, ks, _ = self._sorted(keys, encode=False)
+        first = first_of_runs(ks)
+        distinct = ks[first]
+        zero = bytes(self._schema.row_bytes)  # NOTE: a new object: identity marks a miss
+        with _lmdb_errors(self._where), self._env.begin(db=self._rows) as txn:
+            replies = list(map(txn.get, be_key_bytes(distinct), repeat(zero)))
+        return assemble_distinct_rows(replies, zero, order, first, distinct, self._schema,
+                                      self._table)
+
+    def _lookup_per_key(self, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """The earlier read path, kept as the reference that tests and the benchmark compare
+        :meth:`_lookup` with: one ``txn.get`` per key, duplicates included, assembled by
+        :func:`psclient.codec.assemble_rows`."""
+        order, _, kb = self._sorted(keys)
         with _lmdb_errors(self._where), self._env.begin(db=self._rows) as txn:
             replies = list(map(txn.get, kb))
         return assemble_rows(replies, order, keys, self._schema, self._table)

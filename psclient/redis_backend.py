@@ -45,15 +45,15 @@ from .feed import FeedBatch
 from .redis_conn import cluster_factory, redact, redis_errors, split_options, standalone_factory
 from .redis_dispatch import REDIRECTS, Cmd, Dispatcher
 from .redis_feed import RedisFeed
-from .redis_wire import reply_error, run_row_pipeline
+from .redis_wire import reply_error, stream_row_pipeline
 from .schema import LAYOUT_VERSION, TableSchema
 
 log = logging.getLogger(__name__)
 
 
-_DEFAULTS = {"chunk_keys": 512, "pipeline_keys": 1024, "changes_maxlen": 1000,
-             "feed_entry_keys": 4096, "prefix": "psc", "max_workers": 4,
-             "feed_sweep_ms": 250, "redirect_retries": 60, "upgrade": False}
+_DEFAULTS = {"chunk_keys": 512, "pipeline_keys": 1024, "inline_keys": 8192,
+             "changes_maxlen": 1000, "feed_entry_keys": 4096, "prefix": "psc",
+             "max_workers": 4, "feed_sweep_ms": 250, "redirect_retries": 60, "upgrade": False}
 _SCRIPTS = {b"UPDATE": scripts.UPDATE, b"ERASE": scripts.ERASE}
 _MULTI, _EXEC = resp.pack("MULTI"), resp.pack("EXEC")
 _FIELD = resp.field_records(np.zeros(1, dtype=np.int64)).dtype.itemsize  # 14 bytes per key
@@ -77,6 +77,9 @@ class RedisParameterServer(ParameterServer):
                      "max_workers", "feed_sweep_ms", "redirect_retries"):
             if self._opts[name] <= 0:
                 raise BadArgumentError(f"option {name} must be positive")
+        if self._opts["inline_keys"] < 0:
+            raise BadArgumentError("option inline_keys must be >= 0 (0: always split a batch "
+                                   "into pipelines of pipeline_keys)")
         self._where = f"table {table!r} at {self._url}"
         pre = self._opts["prefix"]
         self._schema_key = f"{pre}:{{{table}}}:schema"
@@ -290,12 +293,19 @@ class RedisParameterServer(ParameterServer):
             return self._place(order[c.start:c.stop], reply, ks[c.start:c.stop], values, found)
 
         def job(client: Any, mine: list[Cmd]) -> list[Any]:
-            # NOTE: runs on the pool; each job writes only the rows of its own commands.
+            # NOTE: runs on the pool; each job writes only the rows of its own commands, each
+            # command's as soon as its reply is in (the server works on the next meanwhile).
             expect = sum(c.stop - c.start for c in mine) * rec_len + 16 * len(mine)
             payload = [part for c in mine for part in c.payload]
-            replies = run_row_pipeline(client, payload, len(mine), expect, rb)
-            return [self._place(order[c.start:c.stop], reply, ks[c.start:c.stop], values, found)
-                    for c, reply in zip(mine, replies, strict=True)]
+            placed: list[Any] = [None] * len(mine)
+
+            def sink(i: int, reply: Any) -> None:
+                c = mine[i]
+                placed[i] = self._place(order[c.start:c.stop], reply, ks[c.start:c.stop],
+                                        values, found)
+
+            stream_row_pipeline(client, payload, len(mine), expect, rb, sink)
+            return placed
 
         self._run(cmds, job, place)
         flat = values.view(np.uint8)

@@ -1,8 +1,10 @@
 """Where a partition's commands go, and what happens when the cluster moves a partition.
 
 A batch's commands (one per partition chunk, each tagged with its partition) are packed into
-pipelines (no MULTI) of about ``pipeline_keys`` keys, one node per pipeline, whole partitions
-per pipeline, run concurrently on a thread pool. The commands' bytes come from
+pipelines (no MULTI), one node per pipeline, whole partitions per pipeline: a node's share of
+a batch of up to ``inline_keys`` keys is one pipeline, a larger share pipelines of about
+``pipeline_keys`` keys; the pipelines run concurrently on a thread pool (one pipeline in all
+runs on the calling thread). The commands' bytes come from
 :mod:`psclient.resp`; :mod:`psclient.redis_wire` sends them and reads the replies.
 
 NOTE: all chunks of one partition go into the same pipeline, in key order, so the last of
@@ -136,12 +138,20 @@ class Dispatcher:
         clients: dict[int, Any] = {}
         rows_in_last: dict[int, int] = {}
         last_part: dict[int, int] = {}
-        limit = self._opts["pipeline_keys"]
+        # NOTE: a node's share of up to inline_keys keys is one pipeline (on the calling
+        # thread when it is the only one): below that, splitting it over the pool cost more
+        # client CPU than it overlapped (bench/RESULTS.md, "Issue 15").
+        keys_on: dict[int, int] = {}
+        for cmd in cmds:
+            nid = id(nodes[cmd.part])
+            keys_on[nid] = keys_on.get(nid, 0) + cmd.stop - cmd.start
+        inline = self._opts["inline_keys"]
         for i, cmd in enumerate(cmds):
             node = nodes[cmd.part]
             nid = id(node)
             clients[nid] = node
             pipes = jobs.setdefault(nid, [])
+            limit = keys_on[nid] if keys_on[nid] <= inline else self._opts["pipeline_keys"]
             # NOTE: a new pipeline starts only at a partition boundary (keeps duplicate order)
             if not pipes or (rows_in_last[nid] >= limit and last_part[nid] != cmd.part):
                 pipes.append([])

@@ -5,8 +5,8 @@ buffer; this module puts those bytes on the wire and gets the replies back:
 
 - :func:`run_pipeline` sends pre-encoded commands (no MULTI) and reads one reply per
   command through redis-py's parser, with the client's ``redis.retry.Retry``.
-- :func:`run_row_pipeline` does the same for HMGET commands, but follows them with
-  ``ECHO <random token>`` and reads every reply off the socket in one go into a reused
+- :func:`run_row_pipeline` does the same for HMGET commands, sent as one buffer, but follows
+  them with ``ECHO <random token>`` and reads every reply off the socket in one go into a reused
   per-thread buffer, until the token's reply: :func:`psclient.resp.decode_row_replies`
   then checks and views the rows with numpy, without one Python object per row. Why this
   read pays: see bench/RESULTS.md, "Parameter server clients".
@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import redis.exceptions as rex
@@ -114,29 +115,74 @@ def run_row_pipeline(client: Any, payload: list[bytes | memoryview], ncmds: int,
     NOTE: row views point into this thread's receive buffer: copy them out before the
     thread's next call.
     """
+    out: list[Any] = []
+    _row_pipeline(client, payload, ncmds, expect, row_bytes, bulk, None, out)
+    return out
+
+
+def stream_row_pipeline(client: Any, payload: list[bytes | memoryview], ncmds: int,
+                        expect: int, row_bytes: int, sink: Callable[[int, Any], object], *,
+                        bulk: bool = True) -> None:
+    """:func:`run_row_pipeline` that hands over each reply as soon as it can.
+
+    ``sink(index, reply)`` gets every command's reply, in order: each reply on the fast
+    path (a row view) as soon as its bytes are in, while the server still works on the
+    next commands, so the caller copies rows out in parallel with it; the rest once every
+    reply is in. A row view points into this thread's receive buffer: the sink copies it
+    out before it returns (the buffer may then grow and move).
+
+    After a connection error the pipeline is sent again (the client's ``Retry``) and the
+    sink gets every reply again: it must accept a command's reply twice (a lookup does:
+    the second overwrites the first).
+    """
+    _row_pipeline(client, payload, ncmds, expect, row_bytes, bulk, sink, [])
+
+
+def _row_pipeline(client: Any, payload: list[bytes | memoryview], ncmds: int, expect: int,
+                  row_bytes: int, bulk: bool, sink: Callable[[int, Any], object] | None,
+                  out: list[Any]) -> None:
     pool = client.connection_pool
     conn = pool.get_connection()
     token = os.urandom(16)
     tail = resp.bulk(token)
-    payload = [*payload, resp.pack("ECHO", token)]
+    # NOTE: one buffer, one send: redis-py sends each part with its own sendall (a syscall
+    # and, with TCP_NODELAY, a segment the server reads on its own), and a pipeline holds
+    # two parts per command (64 commands for 8k keys over 64 partitions). Joining copies
+    # 14 bytes per key; what it saves: bench/RESULTS.md, "Issue 15".
+    data = [b"".join([*payload, resp.pack("ECHO", token)])]
 
-    def attempt() -> list[Any]:
+    def attempt() -> None:
+        out.clear()
         sock = bulk_socket(conn) if bulk else None
-        conn.send_packed_command(payload, check_health=True)
+        conn.send_packed_command(data, check_health=True)
         if sock is None:
-            return read_replies(conn, ncmds + 1)[:-1]
-        buf = getattr(_RECV, "buf", None)
-        if buf is None or len(buf) < expect + len(tail):
-            buf = _RECV.buf = bytearray(expect + len(tail))
-        try:
-            size = _recv_until(sock, buf, tail)
-        except BaseException:
-            conn.disconnect()
-            raise
-        return resp.decode_row_replies(buf, size - len(tail), ncmds, row_bytes)
+            replies = read_replies(conn, ncmds + 1)[:-1]
+        else:
+            buf = getattr(_RECV, "buf", None)
+            if buf is None or len(buf) < expect + len(tail):
+                buf = _RECV.buf = bytearray(expect + len(tail))
+            reader = resp.RowReplyReader(ncmds, row_bytes)
+            try:
+                if sink is None:
+                    size = _recv_until(sock, buf, tail)
+                else:
+                    size = _recv_until(sock, buf, tail, lambda b, n: reader.feed(b, n, sink))
+            except BaseException:
+                conn.disconnect()
+                raise
+            if sink is None:
+                out.extend(resp.decode_row_replies(buf, size - len(tail), ncmds, row_bytes))
+                return
+            replies = reader.finish(buf, size - len(tail))
+        done = ncmds - len(replies)
+        for i, reply in enumerate(replies):
+            if sink is None:
+                out.append(reply)
+            else:
+                sink(done + i, reply)
 
     try:
-        return conn.retry.call_with_retry(attempt, lambda _err: conn.disconnect())
+        conn.retry.call_with_retry(attempt, lambda _err: conn.disconnect())
     finally:
         pool.release(conn)
 
@@ -157,8 +203,11 @@ def reply_error(err: Exception) -> rex.RedisError:
     return rex.ResponseError(msg)
 
 
-def _recv_until(sock: socket.socket, buf: bytearray, tail: bytes) -> int:
-    """Receive into ``buf`` (grown as needed) until the data ends with ``tail``."""
+def _recv_until(sock: socket.socket, buf: bytearray, tail: bytes,
+                progress: Callable[[bytearray, int], object] | None = None) -> int:
+    """Receive into ``buf`` (grown as needed) until the data ends with ``tail``; after each
+    receive, ``progress(buf, bytes so far)`` (it must hold no view of ``buf`` when it
+    returns: the buffer may grow)."""
     size = 0
     view = memoryview(buf)
     while size < len(tail) or buf[size - len(tail):size] != tail:
@@ -175,5 +224,7 @@ def _recv_until(sock: socket.socket, buf: bytearray, tail: bytes) -> int:
         if got == 0:
             raise rex.ConnectionError("Connection closed by server.")
         size += got
+        if progress is not None:
+            progress(buf, size)
     view.release()
     return size

@@ -12,6 +12,7 @@ contiguous slice of that array, sent as a memoryview (no copy).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import hiredis
@@ -90,43 +91,86 @@ def _framed(arr: np.ndarray, start: int, m: int, row_bytes: int, head: bytes) ->
     return True
 
 
-def decode_row_replies(buf: bytearray, size: int, ncmds: int, row_bytes: int
-                       ) -> list[np.ndarray | Any]:
-    """Decode ``ncmds`` HMGET replies from ``buf[:size]`` (complete replies).
+class RowReplyReader:
+    """Decodes ``ncmds`` HMGET replies from a receive buffer while it fills.
+
+    :meth:`feed` hands each reply that is complete and on the fast path to a callback as
+    soon as its bytes are in, so a caller copies rows out while the server still works on
+    the next commands; :meth:`finish`, once every reply is in, decodes the rest with hiredis.
 
     Fast path: a reply whose every element is a bulk string of exactly ``row_bytes`` bytes
-    has a fixed layout; it is checked with numpy and returned as a 1-D view of ``buf`` with
+    has a fixed layout; it is checked with numpy and given as a 1-D view of the buffer with
     one ``V<row_bytes>`` element per row (strided over the RESP framing: no object per row,
-    no copy; a 1-D void array scatters faster than a 2-D uint8 one). From the first reply that does
-    not fit (a miss, a wrong-length value, an error) on, hiredis decodes the rest: those
-    entries are lists of ``bytes | None`` or ``hiredis.ReplyError``.
+    no copy; a 1-D void array scatters faster than a 2-D uint8 one). From the first reply
+    that does not fit (a miss, a wrong-length value, an error) on, hiredis decodes the rest:
+    those entries are lists of ``bytes | None`` or ``hiredis.ReplyError``.
     """
-    head = b"$%d\r\n" % row_bytes
-    rec_len = len(head) + row_bytes + 2
-    arr = np.frombuffer(buf, dtype=np.uint8, count=size)
-    row_type = np.dtype(f"V{row_bytes}")
+
+    def __init__(self, ncmds: int, row_bytes: int) -> None:
+        self.ncmds = ncmds
+        self.row_bytes = row_bytes
+        self.head = b"$%d\r\n" % row_bytes
+        self.rec_len = len(self.head) + row_bytes + 2
+        self.row_type = np.dtype(f"V{row_bytes}")
+        self.pos = 0         # where the next undecoded reply starts
+        self.done = 0        # replies decoded so far
+        self.fast = True     # False from the first reply off the fast path on
+
+    def feed(self, buf: bytearray, size: int, sink: Callable[[int, np.ndarray], object]
+             ) -> None:
+        """Call ``sink(index, rows)`` for each fast-path reply complete in ``buf[:size]``.
+
+        NOTE: ``rows`` views ``buf``: the sink copies them out before it returns (the buffer
+        may grow, and so move, once it does).
+        """
+        arr = np.frombuffer(buf, dtype=np.uint8, count=size)
+        rec_len, pos = self.rec_len, self.pos
+        while self.fast and self.done < self.ncmds and pos < size:
+            if buf[pos] != 0x2A:  # b"*"
+                self.fast = False
+                break
+            eol = buf.find(b"\r\n", pos, min(size, pos + 24))
+            if eol < 0:
+                self.fast = size - pos < 24  # NOTE: a header still coming in, or garbage
+                break
+            m = int(buf[pos + 1:eol]) if buf[pos + 1:eol].isdigit() else -1
+            start = eol + 2
+            end = start + m * rec_len
+            if m < 0:
+                self.fast = False
+                break
+            if end > size:
+                break  # NOTE: not all in yet (or shorter, with misses: then framing fails)
+            if not _framed(arr, start, m, self.row_bytes, self.head):
+                self.fast = False
+                break
+            rows = np.ndarray((m,), dtype=self.row_type, buffer=arr,
+                              offset=start + len(self.head), strides=(rec_len,))
+            self.pos = pos = end
+            self.done += 1
+            sink(self.done - 1, rows)
+            del rows
+
+    def finish(self, buf: bytearray, size: int) -> list[Any]:
+        """The replies not yet fed, decoded by hiredis from ``buf[:size]`` (all complete)."""
+        out: list[Any] = []
+        if self.done < self.ncmds:
+            reader = hiredis.Reader()
+            reader.feed(buf, self.pos, size - self.pos)  # type: ignore[arg-type]
+            while self.done + len(out) < self.ncmds:
+                reply = reader.gets()
+                if reply is False:
+                    raise ValueError("truncated reply")  # NOTE: callers pass complete replies
+                out.append(reply)
+        return out
+
+
+def decode_row_replies(buf: bytearray, size: int, ncmds: int, row_bytes: int
+                       ) -> list[np.ndarray | Any]:
+    """Decode ``ncmds`` HMGET replies from ``buf[:size]`` (complete replies), as
+    :class:`RowReplyReader` does: row views (views of ``buf``) first, then what hiredis
+    decoded from the first reply off the fast path on."""
+    reader = RowReplyReader(ncmds, row_bytes)
     out: list[np.ndarray | Any] = []
-    pos = 0
-    while len(out) < ncmds and pos < size and buf[pos] == 0x2A:  # b"*"
-        eol = buf.find(b"\r\n", pos, pos + 24)
-        if eol < 0:
-            break
-        m = int(buf[pos + 1:eol])
-        start = eol + 2
-        end = start + m * rec_len
-        if m < 0 or end > size:
-            break
-        if not _framed(arr, start, m, row_bytes, head):
-            break
-        out.append(np.ndarray((m,), dtype=row_type, buffer=arr, offset=start + len(head),
-                              strides=(rec_len,)))
-        pos = end
-    if len(out) < ncmds:
-        reader = hiredis.Reader()
-        reader.feed(buf, pos, size - pos)  # type: ignore[arg-type]
-        while len(out) < ncmds:
-            reply = reader.gets()
-            if reply is False:
-                raise ValueError("truncated reply")  # NOTE: callers pass complete replies
-            out.append(reply)
-    return out
+    reader.feed(buf, size, lambda _i, rows: out.append(rows))
+    return out + reader.finish(buf, size)

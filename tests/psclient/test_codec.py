@@ -14,10 +14,12 @@ from hypothesis import strategies as st
 import psclient
 from psclient import resp
 from psclient.codec import (
+    assemble_distinct_rows,
     assemble_rows,
     be_bytes_to_keys,
     be_key_bytes,
     check_keys,
+    first_of_runs,
     group_by_partition,
     le_key_bytes,
     partition_of,
@@ -92,6 +94,40 @@ def test_assemble_rows_orders_fills_misses_and_flags_bad_lengths() -> None:
     got[0, 0] = 5.0  # the result is writable and owned
     with pytest.raises(psclient.CorruptValueError, match="'t', key 11: stored value has 3"):
         assemble_rows([None, b"abc", rb[0]], np.array([0, 1, 2]), keys, schema, "t")
+
+
+def test_assemble_distinct_rows_spreads_duplicates_and_tells_misses_by_identity() -> None:
+    schema = TableSchema(dim=2, dtype="float32")
+    keys = np.array([12, 10, 12, 11, 10, 12], dtype=np.int64)
+    order = np.argsort(keys, kind="stable")
+    first = first_of_runs(keys[order])
+    distinct = keys[order][first]
+    assert distinct.tolist() == [10, 11, 12]
+    assert first.tolist() == [True, False, True, True, False, False]
+    miss = bytes(schema.row_bytes)
+    stored_zero = bytes(bytearray(schema.row_bytes))  # a stored row of zeros: found
+    row12 = row_bytes_list(torch.tensor([[1.5, -2.0]]))[0]
+    got, found = assemble_distinct_rows([stored_zero, miss, row12], miss, order, first,
+                                        distinct, schema, "t")
+    assert found.tolist() == [True, True, True, False, True, True]
+    assert got.dtype == torch.float32 and got.shape == (6, 2)
+    want = torch.tensor([[1.5, -2.0], [0.0, 0.0], [1.5, -2.0], [0.0, 0.0], [0.0, 0.0],
+                         [1.5, -2.0]])
+    assert torch.equal(got, want)
+    got[0, 0] = 9.0  # the result is writable and owned: the other copies of key 12 stay
+    assert got[2, 0] == 1.5
+    with pytest.raises(psclient.CorruptValueError,
+                       match="'t', key 11: stored value has 3 bytes.* 1 bad value"):
+        assemble_distinct_rows([stored_zero, b"abc", row12], miss, order, first, distinct,
+                               schema, "t")
+
+
+@given(st.lists(st.integers(-3, 3), min_size=1, max_size=30))
+def test_first_of_runs_marks_each_distinct_key_once(keys: list[int]) -> None:
+    ks = np.sort(np.array(keys, dtype=np.int64))
+    first = first_of_runs(ks)
+    assert ks[first].tolist() == sorted(set(keys))
+    assert first[0]
 
 
 def test_check_keys_and_dtype_names() -> None:

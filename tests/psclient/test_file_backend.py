@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 import psclient
@@ -43,6 +44,83 @@ def test_dtypes_round_trip_bit_exact(file_url: str, dtype: torch.dtype) -> None:
         got, found = ps.lookup(keys.flip(0))
         assert found.all() and got.dtype == dtype
         assert torch.equal(got.view(torch.uint8), vals.flip(0).contiguous().view(torch.uint8))
+
+
+def _random_rows(n: int, dim: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Rows of arbitrary bit patterns (NaN payloads, -0.0, subnormals included)."""
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (n, dim * torch.empty(0, dtype=dtype).element_size()),
+                        dtype=torch.uint8, generator=g)
+    return raw.view(dtype)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8),
+                                              b.contiguous().view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_lookup_misses_duplicates_and_bits(file_url: str, dtype: torch.dtype) -> None:
+    """Every dtype: misses read as zeros with found False, every copy of a repeated key gets
+    its row, extreme keys work, a stored row of zeros is found, values are bit-exact."""
+    keys = torch.tensor([-(2**63), 2**63 - 1, 0, 5, -7, 2**40, 11], dtype=torch.int64)
+    vals = _random_rows(keys.numel(), 6, dtype, seed=1)
+    vals[6] = 0  # key 11 stores zeros: still found
+    with psclient.connect(file_url, table="bits", dim=6, dtype=dtype) as ps:
+        ps.insert(keys, vals)
+        ask = torch.tensor([5, 99, 2**63 - 1, 5, -(2**63), -8, 5, 11, 99, 0], dtype=torch.int64)
+        got, found = ps.lookup(ask)
+        stored = dict(zip(keys.tolist(), vals, strict=True))
+        assert found.tolist() == [k in stored for k in ask.tolist()]
+        assert got.dtype == dtype and got.shape == (ask.numel(), 6)
+        for i, k in enumerate(ask.tolist()):
+            want = stored.get(k, torch.zeros(6, dtype=dtype))
+            assert _same_bits(got[i], want), (i, k)
+        ref = ps._lookup_per_key(ask.numpy())
+        assert _same_bits(got, ref[0]) and torch.equal(found, ref[1])
+        empty, efound = ps.lookup(torch.empty(0, dtype=torch.int64))
+        assert empty.shape == (0, 6) and empty.dtype == dtype and efound.shape == (0,)
+        only_misses, none = ps.lookup(torch.tensor([1, 1, 2]))
+        assert not none.any() and not only_misses.view(torch.uint8).any()
+
+
+def test_lookup_large_batch_against_per_key_path(file_url: str) -> None:
+    """150k keys (more than one insert batch) with a third missing and many duplicates:
+    the same result as the per-key reference path, bit for bit, and as what was inserted."""
+    rng = np.random.default_rng(3)
+    keys = rng.choice(2**50, size=100_000, replace=False).astype(np.int64)
+    vals = _random_rows(keys.size, 32, torch.float32, seed=2)
+    with psclient.connect(file_url, table="big", dim=32) as ps:
+        ps.load(vals, keys=torch.from_numpy(keys), progress=False)
+        absent = rng.choice(2**50, size=50_000).astype(np.int64) | (1 << 51)
+        ask = np.concatenate([keys[rng.integers(0, keys.size, 100_000)], absent])
+        rng.shuffle(ask)
+        got, found = ps.lookup(torch.from_numpy(ask))
+        ref, ref_found = ps._lookup_per_key(ask)
+        assert torch.equal(found, ref_found) and _same_bits(got, ref)
+        assert int(found.sum()) == 100_000 and not found[torch.from_numpy(ask >= 1 << 51)].any()
+        pos = np.searchsorted(np.sort(keys), ask[found.numpy()])
+        want = vals[torch.from_numpy(np.argsort(keys)[pos])]
+        assert _same_bits(got[found], want)
+        assert not got[~found].view(torch.uint8).any()
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(stored=st.lists(st.integers(-40, 40), max_size=30),
+       ask=st.lists(st.one_of(st.integers(-45, 45),
+                              st.sampled_from([-(2**63), 2**63 - 1])), max_size=60))
+def test_lookup_differential_against_per_key_path(file_url: str, stored: list[int],
+                                                  ask: list[int]) -> None:
+    with psclient.connect(file_url, table="pk", dim=3, dtype=torch.float16) as ps:
+        ps.clear()
+        k = torch.tensor(stored, dtype=torch.int64)
+        ps.insert(k, _random_rows(len(stored), 3, torch.float16, seed=len(stored)))
+        q = torch.tensor(ask, dtype=torch.int64)
+        got, found = ps.lookup(q)
+        ref, ref_found = ps._lookup_per_key(q.numpy())
+        assert torch.equal(found, ref_found) and _same_bits(got, ref)
+        assert found.tolist() == [a in set(stored) for a in ask]
 
 
 def test_persists_and_reopens_with_stored_schema(file_url: str) -> None:
@@ -156,6 +234,10 @@ def test_wrong_length_value_names_table_and_key(file_url: str, tmp_path: Path) -
     with psclient.connect(file_url, table="corrupt") as ps:
         with pytest.raises(psclient.CorruptValueError, match="'corrupt', key 2: .* 3 bytes"):
             ps.lookup(torch.tensor([1, 2, 3]))
+        with pytest.raises(psclient.CorruptValueError, match="key 2: .* 1 bad value"):
+            ps.lookup(torch.tensor([2, 3, 2, 9, 2]))   # repeated: one distinct bad value
+        got, found = ps.lookup(torch.tensor([3, 1, 9]))  # the others still read
+        assert found.tolist() == [True, True, False] and torch.equal(got[:2], torch.ones(2, 4))
 
 
 def test_drop_removes_table(file_url: str) -> None:

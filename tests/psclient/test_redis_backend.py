@@ -31,17 +31,24 @@ def ps_factory(shared_redis: str, table_name: str):  # noqa: ANN201
         yield make
 
 
+@pytest.mark.parametrize("inline_keys", [0, 8192])
 @settings(max_examples=30, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=model.OPS)
-def test_differential_against_dict(ps_factory, ops: list) -> None:  # noqa: ANN001
-    # tiny chunks and pipelines: every batch spans several commands, pipelines and threads
-    ps = ps_factory("-diff", dim=model.DIM, partitions=4, chunk_keys=3, pipeline_keys=4)
+def test_differential_against_dict(ps_factory, inline_keys: int,  # noqa: ANN001
+                                   ops: list) -> None:
+    # tiny chunks: every batch spans several commands; inline_keys=0: several pipelines on
+    # the pool too; 8192: one pipeline on this thread, replies streamed command by command
+    ps = ps_factory(f"-diff{inline_keys}", dim=model.DIM, partitions=4, chunk_keys=3,
+                    pipeline_keys=4, inline_keys=inline_keys)
     model.check_against_dict(ps, ops)
 
 
-def test_large_batch_round_trip_across_partitions_and_pipelines(ps_factory) -> None:  # noqa: ANN001
-    ps = ps_factory(dim=32, dtype=torch.float16, chunk_keys=100, pipeline_keys=700)
+@pytest.mark.parametrize("inline_keys", [0, 8192])
+def test_large_batch_round_trip_across_partitions_and_pipelines(ps_factory,  # noqa: ANN001
+                                                                inline_keys: int) -> None:
+    ps = ps_factory(dim=32, dtype=torch.float16, chunk_keys=100, pipeline_keys=700,
+                    inline_keys=inline_keys)
     keys = torch.from_numpy(np.random.default_rng(0).choice(2**62, 5000, replace=False))
     keys[:3] = torch.tensor([-(2**63), 2**63 - 1, 0])
     vals = torch.randn(5000, 32).half()
@@ -74,6 +81,8 @@ def test_schema_stored_and_checked(ps_factory, shared_redis: str, table_name: st
         psclient.connect(shared_redis, table=table_name + "-nope")
     with pytest.raises(psclient.BadArgumentError, match="unknown Redis option"):
         psclient.connect(shared_redis, table=table_name, sokcet_timeout=1)
+    with pytest.raises(psclient.BadArgumentError, match="inline_keys must be >= 0"):
+        psclient.connect(shared_redis, table=table_name, inline_keys=-1)
     r = redis.Redis.from_url(shared_redis)
     r.set(f"psc:{{{ps.table}-bad}}:schema", b"\xc1 not msgpack")
     try:

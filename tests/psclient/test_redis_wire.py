@@ -9,6 +9,7 @@ same replies.
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,7 +20,13 @@ import redis
 import redis.exceptions as rex
 
 from psclient import resp
-from psclient.redis_wire import bulk_socket, reply_error, run_pipeline, run_row_pipeline
+from psclient.redis_wire import (
+    bulk_socket,
+    reply_error,
+    run_pipeline,
+    run_row_pipeline,
+    stream_row_pipeline,
+)
 
 pytestmark = pytest.mark.redis
 
@@ -85,6 +92,85 @@ def test_bulk_read_and_parser_give_the_same_replies(client: redis.Redis, table_n
     assert as_rows(bulk[0]) == [rows[k] for k in range(50)]
     assert as_rows(bulk[1])[-2:] == [None, None]
     assert as_rows(bulk[2])[1] == b"short"
+
+
+@pytest.mark.parametrize("expect", [1, 1 << 20])  # a buffer grown while feeding, or not
+def test_streamed_replies_equal_the_collected_ones(client: redis.Redis, table_name: str,
+                                                  expect: int) -> None:
+    """stream_row_pipeline hands every command's reply to the sink once, in order, the same
+    replies as run_row_pipeline: row views as they arrive (the buffer may grow between
+    them), then what hiredis decoded."""
+    key = f"wire-stream:{table_name}".encode()
+    rows = {k: bytes([k % 251]) * ROW for k in range(3000)}
+    client.hset(key, mapping={np.int64(k).tobytes(): v for k, v in rows.items()})
+    client.hset(key, np.int64(2500).tobytes(), b"short")
+    # NOTE: 2,400 found keys first (many receives, fed one by one), then irregular replies
+    cmds = [list(range(a, a + 200)) for a in range(0, 2400, 200)]
+    cmds += [[1, 5000, 2], [2500, 3], list(range(2600, 2700))]
+    payload = [part for ks in cmds for part in hmget(key, ks)]
+    got: list[tuple[int, Any]] = []
+    kinds: list[bool] = []
+
+    def sink(i: int, reply: Any) -> None:
+        kinds.append(isinstance(reply, np.ndarray))
+        got.append((i, as_rows(reply)))  # NOTE: copies a view out before returning
+
+    try:
+        stream_row_pipeline(client, payload, len(cmds), expect, ROW, sink)
+        collected = run_row_pipeline(client, payload, len(cmds), expect, ROW)
+        want = [as_rows(r) for r in collected]
+    finally:
+        client.delete(key)
+    assert [i for i, _ in got] == list(range(len(cmds)))
+    assert [r for _, r in got] == want
+    assert kinds == [True] * 12 + [False] * 3, "the fast replies were not streamed"
+    assert want[0] == [rows[k] for k in range(200)]
+    assert want[12] == [rows[1], None, rows[2]] and want[13] == [b"short", rows[3]]
+
+
+def test_a_reply_is_handed_over_before_the_rest_arrives(client: redis.Redis,
+                                                       table_name: str) -> None:
+    """The point of streaming: a command's rows reach the sink while the server still
+    works on later commands (here a BLPOP that times out after 0.4 s on the server)."""
+    key = f"wire-early:{table_name}".encode()
+    client.hset(key, mapping={np.int64(k).tobytes(): bytes([k]) * ROW for k in range(50)})
+    payload = [*hmget(key, list(range(50))),
+               resp.pack("BLPOP", f"wire-early-list:{table_name}", "0.4"),
+               *hmget(key, [1, 2])]
+    seen: dict[int, float] = {}
+
+    def sink(i: int, reply: Any) -> None:
+        seen[i] = time.monotonic()
+
+    try:
+        stream_row_pipeline(client, payload, 3, 1, ROW, sink)
+        end = time.monotonic()
+    finally:
+        client.delete(key)
+    assert sorted(seen) == [0, 1, 2]
+    assert end - seen[0] > 0.3, "the first reply waited for the whole pipeline"
+
+
+def test_a_sink_that_raises_leaves_the_connection_in_sync(client: redis.Redis,
+                                                          table_name: str) -> None:
+    """A sink failing mid-read (replies still unread) drops that connection: the next
+    pipeline on the client reads its own replies, not the rest of these. (redis-py's pool
+    would also refuse to hand out a connection with unread bytes: two guards.)"""
+    key = f"wire-raise:{table_name}".encode()
+    client.hset(key, mapping={np.int64(k).tobytes(): bytes(ROW) for k in range(500)})
+    cmds = [list(range(a, a + 50)) for a in range(0, 500, 50)]
+    payload = [part for ks in cmds for part in hmget(key, ks)]
+
+    def sink(i: int, reply: Any) -> None:
+        raise RuntimeError(f"sink refused reply {i}")
+
+    try:
+        with pytest.raises(RuntimeError, match="refused reply 0"):
+            stream_row_pipeline(client, payload, len(cmds), 1, ROW, sink)
+        assert run_pipeline(client, [resp.pack("ECHO", b"in-sync")], 1) == [b"in-sync"]
+        assert len(run_row_pipeline(client, payload, len(cmds), 1, ROW)) == len(cmds)
+    finally:
+        client.delete(key)
 
 
 def test_error_reply_on_both_paths(client: redis.Redis, table_name: str) -> None:
