@@ -59,9 +59,9 @@ class HierarchicalStack(CachedStack):
         with self.guard:
             since = self.follower.sync()
             values, hit = self.cache.lookup(keys)
-        miss = (~hit).nonzero().squeeze(1)  # NOTE: the call's first host sync
-        if miss.numel() == 0:
+        if bool(hit.all()):  # NOTE: the call's one host sync when every key hit
             return values
+        miss = (~hit).nonzero().squeeze(1)
         ukeys, inverse = torch.unique(keys[miss], return_inverse=True)
         urows, found, complete = self._fetch(ukeys, since)
         values[miss] = urows[inverse]
@@ -85,9 +85,9 @@ class HierarchicalStack(CachedStack):
             # one rounding to the table's dtype (as embedding_bag rounds once)
             out, hit = self.cache.lookup_pooled(keys, offsets, mode, weights, validate=False,
                                                 out_dtype=torch.float32)
-        miss = (~hit).nonzero().squeeze(1)  # NOTE: the call's first host sync
-        if miss.numel() == 0:
+        if bool(hit.all()):  # NOTE: the call's one host sync when every key hit
             return out.to(self.dtype)
+        miss = (~hit).nonzero().squeeze(1)
         ukeys, inverse = torch.unique(keys[miss], return_inverse=True)
         urows, found, complete = self._fetch(ukeys, since)
         contrib = urows[inverse].float()
@@ -164,6 +164,7 @@ class HierarchicalStack(CachedStack):
             nh = 0
         left = n - nh
         if self.ps is not None and left:
+            found = found.clone()  # NOTE: the host lookup's flags went to the hit report
             left -= self._fetch_ps(ukeys, rows, found, since)
         if left:
             missing = ~found

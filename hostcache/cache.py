@@ -432,7 +432,11 @@ class HostCache(SharedTable):
         return found[inverse]
 
     def erase(self, keys: torch.Tensor) -> torch.Tensor:
-        """Remove keys; returns bool [N] of keys that were cached."""
+        """Remove keys; returns bool [N] of keys that were cached.
+
+        Every key is announced, cached or not: a fill of a key in flight (read from the
+        parameter server before the erase, inserted after it with ``since``) is refused,
+        and every process's GPU cache drops its copy, wherever that copy came from."""
         keys = check_cache_keys(keys)
         if keys.numel() == 0:
             return torch.zeros(0, dtype=torch.bool)
@@ -442,7 +446,7 @@ class HostCache(SharedTable):
             gone = slot[found]
             empty = torch.full((gone.numel(),), layout.EMPTY_KEY, dtype=torch.int64)
             self._write_slots(gone, empty, None, torch.zeros(gone.numel(), dtype=torch.int32))
-            self.ring.append(ukeys[found])
+            self.ring.append(ukeys)
             n = int(gone.numel())
             self._header[layout.W_SIZE] -= n
             self._counters[C_ERASES] += n

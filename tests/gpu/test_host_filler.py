@@ -100,3 +100,29 @@ def test_a_queued_fill_never_wins_over_a_later_write(tmp_path, device: str) -> N
         assert torch.equal(hc.lookup(keys.cpu())[0], new)
         assert torch.equal(layer(keys).cpu(), new)
         layer.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_queued_fill_of_a_key_erased_meanwhile_is_refused(tmp_path, device: str) -> None:
+    """The erase reaches the host cache before the fill (held behind a blocked worker) of
+    a key that was never cached there: the erase announces it anyway, so the fill is
+    refused and the erased key is served as missing."""
+    weights = torch.randn(ROWS, DIM)
+    with stack(LayerType.Hierarchical, weights, tmp_path, device) as kw:
+        hc = kw["host_cache"]
+        reader = NVEmbedding(ROWS, DIM, torch.float32, LayerType.Hierarchical,
+                             device=device, default_row=-1.0, **kw)
+        writer = NVEmbedding(ROWS, DIM, torch.float32, LayerType.Hierarchical,
+                             device=device, **kw)
+        gate = threading.Event()
+        reader._tiers.filler.submit(lambda items: gate.wait(), None)
+        keys = torch.tensor([7, 8], device=device)
+        assert torch.equal(reader(keys).cpu(), weights[[7, 8]])  # fills queued
+        assert not hc.contains(keys.cpu()).any()
+        writer.erase(keys)
+        gate.set()
+        reader.flush()
+        assert not hc.contains(keys.cpu()).any()
+        assert (reader(keys).cpu() == -1.0).all()
+        reader.close()
+        writer.close()
