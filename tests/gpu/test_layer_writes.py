@@ -24,7 +24,14 @@ import pytest
 import torch
 
 import psclient
-from gpu import DistMemBlock, KeyNotFoundError, LayerType, NVEmbedding, NVEmbeddingBag
+from gpu import (
+    DistMemBlock,
+    InsertPolicy,
+    KeyNotFoundError,
+    LayerType,
+    NVEmbedding,
+    NVEmbeddingBag,
+)
 from hostcache import HostCache, SharedMemBlock
 from tests.conftest import fresh_name
 
@@ -231,6 +238,29 @@ def test_layers_sharing_one_host_cache_see_each_others_writes(device: str) -> No
             strict(k[5:8])
         for layer in (a, b, strict):
             layer.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_erase_reaches_gpu_copies_of_rows_the_host_cache_never_held(device: str) -> None:
+    """A reader that keeps rows from the parameter server in its GPU cache only (nothing
+    goes to the host cache): an erase through another layer still reaches that copy."""
+    rows, dim = 40, 5
+    keys = torch.arange(rows)
+    with shared_storage("hostcache+ps", rows, dim, device, versioned(keys, 0, dim)) as kw:
+        reader = layer_over(LayerType.Hierarchical, kw, rows, dim, device,
+                            insert_policy=InsertPolicy(host=0.0, gpu=1.0))
+        writer = layer_over(LayerType.Hierarchical, kw, rows, dim, device)
+        k = keys[:8].to(device)
+        for _ in range(3):  # admitted to the reader's GPU cache, never to the host cache
+            assert torch.equal(reader(k).cpu(), versioned(keys[:8], 0, dim))
+        reader.flush()
+        assert reader.in_gpu_cache(k).any()
+        assert not kw["host_cache"].contains(keys[:8]).any()
+        writer.erase(k[:4])
+        assert (reader(k[:4]).cpu() == DEFAULT).all()
+        assert torch.equal(reader(k[4:]).cpu(), versioned(keys[4:8], 0, dim))
+        reader.close()
+        writer.close()
 
 
 @pytest.mark.parametrize("device", DEVICES)
