@@ -73,9 +73,10 @@ class HostFiller:
         self.drain()
         with self._idle:
             thread = self._thread if self._pid == os.getpid() else None
+            q = self._queue  # NOTE: this worker's queue (a later submission makes another)
             self._thread = None
         if thread is not None:
-            self._queue.put(None)
+            q.put(None)
             thread.join()
 
     def _run(self) -> None:
@@ -84,7 +85,7 @@ class HostFiller:
             batch = [q.get()]
             while not q.empty():
                 batch.append(q.get_nowait())
-            stop = batch[-1] is None  # NOTE: close() drained first: the stop comes alone
+            stop = None in batch  # NOTE: close() drained first: nothing else comes with it
             jobs = [job for job in batch if job is not None]
             merged: dict[Handler, list[Any]] = {}
             for handler, item in jobs:
