@@ -22,14 +22,30 @@ everything submitted so far: the layer's ``flush()``, ``stats()``, ``clear()`` a
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 logger = logging.getLogger(__name__)
+
+#: how long interpreter exit waits for a worker's queued fills
+_EXIT_WAIT_S = 10.0
+_LIVE: weakref.WeakSet[HostFiller] = weakref.WeakSet()
+
+
+@atexit.register
+def _finish_at_exit() -> None:
+    """At interpreter exit, let every worker finish what was queued, then stop it: a
+    worker still inside a torch op while the interpreter tears down aborts the process
+    ("terminate called without an active exception"), and its fills are lost."""
+    for filler in list(_LIVE):
+        if filler.drain(_EXIT_WAIT_S):
+            filler.close()
 
 
 Handler = Callable[[list[Any]], None]
@@ -45,6 +61,7 @@ class HostFiller:
         self._pid = 0
         self._outstanding = 0
         self._idle = threading.Condition()
+        _LIVE.add(self)
 
     def submit(self, handler: Handler, item: Any) -> None:
         """Have the worker call ``handler([..., item, ...])`` (merged with other queued
@@ -61,12 +78,13 @@ class HostFiller:
             self._outstanding += 1
         self._queue.put((handler, item))
 
-    def drain(self) -> None:
-        """Wait until everything submitted so far has run."""
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until everything submitted so far has run (at most ``timeout`` seconds);
+        returns whether it has."""
         with self._idle:
             if self._pid != os.getpid():
-                return
-            self._idle.wait_for(lambda: self._outstanding == 0)
+                return True
+            return self._idle.wait_for(lambda: self._outstanding == 0, timeout)
 
     def close(self) -> None:
         """Drain, then stop the worker (a later submission starts a new one)."""

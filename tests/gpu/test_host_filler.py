@@ -5,13 +5,17 @@ lookup hands it reach the host cache, and never win over a later write."""
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import threading
 
 import pytest
 import torch
 
+import psclient
 from gpu import LayerType, NVEmbedding
 from gpu.host_filler import HostFiller
+from hostcache import HostCache
 
 from .test_layers import DEVICES, DIM, ROWS, stack
 
@@ -126,3 +130,38 @@ def test_a_queued_fill_of_a_key_erased_meanwhile_is_refused(tmp_path, device: st
         assert (reader(keys).cpu() == -1.0).all()
         reader.close()
         writer.close()
+
+
+CHILD = """
+import atexit, sys, threading, torch, psclient
+from gpu import LayerType, NVEmbedding
+from hostcache import HostCache
+url, table, name = sys.argv[1:4]
+ps = psclient.connect(url, table=table)
+hc = HostCache.attach(name)
+layer = NVEmbedding(ps.size(), ps.dim, torch.float32, LayerType.Hierarchical,
+                    host_cache=hc, storage=ps, device="cpu")
+gate = threading.Event()
+atexit.register(gate.set)  # NOTE: runs first at exit: the worker is held until then
+layer._tiers.filler.submit(lambda items: gate.wait(), None)
+layer(torch.tensor([11, 12, 13]))  # its fills queue behind the held worker
+"""
+
+
+def test_fills_queued_at_interpreter_exit_are_finished(tmp_path, table_name: str) -> None:
+    """A process that exits without closing its layer completes its queued fills and
+    exits cleanly (without the exit hook it aborted: the worker ran a torch op while the
+    interpreter tore down)."""
+    url = f"file://{tmp_path}/ps"
+    ps = psclient.connect(url, table="t", dim=DIM, dtype=torch.float32)
+    ps.load(torch.randn(ROWS, DIM), progress=False)
+    hc = HostCache.create(table_name, capacity=4 * ROWS, dim=DIM)
+    try:
+        done = subprocess.run([sys.executable, "-c", CHILD, url, "t", table_name],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert hc.contains(torch.tensor([11, 12, 13])).all()
+    finally:
+        hc.close()
+        HostCache.unlink(table_name)
+        ps.close()
