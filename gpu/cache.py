@@ -189,9 +189,15 @@ class GPUCache:
             raise BadArgumentError(f"slots must be -1 or lie in [0, {self.capacity})")
         return twin.gather(self._rows, slots, slots >= 0)
 
-    def lookup(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows of ``keys``: ``(values [N, dim], hit bool [N])``; misses give zero rows."""
-        return self._lookup_rows(self._checks.keys(keys), None)
+    def lookup(self, keys: torch.Tensor, *, miss_flag: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of ``keys``: ``(values [N, dim], hit bool [N])``; misses give zero rows.
+
+        ``miss_flag``: an int64 ``[1]`` (a :class:`~gpu.host_word.HostWord`'s device view)
+        set to 1 if any key missed and left as it was otherwise: the host learns whether
+        everything hit from one plain load once the stream is synchronized, without a
+        reduction and a copy."""
+        return self._lookup_rows(self._checks.keys(keys), None, miss_flag=miss_flag)
 
     def lookup_linear(
         self, keys: torch.Tensor, table: torch.Tensor, *, validate: bool = True,
@@ -251,7 +257,7 @@ class GPUCache:
     def _lookup_rows(
         self, keys: torch.Tensor, table: torch.Tensor | None,
         cand: MissCandidates | None = None, host_table: bool = True,
-        err: torch.Tensor | None = None,
+        err: torch.Tensor | None = None, miss_flag: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Probe + gather (+ misses from row ``key`` of ``table``), counted as a lookup."""
         # NOTE: where a large batch is visited in host-page order, start it at a different
@@ -266,12 +272,14 @@ class GPUCache:
                 want_slots=False, table=table,
                 candidates=cand.buffer if cand is not None else None, host_table=host_table,
                 cmax=twin.COUNTER_MAX, rotate=rotate, err=err,
-                candidate_rows=cand.rows if cand is not None else None)
+                candidate_rows=cand.rows if cand is not None else None, miss_flag=miss_flag)
             assert out is not None
             return out, hit
         hit, slot = twin.probe(self._tkeys, self.num_buckets, self.ways, keys)
         twin.bump(self._counters, slot, hit)
         twin.count_hits(self._hits, hit)
+        if miss_flag is not None and not bool(hit.all()):
+            miss_flag.fill_(1)
         if table is None:
             return twin.gather(self._rows, slot, hit), hit
         vals = twin.gather_linear(self._rows, slot, hit, keys, table)

@@ -68,12 +68,13 @@ _collect = _parts.collect
 def _lookup_kernel(
     keys_ptr, n, tkeys_ptr, counters_ptr, rows_ptr, stats_ptr, num_buckets,
     out_ptr, hit_ptr, slots_ptr, table_ptr, num_rows, tstride, dim, cand_ptr, cand_cap,
-    order_ptr, err_ptr, crows_ptr, HAS_CACHE: tl.constexpr, GATHER: tl.constexpr,
+    order_ptr, err_ptr, crows_ptr, miss_ptr, HAS_CACHE: tl.constexpr, GATHER: tl.constexpr,
     LINEAR: tl.constexpr, WRITE_SLOTS: tl.constexpr, COUNT: tl.constexpr,
     COLLECT: tl.constexpr, WAYS: tl.constexpr,
     EMPTY: tl.constexpr, STAT_STRIPES: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CMAX: tl.constexpr, ORDERED: tl.constexpr,
     WRITE_HIT: tl.constexpr, CHECK: tl.constexpr, COLLECT_ROWS: tl.constexpr,
+    FLAG_MISS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -137,6 +138,10 @@ def _lookup_kernel(
         # NOTE: a key outside the linear table lands in the layer's key-error flag (a
         # store over the host link, made only when a key is bad: gpu.key_flag)
         tl.store(err_ptr + offs * 0, keys, mask=kmask & ((keys < 0) | (keys >= num_rows)))
+    if FLAG_MISS:
+        # NOTE: one store over the host link per program that met a miss (gpu.host_word)
+        nmiss = tl.reduce((kmask & (hit == 0)).to(tl.int32), 0, add_combine)
+        tl.store(miss_ptr, 1, mask=nmiss > 0)
 
 
 @triton.jit(do_not_specialize=["num_buckets", "num_rows", "cand_cap"])
@@ -321,7 +326,7 @@ def lookup(
     count: bool, want_slots: bool, table: torch.Tensor | None = None,
     candidates: torch.Tensor | None = None, host_table: bool = True, cmax: int,
     rotate: int = 0, err: torch.Tensor | None = None, want_hit: bool = True,
-    candidate_rows: torch.Tensor | None = None,
+    candidate_rows: torch.Tensor | None = None, miss_flag: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Probe (+ gather, + linear-table misses) of ``keys``: ``(values, hit, slots)``.
 
@@ -335,7 +340,8 @@ def lookup(
     ``gpu.key_flag``) that receives a key outside the linear table. ``want_hit=False``:
     no hit flags (None returned). ``candidate_rows``: ``[cap, dim]`` rows of ``rows``'
     dtype that receive the row read for each listed miss (with ``candidates``, a linear
-    gather).
+    gather). ``miss_flag``: an int64 ``[1]`` (a ``gpu.host_word.HostWord``'s device view)
+    set to 1 if any key missed, else left as it was.
     """
     n = keys.numel()
     dim = rows.shape[1]
@@ -352,7 +358,7 @@ def lookup(
     cxkey = (num_buckets > 0, gather, linear, want_slots, count, candidates is not None,
              ways, empty, stats.numel(), bd, cmax, order is not None, want_hit,
              err is not None and linear, bd == dim, rows.dtype, tiles,
-             candidate_rows is not None)
+             candidate_rows is not None, miss_flag is not None)
     cx = _LOOKUP_CX.get(cxkey)
     if cx is None:
         cx = _LOOKUP_CX[cxkey] = dict(
@@ -360,7 +366,7 @@ def lookup(
             COUNT=count, COLLECT=cxkey[5], WAYS=ways, EMPTY=empty, STAT_STRIPES=cxkey[8],
             BLOCK_K=tiles.lookup_block_k, BLOCK_D=bd, EVEN_D=bd == dim, CMAX=cmax,
             ORDERED=cxkey[11], WRITE_HIT=want_hit, CHECK=cxkey[13],
-            COLLECT_ROWS=cxkey[17], num_warps=tiles.lookup_warps)
+            COLLECT_ROWS=cxkey[17], FLAG_MISS=cxkey[18], num_warps=tiles.lookup_warps)
     _LOOKUP(
         (_cdiv(n, tiles.lookup_block_k),),
         (keys, n, tkeys, counters, rows, stats, max(num_buckets, 1),
@@ -369,7 +375,8 @@ def lookup(
          table.shape[0] if table is not None else 0, _row_stride(table, dim), dim,
          candidates if candidates is not None else keys, _cand_cap(candidates),
          order if order is not None else keys, err if err is not None else keys,
-         candidate_rows if candidate_rows is not None else rows),
+         candidate_rows if candidate_rows is not None else rows,
+         miss_flag if miss_flag is not None else keys),
         cx, cxkey)
     return out, hit, slots
 

@@ -14,6 +14,7 @@ GPU's hit reports to the host cache's policy run on a worker thread
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ from .admission import PendingAdmissions
 from .cached_stack import CachedStack
 from .errors import KeyNotFoundError, StorageUnavailableError, StorageWriteError
 from .host_filler import HostFiller
+from .host_word import HostWord
 from .layer_config import InsertPolicy, LayerStats, PoolingMode, TierStats
 from .tier_config import TierConfig
 
@@ -45,8 +47,10 @@ class HierarchicalStack(CachedStack):
         self._default = default_row
         self._reg = None
         #: host-cache fills and hit reports, off the lookups' path (gpu.host_filler)
-        self.filler = HostFiller("nvecache-host-fill")
+        self.filler = HostFiller("nvecache-host-fill", config.host_batch_keys,
+                                 config.host_linger_s)
         self._side: Any = None  # the filler's CUDA stream (copies of the hit reports)
+        self._words = threading.local()  # each thread's miss flag (CUDA)
         if host_cache is not None:
             if device.type == "cuda":
                 from .hostreg import register
@@ -55,11 +59,32 @@ class HierarchicalStack(CachedStack):
         self._host = [0, 0, 0, 0]  # hits, misses, rows it placed, residents they evicted
         self._ps = [0, 0]  # found, missing
 
+    def _miss_word(self) -> HostWord | None:
+        """This thread's miss flag (CUDA; one per thread: lookups of several threads may
+        be in flight at once)."""
+        if self.device.type != "cuda":
+            return None
+        word = getattr(self._words, "word", None)
+        if word is None:
+            word = self._words.word = HostWord(self.device, "the layer's miss flag")
+        return word
+
     def rows(self, keys: torch.Tensor) -> torch.Tensor:
-        with self.guard:
-            since = self.follower.sync()
-            values, hit = self.cache.lookup(keys)
-        if bool(hit.all()):  # NOTE: the call's one host sync when every key hit
+        word = self._miss_word()
+        if word is None:
+            with self.guard:
+                since = self.follower.sync()
+                values, hit = self.cache.lookup(keys)
+            everything_hit = bool(hit.all())
+        else:
+            word.write(0)  # NOTE: this thread's previous lookup finished (it synchronized)
+            with self.guard:
+                since = self.follower.sync()
+                values, hit = self.cache.lookup(keys, miss_flag=word.device_view)
+            # NOTE: the call's one host sync when every key hit: no reduction, no copy
+            torch.cuda.current_stream(self.device).synchronize()
+            everything_hit = word.read() == 0
+        if everything_hit:
             return values
         miss = (~hit).nonzero().squeeze(1)
         ukeys, inverse = torch.unique(keys[miss], return_inverse=True)
@@ -110,7 +135,7 @@ class HierarchicalStack(CachedStack):
             hits = int(hit.sum())
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(keys.device))
-            self.filler.submit(self._report_hits, (keys, hit, hits, ready))
+            self.filler.submit(self._report_hits, (keys, hit, hits, ready), keys.numel())
             return values, hit, hits
         values, hit = self.host.lookup(keys)
         return values, hit, int(hit.sum())
@@ -208,7 +233,8 @@ class HierarchicalStack(CachedStack):
             if self._policy.host < 1.0:
                 admit &= torch.rand(admit.numel()) < self._policy.host
             if bool(admit.any()):
-                self.filler.submit(self._fill, (need_keys[admit], values[admit], since))
+                fill = need_keys[admit]
+                self.filler.submit(self._fill, (fill, values[admit], since), fill.numel())
         return nf
 
     def _fill(self, fills: list[tuple[torch.Tensor, torch.Tensor, int]]) -> None:

@@ -3,7 +3,8 @@
 A linear table's lookup kernels read row ``key`` only for ``0 <= key < num_rows``; with
 the default ``validate=False`` they also write an offending key into a
 :class:`KeyErrorFlag`: one int64 of pinned host memory the GPU writes through its mapped
-address (a store over the host link, made only when a key is bad). The host reads it
+address (a :class:`~gpu.host_word.HostWord`: a store over the host link, made only when a
+key is bad). The host reads it
 with a plain memory load, no copy and no stream wait, at the start of the layer's next
 call and in :meth:`raise_pending`: the error surfaces at the next call after the kernel
 has run, and at once after any synchronizing call (``layer.synchronize()``). The rows
@@ -16,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from .errors import BadArgumentError
+from .host_word import HostWord
 from .inputs import check_range
 
 #: no bad key seen (a bad key is never 0: row 0 exists in every table)
@@ -34,21 +36,9 @@ class KeyErrorFlag:
     def __init__(self, device: torch.device, num_rows: int, what: str = "input") -> None:
         self.num_rows = num_rows
         self.what = what
-        if device.type == "cuda":
-            host = torch.zeros(1, dtype=torch.int64, pin_memory=True)
-            from . import _cuda
-            from .hostreg import DeviceArray
-
-            ptr = int(_cuda.call("cudaHostGetDevicePointer", host.data_ptr(), 0,
-                                 detail="mapping the layer's key-error flag"))
-            #: what the kernels write (a CUDA tensor over the pinned host word)
-            self.device_view = torch.as_tensor(DeviceArray(host, ptr, (1,), (8,), "<i8"),
-                                               device=device)
-        else:
-            host = torch.zeros(1, dtype=torch.int64)
-            self.device_view = host
-        self._host = host
-        self._word = host.numpy()  # NOTE: a plain load per check, no torch dispatch
+        self._word = HostWord(device, "the layer's key-error flag")
+        #: what the kernels write (a CUDA tensor over the pinned host word)
+        self.device_view = self._word.device_view
 
     def raise_pending(self) -> None:
         """Raise (and clear) a bad key reported by an earlier lookup, if any.
@@ -57,10 +47,10 @@ class KeyErrorFlag:
             BadArgumentError: naming the key; the lookup that met it returned zero rows
                 for it.
         """
-        bad = int(self._word[0])
+        bad = self._word.read()
         if bad == CLEAR:
             return
-        self._word[0] = CLEAR
+        self._word.write(CLEAR)
         raise BadArgumentError(
             f"an earlier lookup's {self.what} held key {bad}, outside [0, {self.num_rows}) "
             "of this linear table; its rows read as zeros. Filter the keys, or pass "

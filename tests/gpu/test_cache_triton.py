@@ -210,6 +210,38 @@ def test_listed_misses_carry_the_rows_read(dtype: torch.dtype) -> None:
         assert torch.equal(cand.rows[:listed], table[got])
 
 
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=needs_triton),
+    pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_miss_flag_is_set_by_a_miss_and_only_by_one(device: str, backend: str) -> None:
+    """A lookup with a miss flag (a mapped host word on CUDA) sets it to 1 when any key
+    missed, wherever in the batch, and leaves it alone when every key hit."""
+    from gpu.host_word import HostWord
+
+    cache = make(device, backend if device == "cpu" else "auto", buckets=16)
+    present = torch.arange(0, 40, 2, device=device)
+    cache.insert(present, torch.randn(20, 12, device=device))
+    present = present[cache.probe(present, record=False) >= 0]  # a full bucket drops some
+    assert present.numel() >= 10
+    word = HostWord(torch.device(device), "a test's miss flag")
+    for keys in (present, present.flip(0)[:7], torch.empty(0, dtype=torch.int64,
+                                                               device=device)):
+        word.write(0)
+        _, hit = cache.lookup(keys, miss_flag=word.device_view)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        assert bool(hit.all()) and word.read() == 0
+    for where in (0, present.numel() // 2, present.numel() - 1):  # one absent key at the start, middle, end of the batch
+        keys = present.clone()
+        keys[where] = 1
+        word.write(0)
+        _, hit = cache.lookup(keys, miss_flag=word.device_view)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        assert int((~hit).sum()) == 1 and word.read() == 1
+
+
 def test_candidate_rows_of_the_wrong_shape_are_refused() -> None:
     cache = make("cpu", "torch")
     table = torch.randn(50, 12)

@@ -45,6 +45,30 @@ def test_queued_work_is_merged_per_handler_and_drain_waits_for_it() -> None:
     filler.close()
 
 
+def test_the_worker_lingers_for_a_batch_and_drain_cuts_the_linger_short() -> None:
+    """Light submissions wait (the linger is an hour here) and go in as one call when
+    drained; submissions reaching the batch weight run without a drain."""
+    filler = HostFiller("test-filler", batch_weight=10, linger_s=3600.0)
+    calls: list[list[int]] = []
+    ran = threading.Event()
+
+    def record(items: list[int]) -> None:
+        calls.append(items)
+        ran.set()
+
+    for i in range(3):
+        filler.submit(record, i, weight=3)  # 9 < 10: the worker keeps waiting
+    assert not ran.is_set() and calls == []
+    assert filler.drain(timeout=60)
+    assert calls == [[0, 1, 2]]
+    ran.clear()
+    filler.submit(record, 3, weight=4)
+    filler.submit(record, 4, weight=6)  # 10: a batch, no drain needed
+    assert ran.wait(timeout=60)
+    assert calls[1] == [3, 4]
+    filler.close()
+
+
 def test_failing_work_is_logged_and_later_work_runs(caplog: pytest.LogCaptureFixture
                                                      ) -> None:
     filler = HostFiller("test-filler")

@@ -479,6 +479,7 @@ def test_hierarchical_host_tier_counts_what_its_fills_evicted(tmp_path) -> None:
         for start in range(0, ROWS, 8):  # 64 distinct keys through a 24-row host cache
             keys = torch.arange(start, start + 8)
             assert torch.equal(layer(keys), weights[keys])
+            layer.flush()  # one fill per lookup (queued fills would go in as one insert)
         host, node = layer.stats().host, layer.stats().host_node
         assert host is not None and node is not None
         assert host.evictions > 0
