@@ -127,8 +127,11 @@ class HierarchicalStack(CachedStack):
         return out.to(self.dtype)
 
     def _host_lookup(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """``(rows, hit, hits)`` of distinct keys in the shared host cache."""
-        if self._reg is not None:
+        """``(rows, hit, hits)`` of distinct keys in the shared host cache, read where the
+        keys are: by the GPU kernel over the registered table (its hits reported to the
+        host cache's policy by the filler), or by the table's own lookup on the CPU (which
+        counts them itself)."""
+        if keys.is_cuda:
             from .host_kernels import hostcache_lookup
 
             values, hit = hostcache_lookup(self._reg, keys)
@@ -177,15 +180,24 @@ class HierarchicalStack(CachedStack):
         ``complete`` when every key was found (the counts are known on the host: no sync).
 
         ``since`` is the ring cursor taken before anything was read: fills of keys
-        announced after it are refused (their rows may predate the change)."""
+        announced after it are refused (their rows may predate the change).
+
+        On CUDA, fewer than ``host_gpu_read_keys`` keys are resolved on the CPU (the host
+        cache's own lookup, then the parameter server) and their rows copied to the device
+        once: the GPU's seqlock read of the host cache costs hundreds of microseconds
+        however few the keys, and its hits then need reporting to the host cache's policy
+        (bench/RESULTS.md, "Hierarchical layer at serving sizes")."""
         n = ukeys.numel()
+        if ukeys.is_cuda and (self._reg is None or n < self.config.host_gpu_read_keys):
+            rows, found, complete = self._fetch(ukeys.cpu(), since)
+            return rows.to(ukeys.device), found.to(ukeys.device), complete
         if self.host is not None:
             rows, found, nh = self._host_lookup(ukeys)
             self._host[0] += nh
             self._host[1] += n - nh
         else:
-            rows = torch.zeros(n, self.dim, dtype=self.dtype, device=self.device)
-            found = torch.zeros(n, dtype=torch.bool, device=self.device)
+            rows = torch.zeros(n, self.dim, dtype=self.dtype, device=ukeys.device)
+            found = torch.zeros(n, dtype=torch.bool, device=ukeys.device)
             nh = 0
         left = n - nh
         if self.ps is not None and left:
@@ -200,7 +212,7 @@ class HierarchicalStack(CachedStack):
                     "load them into the parameter server, or pass default_row= to serve a "
                     "default row for missing keys"
                 )
-            rows[missing] = self._default
+            rows[missing] = self._default.to(rows.device)
             self.default_rows += left
         return rows, found, left == 0
 
@@ -226,8 +238,8 @@ class HierarchicalStack(CachedStack):
         nf = int(ok.sum())
         self._ps[0] += nf
         self._ps[1] += need_keys.numel() - nf
-        rows.index_copy_(0, need, values.to(self.device, self.dtype))
-        found.index_copy_(0, need, ok.to(self.device))
+        rows.index_copy_(0, need, values.to(rows.device, self.dtype))
+        found.index_copy_(0, need, ok.to(rows.device))
         if self.host is not None and nf and self._policy.host > 0.0:
             admit = ok.clone()
             if self._policy.host < 1.0:

@@ -37,6 +37,9 @@ class TierConfig:
     #: larger host-cache inserts, less of the GIL taken from the lookups.
     host_batch_keys: int = 2048
     host_linger_s: float = 0.01
+    #: a CUDA Hierarchical lookup reads its GPU misses from the host cache with the GPU
+    #: kernel from this many distinct keys on; fewer are read on the CPU and copied over.
+    host_gpu_read_keys: int = 4096
     warm_round_fraction: float = 1 / 8
     round_lookups: int = 128
     round_capacities: float = 16.0

@@ -189,3 +189,28 @@ def test_fills_queued_at_interpreter_exit_are_finished(tmp_path, table_name: str
         hc.close()
         HostCache.unlink(table_name)
         ps.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("gpu_read_keys", [1, 1 << 20])
+def test_host_tier_reads_are_counted_at_the_node_whichever_side_reads(
+        tmp_path, device: str, gpu_read_keys: int) -> None:
+    """The host cache's misses of a lookup are read by the GPU kernel (from
+    ``host_gpu_read_keys`` keys on, CUDA) or on the CPU: either way the layer's host tier
+    and the node's counters see the same hits and misses once flushed."""
+    from gpu import TierConfig
+
+    weights = torch.randn(ROWS, DIM)
+    with stack(LayerType.Hierarchical, weights, tmp_path, device) as kw:
+        hc = kw["host_cache"]
+        hc.insert(torch.arange(6), weights[:6])  # 6 of the 12 keys below are in the host cache
+        layer = NVEmbedding(ROWS, DIM, torch.float32, LayerType.Hierarchical, device=device,
+                            tuning=TierConfig(host_gpu_read_keys=gpu_read_keys), **kw)
+        before = hc.stats()
+        keys = torch.arange(12, device=device)
+        assert torch.equal(layer(keys).cpu(), weights[:12])
+        layer.flush()
+        host, node = layer.stats().host, hc.stats()
+        assert host is not None and (host.hits, host.misses) == (6, 6)
+        assert (node.hits - before.hits, node.misses - before.misses) == (6, 6)
+        layer.close()

@@ -31,6 +31,7 @@ from gpu import (
     LayerType,
     NVEmbedding,
     NVEmbeddingBag,
+    TierConfig,
 )
 from hostcache import HostCache, SharedMemBlock
 from tests.conftest import fresh_name
@@ -101,6 +102,14 @@ def shared_storage(kind: str, rows: int, dim: int, device: str,
             yield {"host_cache": hc, "storage": ps, "default_row": DEFAULT}
 
 
+def gpu_reads(layer_type: LayerType) -> dict[str, Any]:
+    """A Hierarchical layer's arguments that have every lookup read its GPU misses from the
+    host cache with the GPU kernel (by default a few keys are read on the CPU)."""
+    if layer_type is not LayerType.Hierarchical:
+        return {}
+    return {"tuning": TierConfig(host_gpu_read_keys=1)}
+
+
 def layer_over(layer_type: LayerType, kw: dict[str, Any], rows: int, dim: int, device: str,
                cls: type = NVEmbedding, **extra: Any) -> Any:
     cache = 0 if layer_type is LayerType.GPULayer else rows * (12 + 4 * dim)
@@ -120,7 +129,9 @@ def test_a_write_racing_lookups_never_tears_and_is_seen_once_it_returned(
     keys = torch.arange(rows)
     with shared_storage(kind, rows, dim, device, versioned(keys, 0, dim)) as kw:
         writer_layer = layer_over(layer_type, kw, rows, dim, device)
-        readers = [layer_over(layer_type, kw, rows, dim, device) for _ in range(2)]
+        # one reader reads the host cache on the CPU, one with the GPU kernel (Hierarchical)
+        readers = [layer_over(layer_type, kw, rows, dim, device),
+                   layer_over(layer_type, kw, rows, dim, device, **gpu_reads(layer_type))]
         started, acked, errors = [0], [0], []
         done = threading.Event()
 
@@ -220,7 +231,7 @@ def test_layers_sharing_one_host_cache_see_each_others_writes(device: str) -> No
         b = layer_over(LayerType.Hierarchical, kw, rows, dim, device, cls=NVEmbeddingBag,
                        mode="sum")
         strict = layer_over(LayerType.Hierarchical, {**kw, "default_row": None}, rows, dim,
-                            device)
+                            device, **gpu_reads(LayerType.Hierarchical))
         k = keys.to(device)
         for layer in (a, b, strict):  # rows cached in every GPU cache and the host cache
             for _ in range(2):
