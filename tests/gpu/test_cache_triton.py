@@ -232,7 +232,8 @@ def test_the_miss_flag_is_set_by_a_miss_and_only_by_one(device: str, backend: st
         if device == "cuda":
             torch.cuda.synchronize()
         assert bool(hit.all()) and word.read() == 0
-    for where in (0, present.numel() // 2, present.numel() - 1):  # one absent key at the start, middle, end of the batch
+    # one absent key at the start, the middle, the end of the batch
+    for where in (0, present.numel() // 2, present.numel() - 1):
         keys = present.clone()
         keys[where] = 1
         word.write(0)
