@@ -1,7 +1,7 @@
 """GPU-cache admission: hit rates of a LinearUVM layer's cache with and without the warm cap.
 
 The layer admits its misses in rounds; once its cache has been offered as many keys as it
-has slots, a round brings in at most ``gpu.tiers.WARM_ROUND_FRACTION`` (1/8) of the slots,
+has slots, a round brings in at most ``TierConfig.warm_round_fraction`` (1/8) of the slots,
 a random sample of the round's miss occurrences. The baseline, measured in the same run on
 the same key streams, is the uncapped rule (fraction 1.0: a round may replace the whole
 cache). Also shown: ``InsertPolicy(gpu=0.1)`` (a random tenth of the misses admitted).
@@ -27,19 +27,20 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from apps.demo.workload import ZipfKeys  # noqa: E402
-from gpu import InsertPolicy, LayerType, NVEmbedding, tiers  # noqa: E402
+from gpu import InsertPolicy, LayerType, NVEmbedding, TierConfig  # noqa: E402
 
 DIM = 4
 
 
 def hit_rate(table: torch.Tensor, cache_fraction: float, batch: int, prob: float,
-             warm: int, measured: int) -> float:
+             warm: int, measured: int, fraction: float) -> float:
     rows = table.shape[0]
     cache_bytes = int(rows * cache_fraction) * (8 + 4 + DIM * 4)
     z = ZipfKeys(rows, 1.05, popularity_seed=0, seed=5)
     layer = NVEmbedding(rows, DIM, torch.float32, LayerType.LinearUVM,
                         gpu_cache_size=cache_bytes, storage=table, device="cpu",
-                        insert_policy=InsertPolicy(gpu=prob))
+                        insert_policy=InsertPolicy(gpu=prob),
+                        tuning=TierConfig(warm_round_fraction=fraction))
     for _ in range(warm):
         layer(z.sample(batch))
     before = layer.stats().gpu
@@ -57,26 +58,22 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     rows = args.rows or (1 << 18 if args.quick else 1 << 21)
     table = torch.randn(rows, DIM)
-    configured = tiers.WARM_ROUND_FRACTION
+    configured = TierConfig().warm_round_fraction
     out: list[dict[str, Any]] = []
-    try:
-        for cache_fraction in (0.003, 0.01, 0.1):
-            for share in (0.004, 0.0625):
-                batch = max(256, int(rows * share))
-                warm = 60 if share < 0.01 else 30
-                measured = 8 if args.quick else 20
-                rec: dict[str, Any] = {"bench": "admission", "rows": rows,
-                                       "cache_fraction": cache_fraction, "batch": batch}
-                for label, frac, prob in (("uncapped", 1.0, 1.0), ("warm_cap", configured, 1.0),
-                                          ("admit_0.1", configured, 0.1)):
-                    tiers.WARM_ROUND_FRACTION = frac
-                    rec[f"hit_{label}"] = round(hit_rate(table, cache_fraction, batch, prob,
-                                                         warm, measured), 4)
-                rec["gain_points"] = round(100 * (rec["hit_warm_cap"] - rec["hit_uncapped"]), 1)
-                print(json.dumps(rec), flush=True)
-                out.append(rec)
-    finally:
-        tiers.WARM_ROUND_FRACTION = configured
+    for cache_fraction in (0.003, 0.01, 0.1):
+        for share in (0.004, 0.0625):
+            batch = max(256, int(rows * share))
+            warm = 60 if share < 0.01 else 30
+            measured = 8 if args.quick else 20
+            rec: dict[str, Any] = {"bench": "admission", "rows": rows,
+                                   "cache_fraction": cache_fraction, "batch": batch}
+            for label, frac, prob in (("uncapped", 1.0, 1.0), ("warm_cap", configured, 1.0),
+                                      ("admit_0.1", configured, 0.1)):
+                rec[f"hit_{label}"] = round(hit_rate(table, cache_fraction, batch, prob,
+                                                     warm, measured, frac), 4)
+            rec["gain_points"] = round(100 * (rec["hit_warm_cap"] - rec["hit_uncapped"]), 1)
+            print(json.dumps(rec), flush=True)
+            out.append(rec)
     worst = min(r["gain_points"] for r in out)
     print(f"warm cap {configured:g}: hit-rate change vs uncapped from {worst:+.1f} to "
           f"{max(r['gain_points'] for r in out):+.1f} points")

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import psclient  # noqa: E402
 from bench.workloads import ZipfKeys  # noqa: E402
 from gpu import InsertPolicy, LayerType, NVEmbedding, NVEmbeddingBag  # noqa: E402
+from gpu.linear_tables import registered_rows  # noqa: E402
 from hostcache import HostCache, SharedMemBlock  # noqa: E402
 
 DIM = 128
@@ -141,7 +142,8 @@ def linear_uvm(device: torch.device, rows: int, batches: list[int], reps: int) -
         cache_bytes = rows // 10 * (ROW_BYTES + 12)
         emb = NVEmbedding(rows, DIM, torch.float32, LayerType.LinearUVM,
                           gpu_cache_size=cache_bytes, storage=mb, device=device)
-        table_view = emb._tiers.table  # the registered zero-copy view (CPU: the tensor)
+        # the registered zero-copy view (CPU: the tensor), this process's registration
+        reg, table_view = registered_rows(mb, device)
         for n in batches:
             z = ZipfKeys(rows, 1.05, seed=3)
             # NOTE: enough distinct batches (16M keys in all) that the cycle's working set
@@ -182,6 +184,8 @@ def linear_uvm(device: torch.device, rows: int, batches: list[int], reps: int) -
                  baseline="zero-copy index_select, no cache", baseline_mkps=n / tb / 1e6,
                  ratio=tb / t, **extra)
         emb.close()
+        if reg is not None:
+            reg.close()
     finally:
         mb.close()
         SharedMemBlock.unlink(name)

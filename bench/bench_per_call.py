@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.workloads import ZipfKeys  # noqa: E402
 from gpu import LayerType, NVEmbedding, NVEmbeddingBag  # noqa: E402
+from gpu.hostreg import register  # noqa: E402
 from hostcache import SharedMemBlock  # noqa: E402
 
 DIM = 128
@@ -148,7 +149,8 @@ def linear_uvm(name: str, rows: int, sizes: list[int], reps: int, big_rows: int)
                          p99_over_own_p50=p99 / p50,
                          hit_rate=hits / max(1, hits + after.misses - before.misses))
             else:
-                view = emb._tiers.table  # the registered zero-copy view of the table
+                reg = register(mb, DEV)  # this process's registration, shared with the layer
+                view = reg.rows()  # the registered zero-copy view of the table
                 for n in (1 << 16, 1 << 18, 1 << 20):
                     batches = stream(ZipfKeys(table_rows, 1.05, seed=4), n,
                                      max(8, (16 << 20) // n))
@@ -159,6 +161,7 @@ def linear_uvm(name: str, rows: int, sizes: list[int], reps: int, big_rows: int)
                     emit(bench="linear_uvm_back_to_back", batch=n, rows=table_rows,
                          mkeys_s=n / t / 1e6, index_select_mkeys_s=n / tb / 1e6,
                          speedup=tb / t)
+                reg.close()
                 for n in (1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20):
                     fresh = NVEmbedding(table_rows, DIM, torch.float32, LayerType.LinearUVM,
                                         gpu_cache_size=cache, storage=mb, device=DEV)

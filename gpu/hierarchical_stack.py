@@ -30,6 +30,21 @@ from .tier_config import TierConfig
 logger = logging.getLogger(__name__)
 
 
+def touch_sample(host: Any, keys: torch.Tensor, hit: torch.Tensor, hits: int,
+                 sample: int) -> None:
+    """Report ``hits`` host-cache hits read elsewhere (``keys[hit]``, CPU tensors) to its
+    eviction policy: a sample of at most ``sample`` hit keys, each counted ``hits /
+    sample`` times, so the policy sees the GPU's traffic at a bounded cost."""
+    if hits == 0:
+        return
+    hk = keys[hit]
+    weight = 1
+    if hits > sample:
+        pick = torch.randint(0, hits, (sample,))
+        hk, weight = hk[pick], max(1, round(hits / sample))
+    host.touch(hk, weight)
+
+
 class HierarchicalStack(CachedStack):
     """GPU cache -> shared HostCache -> parameter server (any of the last two optional)."""
 
@@ -159,20 +174,8 @@ class HierarchicalStack(CachedStack):
         with torch.cuda.stream(self._side):
             keys = torch.cat([k for k, _, _, _ in reports]).cpu()
             hit = torch.cat([h for _, h, _, _ in reports]).cpu()
-        self._touch_host(keys, hit, sum(n for _, _, n, _ in reports))
-
-    def _touch_host(self, keys: torch.Tensor, hit: torch.Tensor, hits: int) -> None:
-        """Report host-cache hits (CPU tensors) to its eviction policy: a sample of at most
-        ``host_touch_sample`` hit keys, each counted ``hits / sample`` times, so the policy
-        sees the traffic at a bounded cost."""
-        if hits == 0:
-            return
-        hk = keys[hit]
-        weight = 1
-        if hits > self.config.host_touch_sample:
-            pick = torch.randint(0, hits, (self.config.host_touch_sample,))
-            hk, weight = hk[pick], max(1, round(hits / self.config.host_touch_sample))
-        self.host.touch(hk, weight)
+        touch_sample(self.host, keys, hit, sum(n for _, _, n, _ in reports),
+                     self.config.host_touch_sample)
 
     def _fetch(self, ukeys: torch.Tensor, since: int
                ) -> tuple[torch.Tensor, torch.Tensor, bool]:

@@ -13,11 +13,14 @@ import pytest
 import torch
 
 import psclient
-from gpu import LayerType, NVEmbedding
+from gpu import LayerType, NVEmbedding, TierConfig
 from gpu.host_filler import HostFiller
 from hostcache import HostCache
 
 from .test_layers import DEVICES, DIM, ROWS, stack
+
+#: a layer's host-cache worker that holds its work until flushed (an hour's linger)
+HELD = TierConfig(host_linger_s=3600.0, host_batch_keys=1 << 40)
 
 
 def test_queued_work_is_merged_per_handler_and_drain_waits_for_it() -> None:
@@ -109,21 +112,18 @@ def test_parameter_server_rows_reach_the_host_cache_after_flush(tmp_path, device
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_queued_fill_never_wins_over_a_later_write(tmp_path, device: str) -> None:
-    """Fills wait behind a blocked worker while the layer writes new rows for their keys:
-    once they run they are refused, and every later lookup serves the written rows."""
+    """Fills wait in a held worker while the layer writes new rows for their keys: once
+    they run they are refused, and every later lookup serves the written rows."""
     weights = torch.randn(ROWS, DIM)
     with stack(LayerType.Hierarchical, weights, tmp_path, device) as kw:
         hc = kw["host_cache"]
         layer = NVEmbedding(ROWS, DIM, torch.float32, LayerType.Hierarchical, device=device,
-                            **kw)
-        gate = threading.Event()
-        # hold the worker: the fills below queue behind this
-        layer._tiers.filler.submit(lambda items: gate.wait(), None)
+                            tuning=HELD, **kw)
         keys = torch.tensor([4, 5, 6], device=device)
         assert torch.equal(layer(keys).cpu(), weights[keys.cpu()])
+        assert not hc.contains(keys.cpu()).any()  # the fills wait in the worker
         new = torch.full((3, DIM), 5.0)
         layer.update(keys, new.to(device))
-        gate.set()
         layer.flush()
         assert torch.equal(hc.lookup(keys.cpu())[0], new)
         assert torch.equal(layer(keys).cpu(), new)
@@ -132,23 +132,20 @@ def test_a_queued_fill_never_wins_over_a_later_write(tmp_path, device: str) -> N
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_queued_fill_of_a_key_erased_meanwhile_is_refused(tmp_path, device: str) -> None:
-    """The erase reaches the host cache before the fill (held behind a blocked worker) of
-    a key that was never cached there: the erase announces it anyway, so the fill is
-    refused and the erased key is served as missing."""
+    """The erase reaches the host cache before the fill (held in the worker) of a key that
+    was never cached there: the erase announces it anyway, so the fill is refused and the
+    erased key is served as missing."""
     weights = torch.randn(ROWS, DIM)
     with stack(LayerType.Hierarchical, weights, tmp_path, device) as kw:
         hc = kw["host_cache"]
         reader = NVEmbedding(ROWS, DIM, torch.float32, LayerType.Hierarchical,
-                             device=device, default_row=-1.0, **kw)
+                             device=device, default_row=-1.0, tuning=HELD, **kw)
         writer = NVEmbedding(ROWS, DIM, torch.float32, LayerType.Hierarchical,
                              device=device, **kw)
-        gate = threading.Event()
-        reader._tiers.filler.submit(lambda items: gate.wait(), None)
         keys = torch.tensor([7, 8], device=device)
         assert torch.equal(reader(keys).cpu(), weights[[7, 8]])  # fills queued
         assert not hc.contains(keys.cpu()).any()
         writer.erase(keys)
-        gate.set()
         reader.flush()
         assert not hc.contains(keys.cpu()).any()
         assert (reader(keys).cpu() == -1.0).all()
@@ -157,25 +154,24 @@ def test_a_queued_fill_of_a_key_erased_meanwhile_is_refused(tmp_path, device: st
 
 
 CHILD = """
-import atexit, sys, threading, torch, psclient
-from gpu import LayerType, NVEmbedding
+import sys, torch, psclient
+from gpu import LayerType, NVEmbedding, TierConfig
 from hostcache import HostCache
 url, table, name = sys.argv[1:4]
 ps = psclient.connect(url, table=table)
 hc = HostCache.attach(name)
 layer = NVEmbedding(ps.size(), ps.dim, torch.float32, LayerType.Hierarchical,
-                    host_cache=hc, storage=ps, device="cpu")
-gate = threading.Event()
-atexit.register(gate.set)  # NOTE: runs first at exit: the worker is held until then
-layer._tiers.filler.submit(lambda items: gate.wait(), None)
-layer(torch.tensor([11, 12, 13]))  # its fills queue behind the held worker
+                    host_cache=hc, storage=ps, device="cpu",
+                    tuning=TierConfig(host_linger_s=3600.0, host_batch_keys=1 << 40))
+layer(torch.tensor([11, 12, 13]))  # its fills wait in the worker (an hour's linger)
+assert not hc.contains(torch.tensor([11, 12, 13])).any()
 """
 
 
 def test_fills_queued_at_interpreter_exit_are_finished(tmp_path, table_name: str) -> None:
     """A process that exits without closing its layer completes its queued fills and
-    exits cleanly (without the exit hook it aborted: the worker ran a torch op while the
-    interpreter tore down)."""
+    exits cleanly (without the exit hook the fills were lost, or the process aborted when
+    the worker ran a torch op while the interpreter tore down)."""
     url = f"file://{tmp_path}/ps"
     ps = psclient.connect(url, table="t", dim=DIM, dtype=torch.float32)
     ps.load(torch.randn(ROWS, DIM), progress=False)

@@ -405,7 +405,7 @@ def test_gpu_host_hits_reach_the_host_policy_weighted_by_the_sample(
         table_name: str) -> None:
     """What a CUDA layer does after its kernel read the host cache (run here on the CPU):
     a sample of the hits, weighted, bumps the host cache's eviction counters."""
-    from gpu import TierConfig
+    from gpu.hierarchical_stack import touch_sample
     from hostcache.hashing import bucket_of
 
     with HostCache.create(table_name, capacity=64, dim=4, ways=4) as hc:
@@ -414,18 +414,14 @@ def test_gpu_host_hits_reach_the_host_policy_weighted_by_the_sample(
             b = bucket_of(cand, hc.geometry.num_buckets)
             same = cand[b == b[0]][:7]
             hc.insert(same[:4], torch.zeros(4, 4))
-            layer = NVEmbedding(1 << 20, 4, torch.float32, LayerType.Hierarchical,
-                                host_cache=hc, device="cpu",
-                                tuning=TierConfig(host_touch_sample=2))
             # 60 hits of same[1] (a sample of 2, each counted 30 times), none of the others
             keys = torch.cat([same[1].repeat(60), same[[0, 2, 3]]])
             hit = torch.zeros(keys.numel(), dtype=torch.bool)
             hit[:60] = True
-            layer._tiers._touch_host(keys, hit, 60)
+            touch_sample(hc, keys, hit, 60, sample=2)
             for k in same[4:7]:  # each newcomer evicts a cold way, never same[1]
                 hc.insert(k[None], torch.zeros(1, 4))
             assert hc.contains(same).tolist() == [False, True, False, False, True, True, True]
-            layer.close()
         finally:
             HostCache.unlink(table_name)
 
