@@ -205,8 +205,25 @@ def test_host_tier_reads_are_counted_at_the_node_whichever_side_reads(
         before = hc.stats()
         keys = torch.arange(12, device=device)
         assert torch.equal(layer(keys).cpu(), weights[:12])
+        keys2 = torch.cat([keys, keys, torch.tensor([ROWS + 5], device=device)])
+        layer2 = NVEmbedding(ROWS, DIM, torch.float32, LayerType.Hierarchical, device=device,
+                             default_row=0.0, **kw)
         layer.flush()
-        host, node = layer.stats().host, hc.stats()
+        stats, node = layer.stats(), hc.stats()
+        host, ps = stats.host, stats.storage
         assert host is not None and (host.hits, host.misses) == (6, 6)
         assert (node.hits - before.hits, node.misses - before.misses) == (6, 6)
+        # the tiers add up: every GPU miss (distinct) went to the host cache, every host
+        # miss to the parameter server
+        assert (stats.gpu.hits, stats.gpu.misses) == (0, 12)
+        assert ps is not None and (ps.hits, ps.misses) == (6, 0)
+        # duplicates and a key no tier has: counted once per distinct key below the GPU
+        layer2(keys2)
+        s2 = layer2.stats()
+        assert s2.host is not None and s2.storage is not None
+        assert s2.gpu.hits + s2.gpu.misses == keys2.numel()
+        assert s2.host.hits + s2.host.misses == 13  # the 12 keys and the unknown one
+        assert (s2.storage.hits, s2.storage.misses) == (s2.host.misses - 1, 1)
+        assert s2.default_rows == 1
+        layer2.close()
         layer.close()
