@@ -265,13 +265,14 @@ class HostCache(SharedTable):
         """Seqlock write of distinct ``slots`` (caller holds the writer lock)."""
         if slots.numel() == 0:
             return
-        self._versions[slots] += 1  # odd: readers treat the slot as a miss
-        self._keys[slots] = keys
+        one = torch.ones(slots.numel(), dtype=torch.int64)
+        self._versions.index_add_(0, slots, one)  # odd: readers treat the slot as a miss
+        self._keys.index_copy_(0, slots, keys)
         if rows is not None:
-            self._rows[slots] = rows
+            self._rows.index_copy_(0, slots, rows)
         if policy is not None:
-            self._policy[slots] = policy
-        self._versions[slots] += 1  # even again: the new contents are committed
+            self._policy.index_copy_(0, slots, policy)
+        self._versions.index_add_(0, slots, one)  # even again: the new contents are committed
 
     def insert(
         self,
@@ -340,16 +341,18 @@ class HostCache(SharedTable):
                     fresh = ~torch.isin(ukeys, changed)
                     ukeys, last = ukeys[fresh], last[fresh]
                     inverse = None
-            urows = values.index_select(0, last)
+            # NOTE: rows travel as positions in `values` until the one gather that feeds
+            # each write: a 2k-row insert spent a quarter of its time copying rows
             bucket, found, slot = self._find(ukeys)
             old_slots = slot[found]
             if overwrite:  # keys already present: overwrite in place, tell the others
-                self._write_slots(old_slots, ukeys[found], urows[found], None)
+                self._write_slots(old_slots, ukeys[found],
+                                  values.index_select(0, last[found]), None)
             new = ~found
             written, evicted = 0, 0
             if bool(new.any()):
                 written, evicted = self._insert_new(
-                    ukeys[new], urows[new], bucket[new], old_slots, ways
+                    ukeys[new], values, last[new], bucket[new], old_slots, ways
                 )
             self.ring.append(ukeys if announce_new else ukeys[found] if overwrite else ukeys[:0])
             c = self._counters
@@ -363,14 +366,16 @@ class HostCache(SharedTable):
     def _insert_new(
         self,
         keys: torch.Tensor,
-        rows: torch.Tensor,
+        values: torch.Tensor,
+        src: torch.Tensor,
         bucket: torch.Tensor,
         protected_slots: torch.Tensor,
         ways: int,
     ) -> tuple[int, int]:
-        """Place keys that are not cached; returns (written, evicted). Under the lock."""
+        """Place keys that are not cached (key ``i``'s row is ``values[src[i]]``); returns
+        (written, evicted). Under the lock."""
         order = torch.argsort(bucket, stable=True)
-        keys, rows, bucket = keys[order], rows[order], bucket[order]
+        keys, src, bucket = keys[order], src[order], bucket[order]
         ubuckets, group = torch.unique_consecutive(bucket, return_inverse=True)
         first = torch.searchsorted(bucket, ubuckets)
         rank = torch.arange(bucket.numel(), dtype=torch.int64) - first[group]
@@ -392,7 +397,7 @@ class HostCache(SharedTable):
         target = ubuckets[g] * ways + way_order[g, r]
         was_empty = victim_prio < 0
         new_policy = torch.where(was_empty, 1, victim_prio + 1).to(torch.int32)
-        self._write_slots(target, keys[sel], rows[sel], new_policy)
+        self._write_slots(target, keys[sel], values.index_select(0, src[sel]), new_policy)
         n_filled = int(was_empty.sum())
         self._header[layout.W_SIZE] += n_filled
         self._decay(ubuckets)
