@@ -11,8 +11,9 @@ first item came, each handler's items in submission order). A host-cache insert 
 about as much for a hundred rows as for a thousand, and the worker shares the GIL with
 the lookups, so it gathers before it runs: once work arrives it waits until
 ``batch_weight`` (the submissions' summed weights: rows) have queued or ``linger_s`` has
-passed, then takes everything queued. A worker that falls behind catches up by merging,
-and its backlog stays one batch.
+passed, then takes everything queued. A submission wakes the worker only when it starts a
+batch or completes one (a wake-up per submission cost the lookup a GIL hand-off each). A
+worker that falls behind catches up by merging, and its backlog stays one batch.
 
 Safety does not depend on when a fill runs: a fill carries the change-feed cursor taken
 before its rows were read (``since``) and the host cache refuses it for any key announced
@@ -28,7 +29,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import queue
 import threading
 import time
 import weakref
@@ -53,7 +53,83 @@ def _finish_at_exit() -> None:
 
 
 Handler = Callable[[list[Any]], None]
-_FLUSH = object()  # queued by drain(): run what is queued now, without lingering
+
+
+class _Worker:
+    """One worker thread and what waits for it (a stopped worker's state stays its own:
+    a submission racing a close starts another)."""
+
+    def __init__(self, name: str, batch_weight: int, linger_s: float) -> None:
+        self.cond = threading.Condition()
+        self.items: list[tuple[Handler, Any]] = []
+        self.weight = 0
+        self.outstanding = 0  # submitted and not yet run
+        self.flush = False
+        self.stop = False
+        self._batch_weight, self._linger_s = batch_weight, linger_s
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def add(self, handler: Handler, item: Any, weight: int) -> bool:
+        """Queue an item; False if this worker was told to stop (start another)."""
+        with self.cond:
+            if self.stop:
+                return False
+            self.items.append((handler, item))
+            self.weight += weight
+            self.outstanding += 1
+            # NOTE: wake the worker to start a batch or to end one, not for every item
+            if len(self.items) == 1 or self.weight >= self._batch_weight:
+                self.cond.notify_all()
+            return True
+
+    def _take(self) -> tuple[list[tuple[Handler, Any]], bool]:
+        """The next batch (under the lock): what is queued once ``batch_weight`` has come,
+        ``linger_s`` has passed since its first item, or a flush or stop came."""
+        cond = self.cond
+        while not self.items and not self.stop:
+            cond.wait()
+        deadline = time.monotonic() + self._linger_s
+        while not (self.flush or self.stop or self.weight >= self._batch_weight):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            cond.wait(left)
+        batch, self.items, self.weight, self.flush = self.items, [], 0, False
+        return batch, self.stop
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                batch, stop = self._take()
+            merged: dict[Handler, list[Any]] = {}
+            for handler, item in batch:
+                merged.setdefault(handler, []).append(item)
+            for handler, items in merged.items():
+                try:
+                    handler(items)
+                except Exception:  # noqa: BLE001  (best effort: log, keep serving)
+                    logger.exception("%s: host-cache work failed (the rows stay in the "
+                                     "parameter server)", self.thread.name)
+            with self.cond:
+                self.outstanding -= len(batch)
+                if self.outstanding == 0:
+                    self.cond.notify_all()
+                if stop and not self.items:
+                    return
+
+    def drain(self, timeout: float | None) -> bool:
+        with self.cond:
+            if self.outstanding:
+                self.flush = True  # NOTE: cut the worker's linger short
+                self.cond.notify_all()
+            return self.cond.wait_for(lambda: self.outstanding == 0, timeout)
+
+    def finish(self) -> None:
+        with self.cond:
+            self.stop = True
+            self.cond.notify_all()
+        self.thread.join()
 
 
 class HostFiller:
@@ -68,85 +144,41 @@ class HostFiller:
     def __init__(self, name: str, batch_weight: int = 1, linger_s: float = 0.0) -> None:
         self._name = name
         self._batch_weight, self._linger_s = batch_weight, linger_s
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._worker: _Worker | None = None
         self._pid = 0
-        self._outstanding = 0
-        self._idle = threading.Condition()
         _LIVE.add(self)
 
     def submit(self, handler: Handler, item: Any, weight: int = 1) -> None:
         """Have the worker call ``handler([..., item, ...])`` (merged with other queued
         items of the same handler); ``weight`` counts toward ``batch_weight``."""
-        with self._idle:
-            if self._thread is None or self._pid != os.getpid():
-                # NOTE: a forked child has the queue but not the thread: start its own
-                self._queue = queue.SimpleQueue()
-                self._outstanding = 0
-                self._thread = threading.Thread(target=self._run, name=self._name,
-                                                daemon=True)
-                self._pid = os.getpid()
-                self._thread.start()
-            self._outstanding += 1
-        self._queue.put((handler, item, weight))
+        if self._pid != os.getpid():
+            # NOTE: a forked child has the parent's state but not its thread (nor, maybe,
+            # a lock a parent thread held): start afresh
+            self._lock = threading.Lock()
+            self._worker = None
+            self._pid = os.getpid()
+        while True:
+            with self._lock:
+                worker = self._worker
+                if worker is None:
+                    worker = self._worker = _Worker(self._name, self._batch_weight,
+                                                    self._linger_s)
+            if worker.add(handler, item, weight):
+                return
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until everything submitted so far has run (at most ``timeout`` seconds);
         returns whether it has."""
-        with self._idle:
-            if self._pid != os.getpid():
-                return True
-            if self._outstanding:
-                self._queue.put(_FLUSH)  # NOTE: cut the worker's linger short
-            return self._idle.wait_for(lambda: self._outstanding == 0, timeout)
+        worker = self._worker if self._pid == os.getpid() else None
+        return worker is None or worker.drain(timeout)
 
     def close(self) -> None:
         """Drain, then stop the worker (a later submission starts a new one)."""
         self.drain()
-        with self._idle:
-            thread = self._thread if self._pid == os.getpid() else None
-            q = self._queue  # NOTE: this worker's queue (a later submission makes another)
-            self._thread = None
-        if thread is not None:
-            q.put(None)
-            thread.join()
-
-    def _gather(self) -> list[Any]:
-        """The next batch: what is queued once ``batch_weight`` has come, ``linger_s`` has
-        passed since the first item, or a flush or stop came."""
-        q = self._queue
-        batch = [q.get()]
-        deadline = time.monotonic() + self._linger_s
-        while True:
-            while not q.empty():
-                batch.append(q.get_nowait())
-            if any(job is None or job is _FLUSH for job in batch):
-                return batch
-            left = deadline - time.monotonic()
-            if sum(job[2] for job in batch) >= self._batch_weight or left <= 0:
-                return batch
-            try:
-                batch.append(q.get(timeout=left))
-            except queue.Empty:
-                return batch
-
-    def _run(self) -> None:
-        while True:
-            batch = self._gather()
-            stop = None in batch  # NOTE: close() drained first: nothing else comes with it
-            jobs = [job for job in batch if job is not None and job is not _FLUSH]
-            merged: dict[Handler, list[Any]] = {}
-            for handler, item, _ in jobs:
-                merged.setdefault(handler, []).append(item)
-            for handler, items in merged.items():
-                try:
-                    handler(items)
-                except Exception:  # noqa: BLE001  (best effort: log, keep serving)
-                    logger.exception("%s: host-cache work failed (the rows stay in the "
-                                     "parameter server)", self._name)
-            with self._idle:
-                self._outstanding -= len(jobs)
-                if self._outstanding == 0:
-                    self._idle.notify_all()
-            if stop:
-                return
+        if self._pid != os.getpid():
+            return
+        with self._lock:
+            worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.finish()
