@@ -55,13 +55,30 @@ def probe(
     if num_buckets == 0 or n == 0:
         return (torch.zeros(n, dtype=torch.bool, device=keys.device),
                 torch.full((n,), -1, dtype=torch.int64, device=keys.device))
-    base = bucket_of(keys, num_buckets) * ways
-    way = torch.arange(ways, device=keys.device)
-    sk = tkeys[base[:, None] + way[None, :]]
+    bucket = bucket_of(keys, num_buckets)
+    sk = tkeys.view(-1, ways).index_select(0, bucket)
     match = (sk == keys[:, None]) & (keys != EMPTY_KEY)[:, None]
-    first = torch.where(match, way[None, :], ways).amin(dim=1)
+    first = _first_way(match, ways)
     hit = first < ways
-    return hit, torch.where(hit, base + first, -1)
+    return hit, torch.where(hit, bucket * ways + first, -1)
+
+
+def _first_way(match: torch.Tensor, ways: int) -> torch.Tensor:
+    """The lowest matching way of each row of a ``[N, ways]`` bool match (``ways`` where
+    none matched).
+
+    NOTE: with 8 ways a row's 8 bools are read as one int64 (way ``w`` is bit ``8 w``);
+    its lowest set bit, through a float exponent, is the way: a few passes over ``N``
+    words instead of a masked ``amin`` over ``[N, 8]`` (the twin's probe spent most of
+    its time there on the CPU).
+    """
+    if ways == 8 and match.is_contiguous() and match.device.type == "cpu":
+        bits = match.view(torch.uint8).view(torch.int64).squeeze(1)
+        low = bits & -bits
+        way = (torch.frexp(low.to(torch.float64))[1] - 1) >> 3
+        return torch.where(bits != 0, way, ways)
+    way = torch.arange(ways, device=match.device)
+    return torch.where(match, way[None, :], ways).amin(dim=1)
 
 
 def bump(counters: torch.Tensor, slot: torch.Tensor, hit: torch.Tensor) -> None:
@@ -82,8 +99,8 @@ def gather(rows: torch.Tensor, slot: torch.Tensor, hit: torch.Tensor) -> torch.T
     """Rows at ``slot`` where ``hit``, zero rows elsewhere (bit-exact copies)."""
     if rows.shape[0] == 0:
         return torch.zeros((slot.numel(), rows.shape[1]), dtype=rows.dtype, device=rows.device)
-    vals = rows[torch.where(hit, slot, 0)]
-    return torch.where(hit[:, None], vals, torch.zeros((), dtype=rows.dtype, device=rows.device))
+    vals = rows.index_select(0, torch.where(hit, slot, 0))
+    return vals.masked_fill_(~hit[:, None], 0)
 
 
 def gather_linear(

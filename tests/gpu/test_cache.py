@@ -334,3 +334,21 @@ def test_sizing_counts_keys_counters_and_rows() -> None:
     assert (cache.num_buckets, cache.capacity) == (10, 80)
     half = GPUCache(10 * 8 * (12 + 128 * 2), 128, torch.float16, ways=8)
     assert half.capacity == 80
+
+
+@pytest.mark.parametrize("ways", [4, 8, 16])
+def test_the_twins_first_matching_way_is_the_lowest(ways: int) -> None:
+    """The twin's probe finds the lowest matching way of every row (8 ways: through the
+    row read as one int64) exactly as a masked minimum does, rows with several matches
+    and none included."""
+    from gpu.cache_twin import _first_way
+
+    gen = torch.Generator().manual_seed(ways)
+    match = torch.rand(4096, ways, generator=gen) < 0.15  # 0, 1 or several per row
+    match[:ways] = torch.eye(ways, dtype=torch.bool)  # each way alone
+    match[ways] = True
+    match[ways + 1] = False
+    way = torch.arange(ways)
+    want = torch.where(match, way[None, :], ways).amin(dim=1)
+    assert torch.equal(_first_way(match, ways), want)
+    assert int((match.sum(1) > 1).sum()) > 100  # several matches did occur
