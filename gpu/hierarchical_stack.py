@@ -1,8 +1,10 @@
 """The Hierarchical stack: GPU cache -> shared ``HostCache`` -> parameter server.
 
-A lookup probes the GPU cache; the misses, deduplicated, are read from the shared host
-cache (on CUDA by a kernel over the registered table, :mod:`gpu.host_kernels`), then the
-parameter server; rows from the parameter server enter the host cache with
+A lookup probes the GPU cache (on CUDA the probe also sets a miss flag in pinned host
+memory, so one stream sync tells whether anything missed); the misses, deduplicated, are
+read from the shared host cache (on CUDA, from ``TierConfig.host_gpu_read_keys`` distinct
+keys on, by a kernel over the registered table, :mod:`gpu.host_kernels`; fewer on the
+CPU), then the parameter server; rows from the parameter server enter the host cache with
 ``overwrite=False`` and a cursor check (``since``), so a concurrent ``update`` (PS first,
 then the host cache, announced to every process) always wins; fetched rows wait for
 their GPU admission round (:mod:`gpu.admission`). Fetches run outside the cache guard,

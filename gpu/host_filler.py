@@ -12,7 +12,7 @@ about as much for a hundred rows as for a thousand, and the worker shares the GI
 the lookups, so it gathers before it runs: once work arrives it waits until
 ``batch_weight`` (the submissions' summed weights: rows) have queued or ``linger_s`` has
 passed, then takes everything queued. A submission wakes the worker only when it starts a
-batch or completes one (a wake-up per submission cost the lookup a GIL hand-off each). A
+batch or completes one, so a lingering worker does not take the GIL for each one. A
 worker that falls behind catches up by merging, and its backlog stays one batch.
 
 Safety does not depend on when a fill runs: a fill carries the change-feed cursor taken

@@ -4,12 +4,11 @@ A linear table's lookup kernels read row ``key`` only for ``0 <= key < num_rows`
 the default ``validate=False`` they also write an offending key into a
 :class:`KeyErrorFlag`: one int64 of pinned host memory the GPU writes through its mapped
 address (a :class:`~gpu.host_word.HostWord`: a store over the host link, made only when a
-key is bad). The host reads it
-with a plain memory load, no copy and no stream wait, at the start of the layer's next
-call and in :meth:`raise_pending`: the error surfaces at the next call after the kernel
-has run, and at once after any synchronizing call (``layer.synchronize()``). The rows
-of those keys read as zeros; nothing else changed. On the CPU the layers check every
-key before the lookup instead (the flag stays 0).
+key is bad). The host reads it with a plain memory load, no copy and no stream wait, at
+the start of the layer's next call and in :meth:`raise_pending`: the error surfaces at
+the next call after the kernel has run, and at once after any synchronizing call
+(``layer.synchronize()``). The rows of those keys read as zeros; nothing else changed.
+On the CPU the layers check every key before the lookup instead (the flag stays 0).
 """
 
 from __future__ import annotations
