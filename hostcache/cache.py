@@ -186,8 +186,9 @@ class HostCache(SharedTable):
         ver_after = self._versions.index_select(0, slot)
         hit = key_inside == keys
         hit &= found
-        hit &= ver_before == ver_after
-        hit &= (ver_before & 1) == 0
+        # NOTE: even before and unchanged after, in one comparison (versions only grow, so
+        # an odd ver_before, cleared of its low bit, is below any ver_after)
+        hit &= ver_after == (ver_before & -2)
         n_hits = int(hit.sum())
         if n_hits < keys.numel():
             values.index_fill_(0, (~hit).nonzero().squeeze(1), 0)

@@ -370,3 +370,22 @@ def test_peek_changes_no_counter(cache: HostCache) -> None:
     assert hit.tolist() == [True, False]
     after = cache.stats()
     assert (after.hits, after.misses, after.lookups) == (before.hits, before.misses, before.lookups)
+
+
+def test_a_slot_mid_write_reads_as_a_miss_until_its_write_commits(table_name: str) -> None:
+    """The seqlock from the reader's side: a slot whose version is odd (a writer inside)
+    is a miss with a zero row; the same slot is a hit again once the version is even."""
+    with HostCache.create(table_name, capacity=64, dim=4) as hc:
+        try:
+            keys = torch.tensor([5, 6])
+            hc.insert(keys, torch.ones(2, 4))
+            _, found, slot = hc._find(keys[:1])
+            assert bool(found.all())
+            hc._versions[slot] += 1  # what a writer does first
+            values, hit = hc.lookup(keys)
+            assert hit.tolist() == [False, True]
+            assert not values[0].any() and bool((values[1] == 1).all())
+            hc._versions[slot] += 1  # ... and last
+            assert hc.lookup(keys)[1].tolist() == [True, True]
+        finally:
+            HostCache.unlink(table_name)
