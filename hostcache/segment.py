@@ -348,6 +348,10 @@ def list_names() -> Iterator[str]:
     pre = prefix()
     for entry in entries:
         if entry.startswith(pre):
-            path = os.path.join(SHM_DIR, entry)
-            if stat.S_ISREG(os.stat(path).st_mode):
+            try:
+                # NOTE: lstat: a link is not a segment (and never followed)
+                mode = os.lstat(os.path.join(SHM_DIR, entry)).st_mode
+            except FileNotFoundError:  # removed since the listing (another process)
+                continue
+            if stat.S_ISREG(mode):
                 yield entry[len(pre) :]

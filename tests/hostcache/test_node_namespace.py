@@ -61,3 +61,20 @@ def test_a_bad_node_name_is_a_typed_error(bad: str, monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv(segment.NODE_ENV, bad)
     with pytest.raises(BadArgumentError, match="NVEC_NODE"):
         HostCache.create("t", capacity=16, dim=2)
+
+
+def test_listing_skips_an_entry_that_is_gone_or_not_a_segment(table_name: str) -> None:
+    """An entry that vanishes between the directory listing and its stat (a segment another
+    process removed meanwhile; here a dangling link, which stats the same way) is skipped,
+    not raised; a link is never listed as a segment."""
+    live = HostCache.create(table_name + "-live", capacity=16, dim=2)
+    link = f"/dev/shm/nvec.{table_name}-gone"
+    os.symlink(f"/dev/shm/nvec.{table_name}-nowhere", link)
+    try:
+        names = list(segment.list_names())
+        assert table_name + "-live" in names
+        assert table_name + "-gone" not in names
+    finally:
+        os.unlink(link)
+        live.close()
+        HostCache.unlink(table_name + "-live")
