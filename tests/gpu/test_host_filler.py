@@ -194,8 +194,6 @@ def test_host_tier_reads_are_counted_at_the_node_whichever_side_reads(
     """The host cache's misses of a lookup are read by the GPU kernel (from
     ``host_gpu_read_keys`` keys on, CUDA) or on the CPU: either way the layer's host tier
     and the node's counters see the same hits and misses once flushed."""
-    from gpu import TierConfig
-
     weights = torch.randn(ROWS, DIM)
     with stack(LayerType.Hierarchical, weights, tmp_path, device) as kw:
         hc = kw["host_cache"]
