@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import json
 import os
 import sys
 import tempfile
@@ -38,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import psclient  # noqa: E402
+from bench.bench_hierarchical import emit, per_call  # noqa: E402
 from bench.workloads import ZipfKeys  # noqa: E402
 from gpu import LayerType, NVEmbedding  # noqa: E402
 from hostcache import HostCache  # noqa: E402
@@ -45,8 +45,9 @@ from hostcache import HostCache  # noqa: E402
 DIM = 128
 
 
-def emit(**fields: Any) -> None:
-    print(json.dumps(fields), flush=True)
+def _p50(fn: Callable[[torch.Tensor], Any], batches: list[torch.Tensor],
+         wait: Callable[[], None]) -> float:
+    return per_call(fn, batches, wait)[0]
 
 
 class _Inline:
@@ -80,19 +81,6 @@ def _timed(obj: Any, name: str, label: str, spent: dict[str, float], sync: Calla
         return out
 
     setattr(obj, name, wrapper)
-
-
-def _p50(fn: Callable[[torch.Tensor], Any], batches: list[torch.Tensor],
-         sync: Callable[[], None]) -> float:
-    ts = []
-    sync()
-    for b in batches:
-        t0 = time.perf_counter()
-        fn(b)
-        sync()
-        ts.append(time.perf_counter() - t0)
-    ts.sort()
-    return ts[len(ts) // 2] * 1e6
 
 
 def main(argv: list[str] | None = None) -> int:
