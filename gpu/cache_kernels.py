@@ -49,7 +49,6 @@ import triton
 import triton.language as tl
 
 from gpu._triton import helper_module
-from gpu.devices import on_tensor_device
 from gpu.launch import DirectLaunch
 
 # NOTE: the per-block device functions, decorated like this module's kernels (compiled or
@@ -319,7 +318,6 @@ def _cand_cap(candidates: torch.Tensor | None) -> int:
     return 0 if candidates is None else (candidates.numel() - 1) // 2
 
 
-@on_tensor_device
 def lookup(
     keys: torch.Tensor, tkeys: torch.Tensor, counters: torch.Tensor, rows: torch.Tensor,
     stats: torch.Tensor, num_buckets: int, ways: int, *, empty: int, gather: bool,
@@ -346,7 +344,7 @@ def lookup(
     n = keys.numel()
     dim = rows.shape[1]
     dev = keys.device
-    out = torch.empty((n, dim), dtype=rows.dtype, device=dev) if gather else None
+    out = torch.empty(n, dim, dtype=rows.dtype, device=dev) if gather else None
     hit = torch.empty(n, dtype=torch.bool, device=dev) if want_hit else None
     slots = torch.empty(n, dtype=torch.int64, device=dev) if want_slots else None
     if n == 0:
@@ -420,7 +418,6 @@ _POOL_FINISH = DirectLaunch(_pool_finish_kernel)
 _POOLED_CX: dict[tuple[object, ...], dict[str, object]] = {}
 
 
-@on_tensor_device
 def pooled(
     keys: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
     miss_values: torch.Tensor | None, tkeys: torch.Tensor, counters: torch.Tensor,

@@ -17,7 +17,6 @@ import triton
 import triton.language as tl
 
 from gpu._triton import helper_module
-from gpu.devices import on_tensor_device
 from gpu.launch import DirectLaunch
 
 # NOTE: the cache lookups' visit order (a torch function), from the same variant
@@ -63,14 +62,14 @@ def _block_d(dim: int) -> int:
     return max(16, 1 << (dim - 1).bit_length())
 
 
-@on_tensor_device
 def gather(keys: torch.Tensor, table: torch.Tensor, err: torch.Tensor | None, *,
            host_table: bool) -> torch.Tensor:
     """``table[keys]`` with zero rows for keys outside the table (reported in ``err``, an
     int64 ``[1]`` flag, when given)."""
     n = keys.numel()
     dim = table.shape[1]
-    out = torch.empty((n, dim), dtype=table.dtype, device=keys.device)
+    # NOTE: sizes as arguments, not a tuple: the cheaper parse (~1 us a call)
+    out = torch.empty(n, dim, dtype=table.dtype, device=keys.device)
     if n == 0:
         return out
     order = None

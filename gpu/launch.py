@@ -47,51 +47,84 @@ class DirectLaunch:
     def __init__(self, kernel: Any, *, num_warps: int = 4) -> None:
         self._kernel = kernel
         self._num_warps = num_warps
-        self._variants: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...]]] = {}
+        self._variants: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...], tuple[Any, ...]]] = {}
         import triton  # NOTE: lazy: only kernel modules build these
 
         self._knobs = triton.knobs
         self._interpret = bool(triton.knobs.runtime.interpret)
         #: the current stream's handle for a device index (what Triton's own launch asks)
         self._raw_stream: Any = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        #: the current CUDA device's index (torch.cuda.current_device() costs ~2 us)
+        self._current_device: Any = getattr(torch._C, "_cuda_getDevice", None)
 
     def __call__(self, grid: tuple[int, ...], args: Sequence[Any],
                  constexprs: dict[str, Any], key: tuple[Any, ...]) -> None:
         """Launch over ``grid`` (1 to 3 dims) with runtime ``args`` in parameter order and
         ``constexprs`` by name (``num_warps`` among them, or the default); ``key`` names
         the constexprs and the tensors' element types (the same key, the same values and
-        dtypes)."""
-        if "num_warps" not in constexprs:
-            constexprs = {**constexprs, "num_warps": self._num_warps}
+        dtypes). The first tensor argument is on the device it runs on, made current for
+        the launch if it is not."""
         runtime = self._knobs.runtime
         if self._interpret or _active(runtime.launch_enter_hook) or \
                 _active(runtime.launch_exit_hook):
-            self._kernel[grid](*args, **constexprs)
+            self._jit(grid, args, constexprs)
             return
-        device = args[0].device.index
-        # NOTE: a compiled kernel's function handle belongs to the device it was loaded on
+        device = args[0].get_device()
+        if device != self._current_device():
+            # NOTE: a compiled kernel's function handle belongs to the device it was loaded
+            # on, and the launch goes to the current context
+            with torch.cuda.device(device):
+                self(grid, args, constexprs, key)
+            return
         spec: list[Any] = [key, device]
-        for a in args:
+        # NOTE: the launcher takes pointers as ints: no attribute call and no pointer query
+        # per tensor on the C side (the tensors outlive the call: the caller holds them)
+        call = list(args)
+        for i, a in enumerate(args):
             if isinstance(a, torch.Tensor):
-                spec.append(a.data_ptr() & 15 == 0)
+                ptr = call[i] = a.data_ptr()
+                spec.append(ptr & 15 == 0)
             elif isinstance(a, int):
                 if not -_INT32_MAX <= a <= _INT32_MAX:
                     # NOTE: a 64-bit integer is another specialization: the JIT's path
-                    self._kernel[grid](*args, **constexprs)
+                    self._jit(grid, args, constexprs)
                     return
                 spec.append((a == 1, a & 15 == 0))
         full = tuple(spec)
         variant = self._variants.get(full)
         if variant is None:
-            compiled = self._kernel[grid](*args, **constexprs)
-            if hasattr(compiled, "result"):  # an asynchronous compile
-                compiled = compiled.result()
-            order = [self._kernel.arg_names[i] for i in sorted(self._kernel.constexprs)]
-            self._variants[full] = (compiled, tuple(constexprs[n] for n in order))
+            self._variants[full] = self._compile(grid, args, constexprs)
             return  # the JIT launched it
-        compiled, cx = variant
-        stream = self._raw_stream(device)
+        launch, head, tail = variant
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
-        compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata,
-                     None, None, None, *args, *cx)
+        launch(grid[0], g1, g2, self._raw_stream(device), *head, *call, *tail)
+
+    def _jit(self, grid: tuple[int, ...], args: Sequence[Any],
+             constexprs: dict[str, Any]) -> Any:
+        if "num_warps" not in constexprs:
+            constexprs = {**constexprs, "num_warps": self._num_warps}
+        return self._kernel[grid](*args, **constexprs)
+
+    def _compile(self, grid: tuple[int, ...], args: Sequence[Any],
+                 constexprs: dict[str, Any]) -> tuple[Any, tuple[Any, ...], tuple[Any, ...]]:
+        """Launch through the JIT (compiling or loading the variant); returns how later
+        launches of the variant call its launcher: ``(launch, head, tail)``, called as
+        ``launch(gx, gy, gz, stream, *head, *args, *tail)``."""
+        compiled = self._jit(grid, args, constexprs)
+        if hasattr(compiled, "result"):  # an asynchronous compile
+            compiled = compiled.result()
+        full = {"num_warps": self._num_warps, **constexprs}
+        order = [self._kernel.arg_names[i] for i in sorted(self._kernel.constexprs)]
+        tail = tuple(full[n] for n in order)
+        run = compiled.run
+        meta = (compiled.packed_metadata, None, None, None)  # no launch metadata, no hooks
+        c_launch = getattr(run, "launch", None)
+        if c_launch is not None and not getattr(run, "global_scratch_size", 1) and \
+                not getattr(run, "profile_scratch_size", 1):
+            # NOTE: the C launch itself: the launcher's __call__ only adds scratch buffers,
+            # and this variant has none
+            head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+                    *meta)
+            return c_launch, head, tail
+        return run, (compiled.function, *meta), tail

@@ -35,24 +35,35 @@ class TableGate:
     """
 
     def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._readers = 0
         self._writers = 0  # waiting or writing
         self._writing = False
         self._drains: dict[Hashable, Callable[[], None]] = {}
 
     def __enter__(self) -> TableGate:
-        with self._cond:
+        # NOTE: the lock's own acquire and release, not the condition's context manager:
+        # every lookup passes here, and the Python-level wrappers doubled its cost
+        lock = self._lock
+        lock.acquire()
+        try:
             while self._writers:
                 self._cond.wait()
             self._readers += 1
+        finally:
+            lock.release()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        with self._cond:
+        lock = self._lock
+        lock.acquire()
+        try:
             self._readers -= 1
             if self._readers == 0 and self._writers:
                 self._cond.notify_all()
+        finally:
+            lock.release()
 
     @contextmanager
     def writing(self) -> Iterator[None]:

@@ -34,9 +34,8 @@ def key_problem(keys: object, *, device: torch.device = _CPU,
         return f"must have dtype torch.int64; got {keys.dtype} (convert with .long())"
     if not any_shape and keys.dim() != 1:
         return f"must be 1-D [N]; got shape {tuple(keys.shape)} (flatten with .reshape(-1))"
-    same = keys.device.type == device.type and (
-        device.type == "cpu" or device.index is None or keys.device.index == device.index)
-    if not same:
-        return (f"must be on {device}; got {keys.device} (move them with "
+    kd = keys.device  # NOTE: once: each read builds a torch.device (layers call this per lookup)
+    if kd != device and (kd.type != device.type or device.index is not None):
+        return (f"must be on {device}; got {kd} (move them with "
                 f".to({str(device)!r}))")
     return None

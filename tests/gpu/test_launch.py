@@ -1,0 +1,89 @@
+"""gpu.launch.DirectLaunch: a direct launch runs the variant the JIT would have chosen.
+
+The launcher is keyed by each pointer's 16-byte alignment and each integer's value class;
+these tests feed one kernel (the GPULayer gather) pointers of both alignments, in turns,
+and a launch hook (which takes the JIT's path), and check every result against torch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu import LayerType, NVEmbedding
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU "
+                                 "(direct launches are CUDA only; the interpreter takes the "
+                                 "JIT's path)")]
+
+ROWS = 1000
+
+
+@pytest.mark.parametrize("dim", [5, 16, 33])
+def test_aligned_and_unaligned_pointers_in_turns(dim: int) -> None:
+    """Keys and table views 8 and 4 bytes off 16-byte alignment, then aligned, then off
+    again: each launch must pick its own variant (a variant compiled for aligned pointers
+    would read the wrong addresses or fault on the others)."""
+    g = torch.Generator(device="cuda").manual_seed(dim)
+    big = torch.randn(ROWS + 1, dim, device="cuda", generator=g)
+    tables = {"aligned": big[:ROWS], "off": big.view(-1)[1:1 + ROWS * dim].view(ROWS, dim)}
+    assert tables["off"].data_ptr() % 16 == 4
+    for which, table in tables.items():
+        layer = NVEmbedding(ROWS, dim, torch.float32, LayerType.GPULayer, storage=table,
+                            device="cuda")
+        pool = torch.randint(0, ROWS, (4097,), device="cuda", generator=g)
+        for off in (0, 1, 0, 1, 2):
+            keys = pool[off:off + 4000]
+            assert keys.data_ptr() % 16 == (8 * off) % 16
+            got = layer(keys)
+            assert torch.equal(got, table[keys]), (which, off)
+        layer.synchronize()  # no key was reported out of range
+
+
+def test_a_launch_hook_takes_the_jit_path_with_the_same_results() -> None:
+    import triton
+
+    rt = triton.knobs.runtime
+    calls: list[object] = []
+    w = torch.randn(ROWS, 8, device="cuda")
+    layer = NVEmbedding(ROWS, 8, torch.float32, LayerType.GPULayer, storage=w, device="cuda")
+    keys = torch.randint(0, ROWS, (300,), device="cuda")
+    before = layer(keys)
+    def hook(*args: object) -> None:
+        calls.append(args)
+
+    chain = rt.launch_enter_hook
+    if hasattr(chain, "add"):  # Triton 3.5+: a chain of hooks
+        chain.add(hook)
+    else:
+        rt.launch_enter_hook = hook
+    try:
+        hooked = layer(keys)
+    finally:
+        if hasattr(chain, "remove"):
+            chain.remove(hook)
+        else:
+            rt.launch_enter_hook = chain
+    assert calls, "the hook saw no launch: the direct path ignored it"
+    assert torch.equal(hooked, before) and torch.equal(before, w[keys])
+    after = layer(keys)  # the direct path again once the hook is gone
+    assert len(calls) == 1 and torch.equal(after, before)
+
+
+def test_a_bad_key_is_reported_by_a_direct_launch() -> None:
+    """The key-error flag is passed to the launcher as a plain address: the kernel must
+    still write it."""
+    from gpu import BadArgumentError
+
+    w = torch.randn(ROWS, 4, device="cuda")
+    layer = NVEmbedding(ROWS, 4, torch.float32, LayerType.GPULayer, storage=w, device="cuda")
+    good = torch.randint(0, ROWS, (64,), device="cuda")
+    for _ in range(3):  # past the JIT's first launch of the variant
+        layer(good)
+    bad = good.clone()
+    bad[17] = ROWS + 5
+    rows = layer(bad)
+    assert torch.equal(rows[17], torch.zeros(4, device="cuda"))
+    with pytest.raises(BadArgumentError, match=str(ROWS + 5)):
+        layer.synchronize()
