@@ -40,3 +40,10 @@ class CacheGuard:
 
     def __exit__(self, *exc: object) -> None:
         self.lock.release()
+
+    @property
+    def stream(self) -> Any:
+        """The CUDA stream of the operation inside the guard (read it while holding the
+        guard; None on the CPU): the caller's current stream, without the ~6 us of
+        ``torch.cuda.current_stream()``."""
+        return self._stream

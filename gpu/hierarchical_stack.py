@@ -98,8 +98,9 @@ class HierarchicalStack(CachedStack):
             with self.guard:
                 since = self.follower.sync()
                 values, hit = self.cache.lookup(keys, miss_flag=word.device_view)
+                stream = self.guard.stream
             # NOTE: the call's one host sync when every key hit: no reduction, no copy
-            torch.cuda.current_stream(self.device).synchronize()
+            stream.synchronize()
             everything_hit = word.read() == 0
         if everything_hit:
             return values
