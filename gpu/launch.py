@@ -6,7 +6,9 @@ the launch itself, and more than a serving-size lookup's kernel runs (bench/RESU
 "Per-call path (H200)", "Where the host time goes").
 :class:`DirectLaunch` binds once: the first call of a variant goes through the JIT (which
 compiles it or loads it from Triton's cache), later calls hand the compiled kernel's
-launcher the arguments directly, as torch inductor's generated launchers do.
+launcher the arguments directly, as torch inductor's generated launchers do: tensors as
+their addresses (the launcher would otherwise call ``data_ptr()`` and query the pointer
+for each), straight to its C function when the variant needs no scratch buffers.
 
 What keeps a direct launch exact: the variant is chosen by the caller's ``key``, which
 names the constexprs it passes and the element types of its tensors, plus what the JIT
@@ -119,12 +121,12 @@ class DirectLaunch:
         tail = tuple(full[n] for n in order)
         run = compiled.run
         meta = (compiled.packed_metadata, None, None, None)  # no launch metadata, no hooks
+        flags = [getattr(run, n, None) for n in ("launch_cooperative_grid", "launch_pdl")]
         c_launch = getattr(run, "launch", None)
-        if c_launch is not None and not getattr(run, "global_scratch_size", 1) and \
+        if c_launch is not None and None not in flags and \
+                not getattr(run, "global_scratch_size", 1) and \
                 not getattr(run, "profile_scratch_size", 1):
-            # NOTE: the C launch itself: the launcher's __call__ only adds scratch buffers,
-            # and this variant has none
-            head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
-                    *meta)
-            return c_launch, head, tail
+            # NOTE: the C launch itself (Triton 3.5-3.6's CudaLauncher layout): its Python
+            # __call__ only adds scratch buffers, and this variant has none
+            return c_launch, (compiled.function, *flags, None, None, *meta), tail
         return run, (compiled.function, *meta), tail
