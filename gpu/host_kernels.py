@@ -313,8 +313,8 @@ def _lookup_triton(
             head = torch.cummax(head, 0).values
             bkf = max(1, min(64, 4096 // bd))
             _launch(k, interpret, "fill_dups_kernel", (_cdiv(n, bkf),),
-                    (perm, head, out, hit, n, g.dim), (bkf, bd, out.dtype), BLOCK_K=bkf,
-                    BLOCK_D=bd, EVEN_D=bd == g.dim)
+                    (perm, head, out, hit, n, g.dim), (bkf, bd, bd == g.dim, out.dtype),
+                    BLOCK_K=bkf, BLOCK_D=bd, EVEN_D=bd == g.dim)
         return out, hit
     if dedup:
         uniq, inverse = torch.unique(keys, return_inverse=True)
@@ -359,7 +359,8 @@ def _read_found(k: ModuleType, reg: Any, found: torch.Tensor, ver2: torch.Tensor
         bd = _block_d(g.dim)
         bk = TILES.block_k or _block_k(bd)
         _launch(k, interpret, "gather_found_kernel", (_cdiv(n, bk),),
-                (found, rows, out, n, rows.stride(0), g.dim), (bk, bd, TILES.warps, g.dtype),
+                (found, rows, out, n, rows.stride(0), g.dim),
+                (bk, bd, bd == g.dim, TILES.warps, g.dtype),
                 BLOCK_K=bk, BLOCK_D=bd, EVEN_D=bd == g.dim, num_warps=TILES.warps)
     _launch(k, interpret, "verify_kernel", (_cdiv(n, 1024),), (found, ver2, hit, n), (),
             BLOCK=1024)

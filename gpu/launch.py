@@ -14,8 +14,10 @@ What keeps a direct launch exact: the variant is chosen by the caller's ``key``,
 names the constexprs it passes and the element types of its tensors, plus what the JIT
 specializes the other arguments on: each pointer's 16-byte alignment, and whether each
 integer is 1 or a multiple of 16 (an integer that does not fit in 32 bits takes the JIT's
-path). A launch
-hook (a profiler) or the interpreter takes the JIT path too.
+path). A found variant's constexprs are checked against the call's (the same dict object
+is the cheap case: callers keep one per key), so a key that leaves one out costs a second
+variant, never a launch with another call's constants. A launch hook (a profiler) or the
+interpreter takes the JIT path too.
 """
 
 from __future__ import annotations
@@ -49,7 +51,10 @@ class DirectLaunch:
     def __init__(self, kernel: Any, *, num_warps: int = 4) -> None:
         self._kernel = kernel
         self._num_warps = num_warps
-        self._variants: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...], tuple[Any, ...]]] = {}
+        #: spec -> (launcher, its leading arguments, the constexprs' values after the
+        #: runtime arguments, the constexprs the variant was compiled with)
+        self._variants: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...], tuple[Any, ...],
+                                                    dict[str, Any]]] = {}
         import triton  # NOTE: lazy: only kernel modules build these
 
         self._knobs = triton.knobs
@@ -94,10 +99,16 @@ class DirectLaunch:
                 spec.append((a == 1, a & 15 == 0))
         full = tuple(spec)
         variant = self._variants.get(full)
+        if variant is not None and variant[3] is not constexprs and variant[3] != constexprs:
+            # NOTE: the caller's key did not name every constexpr (its contract): told apart
+            # by their values, never launched with another call's (a variant compiled for
+            # dim == BLOCK_D, run on a narrower table, writes past each row)
+            full = (*full, tuple(sorted(constexprs.items())))
+            variant = self._variants.get(full)
         if variant is None:
-            self._variants[full] = self._compile(grid, args, constexprs)
+            self._variants[full] = (*self._compile(grid, args, constexprs), constexprs)
             return  # the JIT launched it
-        launch, head, tail = variant
+        launch, head, tail, _ = variant
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
         launch(grid[0], g1, g2, self._raw_stream(device), *head, *call, *tail)

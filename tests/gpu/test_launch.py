@@ -87,3 +87,25 @@ def test_a_bad_key_is_reported_by_a_direct_launch() -> None:
     assert torch.equal(rows[17], torch.zeros(4, device="cuda"))
     with pytest.raises(BadArgumentError, match=str(ROWS + 5)):
         layer.synchronize()
+
+
+def test_a_key_that_leaves_out_a_constexpr_never_launches_another_calls_variant() -> None:
+    """The same key with other constexprs (here the row width) must not reuse the variant
+    compiled first: the host tier's row reads once keyed out ``EVEN_D``, and a table of
+    5-float rows read after one of 8-float rows wrote 8 floats a row (zeros over the next
+    row's first three, and past the output's end)."""
+    from gpu._triton import kernel_module
+    from gpu.launch import DirectLaunch
+
+    gk = kernel_module("gather_kernels", interpret=False)
+    launch = DirectLaunch(gk._gather_kernel)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for dim in (8, 5, 8, 5, 3):
+        table = torch.randn(100, dim, device="cuda", generator=g)
+        keys = torch.randint(0, 100, (64,), device="cuda", generator=g)
+        out = torch.full((65, dim), 7.0, device="cuda")  # a guard row after the 64 rows
+        launch((4,), (keys, 64, table, 100, dim, out, keys, keys),
+               {"DIM": dim, "BLOCK_K": 16, "BLOCK_D": 8, "ORDERED": False, "CHECK": False},
+               ("one key for every width",))
+        assert torch.equal(out[:64], table[keys]), dim
+        assert (out[64] == 7.0).all(), f"dim {dim}: a row was written past the output"
