@@ -239,9 +239,10 @@ def test_layers_sharing_one_host_cache_see_each_others_writes(device: str) -> No
         assert a.update(k[:5], versioned(keys[:5], 1, dim).to(device)).all()
         before = strict.stats()
         got = strict(k[:5]).cpu()
-        # NOTE: this failed twice on the H200 under load with rows torn between zeros and
-        # the new row (bench/RESULTS.md, "Hierarchical layer at serving sizes"): say which
-        # tier served them and what the host cache holds now
+        # NOTE: this failed on the H200 with rows torn between zeros and the new row when an
+        # earlier test of the worker had read 8-float rows from the GPU (a launch key
+        # without EVEN_D, bench/RESULTS.md, "Hierarchical layer at serving sizes"): on a
+        # failure, say which tier served them and what the host cache holds now
         assert torch.equal(got, versioned(keys[:5], 1, dim)), (
             got, before, strict.stats(), kw["host_cache"].lookup(keys[:5], count=False))
         assert torch.equal(b(k[:5, None]).cpu(), versioned(keys[:5], 1, dim))
