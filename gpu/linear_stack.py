@@ -61,8 +61,9 @@ class LinearStack(CachedStack):
     def _warm_up(self) -> None:
         """Load the lookup and admission kernels now, in the variants this stack's lookups
         and rounds launch (a round while the cache fills and one once it is warm), so that
-        neither the first forward nor the first round pays it. The cache is left empty,
-        its statistics untouched."""
+        neither the first forward nor the first round pays it, and capture the warm
+        cache's round into a CUDA graph (gpu.miss_log). The cache is left empty, its
+        statistics untouched."""
         if self.num_rows == 0 or not self.log.active:
             return
         key = torch.zeros(1, dtype=torch.int64, device=self.device)
@@ -73,6 +74,7 @@ class LinearStack(CachedStack):
                 self.cache.gather_linear(key, self.table, candidates=self.log.candidates(1),
                                          host_table=self._host, err=self.check.err)
                 self.log.round()
+            self.log.keep()  # NOTE: warm rounds from a CUDA graph, captured now
             self.budget.reset()
             self.log.drop()
 
@@ -145,5 +147,5 @@ class LinearStack(CachedStack):
             self._reg.close()
             self._reg = None
         with self.guard:
-            self.log.drop()
+            self.log.close()
         remove_user(self._block, self)

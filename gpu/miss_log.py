@@ -22,6 +22,12 @@ its slots, or a larger lookup's size. The log's rows cost that much device memor
 the cache: an eighth of the cache's rows once it is warm with the defaults, while it fills
 a quarter, or one lookup's output.
 
+On CUDA a LinearUVM stack keeps the warm cache's log for good from its construction
+(:meth:`MissLog.keep`; while the cache fills, it waits beside the filling log), and that
+log's round, its insert and then the log emptied, is captured there into a CUDA graph
+(:mod:`gpu.graphed`): a warm round costs the lookup that triggers it one graph launch
+instead of a dozen allocations and launches (bench/RESULTS.md, "Per-call path (H200)").
+
 Consistency: a logged row is as old as the lookup that read it, so the log is emptied
 whenever the stack learns of a change to the table (:class:`~gpu.change_follower.
 ChangeFollower`'s ``on_change``, a write through the layer, an erase): a row logged
@@ -36,6 +42,7 @@ from hostcache.layout import EMPTY_KEY
 
 from .admission import RoundBudget
 from .cache import GPUCache, MissCandidates
+from .graphed import GraphedCall
 from .tier_config import TierConfig
 
 
@@ -53,6 +60,9 @@ class MissLog:
                  prob: float) -> None:
         self._cache, self._budget, self._config, self._prob = cache, budget, config, prob
         self._cand: MissCandidates | None = None
+        #: a warm cache's log kept for good, with its round (insert, then the log emptied)
+        #: captured into a CUDA graph (:meth:`keep`, gpu.graphed)
+        self._kept: tuple[MissCandidates, GraphedCall] | None = None
         self._warm = False  # the budget's phase when the log was sized
         self._calls = 0
         self._keys = 0
@@ -84,12 +94,39 @@ class MissLog:
             # large lookup)
             self._release()
             cache, cap = self._cache, self._cap(n)
-            buf = torch.full((1 + 2 * cap,), EMPTY_KEY, dtype=torch.int64, device=cache.device)
-            buf[0] = 0
-            rows = torch.empty((cap, cache.dim), dtype=cache.dtype, device=cache.device)
-            cand = self._cand = MissCandidates(buf, rows)
+            kept = self._kept
+            if kept is not None and self._budget.warm and kept[0].cap == cap:
+                cand = kept[0]
+            else:
+                buf = torch.full((1 + 2 * cap,), EMPTY_KEY, dtype=torch.int64,
+                                 device=cache.device)
+                buf[0] = 0
+                rows = torch.empty((cap, cache.dim), dtype=cache.dtype, device=cache.device)
+                cand = MissCandidates(buf, rows)
+            self._cand = cand
             self._warm = self._budget.warm
         return cand
+
+    def keep(self) -> bool:
+        """Keep the current log (a warm cache's, empty, its round run once eagerly: the
+        kernels loaded) for every later warm phase, its round captured into a CUDA graph;
+        returns whether rounds now replay it. At a layer's construction: the capture
+        holds the device's default random generator (gpu.graphed)."""
+        cand = self._cand
+        if cand is None or not cand.buffer.is_cuda or self._prob < 1.0 or \
+                not self._budget.warm or self._kept is not None:
+            return False
+        cache, rows = self._cache, cand.rows
+        assert rows is not None
+
+        def admit() -> None:
+            cache.insert(cand.keys, rows, validate=False)
+            cand.buffer.fill_(EMPTY_KEY)
+            cand.buffer[:1].zero_()
+
+        graphed = GraphedCall(admit, cache.device)
+        self._kept = (cand, graphed)
+        return graphed.capture()
 
     def logged(self, n: int) -> None:
         """After a lookup of ``n`` keys logged its misses (caller holds the cache guard
@@ -110,19 +147,28 @@ class MissLog:
         cand = self._cand
         if cand is None:
             return
-        keys, rows = cand.keys, cand.rows
-        assert rows is not None
-        if keys.device.type == "cpu":  # NOTE: the count is at hand: insert no padding
-            used = min(int(cand.count), cand.cap)
-            keys, rows = keys[:used], rows[:used]
-        if self._prob < 1.0:
-            keep = torch.rand(keys.numel(), device=keys.device) < self._prob
-            keys = torch.where(keep, keys, EMPTY_KEY)
-        if keys.numel():
-            self._cache.insert(keys, rows, validate=False)
-        self._budget.admitted += min(self._keys, cand.cap)
+        admitted = min(self._keys, cand.cap)
+        kept = self._kept
+        emptied = kept is not None and cand is kept[0]
+        if kept is not None and emptied:
+            kept[1]()  # NOTE: one graph launch: the insert below, then the log emptied
+        else:
+            keys, rows = cand.keys, cand.rows
+            assert rows is not None
+            if keys.device.type == "cpu":  # NOTE: the count is at hand: insert no padding
+                used = min(int(cand.count), cand.cap)
+                keys, rows = keys[:used], rows[:used]
+            if self._prob < 1.0:
+                keep = torch.rand(keys.numel(), device=keys.device) < self._prob
+                keys = torch.where(keep, keys, EMPTY_KEY)
+            if keys.numel():
+                self._cache.insert(keys, rows, validate=False)
+        self._budget.admitted += admitted
         self.rounds += 1
-        self.drop()
+        if emptied and self._warm == self._budget.warm:
+            self._calls = self._keys = 0
+        else:
+            self.drop()
 
     def drop(self) -> None:
         """Empty the log, in stream order (a change made logged rows stale, or a round
@@ -137,8 +183,19 @@ class MissLog:
             return
         self._release()  # NOTE: warm now (or cold again): the next log is sized for it
 
+    def close(self) -> None:
+        """Free the logs and the captured round (caller holds the cache guard)."""
+        self.drop()
+        self._release()
+        kept, self._kept = self._kept, None
+        if kept is not None:
+            # NOTE: a replay may still run: its graph and pool go once the stream is past it
+            torch.cuda.current_stream(kept[0].buffer.device).synchronize()
+
     def _release(self) -> None:
         cand, self._cand = self._cand, None
+        if self._kept is not None and cand is self._kept[0]:
+            return  # NOTE: kept for the next warm phase
         if cand is not None and cand.buffer.is_cuda:
             # NOTE: lookups on other streams were ordered before this one (the cache
             # guard): the allocator reuses the blocks only after this stream's work
