@@ -12,8 +12,9 @@ launches make the same placements as ``gpu.cache_twin.plan_insert``:
 
 1. a stable sort by key, then :func:`_insert_probe_kernel`: the last occurrence of each
    key is present (its slot, marked pinned) or fresh (its bucket);
-2. a stable sort by bucket, then :func:`_insert_plan_kernel`: each fresh key's way, from
-   a snapshot of its bucket (reads only, so every program sees the same table);
+2. a stable sort by bucket (int32 sort keys: half the radix passes of int64), then
+   :func:`_insert_plan_kernel`: each fresh key's way, from a snapshot of its bucket
+   (reads only, so every program sees the same table);
 3. :func:`_insert_decay_kernel`: clamp, and halve where due, the counters of buckets that
    take keys;
 4. :func:`_insert_apply_kernel`: the new keys and counters;
@@ -66,8 +67,8 @@ def _insert_probe_kernel(
     WAYS: tl.constexpr, EMPTY: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Insert step 1, over the batch sorted by key: the last occurrence of each key is
-    present (its slot; its slot marked pinned) or fresh (sort key = its bucket); every
-    other position sorts after all buckets (``num_buckets``)."""
+    present (its slot; its slot marked pinned) or fresh (int32 sort key = its bucket);
+    every other position sorts after all buckets (``num_buckets``)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     kmask = offs < n
     k = tl.load(ks_ptr + offs, mask=kmask, other=EMPTY)
@@ -77,7 +78,9 @@ def _insert_probe_kernel(
     present = is_last & hit
     # NOTE: the empty marker is never placed (a padded batch: gpu.miss_log)
     fresh = is_last & (hit == 0) & (k != EMPTY)
-    tl.store(skey_ptr + offs, tl.where(fresh, bucket_of(k, num_buckets), num_buckets),
+    # NOTE: int32 sort keys (a bucket index, or num_buckets): half the radix passes
+    tl.store(skey_ptr + offs,
+             tl.where(fresh, bucket_of(k, num_buckets), num_buckets).to(tl.int32),
              mask=kmask)
     tl.store(slot_ptr + offs, tl.where(present, slot, -1), mask=kmask)
     tl.store(mark_ptr + slot, tl.full([BLOCK_K], 1, tl.int8), mask=present)
@@ -103,7 +106,7 @@ def _insert_plan_kernel(
     pslot = tl.load(slot_ptr + j, mask=kmask, other=-1)
     fresh = kmask & (sb < num_buckets)
     present = kmask & (pslot >= 0)
-    b = tl.where(fresh, sb, 0)
+    b = tl.where(fresh, sb, 0).to(tl.int64)
     w = tl.arange(0, WAYS)
     bslots = (b * WAYS)[:, None] + w[None, :]
     fm = fresh[:, None]
@@ -152,7 +155,7 @@ def _insert_decay_kernel(
     """Insert step 3: clamp, and halve where due, the counters of buckets taking keys."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     m = (offs < n) & (tl.load(decay_ptr + offs, mask=offs < n, other=0) != 0)
-    b = tl.load(sb_ptr + offs, mask=m, other=0)
+    b = tl.load(sb_ptr + offs, mask=m, other=0).to(tl.int64)
     w = tl.arange(0, WAYS)
     bslots = (b * WAYS)[:, None] + w[None, :]
     bc = tl.minimum(tl.load(counters_ptr + bslots, mask=m[:, None], other=0), CMAX)
@@ -245,8 +248,10 @@ def insert(
     trash = tkeys.numel()
     bk = TILES.insert_block_k
     grid = (_cdiv(n, bk),)
+    # NOTE: bucket indices sort as int32 (a cache of 2**31 buckets would need 2**34 slots)
+    assert num_buckets < 1 << 31
     ks, src = torch.sort(keys, stable=True)
-    skey = torch.empty_like(ks)
+    skey = torch.empty(n, dtype=torch.int32, device=keys.device)
     slot = torch.empty_like(ks)
     mark = torch.zeros(trash, dtype=torch.int8, device=keys.device)
     _launch(_PROBE, grid, (ks, n, tkeys, num_buckets, skey, slot, mark),
