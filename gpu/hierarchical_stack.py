@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from psclient import PSClientError
+
 from .admission import PendingAdmissions
 from .cached_stack import CachedStack
 from .errors import KeyNotFoundError, StorageUnavailableError, StorageWriteError
@@ -226,8 +228,6 @@ class HierarchicalStack(CachedStack):
                   since: int) -> int:
         """Read the keys not ``found`` from the parameter server into ``rows`` and
         ``found``; returns how many it found."""
-        from psclient import PSClientError
-
         need = (~found).nonzero().squeeze(1)
         need_keys = ukeys[need].cpu()
         try:
@@ -247,6 +247,10 @@ class HierarchicalStack(CachedStack):
         rows.index_copy_(0, need, values.to(rows.device, self.dtype))
         found.index_copy_(0, need, ok.to(rows.device))
         if self.host is not None and nf and self._policy.host > 0.0:
+            if nf == need_keys.numel() and self._policy.host >= 1.0:
+                # NOTE: the common case (every key found, every row offered): no masks
+                self.filler.submit(self._fill, (need_keys, values, since), nf)
+                return nf
             admit = ok.clone()
             if self._policy.host < 1.0:
                 admit &= torch.rand(admit.numel()) < self._policy.host
@@ -274,8 +278,6 @@ class HierarchicalStack(CachedStack):
 
     def _write(self, op: str, keys: torch.Tensor, values: torch.Tensor | None) -> torch.Tensor:
         """Write the parameter server first (the source of truth), then the host cache."""
-        from psclient import PSClientError
-
         ck = keys.cpu()
         cv = values.cpu() if values is not None else None
         found = torch.ones(ck.numel(), dtype=torch.bool)

@@ -72,7 +72,8 @@ class ParameterServer(ABC):
 
         Returns:
             ``(values, found)``: ``values`` ``[N, dim]`` of the table dtype (zeros where
-            not found) and ``found`` bool ``[N]``.
+            not found) and ``found`` bool ``[N]``, new tensors the caller owns (a layer
+            hands ``values`` to its host-cache worker as they are).
 
         Raises:
             BadKeysError: keys are not a 1-D int64 CPU tensor.
