@@ -51,7 +51,7 @@ from .schema import LAYOUT_VERSION, TableSchema
 log = logging.getLogger(__name__)
 
 
-_DEFAULTS = {"chunk_keys": 512, "pipeline_keys": 1024, "inline_keys": 8192,
+_DEFAULTS = {"chunk_keys": 512, "pipeline_keys": 1024, "inline_keys": 8192, "at_once_keys": 64,
              "changes_maxlen": 1000, "feed_entry_keys": 4096, "prefix": "psc",
              "max_workers": 4, "feed_sweep_ms": 250, "redirect_retries": 60, "upgrade": False}
 _SCRIPTS = {b"UPDATE": scripts.UPDATE, b"ERASE": scripts.ERASE}
@@ -80,6 +80,9 @@ class RedisParameterServer(ParameterServer):
         if self._opts["inline_keys"] < 0:
             raise BadArgumentError("option inline_keys must be >= 0 (0: always split a batch "
                                    "into pipelines of pipeline_keys)")
+        if self._opts["at_once_keys"] < 0:
+            raise BadArgumentError("option at_once_keys must be >= 0 (0: always hand each "
+                                   "lookup reply over as it arrives)")
         self._where = f"table {table!r} at {self._url}"
         pre = self._opts["prefix"]
         self._schema_key = f"{pre}:{{{table}}}:schema"
@@ -304,7 +307,25 @@ class RedisParameterServer(ParameterServer):
                 placed[i] = self._place(order[c.start:c.stop], reply, ks[c.start:c.stop],
                                         values, found)
 
-            stream_row_pipeline(client, payload, len(mine), expect, rb, sink)
+            at_once = None
+            nkeys = sum(c.stop - c.start for c in mine)
+            if nkeys < self._opts["at_once_keys"] * len(mine):
+                # NOTE: many small replies (few keys spread over many partitions): decoded
+                # one by one, each costs more than overlapping it with the server gains
+                def at_once(buf: bytearray, size: int) -> bool:
+                    rows = resp.all_rows(buf, size, [c.stop - c.start for c in mine], rb)
+                    if rows is None:
+                        return False
+                    if all(a.stop == b.start for a, b in zip(mine, mine[1:], strict=False)):
+                        dest = order[mine[0].start:mine[-1].stop]
+                    else:  # NOTE: a cluster node's share of the commands
+                        dest = order[np.concatenate([np.arange(c.start, c.stop)
+                                                     for c in mine])]
+                    values[dest] = rows
+                    found[dest] = True
+                    return True
+
+            stream_row_pipeline(client, payload, len(mine), expect, rb, sink, at_once=at_once)
             return placed
 
         self._run(cmds, job, place)

@@ -40,6 +40,7 @@ from .errors import (
 #: psclient's own options (not passed to redis-py), with their types.
 TABLE_OPTIONS: dict[str, type] = {
     "partitions": int, "chunk_keys": int, "pipeline_keys": int, "inline_keys": int,
+    "at_once_keys": int,
     "changes_maxlen": int, "feed_entry_keys": int, "prefix": str, "max_workers": int,
     "feed_sweep_ms": int, "redirect_retries": int, "upgrade": bool,
 }

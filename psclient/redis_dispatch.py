@@ -134,6 +134,12 @@ class Dispatcher:
 
     def _dispatch(self, cmds: list[Cmd], job: Job | None, bell: bool) -> list[Any]:
         nodes = self.nodes()
+        if not self._cluster and cmds and \
+                cmds[-1].stop - cmds[0].start <= self._opts["inline_keys"] and \
+                all(a.stop == b.start for a, b in zip(cmds, cmds[1:], strict=False)):
+            # NOTE: the common case (one node, one batch's consecutive commands, few keys):
+            # one pipeline on this thread, without the per-command grouping below
+            return self._run_work([(nodes[0], list(range(len(cmds))))], cmds, job, bell)
         jobs: dict[int, list[list[int]]] = {}  # id(node) -> pipelines (command indices)
         clients: dict[int, Any] = {}
         rows_in_last: dict[int, int] = {}
@@ -160,6 +166,12 @@ class Dispatcher:
             rows_in_last[nid] += cmd.stop - cmd.start
             last_part[nid] = cmd.part
         work = [(clients[nid], idx) for nid, pipes in jobs.items() for idx in pipes]
+        return self._run_work(work, cmds, job, bell)
+
+    def _run_work(self, work: list[tuple[Any, list[int]]], cmds: list[Cmd], job: Job | None,
+                  bell: bool) -> list[Any]:
+        """Run the pipelines ``work`` (a client and its command indices each): on this
+        thread when there is one, else on the pool; the replies in command order."""
         ring = self._bell if bell else None
 
         def execute(work_item: tuple[Any, list[int]]) -> list[Any]:

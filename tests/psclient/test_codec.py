@@ -205,3 +205,43 @@ def test_decode_row_replies_checks_every_records_framing(row_bytes: int) -> None
     with contextlib.suppress(hiredis.ProtocolError):
         got = resp.decode_row_replies(broken, len(broken), 1, row_bytes)
         assert not isinstance(got[0], np.ndarray)
+
+
+def _hmget_replies(replies: list[list[bytes | None]]) -> bytearray:
+    """RESP2 array replies of bulk strings (None: a nil), as HMGET answers."""
+    buf = bytearray()
+    for items in replies:
+        buf += b"*%d\r\n" % len(items)
+        for x in items:
+            buf += b"$-1\r\n" if x is None else b"$%d\r\n%b\r\n" % (len(x), x)
+    return buf
+
+
+@given(st.lists(st.integers(1, 12), min_size=1, max_size=20), st.integers(1, 40),
+       st.integers(0, 2**32))
+def test_all_rows_equals_hiredis_and_refuses_any_irregular_reply(
+        counts: list[int], row_bytes: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    rows = [[rng.integers(0, 256, row_bytes, dtype=np.uint8).tobytes() for _ in range(m)]
+            for m in counts]
+    buf = _hmget_replies(rows)
+    got = resp.all_rows(buf, len(buf), counts, row_bytes)
+    reader = hiredis.Reader()
+    reader.feed(bytes(buf))
+    want = [x for _ in counts for x in reader.gets()]
+    assert got is not None and [bytes(r) for r in got] == want
+    # every kind of irregular reply: the caller must decode one by one
+    i = int(rng.integers(0, len(counts)))
+    j = int(rng.integers(0, counts[i]))
+    miss = [list(r) for r in rows]
+    miss[i][j] = None
+    other = [list(r) for r in rows]
+    other[i][j] = other[i][j] + b"x"
+    for bad in (_hmget_replies(miss), _hmget_replies(other)):
+        assert resp.all_rows(bad, len(bad), counts, row_bytes) is None
+    error = bytearray(buf)
+    error[: len(b"*%d" % counts[0])] = b"-" * len(b"*%d" % counts[0])
+    assert resp.all_rows(error, len(error), counts, row_bytes) is None
+    assert resp.all_rows(buf, len(buf) - 1, counts, row_bytes) is None
+    assert resp.all_rows(buf, len(buf), [*counts[:-1], counts[-1] + 1], row_bytes) is None
+    assert resp.all_rows(bytearray(), 0, [], row_bytes) is None

@@ -31,17 +31,45 @@ def ps_factory(shared_redis: str, table_name: str):  # noqa: ANN201
         yield make
 
 
-@pytest.mark.parametrize("inline_keys", [0, 8192])
+@pytest.mark.parametrize(("inline_keys", "at_once_keys"), [(0, 64), (8192, 64), (8192, 0)])
 @settings(max_examples=30, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=model.OPS)
-def test_differential_against_dict(ps_factory, inline_keys: int,  # noqa: ANN001
+def test_differential_against_dict(ps_factory, inline_keys: int, at_once_keys: int,  # noqa: ANN001
                                    ops: list) -> None:
     # tiny chunks: every batch spans several commands; inline_keys=0: several pipelines on
-    # the pool too; 8192: one pipeline on this thread, replies streamed command by command
-    ps = ps_factory(f"-diff{inline_keys}", dim=model.DIM, partitions=4, chunk_keys=3,
-                    pipeline_keys=4, inline_keys=inline_keys)
+    # the pool too; 8192: one pipeline on this thread. at_once_keys=64: lookups' replies
+    # (3 keys at most) read whole and decoded at once; 0: streamed command by command
+    ps = ps_factory(f"-diff{inline_keys}-{at_once_keys}", dim=model.DIM, partitions=4,
+                    chunk_keys=3, pipeline_keys=4, inline_keys=inline_keys,
+                    at_once_keys=at_once_keys)
     model.check_against_dict(ps, ops)
+
+
+@pytest.mark.parametrize("at_once_keys", [0, 64])
+def test_a_small_lookup_over_many_partitions_reads_what_was_written(
+        ps_factory, shared_redis: str, at_once_keys: int) -> None:  # noqa: ANN001
+    """A hundred keys over 64 partitions (two a reply): found rows, misses among them and a
+    wrong-length value give the same answers whether the replies are decoded at once or one
+    by one."""
+    ps = ps_factory(f"-small{at_once_keys}", dim=8, partitions=64, at_once_keys=at_once_keys)
+    keys = torch.from_numpy(np.random.default_rng(1).choice(2**40, 120, replace=False))
+    vals = torch.randn(120, 8)
+    ps.insert(keys[:100], vals[:100])
+    got, found = ps.lookup(keys[:100])
+    assert found.all() and torch.equal(got, vals[:100])
+    probe = torch.cat([keys[90:110], keys[:5]])  # 10 misses in the middle, duplicates
+    got, found = ps.lookup(probe)
+    assert found.tolist() == [True] * 10 + [False] * 10 + [True] * 5
+    assert torch.equal(got[:10], vals[90:100]) and not got[10:20].any()
+    assert torch.equal(got[20:], vals[:5])
+    bad = int(keys[7])
+    part = int(partition_of(np.array([bad], dtype=np.int64), 64)[0])
+    r = redis.Redis.from_url(shared_redis)
+    r.hset(f"psc:{{{ps.table}:{part}}}", np.int64(bad).tobytes(), b"short")
+    r.close()
+    with pytest.raises(psclient.CorruptValueError, match=rf"key {bad}.*5 bytes"):
+        ps.lookup(keys[:100])
 
 
 @pytest.mark.parametrize("inline_keys", [0, 8192])
