@@ -385,9 +385,12 @@ class HostCache(SharedTable):
         prio = self._policy2.index_select(0, ubuckets).clone()
         prio[key_b == layout.EMPTY_KEY] = -1
         if protected_slots.numel():
-            flat = torch.full((self.geometry.slots,), False)
-            flat[protected_slots] = True
-            prio[flat.view(-1, ways).index_select(0, ubuckets)] = _PROTECTED
+            # NOTE: the touched buckets' protected ways, found by searching the (sorted)
+            # buckets: the work of the keys, not of the table's size
+            pb = torch.div(protected_slots, ways, rounding_mode="floor")
+            at = torch.searchsorted(ubuckets, pb).clamp_(max=ubuckets.numel() - 1)
+            mine = ubuckets[at] == pb
+            prio[at[mine], (protected_slots - pb * ways)[mine]] = _PROTECTED
         prio_sorted, way_order = torch.sort(prio, dim=1, stable=True)
         ok = rank < ways
         g, r = group[ok], rank[ok]

@@ -115,6 +115,30 @@ def test_eviction_takes_the_coldest_way(table_name: str) -> None:
             HostCache.unlink(table_name)
 
 
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_keys_of_the_batch_already_cached_are_never_its_victims(table_name: str,
+                                                                overwrite: bool) -> None:
+    """Cold cached keys written again in the batch that places new keys in their bucket
+    stay; the new keys take the next coldest ways (in a table of many buckets, so the
+    protected ways are found among others)."""
+    with HostCache.create(table_name, capacity=4096, dim=DIM, ways=8) as hc:
+        try:
+            same = keys_in_one_bucket(hc, 10)
+            old, new = same[:8], same[8:]
+            other = torch.arange(10**6, 10**6 + 500)  # other buckets, touched by the batch
+            hc.insert(torch.cat([old, other]), rows_for(torch.cat([old, other])))
+            for _ in range(3):  # old[4:] hot; old[:4] coldest, ties by way: old[0] first
+                hc.lookup(old[4:])
+            batch = torch.cat([old[:2], new, other[:50]])
+            hc.insert(batch, rows_for(batch, tag=1), overwrite=overwrite)
+            _, hit = hc.lookup(torch.cat([old, new]), count=False)
+            assert hit.tolist() == [True, True, False, False] + [True] * 4 + [True, True]
+            got, _ = hc.lookup(old[:2], count=False)
+            assert torch.equal(got, rows_for(old[:2], tag=1 if overwrite else 0))
+        finally:
+            HostCache.unlink(table_name)
+
+
 def test_lookup_counts_each_hit_occurrence_and_leaves_missed_slots_alone(table_name: str) -> None:
     with HostCache.create(table_name, capacity=64, dim=DIM, ways=4) as hc:
         try:
