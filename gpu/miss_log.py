@@ -149,9 +149,9 @@ class MissLog:
             return
         admitted = min(self._keys, cand.cap)
         kept = self._kept
-        emptied = kept is not None and cand is kept[0]
-        if kept is not None and emptied:
-            kept[1]()  # NOTE: one graph launch: the insert below, then the log emptied
+        graphed = kept[1] if kept is not None and cand is kept[0] else None
+        if graphed is not None:
+            graphed()  # NOTE: one graph launch: the insert below, then the log emptied
         else:
             keys, rows = cand.keys, cand.rows
             assert rows is not None
@@ -165,7 +165,7 @@ class MissLog:
                 self._cache.insert(keys, rows, validate=False)
         self._budget.admitted += admitted
         self.rounds += 1
-        if emptied and self._warm == self._budget.warm:
+        if graphed is not None and self._warm == self._budget.warm:
             self._calls = self._keys = 0
         else:
             self.drop()
