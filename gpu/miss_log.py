@@ -111,22 +111,27 @@ class MissLog:
         """Keep the current log (a warm cache's, empty, its round run once eagerly: the
         kernels loaded) for every later warm phase, its round captured into a CUDA graph;
         returns whether rounds now replay it. At a layer's construction: the capture
-        holds the device's default random generator (gpu.graphed)."""
+        holds the device's default random generator (gpu.graphed). On the CPU the log is
+        kept the same way, its round run eagerly (no layer does that: tests do)."""
         cand = self._cand
-        if cand is None or not cand.buffer.is_cuda or self._prob < 1.0 or \
-                not self._budget.warm or self._kept is not None:
+        if cand is None or self._prob < 1.0 or not self._budget.warm or \
+                self._kept is not None:
             return False
         cache, rows = self._cache, cand.rows
         assert rows is not None
 
         def admit() -> None:
-            cache.insert(cand.keys, rows, validate=False)
+            keys, kept_rows = cand.keys, rows
+            if not keys.is_cuda:  # NOTE: the count is at hand: insert no padding
+                used = min(int(cand.count), cand.cap)
+                keys, kept_rows = keys[:used], kept_rows[:used]
+            cache.insert(keys, kept_rows, validate=False)
             cand.buffer.fill_(EMPTY_KEY)
             cand.buffer[:1].zero_()
 
         graphed = GraphedCall(admit, cache.device)
         self._kept = (cand, graphed)
-        return graphed.capture()
+        return cand.buffer.is_cuda and graphed.capture()
 
     def logged(self, n: int) -> None:
         """After a lookup of ``n`` keys logged its misses (caller holds the cache guard
@@ -188,14 +193,19 @@ class MissLog:
         self.drop()
         self._release()
         kept, self._kept = self._kept, None
-        if kept is not None:
+        if kept is not None and kept[0].buffer.is_cuda:
             # NOTE: a replay may still run: its graph and pool go once the stream is past it
             torch.cuda.current_stream(kept[0].buffer.device).synchronize()
 
     def _release(self) -> None:
         cand, self._cand = self._cand, None
         if self._kept is not None and cand is self._kept[0]:
-            return  # NOTE: kept for the next warm phase
+            # NOTE: kept for the next warm phase, emptied now: what it logged is as old as
+            # the lookups that logged it, and the cache went cold meanwhile (a clear, a
+            # change feed that overflowed)
+            cand.buffer.fill_(EMPTY_KEY)
+            cand.buffer[:1].zero_()
+            return
         if cand is not None and cand.buffer.is_cuda:
             # NOTE: lookups on other streams were ordered before this one (the cache
             # guard): the allocator reuses the blocks only after this stream's work

@@ -130,3 +130,34 @@ def test_linear_rounds_replayed_admit_what_the_cpu_twin_admits(table_name: str) 
     finally:
         mb.close()
         SharedMemBlock.unlink(table_name)
+
+
+def test_the_kept_log_comes_back_empty_after_the_cache_went_cold(table_name: str) -> None:
+    """Keys logged by a warm cache's lookups, then a clear and a write of their rows: when
+    the cache is warm again and its kept log's round runs, those old rows never go in."""
+    mb = SharedMemBlock.create(table_name, num_rows=ROWS, dim=DIM)
+    try:
+        mb.write(torch.arange(ROWS), torch.zeros(ROWS, DIM))
+        tuning = TierConfig(admit_fraction=1.0, round_lookups=1000, round_capacities=1e9,
+                            warm_round_fraction=1.0)
+        layer = NVEmbedding(ROWS, DIM, torch.float32, LayerType.LinearUVM, storage=mb,
+                            gpu_cache_size=8 * ROWS * SLOT, device="cuda", tuning=tuning)
+        everything = torch.arange(ROWS, device=DEV)
+        for _ in range(8):  # a cold round once as many keys as slots: warm after it
+            layer(everything)
+        k = torch.arange(100, 200, device=DEV)
+        layer.erase(k)
+        layer(k)  # logged in the warm cache's kept log (no round due)
+        layer.clear()  # cold again
+        mb.write(k.cpu(), torch.ones(k.numel(), DIM))  # announced: the logged rows are old
+        others = everything[(everything < 100) | (everything >= 200)]
+        while not bool(layer.in_gpu_cache(others).all()):
+            layer(others)  # cold rounds until the cache is full (and warm) again
+        layer(others)  # the warm cache's log again: the kept one
+        layer.flush()  # its round
+        assert not layer.in_gpu_cache(k).any()
+        assert torch.equal(layer(k).cpu(), torch.ones(k.numel(), DIM))
+        layer.close()
+    finally:
+        mb.close()
+        SharedMemBlock.unlink(table_name)

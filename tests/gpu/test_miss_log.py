@@ -8,7 +8,11 @@ import pytest
 import torch
 
 from gpu import InsertPolicy, LayerType, NVEmbedding, TierConfig
+from gpu.admission import RoundBudget
+from gpu.cache import GPUCache
+from gpu.miss_log import MissLog
 from hostcache import SharedMemBlock
+from hostcache.layout import EMPTY_KEY
 
 ROWS, DIM = 4096, 4
 SLOT = 8 + 4 + DIM * 4
@@ -196,3 +200,36 @@ def test_construction_loads_the_kernels_a_lookup_and_its_rounds_launch(
     assert layer.stats().gpu.inserts > 0
     assert _compiled_variants() == loaded
     layer.close()
+
+
+def test_the_kept_log_is_reused_empty_after_the_cache_went_cold() -> None:
+    """A warm cache's kept log (a CUDA layer keeps one from its construction; here on the
+    CPU, its round eager) holds misses when the cache goes cold; when it is warm again the
+    same log comes back, empty: nothing logged before is admitted."""
+    cfg = TierConfig(round_lookups=1000, round_capacities=1e9)
+    cache = GPUCache(512 * SLOT, DIM, torch.float32, torch.device("cpu"))
+    budget = RoundBudget(cache, cfg)
+    log = MissLog(cache, budget, cfg, 1.0)
+    table = torch.randn(ROWS, DIM)
+    budget.admitted = cache.capacity  # warm
+    kept = log.candidates(1)
+    assert kept is not None
+    assert log.keep() is False  # kept, no graph on the CPU
+    old = torch.arange(10)
+    cache.gather_linear(old, table, candidates=kept, host_table=False, err=None)
+    log.logged(old.numel())
+    assert int(kept.count) == 10
+    budget.reset()  # cold again (a clear, an overflowed change feed)
+    log.drop()
+    assert int(kept.count) == 0 and bool((kept.keys == EMPTY_KEY).all())
+    budget.admitted = cache.capacity  # warm again
+    assert log.candidates(1) is kept
+    new = torch.arange(20, 30)
+    cache.gather_linear(new, table, candidates=kept, host_table=False, err=None)
+    log.logged(new.numel())
+    log.round()
+    assert not (cache.probe(old, record=False) >= 0).any()
+    assert (cache.probe(new, record=False) >= 0).all()
+    assert torch.equal(cache.lookup(new)[0], table[new])
+    assert int(kept.count) == 0  # the round emptied it
+    log.close()
