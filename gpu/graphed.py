@@ -36,9 +36,9 @@ class GraphedCall:
     :meth:`capture` succeeded, eagerly before.
 
     Args:
-        fn: The work: CUDA ops on tensors that live as long as this object, no host sync,
-            no host-side state that changes between calls.
-        device: The CUDA device it runs on.
+        fn: The work: ops on tensors that live as long as this object, no host sync, no
+            host-side state that changes between calls.
+        device: The device it runs on (on the CPU it is never captured: always eager).
     """
 
     def __init__(self, fn: Callable[[], None], device: torch.device) -> None:
