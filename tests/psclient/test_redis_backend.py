@@ -111,6 +111,10 @@ def test_schema_stored_and_checked(ps_factory, shared_redis: str, table_name: st
         psclient.connect(shared_redis, table=table_name, sokcet_timeout=1)
     with pytest.raises(psclient.BadArgumentError, match="inline_keys must be >= 0"):
         psclient.connect(shared_redis, table=table_name, inline_keys=-1)
+    with pytest.raises(psclient.BadArgumentError, match="at_once_keys must be >= 0"):
+        psclient.connect(shared_redis, table=table_name, at_once_keys=-1)
+    with pytest.raises(psclient.BadArgumentError, match="at_once_keys"):
+        psclient.connect(f"{shared_redis}?at_once_keys=many", table=table_name)
     r = redis.Redis.from_url(shared_redis)
     r.set(f"psc:{{{ps.table}-bad}}:schema", b"\xc1 not msgpack")
     try:
