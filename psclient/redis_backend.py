@@ -298,7 +298,9 @@ class RedisParameterServer(ParameterServer):
         def job(client: Any, mine: list[Cmd]) -> list[Any]:
             # NOTE: runs on the pool; each job writes only the rows of its own commands, each
             # command's as soon as its reply is in (the server works on the next meanwhile).
-            expect = sum(c.stop - c.start for c in mine) * rec_len + 16 * len(mine)
+            counts = [c.stop - c.start for c in mine]
+            nkeys = sum(counts)
+            expect = nkeys * rec_len + 16 * len(mine)
             payload = [part for c in mine for part in c.payload]
             placed: list[Any] = [None] * len(mine)
 
@@ -308,12 +310,11 @@ class RedisParameterServer(ParameterServer):
                                         values, found)
 
             at_once = None
-            nkeys = sum(c.stop - c.start for c in mine)
             if nkeys < self._opts["at_once_keys"] * len(mine):
                 # NOTE: many small replies (few keys spread over many partitions): decoded
                 # one by one, each costs more than overlapping it with the server gains
                 def at_once(buf: bytearray, size: int) -> bool:
-                    rows = resp.all_rows(buf, size, [c.stop - c.start for c in mine], rb)
+                    rows = resp.all_rows(buf, size, counts, rb)
                     if rows is None:
                         return False
                     if all(a.stop == b.start for a, b in zip(mine, mine[1:], strict=False)):
