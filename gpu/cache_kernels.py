@@ -31,7 +31,11 @@ batch over a table in host memory (0: never) is visited in row (= host page) ord
 position), so that neighbouring programs read neighbouring host pages: slower than batch
 order for small batches, faster for large ones (bench/RESULTS.md, "GPU cache kernels",
 "LinearUVM: batch order vs host-page order"). No host sync either way; the rows are the
-same bit for bit.
+same bit for bit. A page-ordered lookup that lists its misses (``candidates``) marks them
+and lists them in a second launch after a scan of the marks, in batch order, as the twin
+does: listed in visit order, a log that fills would hold every miss of one window of rows,
+each distinct cold key once, instead of a sample of the miss occurrences in which often
+missed keys are likelier (a 1M-key LinearUVM stream warmed 30 points slower that way).
 
 Pooled lookups split each bag over several programs (``pooled_split``) so that a few
 hundred bags still fill the GPU; each program accumulates a ``[BLOCK_K, BLOCK_D]`` fp32
@@ -67,13 +71,13 @@ _collect = _parts.collect
 def _lookup_kernel(
     keys_ptr, n, tkeys_ptr, counters_ptr, rows_ptr, stats_ptr, num_buckets,
     out_ptr, hit_ptr, slots_ptr, table_ptr, num_rows, tstride, dim, cand_ptr, cand_cap,
-    order_ptr, err_ptr, crows_ptr, miss_ptr, HAS_CACHE: tl.constexpr, GATHER: tl.constexpr,
-    LINEAR: tl.constexpr, WRITE_SLOTS: tl.constexpr, COUNT: tl.constexpr,
+    order_ptr, err_ptr, crows_ptr, miss_ptr, mark_ptr, HAS_CACHE: tl.constexpr,
+    GATHER: tl.constexpr, LINEAR: tl.constexpr, WRITE_SLOTS: tl.constexpr, COUNT: tl.constexpr,
     COLLECT: tl.constexpr, WAYS: tl.constexpr,
     EMPTY: tl.constexpr, STAT_STRIPES: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CMAX: tl.constexpr, ORDERED: tl.constexpr,
     WRITE_HIT: tl.constexpr, CHECK: tl.constexpr, COLLECT_ROWS: tl.constexpr,
-    FLAG_MISS: tl.constexpr,
+    FLAG_MISS: tl.constexpr, MARK_MISSES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -133,6 +137,12 @@ def _lookup_kernel(
             # not read it again (over the host link)
             tl.store(crows_ptr + cpos[:, None] * dim + d[None, :], vals,
                      mask=stored[:, None] & dmask[None, :])
+    if MARK_MISSES:
+        # NOTE: a page-ordered lookup lists its misses afterwards, in batch order
+        # (_collect_ordered_kernel): here each position only says whether it is one
+        tl.store(mark_ptr + offs,
+                 (kmask & (hit == 0) & (keys >= 0) & (keys < num_rows)).to(tl.int8),
+                 mask=kmask)
     if CHECK:
         # NOTE: a key outside the linear table lands in the layer's key-error flag (a
         # store over the host link, made only when a key is bad: gpu.key_flag)
@@ -141,6 +151,34 @@ def _lookup_kernel(
         # NOTE: one store over the host link per program that met a miss (gpu.host_word)
         nmiss = tl.reduce((kmask & (hit == 0)).to(tl.int32), 0, add_combine)
         tl.store(miss_ptr, 1, mask=nmiss > 0)
+
+
+@triton.jit(do_not_specialize=["n", "cand_cap"])
+def _collect_ordered_kernel(
+    keys_ptr, mark_ptr, rank_ptr, out_ptr, cand_ptr, cand_cap, crows_ptr, n, dim,
+    ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+):
+    """The misses a page-ordered lookup marked, listed in batch order after the ones
+    already in the candidate buffer (``rank``: the inclusive count of marks up to each
+    position), with the rows the lookup wrote to ``out``; the count is raised by the
+    caller afterwards (every program reads it here)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    kmask = offs < n
+    base = tl.load(cand_ptr)
+    pos = base + tl.load(rank_ptr + offs, mask=kmask, other=0).to(tl.int64) - 1
+    m = kmask & (tl.load(mark_ptr + offs, mask=kmask, other=0) != 0) & (pos < cand_cap)
+    keys = tl.load(keys_ptr + offs, mask=m, other=0)
+    tl.store(cand_ptr + 1 + pos, keys, mask=m)
+    tl.store(cand_ptr + 1 + cand_cap + pos, offs, mask=m)
+    if ROWS:
+        d = tl.arange(0, BLOCK_D)
+        if EVEN_D:
+            dmask = tl.full([BLOCK_D], 1, tl.int1)
+        else:
+            dmask = d < dim
+        rm = m[:, None] & dmask[None, :]
+        vals = tl.load(out_ptr + offs[:, None] * dim + d[None, :], mask=rm)
+        tl.store(crows_ptr + pos[:, None] * dim + d[None, :], vals, mask=rm)
 
 
 @triton.jit(do_not_specialize=["num_buckets", "num_rows", "cand_cap"])
@@ -296,6 +334,13 @@ if triton.knobs.runtime.interpret:
 #: the lookup kernel launched directly (gpu.launch), and its constexpr sets by key
 _LOOKUP = DirectLaunch(_lookup_kernel)
 _LOOKUP_CX: dict[tuple[object, ...], dict[str, object]] = {}
+#: the batch-order listing of a page-ordered lookup's misses, and its constexpr sets
+_COLLECT = DirectLaunch(_collect_ordered_kernel)
+_COLLECT_CX: dict[tuple[object, ...], dict[str, object]] = {}
+_COLLECT_BLOCK_K = 32
+
+
+_INT32_MAX = (1 << 31) - 1
 
 
 # NOTE: plain integer helpers: triton.cdiv / triton.next_power_of_2 are constexpr
@@ -352,11 +397,16 @@ def lookup(
     bd = _block_d(dim)
     linear = table is not None
     order = _visit_order(keys, table, host_table, rotate) if gather else None
+    # NOTE: a page-ordered lookup marks its misses and lists them after, in batch order:
+    # listed in visit order, a log that fills would hold every miss of a window of rows
+    # (each distinct cold key once) instead of a sample of the miss occurrences
+    later = candidates is not None and order is not None
+    marks = torch.empty(n, dtype=torch.int8, device=dev) if later else None
     tiles = TILES
-    cxkey = (num_buckets > 0, gather, linear, want_slots, count, candidates is not None,
-             ways, empty, stats.numel(), bd, cmax, order is not None, want_hit,
-             err is not None and linear, bd == dim, rows.dtype, tiles,
-             candidate_rows is not None, miss_flag is not None)
+    cxkey = (num_buckets > 0, gather, linear, want_slots, count,
+             candidates is not None and not later, ways, empty, stats.numel(), bd, cmax,
+             order is not None, want_hit, err is not None and linear, bd == dim, rows.dtype,
+             tiles, candidate_rows is not None and not later, miss_flag is not None, later)
     cx = _LOOKUP_CX.get(cxkey)
     if cx is None:
         cx = _LOOKUP_CX[cxkey] = dict(
@@ -364,7 +414,8 @@ def lookup(
             COUNT=count, COLLECT=cxkey[5], WAYS=ways, EMPTY=empty, STAT_STRIPES=cxkey[8],
             BLOCK_K=tiles.lookup_block_k, BLOCK_D=bd, EVEN_D=bd == dim, CMAX=cmax,
             ORDERED=cxkey[11], WRITE_HIT=want_hit, CHECK=cxkey[13],
-            COLLECT_ROWS=cxkey[17], FLAG_MISS=cxkey[18], num_warps=tiles.lookup_warps)
+            COLLECT_ROWS=cxkey[17], FLAG_MISS=cxkey[18], MARK_MISSES=later,
+            num_warps=tiles.lookup_warps)
     _LOOKUP(
         (_cdiv(n, tiles.lookup_block_k),),
         (keys, n, tkeys, counters, rows, stats, max(num_buckets, 1),
@@ -374,9 +425,32 @@ def lookup(
          candidates if candidates is not None else keys, _cand_cap(candidates),
          order if order is not None else keys, err if err is not None else keys,
          candidate_rows if candidate_rows is not None else rows,
-         miss_flag if miss_flag is not None else keys),
+         miss_flag if miss_flag is not None else keys, marks if marks is not None else keys),
         cx, cxkey)
+    if marks is not None:
+        assert candidates is not None and out is not None
+        _collect_ordered(keys, marks, out, candidates, candidate_rows)
     return out, hit, slots
+
+
+def _collect_ordered(keys: torch.Tensor, marks: torch.Tensor, out: torch.Tensor,
+                     candidates: torch.Tensor, candidate_rows: torch.Tensor | None) -> None:
+    """List a page-ordered lookup's marked misses in batch order (the twin's
+    ``collect_misses``): a scan of the marks, one launch, then the count raised."""
+    n, dim = keys.numel(), out.shape[1]
+    rank = torch.cumsum(marks, 0, dtype=torch.int32 if n < _INT32_MAX else torch.int64)
+    bd = _block_d(dim)
+    key = (candidate_rows is not None, bd, bd == dim, out.dtype)
+    cx = _COLLECT_CX.get(key)
+    if cx is None:
+        cx = _COLLECT_CX[key] = dict(ROWS=key[0], BLOCK_K=_COLLECT_BLOCK_K, BLOCK_D=bd,
+                                     EVEN_D=key[2])
+    _COLLECT(
+        (_cdiv(n, _COLLECT_BLOCK_K),),
+        (keys, marks, rank, out, candidates, _cand_cap(candidates),
+         candidate_rows if candidate_rows is not None else out, n, dim),
+        cx, key)
+    candidates[:1] += rank[-1:]
 
 
 def _visit_order(keys: torch.Tensor, table: torch.Tensor | None, host_table: bool,

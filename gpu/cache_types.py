@@ -42,10 +42,11 @@ class MissCandidates:
     (all of them, even past ``cap``), the first ``cap`` missed keys found and their
     positions in the batch. Duplicated keys appear once per occurrence.
 
-    Which misses come first: batch order on the CPU; on CUDA the order in which the
-    kernel's key blocks ran (a block's misses stay together, in the order the block visits
-    them: batch order, or host-page order from a rotating start row for large batches over
-    a host table, see ``gpu.cache_kernels.page_order``).
+    Which misses come first: batch order on the CPU, and on CUDA for large batches over a
+    host table (visited in host-page order, see ``gpu.cache_kernels.page_order``, then
+    listed in batch order); for other CUDA lookups the order in which the kernel's key
+    blocks ran (a block's misses stay together, in batch order). Either way a sample of
+    the miss occurrences, in which keys that miss often are likelier.
 
     With ``rows`` (``[cap, dim]``, the cache's dtype) the lookup also copies the row it
     read for each listed miss there (row ``i`` belongs to ``keys[i]``): an admission then

@@ -213,6 +213,40 @@ def test_listed_misses_carry_the_rows_read(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("device", [
     pytest.param("cpu", marks=needs_triton),
     pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])])
+@pytest.mark.parametrize("dim", [12, 16])
+def test_page_ordered_lookups_list_the_twins_misses_when_the_list_fills(
+        monkeypatch: pytest.MonkeyPatch, device: str, dim: int) -> None:
+    """A batch visited in host-page order lists its misses in batch order, as the twin
+    does: with more misses than room, the same first keys, positions and rows, in the same
+    order, over lookups appending to one buffer (not every miss of a window of rows)."""
+    from gpu._triton import kernel_module
+
+    kernels = kernel_module("cache_kernels", interpret=device == "cpu")
+    monkeypatch.setattr(kernels, "TILES", replace(kernels.TILES, linear_page_order=1))
+    gen = torch.Generator().manual_seed(dim)
+    table = torch.randn(300, dim, generator=gen)
+    present = torch.arange(0, 300, 3)
+    listed = []
+    for backend in ("torch", "triton"):
+        cache = make(device, backend if device == "cpu" else "auto", buckets=64, dim=dim)
+        dev = cache.device
+        cache.insert(present.to(dev), table[present].to(dev))
+        cand = MissCandidates.empty(90, dev, dim=dim)
+        g = torch.Generator().manual_seed(1)
+        for n in (70, 130):  # the second lookup overflows the list part way
+            keys = torch.randint(-2, 302, (n,), generator=g)  # a few out of range
+            cache.lookup_linear(keys.to(dev), table.to(dev), candidates=cand, validate=False)
+        assert cand.rows is not None
+        listed.append((cand.buffer.cpu(), cand.rows.cpu()))
+    (buf_a, rows_a), (buf_b, rows_b) = listed
+    assert int(buf_a[0]) > 90  # the list filled
+    assert torch.equal(buf_a, buf_b) and torch.equal(rows_a, rows_b)
+    assert torch.equal(rows_a, table[buf_a[1:91]])
+
+
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=needs_triton),
+    pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_the_miss_flag_is_set_by_a_miss_and_only_by_one(device: str, backend: str) -> None:
     """A lookup with a miss flag (a mapped host word on CUDA) sets it to 1 when any key
