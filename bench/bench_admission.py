@@ -1,10 +1,11 @@
 """GPU-cache admission: hit rates of a LinearUVM layer's cache with and without the warm cap.
 
-The layer admits its misses in rounds; once its cache has been offered as many keys as it
-has slots, a round brings in at most ``TierConfig.warm_round_fraction`` (1/8) of the slots,
-a random sample of the round's miss occurrences. The baseline, measured in the same run on
-the same key streams, is the uncapped rule (fraction 1.0: a round may replace the whole
-cache). Also shown: ``InsertPolicy(gpu=0.1)`` (a random tenth of the misses admitted).
+The layer admits its misses in rounds; once its cache has been offered
+``TierConfig.warm_capacities`` (4) times as many keys as it has slots, a round brings in
+at most ``TierConfig.warm_round_fraction`` (1/8) of the slots, a random sample of the
+round's miss occurrences. The baseline, measured in the same run on the same key streams,
+is the uncapped rule (fraction 1.0: a round may replace the whole cache). Also shown:
+``InsertPolicy(gpu=0.1)`` (a random tenth of the misses admitted).
 
 Hit rates depend only on the cache's placement rules, which the CPU twin and the Triton
 kernels share exactly, so this runs on the CPU (small rows: dim 4). Workload: Zipf 1.05

@@ -12,6 +12,7 @@ through the layer drops everything waiting.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -24,17 +25,24 @@ from .tier_config import TierConfig
 
 class RoundBudget:
     """How many keys one admission round may bring into a cache: all its slots while it
-    fills, ``warm_round_fraction`` of them once it has been offered as many keys as it has
-    slots (a small cache then keeps its hot rows when lookups miss many cold keys)."""
+    fills, ``warm_round_fraction`` of them once it has been offered ``warm_capacities``
+    times as many keys as it has slots (a small cache then keeps its hot rows when lookups
+    miss many cold keys). Offered keys repeat (a Zipf stream's hot keys), so one capacity's
+    worth leaves the cache far from full: bench/RESULTS.md, "GPU-cache admission"."""
 
     def __init__(self, cache: GPUCache, config: TierConfig) -> None:
         self._cache = cache
         self._fraction = config.warm_round_fraction
+        self._warm_at = config.warm_capacities * cache.capacity
         self.admitted = 0
 
     @property
     def warm(self) -> bool:
-        return self.admitted >= self._cache.capacity
+        return self.admitted >= self._warm_at
+
+    def make_warm(self) -> None:
+        """Count the cache as warm from now on (a layer loading its warm rounds' kernels)."""
+        self.admitted = max(self.admitted, int(math.ceil(self._warm_at)))
 
     def cap(self) -> int:
         cap = self._cache.capacity

@@ -68,8 +68,9 @@ class LinearStack(CachedStack):
             return
         key = torch.zeros(1, dtype=torch.int64, device=self.device)
         with self._gate, self.guard, self.cache.warming_up():
-            for admitted in (0, self.cache.capacity):
-                self.budget.admitted = admitted
+            for warm in (False, True):
+                if warm:
+                    self.budget.make_warm()
                 self.log.drop()  # NOTE: a log sized for this budget
                 self.cache.gather_linear(key, self.table, candidates=self.log.candidates(1),
                                          host_table=self._host, err=self.check.err)

@@ -22,8 +22,8 @@ class TierConfig:
     the cache fills, and for lookups of at least ``admit_fraction`` of its slots, once
     that many keys were looked up; for smaller lookups of a warm cache, once
     ``round_lookups`` lookups or ``round_capacities`` times its slots of keys have gone
-    by. A warm cache (offered as many keys as it has slots) takes at most
-    ``warm_round_fraction`` of its slots per round.
+    by. A warm cache (offered ``warm_capacities`` times as many keys as it has slots)
+    takes at most ``warm_round_fraction`` of its slots per round.
     """
 
     admit_keys: int = 1 << 20
@@ -41,6 +41,9 @@ class TierConfig:
     #: kernel from this many distinct keys on; fewer are read on the CPU and copied over.
     host_gpu_read_keys: int = 4096
     warm_round_fraction: float = 1 / 8
+    #: a cache is warm once offered this many times its slots of keys: with repeated keys
+    #: (Zipf) one capacity's worth filled a third of it, four fill nine tenths.
+    warm_capacities: float = 4.0
     round_lookups: int = 128
     round_capacities: float = 16.0
 

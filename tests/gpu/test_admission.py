@@ -88,3 +88,40 @@ def test_warm_cap_changes_nothing_where_rounds_are_small(table) -> None:
     uncapped = run(table, 1.0, 0.1, 512, round_lookups=1)
     assert capped == uncapped
     assert 0.0 < capped.hit_rate < 1.0
+
+
+def test_a_cache_fills_before_its_rounds_are_capped() -> None:
+    """Zipf lookups repeat their hot keys, so the keys offered to a cache overstate what it
+    takes: counted warm after one capacity's worth, a cache stayed below half full for
+    eight capacities of keys (its warm rounds rare and capped); counted warm after
+    ``warm_capacities`` (4) of them, it is nine tenths full by then."""
+    rows, slots, batch = 20_000, 2048, 128  # batches below a round of their own
+    table = torch.randn(rows, DIM)
+    filled = {}
+    for warm_capacities in (1.0, TierConfig().warm_capacities):
+        keys = ZipfKeys(rows, 1.05, seed=1)
+        layer = NVEmbedding(rows, DIM, torch.float32, LayerType.LinearUVM,
+                            gpu_cache_size=slots * (8 + 4 + DIM * 4), storage=table,
+                            device="cpu", tuning=TierConfig(warm_capacities=warm_capacities))
+        for _ in range(8 * slots // batch):
+            layer(keys.sample(batch))
+        filled[warm_capacities] = int(layer.in_gpu_cache(torch.arange(rows)).sum()) / slots
+        layer.close()
+    assert TierConfig().warm_capacities > 1.0
+    assert filled[1.0] < 0.5 and filled[TierConfig().warm_capacities] > 0.9, filled
+
+
+def test_the_round_budget_counts_a_cache_warm_after_warm_capacities_of_keys() -> None:
+    from gpu.admission import RoundBudget
+    from gpu.cache import GPUCache
+
+    cache = GPUCache(1024 * (8 + 4 + DIM * 4), DIM, torch.float32, torch.device("cpu"))
+    budget = RoundBudget(cache, TierConfig(warm_capacities=2.5, warm_round_fraction=0.25))
+    budget.admitted = 2 * cache.capacity
+    assert not budget.warm and budget.cap() == cache.capacity
+    budget.admitted = int(2.5 * cache.capacity)
+    assert budget.warm and budget.cap() == cache.capacity // 4
+    budget.reset()
+    assert not budget.warm
+    budget.make_warm()
+    assert budget.warm

@@ -101,7 +101,7 @@ def test_linear_rounds_replayed_admit_what_the_cpu_twin_admits(table_name: str) 
     try:
         mb.write(torch.arange(ROWS), torch.randn(ROWS, DIM))
         tuning = TierConfig(admit_fraction=1.0, round_lookups=2, round_capacities=1e9,
-                            warm_round_fraction=1.0)
+                            warm_round_fraction=1.0, warm_capacities=1.0)
         layers = {d: NVEmbedding(ROWS, DIM, torch.float32, LayerType.LinearUVM, storage=mb,
                                  gpu_cache_size=8 * ROWS * SLOT, device=d, tuning=tuning)
                   for d in ("cpu", "cuda")}
@@ -139,7 +139,7 @@ def test_the_kept_log_comes_back_empty_after_the_cache_went_cold(table_name: str
     try:
         mb.write(torch.arange(ROWS), torch.zeros(ROWS, DIM))
         tuning = TierConfig(admit_fraction=1.0, round_lookups=1000, round_capacities=1e9,
-                            warm_round_fraction=1.0)
+                            warm_round_fraction=1.0, warm_capacities=1.0)
         layer = NVEmbedding(ROWS, DIM, torch.float32, LayerType.LinearUVM, storage=mb,
                             gpu_cache_size=8 * ROWS * SLOT, device="cuda", tuning=tuning)
         everything = torch.arange(ROWS, device=DEV)

@@ -42,7 +42,7 @@ def test_rounds_come_at_the_configured_cadence(block: SharedMemBlock, device: st
     # 8 slots per row: no bucket overflows, every logged key goes in
     layer = layer_on(block, device, 8 * ROWS,
                      tuning=TierConfig(admit_fraction=1.0, round_lookups=5,
-                                       round_capacities=1e9))
+                                       round_capacities=1e9, warm_capacities=1.0))
     keys = torch.arange(ROWS, device=device)
     inserts = []
     for _ in range(8):  # cold: a round once as many keys as slots were looked up
@@ -211,7 +211,7 @@ def test_the_kept_log_is_reused_empty_after_the_cache_went_cold() -> None:
     budget = RoundBudget(cache, cfg)
     log = MissLog(cache, budget, cfg, 1.0)
     table = torch.randn(ROWS, DIM)
-    budget.admitted = cache.capacity  # warm
+    budget.make_warm()
     kept = log.candidates(1)
     assert kept is not None
     assert log.keep() is False  # kept, no graph on the CPU
@@ -222,7 +222,7 @@ def test_the_kept_log_is_reused_empty_after_the_cache_went_cold() -> None:
     budget.reset()  # cold again (a clear, an overflowed change feed)
     log.drop()
     assert int(kept.count) == 0 and bool((kept.keys == EMPTY_KEY).all())
-    budget.admitted = cache.capacity  # warm again
+    budget.make_warm()  # warm again
     assert log.candidates(1) is kept
     new = torch.arange(20, 30)
     cache.gather_linear(new, table, candidates=kept, host_table=False, err=None)
