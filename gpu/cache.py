@@ -23,7 +23,7 @@ import logging
 import os
 from collections.abc import Iterator
 from types import ModuleType
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -125,6 +125,8 @@ class GPUCache:
         self._insert_stats = torch.zeros(3, dtype=torch.int64, device=dev)
         self._kernels: ModuleType | None = None  # gpu.cache_kernels: the lookups
         self._write_kernels: ModuleType | None = None  # gpu.cache_insert_kernels
+        #: the lookups' launches with this cache's tables bound (gpu.cache_kernels.lookup)
+        self._bound: dict[tuple[Any, ...], Any] = {}
         #: keys counted by the kernels since the counters were last clamped in full.
         self._unclamped = 0
         use_triton = backend == "triton" or (backend == "auto" and (
@@ -249,7 +251,8 @@ class GPUCache:
                 self.ways, empty=EMPTY_KEY, gather=True, count=True, want_slots=False,
                 table=table, candidates=cand.buffer if cand is not None else None,
                 host_table=host_table, cmax=twin.COUNTER_MAX, rotate=rotate, err=err,
-                want_hit=False, candidate_rows=cand.rows if cand is not None else None)
+                want_hit=False, candidate_rows=cand.rows if cand is not None else None,
+                bound=self._bound)
             assert out is not None
             return out
         return self._lookup_rows(keys, table, cand, host_table)[0]
@@ -272,7 +275,8 @@ class GPUCache:
                 want_slots=False, table=table,
                 candidates=cand.buffer if cand is not None else None, host_table=host_table,
                 cmax=twin.COUNTER_MAX, rotate=rotate, err=err,
-                candidate_rows=cand.rows if cand is not None else None, miss_flag=miss_flag)
+                candidate_rows=cand.rows if cand is not None else None, miss_flag=miss_flag,
+                bound=self._bound if table is None else None)
             assert out is not None
             return out, hit
         hit, slot = twin.probe(self._tkeys, self.num_buckets, self.ways, keys)

@@ -47,13 +47,14 @@ The writes (insert, row scatters) are in :mod:`gpu.cache_insert_kernels`.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
 from gpu._triton import helper_module
-from gpu.launch import DirectLaunch
+from gpu.launch import BoundLaunch, DirectLaunch
 
 # NOTE: the per-block device functions, decorated like this module's kernels (compiled or
 # interpreted)
@@ -370,6 +371,7 @@ def lookup(
     candidates: torch.Tensor | None = None, host_table: bool = True, cmax: int,
     rotate: int = 0, err: torch.Tensor | None = None, want_hit: bool = True,
     candidate_rows: torch.Tensor | None = None, miss_flag: torch.Tensor | None = None,
+    bound: dict[tuple[Any, ...], BoundLaunch] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Probe (+ gather, + linear-table misses) of ``keys``: ``(values, hit, slots)``.
 
@@ -384,7 +386,10 @@ def lookup(
     no hit flags (None returned). ``candidate_rows``: ``[cap, dim]`` rows of ``rows``'
     dtype that receive the row read for each listed miss (with ``candidates``, a linear
     gather). ``miss_flag``: an int64 ``[1]`` (a ``gpu.host_word.HostWord``'s device view)
-    set to 1 if any key missed, else left as it was.
+    set to 1 if any key missed, else left as it was. ``bound``: the cache's own store of
+    bound launches (:class:`~gpu.launch.BoundLaunch`) for gathers visited in batch order,
+    keyed by what the call passes; ``table`` and ``err`` are then the caller's own, the
+    same objects call after call (a layer's stack).
     """
     n = keys.numel()
     dim = rows.shape[1]
@@ -394,6 +399,26 @@ def lookup(
     slots = torch.empty(n, dtype=torch.int64, device=dev) if want_slots else None
     if n == 0:
         return out, hit, slots
+    if bound is not None and out is not None and slots is None and not (
+            table is not None and host_table and 0 < TILES.linear_page_order <= n):
+        # NOTE: a serving-size gather: the cache's tables, the layer's table and key flag
+        # bound once; the launcher takes only what changes (gpu.launch.BoundLaunch)
+        bkey = (hit is not None, count, id(table), candidates is not None,
+                candidate_rows is not None, id(err), miss_flag is not None, TILES)
+        launch = bound.get(bkey)
+        if launch is None:
+            if len(bound) >= 16:  # NOTE: a caller passing new tables: bounded
+                bound.clear()
+            launch = bound[bkey] = _bind_lookup(
+                tkeys, counters, rows, stats, num_buckets, ways, empty, count, table,
+                cmax, err, hit is not None, candidates is not None,
+                candidate_rows is not None, miss_flag is not None)
+        launch(_cdiv(n, TILES.lookup_block_k), keys, n, out,
+               hit.view(torch.int8) if hit is not None else tkeys,
+               candidates if candidates is not None else tkeys, _cand_cap(candidates),
+               candidate_rows if candidate_rows is not None else rows,
+               miss_flag if miss_flag is not None else tkeys)
+        return out, hit, None
     bd = _block_d(dim)
     linear = table is not None
     order = _visit_order(keys, table, host_table, rotate) if gather else None
@@ -431,6 +456,40 @@ def lookup(
         assert candidates is not None and out is not None
         _collect_ordered(keys, marks, out, candidates, candidate_rows)
     return out, hit, slots
+
+
+#: what a bound lookup passes per call (parameter indices of _lookup_kernel): keys, n,
+#: out, hit, candidates, their capacity, candidate rows, miss flag
+_LOOKUP_VARYING = (0, 1, 7, 8, 14, 15, 18, 19)
+
+
+def _bind_lookup(tkeys: torch.Tensor, counters: torch.Tensor, rows: torch.Tensor,
+                 stats: torch.Tensor, num_buckets: int, ways: int, empty: int, count: bool,
+                 table: torch.Tensor | None, cmax: int, err: torch.Tensor | None,
+                 want_hit: bool, has_cand: bool, has_crows: bool,
+                 has_miss: bool) -> BoundLaunch:
+    """A gather in batch order with this cache's tables bound (the varying arguments'
+    slots hold placeholders until a call gives them)."""
+    dim = rows.shape[1]
+    bd = _block_d(dim)
+    linear = table is not None
+    tiles = TILES
+    cxkey = (num_buckets > 0, True, linear, False, count, has_cand, ways, empty,
+             stats.numel(), bd, cmax, False, want_hit, err is not None and linear, bd == dim,
+             rows.dtype, tiles, has_crows, has_miss, False)
+    cx = _LOOKUP_CX.get(cxkey)
+    if cx is None:
+        cx = _LOOKUP_CX[cxkey] = dict(
+            HAS_CACHE=cxkey[0], GATHER=True, LINEAR=linear, WRITE_SLOTS=False,
+            COUNT=count, COLLECT=has_cand, WAYS=ways, EMPTY=empty, STAT_STRIPES=cxkey[8],
+            BLOCK_K=tiles.lookup_block_k, BLOCK_D=bd, EVEN_D=bd == dim, CMAX=cmax,
+            ORDERED=False, WRITE_HIT=want_hit, CHECK=cxkey[13], COLLECT_ROWS=has_crows,
+            FLAG_MISS=has_miss, MARK_MISSES=False, num_warps=tiles.lookup_warps)
+    args = (tkeys, 0, tkeys, counters, rows, stats, max(num_buckets, 1), rows, tkeys, tkeys,
+            table if linear else rows, table.shape[0] if table is not None else 0,
+            _row_stride(table, dim), dim, tkeys, 0, tkeys, err if err is not None else tkeys,
+            rows, tkeys, tkeys)
+    return BoundLaunch(_LOOKUP, args, cx, cxkey, _LOOKUP_VARYING)
 
 
 def _collect_ordered(keys: torch.Tensor, marks: torch.Tensor, out: torch.Tensor,

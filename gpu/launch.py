@@ -65,24 +65,27 @@ class DirectLaunch:
         self._current_device: Any = getattr(torch._C, "_cuda_getDevice", None)
 
     def __call__(self, grid: tuple[int, ...], args: Sequence[Any],
-                 constexprs: dict[str, Any], key: tuple[Any, ...]) -> None:
+                 constexprs: dict[str, Any], key: tuple[Any, ...]
+                 ) -> tuple[Any, tuple[Any, ...], list[Any], tuple[Any, ...]] | None:
         """Launch over ``grid`` (1 to 3 dims) with runtime ``args`` in parameter order and
         ``constexprs`` by name (``num_warps`` among them, or the default); ``key`` names
         the constexprs and the tensors' element types (the same key, the same values and
         dtypes). The first tensor argument is on the device it runs on, made current for
-        the launch if it is not."""
+        the launch if it is not. Returns how the variant was launched directly
+        (``(launch, head, args as passed, tail)``, for :class:`BoundLaunch`), or None when
+        it went through the JIT."""
         runtime = self._knobs.runtime
         if self._interpret or _active(runtime.launch_enter_hook) or \
                 _active(runtime.launch_exit_hook):
             self._jit(grid, args, constexprs)
-            return
+            return None
         device = args[0].get_device()
         if device != self._current_device():
             # NOTE: a compiled kernel's function handle belongs to the device it was loaded
             # on, and the launch goes to the current context
             with torch.cuda.device(device):
                 self(grid, args, constexprs, key)
-            return
+            return None
         spec: list[Any] = [key, device]
         # NOTE: the launcher takes pointers as ints: no attribute call and no pointer query
         # per tensor on the C side (the tensors outlive the call: the caller holds them)
@@ -95,7 +98,7 @@ class DirectLaunch:
                 if not -_INT32_MAX <= a <= _INT32_MAX:
                     # NOTE: a 64-bit integer is another specialization: the JIT's path
                     self._jit(grid, args, constexprs)
-                    return
+                    return None
                 spec.append((a == 1, a & 15 == 0))
         full = tuple(spec)
         variant = self._variants.get(full)
@@ -107,11 +110,12 @@ class DirectLaunch:
             variant = self._variants.get(full)
         if variant is None:
             self._variants[full] = (*self._compile(grid, args, constexprs), constexprs)
-            return  # the JIT launched it
+            return None  # the JIT launched it
         launch, head, tail, _ = variant
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
         launch(grid[0], g1, g2, self._raw_stream(device), *head, *call, *tail)
+        return launch, head, call, tail
 
     def _jit(self, grid: tuple[int, ...], args: Sequence[Any],
              constexprs: dict[str, Any]) -> Any:
@@ -141,3 +145,67 @@ class DirectLaunch:
             # __call__ only adds scratch buffers, and this variant has none
             return c_launch, (compiled.function, *flags, None, None, *meta), tail
         return run, (compiled.function, *meta), tail
+
+
+class BoundLaunch:
+    """A :class:`DirectLaunch` whose arguments mostly repeat from call to call (a cache's
+    tables, a layer's flags): their addresses and specializations are taken once, and a
+    call hands over only the ``varying`` ones (by parameter index), over a 1-D grid.
+
+    A call whose varying arguments specialize differently (another pointer alignment, an
+    integer that is 1 or crosses a multiple of 16), a launch hook, the interpreter or
+    another current device: the whole :class:`DirectLaunch` path, whose variant is then
+    kept too. The fixed arguments must keep their storage while this object lives (the
+    object holds them).
+
+    Args:
+        launch: The kernel's launcher.
+        args: Every runtime argument in parameter order (those at ``varying`` are
+            placeholders until a call gives them).
+        constexprs: As for :class:`DirectLaunch`, one dict kept by the caller.
+        key: As for :class:`DirectLaunch`.
+        varying: Indices into ``args`` that each call passes, in that order.
+    """
+
+    def __init__(self, launch: DirectLaunch, args: Sequence[Any], constexprs: dict[str, Any],
+                 key: tuple[Any, ...], varying: tuple[int, ...]) -> None:
+        self._launch, self._cx, self._key = launch, constexprs, key
+        self._args = list(args)  # NOTE: holds the fixed tensors
+        self._varying = varying
+        self._device = next(a for a in args if isinstance(a, torch.Tensor)).get_device()
+        #: the varying arguments' specialization -> (launch, head, call template, tail)
+        self._variants: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...], list[Any],
+                                                    tuple[Any, ...]]] = {}
+
+    def __call__(self, grid: int, *values: Any) -> None:
+        dl = self._launch
+        spec: list[Any] = []
+        given: list[Any] = []  # NOTE: what the launcher takes: tensors as their addresses
+        for v in values:
+            if isinstance(v, torch.Tensor):
+                ptr = v.data_ptr()
+                given.append(ptr)
+                spec.append(ptr & 15 == 0)
+            elif -_INT32_MAX <= v <= _INT32_MAX:
+                given.append(v)
+                spec.append((v == 1, v & 15 == 0))
+            else:
+                spec.append(None)  # NOTE: a 64-bit integer: the full path, never kept
+                break
+        key = tuple(spec)
+        variant = self._variants.get(key)
+        runtime = dl._knobs.runtime
+        if variant is None or dl._interpret or _active(runtime.launch_enter_hook) or \
+                _active(runtime.launch_exit_hook) or dl._current_device() != self._device:
+            args = list(self._args)
+            for i, v in zip(self._varying, values, strict=True):
+                args[i] = v
+            used = dl((grid,), args, self._cx, self._key)
+            if used is not None and None not in key:
+                self._variants[key] = used
+            return
+        launch, head, call, tail = variant
+        call = list(call)
+        for i, v in zip(self._varying, given, strict=True):
+            call[i] = v
+        launch(grid, 1, 1, dl._raw_stream(self._device), *head, *call, *tail)
