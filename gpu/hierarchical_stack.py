@@ -1,8 +1,8 @@
 """The Hierarchical stack: GPU cache -> shared ``HostCache`` -> parameter server.
 
 A lookup probes the GPU cache (on CUDA the probe also sets a miss flag in pinned host
-memory, so one stream sync tells whether anything missed); the misses, deduplicated (on
-the CPU for lookups of up to ``TierConfig.host_dedup_keys`` keys), are read from the shared host cache (on CUDA, from ``TierConfig.host_gpu_read_keys`` distinct
+memory, so one stream sync tells whether anything missed); the misses, deduplicated, are
+read from the shared host cache (on CUDA, from ``TierConfig.host_gpu_read_keys`` distinct
 keys on, by a kernel over the registered table, :mod:`gpu.host_kernels`; fewer on the
 CPU), then the parameter server; rows from the parameter server enter the host cache with
 ``overwrite=False`` and a cursor check (``since``), so a concurrent ``update`` (PS first,
@@ -106,38 +106,11 @@ class HierarchicalStack(CachedStack):
             everything_hit = word.read() == 0
         if everything_hit:
             return values
-        if keys.numel() <= self.config.host_dedup_keys:
-            return self._misses_from_host(keys, hit, values, since)
         miss = (~hit).nonzero().squeeze(1)
         ukeys, inverse = torch.unique(keys[miss], return_inverse=True)
         urows, found, complete = self._fetch(ukeys, since)
         values[miss] = urows[inverse]
         self._offer(ukeys, urows, found, complete, since)
-        return values
-
-    def _misses_from_host(self, keys: torch.Tensor, hit: torch.Tensor, values: torch.Tensor,
-                          since: int) -> torch.Tensor:
-        """A lookup's misses found and deduplicated on the host: on CUDA the keys and hit
-        flags copied over once, the misses' positions, distinct keys and inverse found by
-        the CPU and sent back in one copy (on the device that took a ``nonzero`` and a
-        ``unique``, each a sync and several launches: bench/RESULTS.md, "Hierarchical
-        layer at serving sizes"). On the CPU the same steps, the copies none."""
-        dev = keys.device
-        ck, ch = keys.cpu(), hit.cpu()
-        miss = (~ch).nonzero().squeeze(1)
-        ukeys, inverse = torch.unique(ck[miss], return_inverse=True)
-        nm, nu = miss.numel(), ukeys.numel()
-        # NOTE: one copy of every index the device needs
-        idx = torch.cat([miss, inverse, ukeys]).to(dev)
-        miss_d, inverse_d, ukeys_d = idx[:nm], idx[nm:2 * nm], idx[2 * nm:]
-        if self._reg is not None and nu >= self.config.host_gpu_read_keys:
-            urows, found, complete = self._fetch(ukeys_d, since)  # the GPU reads the host
-        else:
-            rows, found_c, complete = self._fetch(ukeys, since)
-            urows = rows.to(dev)
-            found = found_c if complete else found_c.to(dev)
-        values[miss_d] = urows[inverse_d]
-        self._offer(ukeys_d, urows, found, complete, since)
         return values
 
     def _offer(self, ukeys: torch.Tensor, urows: torch.Tensor, found: torch.Tensor,

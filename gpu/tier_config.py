@@ -40,9 +40,6 @@ class TierConfig:
     #: a CUDA Hierarchical lookup reads its GPU misses from the host cache with the GPU
     #: kernel from this many distinct keys on; fewer are read on the CPU and copied over.
     host_gpu_read_keys: int = 4096
-    #: a CUDA Hierarchical lookup of at most this many keys finds and deduplicates its GPU
-    #: misses on the CPU (the keys and hit flags copied over once); larger ones on the GPU.
-    host_dedup_keys: int = 16384
     warm_round_fraction: float = 1 / 8
     #: a cache is warm once offered this many times its slots of keys: with repeated keys
     #: (Zipf) one capacity's worth filled a third of it, four fill nine tenths.
