@@ -223,5 +223,8 @@ def test_host_tier_reads_are_counted_at_the_node_whichever_side_reads(
         assert s2.host.hits + s2.host.misses == 13  # the 12 keys and the unknown one
         assert (s2.storage.hits, s2.storage.misses) == (s2.host.misses - 1, 1)
         assert s2.default_rows == 1
+        got = layer2(keys2).cpu()
+        assert torch.equal(got[:24], weights[:12].repeat(2, 1))
+        assert torch.equal(got[24], torch.zeros(DIM))
         layer2.close()
         layer.close()
