@@ -16,11 +16,12 @@ table is not read again. A round runs:
   lookups pay it rarely.
 
 A round admits at most what the log holds: the first misses of the round's lookups, in
-kernel block order (batch order for a page-ordered lookup: gpu.cache_kernels), up to its :class:`~gpu.admission.RoundBudget` (``warm_round_fraction``
-of the cache's slots) once the cache is warm; while it fills, up to ``admit_fraction`` of
-its slots, or a larger lookup's size. The log's rows cost that much device memory beside
-the cache: an eighth of the cache's rows once it is warm with the defaults, while it fills
-a quarter, or one lookup's output.
+kernel block order (batch order for a page-ordered lookup: gpu.cache_kernels), up to its
+:class:`~gpu.admission.RoundBudget` (``warm_round_fraction`` of the cache's slots) once
+the cache is warm; while it fills, up to ``admit_fraction`` of its slots, or a larger
+lookup's size. The log's rows cost that much device memory beside the cache: an eighth
+of the cache's rows once it is warm with the defaults, while it fills a quarter, or one
+lookup's output.
 
 On CUDA a LinearUVM stack keeps the warm cache's log for good from its construction
 (:meth:`MissLog.keep`; while the cache fills, it waits beside the filling log), and that
