@@ -428,19 +428,11 @@ def lookup(
     later = candidates is not None and order is not None
     marks = torch.empty(n, dtype=torch.int8, device=dev) if later else None
     tiles = TILES
-    cxkey = (num_buckets > 0, gather, linear, want_slots, count,
-             candidates is not None and not later, ways, empty, stats.numel(), bd, cmax,
-             order is not None, want_hit, err is not None and linear, bd == dim, rows.dtype,
-             tiles, candidate_rows is not None and not later, miss_flag is not None, later)
-    cx = _LOOKUP_CX.get(cxkey)
-    if cx is None:
-        cx = _LOOKUP_CX[cxkey] = dict(
-            HAS_CACHE=cxkey[0], GATHER=gather, LINEAR=linear, WRITE_SLOTS=want_slots,
-            COUNT=count, COLLECT=cxkey[5], WAYS=ways, EMPTY=empty, STAT_STRIPES=cxkey[8],
-            BLOCK_K=tiles.lookup_block_k, BLOCK_D=bd, EVEN_D=bd == dim, CMAX=cmax,
-            ORDERED=cxkey[11], WRITE_HIT=want_hit, CHECK=cxkey[13],
-            COLLECT_ROWS=cxkey[17], FLAG_MISS=cxkey[18], MARK_MISSES=later,
-            num_warps=tiles.lookup_warps)
+    cx, cxkey = _lookup_constexprs(
+        num_buckets > 0, gather, linear, want_slots, count,
+        candidates is not None and not later, ways, empty, stats.numel(), bd, cmax,
+        order is not None, want_hit, err is not None and linear, dim, rows.dtype, tiles,
+        candidate_rows is not None and not later, miss_flag is not None, later)
     _LOOKUP(
         (_cdiv(n, tiles.lookup_block_k),),
         (keys, n, tkeys, counters, rows, stats, max(num_buckets, 1),
@@ -458,6 +450,28 @@ def lookup(
     return out, hit, slots
 
 
+def _lookup_constexprs(
+    has_cache: bool, gather: bool, linear: bool, want_slots: bool, count: bool,
+    collect: bool, ways: int, empty: int, stripes: int, bd: int, cmax: int, ordered: bool,
+    want_hit: bool, check: bool, dim: int, dtype: torch.dtype, tiles: Tiles,
+    collect_rows: bool, flag_miss: bool, mark_misses: bool,
+) -> tuple[dict[str, object], tuple[object, ...]]:
+    """The lookup kernel's constexprs for one variant and the key that names them (one
+    dict per key, kept: gpu.launch.DirectLaunch compares them by identity first)."""
+    cxkey = (has_cache, gather, linear, want_slots, count, collect, ways, empty, stripes, bd,
+             cmax, ordered, want_hit, check, bd == dim, dtype, tiles, collect_rows,
+             flag_miss, mark_misses)
+    cx = _LOOKUP_CX.get(cxkey)
+    if cx is None:
+        cx = _LOOKUP_CX[cxkey] = dict(
+            HAS_CACHE=has_cache, GATHER=gather, LINEAR=linear, WRITE_SLOTS=want_slots,
+            COUNT=count, COLLECT=collect, WAYS=ways, EMPTY=empty, STAT_STRIPES=stripes,
+            BLOCK_K=tiles.lookup_block_k, BLOCK_D=bd, EVEN_D=bd == dim, CMAX=cmax,
+            ORDERED=ordered, WRITE_HIT=want_hit, CHECK=check, COLLECT_ROWS=collect_rows,
+            FLAG_MISS=flag_miss, MARK_MISSES=mark_misses, num_warps=tiles.lookup_warps)
+    return cx, cxkey
+
+
 #: what a bound lookup passes per call (parameter indices of _lookup_kernel): keys, n,
 #: out, hit, candidates, their capacity, candidate rows, miss flag
 _LOOKUP_VARYING = (0, 1, 7, 8, 14, 15, 18, 19)
@@ -471,20 +485,11 @@ def _bind_lookup(tkeys: torch.Tensor, counters: torch.Tensor, rows: torch.Tensor
     """A gather in batch order with this cache's tables bound (the varying arguments'
     slots hold placeholders until a call gives them)."""
     dim = rows.shape[1]
-    bd = _block_d(dim)
     linear = table is not None
-    tiles = TILES
-    cxkey = (num_buckets > 0, True, linear, False, count, has_cand, ways, empty,
-             stats.numel(), bd, cmax, False, want_hit, err is not None and linear, bd == dim,
-             rows.dtype, tiles, has_crows, has_miss, False)
-    cx = _LOOKUP_CX.get(cxkey)
-    if cx is None:
-        cx = _LOOKUP_CX[cxkey] = dict(
-            HAS_CACHE=cxkey[0], GATHER=True, LINEAR=linear, WRITE_SLOTS=False,
-            COUNT=count, COLLECT=has_cand, WAYS=ways, EMPTY=empty, STAT_STRIPES=cxkey[8],
-            BLOCK_K=tiles.lookup_block_k, BLOCK_D=bd, EVEN_D=bd == dim, CMAX=cmax,
-            ORDERED=False, WRITE_HIT=want_hit, CHECK=cxkey[13], COLLECT_ROWS=has_crows,
-            FLAG_MISS=has_miss, MARK_MISSES=False, num_warps=tiles.lookup_warps)
+    cx, cxkey = _lookup_constexprs(
+        num_buckets > 0, True, linear, False, count, has_cand, ways, empty, stats.numel(),
+        _block_d(dim), cmax, False, want_hit, err is not None and linear, dim, rows.dtype,
+        TILES, has_crows, has_miss, False)
     args = (tkeys, 0, tkeys, counters, rows, stats, max(num_buckets, 1), rows, tkeys, tkeys,
             table if linear else rows, table.shape[0] if table is not None else 0,
             _row_stride(table, dim), dim, tkeys, 0, tkeys, err if err is not None else tkeys,
