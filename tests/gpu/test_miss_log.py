@@ -159,7 +159,8 @@ def test_lookups_on_two_streams_are_ordered_with_their_rounds(block: SharedMemBl
 @pytest.mark.parametrize("field,value", [("admit_fraction", 1.5), ("round_lookups", 0),
                                          ("warm_round_fraction", -0.1), ("admit_keys", True),
                                          ("host_linger_s", -1.0), ("host_batch_keys", 0),
-                                         ("host_gpu_read_keys", "4k")])
+                                         ("host_gpu_read_keys", "4k"),
+                                         ("warm_capacities", 0.0)])
 def test_bad_tuning_is_refused_and_builds_nothing(field: str, value: object,
                                                   block: SharedMemBlock) -> None:
     from gpu import BadArgumentError
