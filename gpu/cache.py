@@ -201,6 +201,16 @@ class GPUCache:
         reduction and a copy."""
         return self._lookup_rows(self._checks.keys(keys), None, miss_flag=miss_flag)
 
+    def serve(self, keys: torch.Tensor, hit: torch.Tensor, miss_flag: torch.Tensor | None
+              ) -> torch.Tensor:
+        """:meth:`lookup` for a caller that checked its keys (a layer's stack: 1-D int64,
+        contiguous, on the cache's device), with the hit flags written into its own
+        buffer: ``hit`` is int8 with at least ``N`` entries (1 where the key hit; entries
+        past ``N`` untouched), reused call after call instead of a new tensor each.
+        Returns the rows (zero where a key missed)."""
+        values, _ = self._lookup_rows(keys, None, miss_flag=miss_flag, hit_out=hit)
+        return values
+
     def lookup_linear(
         self, keys: torch.Tensor, table: torch.Tensor, *, validate: bool = True,
         candidates: MissCandidates | None = None, host_table: bool = True,
@@ -261,8 +271,11 @@ class GPUCache:
         self, keys: torch.Tensor, table: torch.Tensor | None,
         cand: MissCandidates | None = None, host_table: bool = True,
         err: torch.Tensor | None = None, miss_flag: torch.Tensor | None = None,
+        hit_out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Probe + gather (+ misses from row ``key`` of ``table``), counted as a lookup."""
+        """Probe + gather (+ misses from row ``key`` of ``table``), counted as a lookup;
+        with ``hit_out`` (no ``table``) the hit flags go there, and it is the ``hit``
+        returned."""
         # NOTE: where a large batch is visited in host-page order, start it at a different
         # row each time (gpu.cache_kernels.page_order)
         rotate = (self._lookups * _GOLDEN) & _INT32_MAX
@@ -276,15 +289,18 @@ class GPUCache:
                 candidates=cand.buffer if cand is not None else None, host_table=host_table,
                 cmax=twin.COUNTER_MAX, rotate=rotate, err=err,
                 candidate_rows=cand.rows if cand is not None else None, miss_flag=miss_flag,
-                bound=self._bound if table is None else None)
+                bound=self._bound if table is None else None, hit_out=hit_out)
             assert out is not None
-            return out, hit
+            return out, hit if hit_out is None else hit_out
         hit, slot = twin.probe(self._tkeys, self.num_buckets, self.ways, keys)
         twin.bump(self._counters, slot, hit)
         twin.count_hits(self._hits, hit)
         if miss_flag is not None and not bool(hit.all()):
             miss_flag.fill_(1)
         if table is None:
+            if hit_out is not None:
+                hit_out[: keys.numel()].copy_(hit)
+                return twin.gather(self._rows, slot, hit), hit_out
             return twin.gather(self._rows, slot, hit), hit
         vals = twin.gather_linear(self._rows, slot, hit, keys, table)
         if cand is not None:

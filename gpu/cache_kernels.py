@@ -372,6 +372,7 @@ def lookup(
     rotate: int = 0, err: torch.Tensor | None = None, want_hit: bool = True,
     candidate_rows: torch.Tensor | None = None, miss_flag: torch.Tensor | None = None,
     bound: dict[tuple[Any, ...], BoundLaunch] | None = None,
+    hit_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Probe (+ gather, + linear-table misses) of ``keys``: ``(values, hit, slots)``.
 
@@ -389,12 +390,16 @@ def lookup(
     set to 1 if any key missed, else left as it was. ``bound``: the cache's own store of
     bound launches (:class:`~gpu.launch.BoundLaunch`) for gathers visited in batch order,
     keyed by what the call passes; ``table`` and ``err`` are then the caller's own, the
-    same objects call after call (a layer's stack).
+    same objects call after call (a layer's stack). ``hit_out``: an int8 buffer of at
+    least ``N`` entries (a caller's, reused) that receives the hit flags (1: hit) in place
+    of a new ``hit`` (None is returned for it); only with ``bound``.
     """
     n = keys.numel()
     dim = rows.shape[1]
     dev = keys.device
     out = torch.empty(n, dim, dtype=rows.dtype, device=dev) if gather else None
+    if hit_out is not None:
+        want_hit = False  # NOTE: the flags go to the caller's buffer
     hit = torch.empty(n, dtype=torch.bool, device=dev) if want_hit else None
     slots = torch.empty(n, dtype=torch.int64, device=dev) if want_slots else None
     if n == 0:
@@ -402,23 +407,40 @@ def lookup(
     if bound is not None and out is not None and slots is None and not (
             table is not None and host_table and 0 < TILES.linear_page_order <= n):
         # NOTE: a serving-size gather: the cache's tables, the layer's table and key flag
-        # bound once; the launcher takes only what changes (gpu.launch.BoundLaunch)
-        bkey = (hit is not None, count, id(table), candidates is not None,
-                candidate_rows is not None, id(err), miss_flag is not None, TILES)
+        # bound once; the launcher takes only what changes (gpu.launch.BoundLaunch). The
+        # tile sizes by identity: the bound launch's key holds the object, so its id is
+        # not reused while the entry lives
+        flags = hit_out if hit_out is not None else (
+            hit.view(torch.int8) if hit is not None else None)
+        bkey = (flags is not None, count, id(table), candidates is not None,
+                candidate_rows is not None, id(err), miss_flag is not None, id(TILES))
         launch = bound.get(bkey)
         if launch is None:
             if len(bound) >= 16:  # NOTE: a caller passing new tables: bounded
                 bound.clear()
             launch = bound[bkey] = _bind_lookup(
                 tkeys, counters, rows, stats, num_buckets, ways, empty, count, table,
-                cmax, err, hit is not None, candidates is not None,
+                cmax, err, flags is not None, candidates is not None,
                 candidate_rows is not None, miss_flag is not None)
-        launch(_cdiv(n, TILES.lookup_block_k), keys, n, out,
-               hit.view(torch.int8) if hit is not None else tkeys,
-               candidates if candidates is not None else tkeys, _cand_cap(candidates),
-               candidate_rows if candidate_rows is not None else rows,
-               miss_flag if miss_flag is not None else tkeys)
+        # NOTE: only what the variant uses varies (_bind_lookup's order)
+        grid = _cdiv(n, TILES.lookup_block_k)
+        if candidates is None:
+            if flags is not None:
+                if miss_flag is not None:
+                    launch(grid, keys, n, out, flags, miss_flag)
+                else:
+                    launch(grid, keys, n, out, flags)
+            elif miss_flag is not None:
+                launch(grid, keys, n, out, miss_flag)
+            else:
+                launch(grid, keys, n, out)
+        else:
+            launch(grid, keys, n, out, *((flags,) if flags is not None else ()),
+                   candidates, _cand_cap(candidates),
+                   *((candidate_rows,) if candidate_rows is not None else ()),
+                   *((miss_flag,) if miss_flag is not None else ()))
         return out, hit, None
+    assert hit_out is None, "hit_out is for bound lookups"
     bd = _block_d(dim)
     linear = table is not None
     order = _visit_order(keys, table, host_table, rotate) if gather else None
@@ -472,9 +494,11 @@ def _lookup_constexprs(
     return cx, cxkey
 
 
-#: what a bound lookup passes per call (parameter indices of _lookup_kernel): keys, n,
-#: out, hit, candidates, their capacity, candidate rows, miss flag
-_LOOKUP_VARYING = (0, 1, 7, 8, 14, 15, 18, 19)
+#: what a bound lookup passes per call (parameter indices of _lookup_kernel): keys, n and
+#: out always; hit flags, candidates and their capacity, candidate rows, the miss flag
+#: where the variant uses them (the others stay bound to placeholders)
+_VARY_ALWAYS, _VARY_HIT, _VARY_CAND, _VARY_CROWS, _VARY_MISS = (0, 1, 7), (8,), (14, 15), \
+    (18,), (19,)
 
 
 def _bind_lookup(tkeys: torch.Tensor, counters: torch.Tensor, rows: torch.Tensor,
@@ -494,7 +518,10 @@ def _bind_lookup(tkeys: torch.Tensor, counters: torch.Tensor, rows: torch.Tensor
             table if linear else rows, table.shape[0] if table is not None else 0,
             _row_stride(table, dim), dim, tkeys, 0, tkeys, err if err is not None else tkeys,
             rows, tkeys, tkeys)
-    return BoundLaunch(_LOOKUP, args, cx, cxkey, _LOOKUP_VARYING)
+    varying = _VARY_ALWAYS + (_VARY_HIT if want_hit else ()) + (
+        _VARY_CAND if has_cand else ()) + (_VARY_CROWS if has_crows else ()) + (
+        _VARY_MISS if has_miss else ())
+    return BoundLaunch(_LOOKUP, args, cx, cxkey, varying)
 
 
 def _collect_ordered(keys: torch.Tensor, marks: torch.Tensor, out: torch.Tensor,

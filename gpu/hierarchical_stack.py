@@ -49,6 +49,20 @@ def touch_sample(host: Any, keys: torch.Tensor, hit: torch.Tensor, hits: int,
     host.touch(hk, weight)
 
 
+class _ThreadState:
+    """One thread's lookup scratch on CUDA: the miss flag the lookup kernel sets, and the
+    int8 buffer its hit flags go to (grown, never shrunk)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.word = HostWord(device, "the layer's miss flag")
+        self.capacity = 0
+        self.hit = torch.empty(0, dtype=torch.int8, device=device)
+
+    def grow(self, n: int) -> None:
+        self.capacity = max(n, 2 * self.capacity, 1024)
+        self.hit = torch.empty(self.capacity, dtype=torch.int8, device=self.hit.device)
+
+
 class HierarchicalStack(CachedStack):
     """GPU cache -> shared HostCache -> parameter server (any of the last two optional)."""
 
@@ -69,7 +83,8 @@ class HierarchicalStack(CachedStack):
         self.filler = HostFiller("nvecache-host-fill", config.host_batch_keys,
                                  config.host_linger_s)
         self._side: Any = None  # the filler's CUDA stream (copies of the hit reports)
-        self._words = threading.local()  # each thread's miss flag (CUDA)
+        self._cuda = device.type == "cuda"
+        self._words = threading.local()  # each thread's _ThreadState (CUDA)
         if host_cache is not None:
             if device.type == "cuda":
                 from .hostreg import register
@@ -78,34 +93,39 @@ class HierarchicalStack(CachedStack):
         self._host = [0, 0, 0, 0]  # hits, misses, rows it placed, residents they evicted
         self._ps = [0, 0]  # found, missing
 
-    def _miss_word(self) -> HostWord | None:
-        """This thread's miss flag (CUDA; one per thread: lookups of several threads may
-        be in flight at once)."""
-        if self.device.type != "cuda":
-            return None
-        word = getattr(self._words, "word", None)
-        if word is None:
-            word = self._words.word = HostWord(self.device, "the layer's miss flag")
-        return word
+    def _thread_state(self, n: int) -> _ThreadState:
+        """This thread's miss flag and hit-flag buffer (CUDA; one per thread: lookups of
+        several threads may be in flight at once), the buffer grown to ``n`` keys."""
+        state = getattr(self._words, "state", None)
+        if state is None:
+            state = self._words.state = _ThreadState(self.device)
+        if n > state.capacity:
+            state.grow(n)
+        return state
 
     def rows(self, keys: torch.Tensor) -> torch.Tensor:
-        word = self._miss_word()
-        if word is None:
+        if not self._cuda:
             with self.guard:
                 since = self.follower.sync()
                 values, hit = self.cache.lookup(keys)
-            everything_hit = bool(hit.all())
+            if bool(hit.all()):
+                return values
         else:
+            n = keys.numel()
+            state = self._thread_state(n)
+            word = state.word
             word.write(0)  # NOTE: this thread's previous lookup finished (it synchronized)
             with self.guard:
                 since = self.follower.sync()
-                values, hit = self.cache.lookup(keys, miss_flag=word.device_view)
+                # NOTE: the layer checked the keys; the hit flags go to this thread's
+                # buffer (read only when something missed, before its next lookup)
+                values = self.cache.serve(keys, state.hit, word.device_view)
                 stream = self.guard.stream
             # NOTE: the call's one host sync when every key hit: no reduction, no copy
             stream.synchronize()
-            everything_hit = word.read() == 0
-        if everything_hit:
-            return values
+            if word.read() == 0:
+                return values
+            hit = state.hit[:n].view(torch.bool)
         miss = (~hit).nonzero().squeeze(1)
         ukeys, inverse = torch.unique(keys[miss], return_inverse=True)
         urows, found, complete = self._fetch(ukeys, since)

@@ -277,6 +277,46 @@ def test_the_miss_flag_is_set_by_a_miss_and_only_by_one(device: str, backend: st
         assert int((~hit).sum()) == 1 and word.read() == 1
 
 
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=needs_triton),
+    pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_serve_writes_the_hit_flags_into_the_callers_buffer(device: str, backend: str) -> None:
+    """``GPUCache.serve`` (a stack's lookup into its reused int8 buffer) returns the rows
+    ``lookup`` returns, writes the hit flags into the first N entries of the buffer and
+    nothing past them, counts like a lookup, and sets the miss flag exactly on a miss."""
+    from gpu.host_word import HostWord
+
+    a = make(device, backend if device == "cpu" else "auto", buckets=16)
+    b = make(device, backend if device == "cpu" else "auto", buckets=16)
+    g = torch.Generator().manual_seed(3)
+    present = torch.arange(0, 60, 3)
+    rows = torch.randn(20, 12, generator=g)
+    for c in (a, b):
+        c.insert(present.to(device), rows.to(device))
+    present = present[a.probe(present.to(device), record=False).cpu() >= 0]
+    assert present.numel() >= 10
+    word = HostWord(torch.device(device), "a test's miss flag")
+    buf = torch.full((64,), 7, dtype=torch.int8, device=device)
+    for keys in (present, torch.cat([present[:5], torch.tensor([1, 2, 4])]),
+                 present.flip(0)[:1], torch.tensor([61])):
+        keys = keys.to(device)
+        n = keys.numel()
+        buf.fill_(7)
+        word.write(0)
+        got = a.serve(keys, buf, word.device_view)
+        want, want_hit = b.lookup(keys)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        assert torch.equal(got.cpu(), want.cpu())
+        assert torch.equal(buf[:n].cpu(), want_hit.cpu().to(torch.int8))
+        assert bool((buf[n:] == 7).all()), "a flag was written past the batch"
+        assert word.read() == int(not bool(want_hit.all()))
+        got = a.serve(keys, buf, None)  # no miss flag
+        assert torch.equal(got.cpu(), b.lookup(keys)[0].cpu())
+    assert a.stats() == b.stats()
+
+
 def test_candidate_rows_of_the_wrong_shape_are_refused() -> None:
     cache = make("cpu", "torch")
     table = torch.randn(50, 12)
