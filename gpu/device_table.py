@@ -64,6 +64,8 @@ class DeviceTable:
                         if triton else None)
         self.check = RangeCheck(device, self.num_rows)
         self._strided = self._gather is None
+        #: the gather's bound launches (gpu.launch.BoundLaunch): table and flag bound once
+        self._bound: dict[tuple[int, int], Any] = {}
         #: lookups hold its read side, writes its write side (no torn rows in this process)
         self._gate = table_gate(table, device)
         if self._gather is not None and device.type == "cuda":
@@ -86,7 +88,8 @@ class DeviceTable:
         self._lookups += keys.numel()
         with self._gate:
             if self._gather is not None:
-                return self._gather(keys, self.table, self.check.err, host_table=self._host)
+                return self._gather(keys, self.table, self.check.err, host_table=self._host,
+                                    bound=self._bound)
             with torch.no_grad():
                 return self.table.index_select(0, keys)
 

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from gpu._triton import helper_module
-from gpu.launch import DirectLaunch
+from gpu.launch import BoundLaunch, DirectLaunch
 
 # NOTE: the cache lookups' visit order (a torch function), from the same variant
 _page_order = helper_module("cache_kernels").page_order
@@ -63,9 +63,13 @@ def _block_d(dim: int) -> int:
 
 
 def gather(keys: torch.Tensor, table: torch.Tensor, err: torch.Tensor | None, *,
-           host_table: bool) -> torch.Tensor:
+           host_table: bool, bound: dict[tuple[int, int], BoundLaunch] | None = None
+           ) -> torch.Tensor:
     """``table[keys]`` with zero rows for keys outside the table (reported in ``err``, an
-    int64 ``[1]`` flag, when given)."""
+    int64 ``[1]`` flag, when given). ``bound``: the caller's store of bound launches
+    (:class:`~gpu.launch.BoundLaunch`: table and flag resolved once, a call passing only
+    keys, size and output) for lookups visited in batch order; ``table`` and ``err`` are
+    then the same objects call after call (a layer's)."""
     n = keys.numel()
     dim = table.shape[1]
     # NOTE: sizes as arguments, not a tuple: the cheaper parse (~1 us a call)
@@ -75,14 +79,38 @@ def gather(keys: torch.Tensor, table: torch.Tensor, err: torch.Tensor | None, *,
     order = None
     if host_table and n >= PAGE_ORDER_FROM:
         order = _page_order(keys, table.shape[0], 0)
-    # NOTE: the variant: its constexprs and the table's dtype (the pointers' element type)
-    key = (dim, order is not None, err is not None, table.dtype)
-    cx = _CONSTEXPRS.get(key)
-    if cx is None:
-        cx = _CONSTEXPRS[key] = {"DIM": dim, "BLOCK_K": BLOCK_K, "BLOCK_D": _block_d(dim),
-                                 "ORDERED": key[1], "CHECK": key[2], "num_warps": WARPS}
+    elif bound is not None:
+        launch = bound.get((id(table), id(err)))
+        if launch is None:
+            if len(bound) >= 4:  # NOTE: a caller passing new tables: bounded
+                bound.clear()
+            cx, key = _constexprs(dim, False, err is not None, table.dtype)
+            # NOTE: placeholders of the parameters' types, the launch's own (it holds them)
+            pad = torch.zeros(1, dtype=torch.int64, device=keys.device)
+            launch = bound[(id(table), id(err))] = BoundLaunch(
+                _LAUNCH, (pad, 0, table, table.shape[0], table.stride(0), table,
+                          err if err is not None else pad, pad), cx, key, _VARYING)
+        launch((n + BLOCK_K - 1) // BLOCK_K, keys, n, out)
+        return out
+    cx, key = _constexprs(dim, order is not None, err is not None, table.dtype)
     _LAUNCH(((n + BLOCK_K - 1) // BLOCK_K,),
             (keys, n, table, table.shape[0], table.stride(0), out,
              err if err is not None else keys, order if order is not None else keys),
             cx, key)
     return out
+
+
+#: what a bound gather passes per call (parameter indices): keys, n, out
+_VARYING = (0, 1, 5)
+
+
+def _constexprs(dim: int, ordered: bool, check: bool, dtype: torch.dtype
+                ) -> tuple[dict[str, object], tuple[int, bool, bool, torch.dtype]]:
+    """A variant's constexprs (one dict per key, kept) and the key naming them with the
+    table's dtype (the pointers' element type)."""
+    key = (dim, ordered, check, dtype)
+    cx = _CONSTEXPRS.get(key)
+    if cx is None:
+        cx = _CONSTEXPRS[key] = {"DIM": dim, "BLOCK_K": BLOCK_K, "BLOCK_D": _block_d(dim),
+                                 "ORDERED": ordered, "CHECK": check, "num_warps": WARPS}
+    return cx, key

@@ -144,3 +144,38 @@ def test_bound_lookups_with_pointers_and_sizes_in_turns(dim: int) -> None:
         assert word.read() == int(not bool(want_hit.all())), step
     assert gpu_cache._bound, "the lookups went through a bound launch"
     assert gpu_cache.stats().hits == twin.stats().hits
+
+
+@pytest.mark.parametrize("check", [False, True])
+def test_a_bound_gather_with_sizes_and_alignments_in_turns(check: bool) -> None:
+    """The GPULayer's gather through a bound launch (table and key flag bound once; keys,
+    size and output per call): batch sizes of 1, a multiple of 16 and neither, keys 8
+    bytes off alignment and aligned in turns, a bad key among good ones; every result
+    equal to torch's, a bad key read as a zero row and reported in the flag."""
+    from gpu import BadArgumentError
+    from gpu._triton import kernel_module
+    from gpu.key_flag import KeyErrorFlag
+
+    gk = kernel_module("gather_kernels", interpret=False)
+    g = torch.Generator(device="cuda").manual_seed(11)
+    table = torch.randn(ROWS, 24, device="cuda", generator=g)
+    flag = KeyErrorFlag(torch.device("cuda"), ROWS)
+    err = flag.device_view if check else None
+    store: dict = {}
+    pool = torch.randint(0, ROWS, (801,), device="cuda", generator=g)
+    for off, n in [(0, 256), (1, 256), (0, 1), (1, 37), (0, 800), (1, 1), (0, 48)]:
+        keys = pool[off:off + n]
+        assert keys.data_ptr() % 16 == 8 * off
+        got = gk.gather(keys, table, err, host_table=False, bound=store)
+        assert torch.equal(got, table[keys]), (off, n)
+    launch = store[(id(table), id(err))]
+    assert launch._variants, "no call took the bound launch's direct path"
+    if check:
+        bad = pool[:37].clone()
+        bad[20] = ROWS + 9
+        got = gk.gather(bad, table, err, host_table=False, bound=store)
+        torch.cuda.synchronize()
+        assert torch.equal(got[20], torch.zeros(24, device="cuda"))
+        assert torch.equal(got[:20], table[bad[:20]])
+        with pytest.raises(BadArgumentError, match=str(ROWS + 9)):
+            flag.raise_pending()
