@@ -72,7 +72,8 @@ class DeviceTable:
             # NOTE: load (or compile) the kernel now, so that the first forward does not pay
             # it (bench/RESULTS.md, "Per-call path": first forward)
             probe = torch.zeros(1, dtype=torch.int64, device=device)
-            self._gather(probe, self.table, self.check.flag.device_view, host_table=self._host)
+            self._gather(probe, self.table, self.check.flag.device_view, host_table=self._host,
+                         bound=self._bound)
 
     @property
     def validate(self) -> bool:

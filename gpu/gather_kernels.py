@@ -68,8 +68,8 @@ def gather(keys: torch.Tensor, table: torch.Tensor, err: torch.Tensor | None, *,
     """``table[keys]`` with zero rows for keys outside the table (reported in ``err``, an
     int64 ``[1]`` flag, when given). ``bound``: the caller's store of bound launches
     (:class:`~gpu.launch.BoundLaunch`: table and flag resolved once, a call passing only
-    keys, size and output) for lookups visited in batch order; ``table`` and ``err`` are
-    then the same objects call after call (a layer's)."""
+    keys, size and output) for checked lookups (``err`` given) visited in batch order;
+    ``table`` and ``err`` are then the same objects call after call (a layer's)."""
     n = keys.numel()
     dim = table.shape[1]
     # NOTE: sizes as arguments, not a tuple: the cheaper parse (~1 us a call)
@@ -79,17 +79,19 @@ def gather(keys: torch.Tensor, table: torch.Tensor, err: torch.Tensor | None, *,
     order = None
     if host_table and n >= PAGE_ORDER_FROM:
         order = _page_order(keys, table.shape[0], 0)
-    elif bound is not None:
+    elif bound is not None and err is not None:
         launch = bound.get((id(table), id(err)))
         if launch is None:
             if len(bound) >= 4:  # NOTE: a caller passing new tables: bounded
                 bound.clear()
-            cx, key = _constexprs(dim, False, err is not None, table.dtype)
-            # NOTE: placeholders of the parameters' types, the launch's own (it holds them)
-            pad = torch.zeros(1, dtype=torch.int64, device=keys.device)
+            cx, key = _constexprs(dim, False, True, table.dtype)
+            # NOTE: placeholders of the parameters' types that the caller keeps (the flag
+            # for the int64 ones): binding allocates nothing, so it may happen inside a
+            # CUDA graph capture (torch.compile's reduce-overhead) without leaving a tensor
+            # in the graph's pool
             launch = bound[(id(table), id(err))] = BoundLaunch(
-                _LAUNCH, (pad, 0, table, table.shape[0], table.stride(0), table,
-                          err if err is not None else pad, pad), cx, key, _VARYING)
+                _LAUNCH, (err, 0, table, table.shape[0], table.stride(0), table, err, err),
+                cx, key, _VARYING)
         launch((n + BLOCK_K - 1) // BLOCK_K, keys, n, out)
         return out
     cx, key = _constexprs(dim, order is not None, err is not None, table.dtype)
