@@ -422,23 +422,17 @@ def lookup(
                 tkeys, counters, rows, stats, num_buckets, ways, empty, count, table,
                 cmax, err, flags is not None, candidates is not None,
                 candidate_rows is not None, miss_flag is not None)
-        # NOTE: only what the variant uses varies (_bind_lookup's order)
-        grid = _cdiv(n, TILES.lookup_block_k)
-        if candidates is None:
-            if flags is not None:
-                if miss_flag is not None:
-                    launch(grid, keys, n, out, flags, miss_flag)
-                else:
-                    launch(grid, keys, n, out, flags)
-            elif miss_flag is not None:
-                launch(grid, keys, n, out, miss_flag)
-            else:
-                launch(grid, keys, n, out)
-        else:
-            launch(grid, keys, n, out, *((flags,) if flags is not None else ()),
-                   candidates, _cand_cap(candidates),
-                   *((candidate_rows,) if candidate_rows is not None else ()),
-                   *((miss_flag,) if miss_flag is not None else ()))
+        # NOTE: only what the variant uses varies, in _bind_lookup's order
+        given: list[Any] = [keys, n, out]
+        if flags is not None:
+            given.append(flags)
+        if candidates is not None:
+            given += (candidates, _cand_cap(candidates))
+        if candidate_rows is not None:
+            given.append(candidate_rows)
+        if miss_flag is not None:
+            given.append(miss_flag)
+        launch(_cdiv(n, TILES.lookup_block_k), *given)
         return out, hit, None
     assert hit_out is None, "hit_out is for bound lookups"
     bd = _block_d(dim)

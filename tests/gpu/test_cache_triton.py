@@ -317,6 +317,33 @@ def test_serve_writes_the_hit_flags_into_the_callers_buffer(device: str, backend
     assert a.stats() == b.stats()
 
 
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=needs_triton),
+    pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])])
+@pytest.mark.parametrize("cap", [40, 200])
+def test_a_stacks_linear_gather_lists_what_the_twin_lists(device: str, cap: int) -> None:
+    """``gather_linear`` (a LinearUVM stack's lookup: a bound launch passing keys, size,
+    output, miss list and its rows) returns the twin's rows and lists the twin's misses,
+    each listed row the table's row of its key, whether the list fills or not."""
+    got = []
+    for backend in ("torch", "triton"):
+        c = make(device, backend)
+        g = torch.Generator().manual_seed(cap)
+        table = torch.randn(500, 12, generator=g).to(device)
+        c.insert(torch.arange(0, 100, 3, device=device), table[0:100:3])
+        cand = MissCandidates.empty(cap, device, dim=12, dtype=torch.float32)
+        keys = torch.randint(0, 500, (77,), generator=g).to(device)
+        out = c.gather_linear(keys, table, candidates=cand, host_table=False, err=None)
+        count = int(cand.buffer[0])
+        m = min(count, cap)
+        listed, pos = cand.buffer[1:1 + cap][:m], cand.buffer[1 + cap:][:m]
+        assert cand.rows is not None
+        assert torch.equal(cand.rows[:m], table[listed]) and torch.equal(keys[pos], listed)
+        got.append((out.cpu(), count, sorted(pos.tolist()) if count <= cap else None))
+    assert torch.equal(got[0][0], got[1][0]) and got[0][1:] == got[1][1:]
+    assert got[0][1] > 40  # the small list filled
+
+
 def test_candidate_rows_of_the_wrong_shape_are_refused() -> None:
     cache = make("cpu", "torch")
     table = torch.randn(50, 12)
