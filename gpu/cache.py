@@ -32,7 +32,7 @@ from hostcache.layout import EMPTY_KEY
 from . import cache_twin as twin
 from ._triton import kernel_module, triton_available
 from .cache_checks import ArgumentChecks
-from .cache_types import GPUCacheStats, MissCandidates
+from .cache_types import GPUCacheStats, MissCandidates, PreparedInsert
 from .devices import resolve_device
 from .errors import BadArgumentError
 
@@ -427,13 +427,36 @@ class GPUCache:
         if validate and bool((keys == EMPTY_KEY).any()):
             raise BadArgumentError(
                 f"key {EMPTY_KEY} (INT64_MIN) is reserved for empty slots; remap it")
+        self.apply_insert(self.prepare_insert(keys), values)
+
+    def prepare_insert(self, keys: torch.Tensor, out: PreparedInsert | None = None
+                       ) -> PreparedInsert:
+        """The half of ``insert(keys, ...)`` that reads nothing of the table (sorts of the
+        batch; on the torch backend a copy of it): it may run on another stream while
+        lookups use the cache (gpu.split_round). ``keys`` (int64, this cache's device,
+        non-empty, not checked) are copied into ``out`` first where given (buffers from
+        ``PreparedInsert.empty`` of their size), so they may change afterwards."""
         if self._write_kernels is not None:
-            self._write_kernels.insert(keys, values, self._tkeys, self._counters,
-                                       self._rows_all, self._insert_stats, self.num_buckets,
-                                       self.ways, empty=EMPTY_KEY, cmax=twin.COUNTER_MAX,
-                                       decay_at=twin.DECAY_AT)
+            return self._write_kernels.prepare_insert(keys, self.num_buckets, out)
+        if out is None:
+            return PreparedInsert(keys, *(keys[:0],) * 6)
+        out.keys.copy_(keys)
+        return out
+
+    def apply_insert(self, prepared: PreparedInsert, values: torch.Tensor) -> None:
+        """The other half, in stream order: the placements ``insert`` makes of the
+        prepared keys into the table as it is now, ``values[i]`` the row of the batch's
+        key ``i`` (not checked)."""
+        if self.num_buckets == 0:
             return
-        plan = twin.plan_insert(self._tkeys, self._counters, self.num_buckets, self.ways, keys)
+        if self._write_kernels is not None:
+            self._write_kernels.apply_insert(prepared, values, self._tkeys, self._counters,
+                                             self._rows_all, self._insert_stats,
+                                             self.num_buckets, self.ways,
+                                             cmax=twin.COUNTER_MAX, decay_at=twin.DECAY_AT)
+            return
+        plan = twin.plan_insert(self._tkeys, self._counters, self.num_buckets, self.ways,
+                                prepared.keys)
         self._counters_all[plan.decay_target] = plan.decay_values
         self._tkeys_all[plan.key_target] = plan.new_keys
         self._counters_all[plan.key_target] = plan.new_counters

@@ -30,8 +30,10 @@ import triton
 import triton.language as tl
 
 from gpu._triton import helper_module
+from gpu.cache_types import PreparedInsert
 from gpu.devices import on_tensor_device
 from gpu.launch import DirectLaunch
+from hostcache.layout import EMPTY_KEY
 
 # NOTE: helpers decorated like this module's kernels (compiled or interpreted)
 bucket_of = helper_module("hash_kernels").bucket_of
@@ -62,26 +64,39 @@ def _max_combine(a, b):
 
 
 @triton.jit
-def _insert_probe_kernel(
-    ks_ptr, n, tkeys_ptr, num_buckets, skey_ptr, slot_ptr, mark_ptr,
-    WAYS: tl.constexpr, EMPTY: tl.constexpr, BLOCK_K: tl.constexpr,
+def _insert_last_kernel(
+    ks_ptr, n, num_buckets, skey_ptr, EMPTY: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """Insert step 1, over the batch sorted by key: the last occurrence of each key is
-    present (its slot; its slot marked pinned) or fresh (int32 sort key = its bucket);
-    every other position sorts after all buckets (``num_buckets``)."""
+    """Insert step 1, over the batch sorted by key, reading nothing of the table: the last
+    occurrence of each key sorts by its bucket (an int32 sort key: half the radix passes
+    of int64); every other position, and the empty marker, after all buckets."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     kmask = offs < n
     k = tl.load(ks_ptr + offs, mask=kmask, other=EMPTY)
     nxt = tl.load(ks_ptr + offs + 1, mask=offs + 1 < n, other=EMPTY)
     is_last = kmask & ((offs + 1 >= n) | (nxt != k))
-    hit, slot = probe(tkeys_ptr, k, kmask, num_buckets, WAYS, EMPTY)
-    present = is_last & hit
     # NOTE: the empty marker is never placed (a padded batch: gpu.miss_log)
-    fresh = is_last & (hit == 0) & (k != EMPTY)
-    # NOTE: int32 sort keys (a bucket index, or num_buckets): half the radix passes
+    keep = is_last & (k != EMPTY)
     tl.store(skey_ptr + offs,
-             tl.where(fresh, bucket_of(k, num_buckets), num_buckets).to(tl.int32),
+             tl.where(keep, bucket_of(k, num_buckets), num_buckets).to(tl.int32),
              mask=kmask)
+
+
+@triton.jit
+def _insert_probe_kernel(
+    sb_ptr, order_ptr, ks_ptr, n, tkeys_ptr, num_buckets, slot_ptr, mark_ptr,
+    WAYS: tl.constexpr, EMPTY: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Insert step 2, over the batch sorted by bucket: which of its keys the table holds
+    (their slot, marked pinned), -1 for the others."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    kmask = offs < n
+    sb = tl.load(sb_ptr + offs, mask=kmask, other=num_buckets)
+    valid = kmask & (sb < num_buckets)
+    j = tl.load(order_ptr + offs, mask=valid, other=0)
+    k = tl.load(ks_ptr + j, mask=valid, other=EMPTY)
+    hit, slot = probe(tkeys_ptr, k, valid, num_buckets, WAYS, EMPTY)
+    present = valid & hit
     tl.store(slot_ptr + offs, tl.where(present, slot, -1), mask=kmask)
     tl.store(mark_ptr + slot, tl.full([BLOCK_K], 1, tl.int8), mask=present)
 
@@ -94,18 +109,27 @@ def _insert_plan_kernel(
     CMAX: tl.constexpr, DECAY_AT: tl.constexpr, WAYS: tl.constexpr, EMPTY: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """Insert step 2, over the batch sorted by bucket: each new key's way (reads only; the
+    """Insert step 3, over the batch sorted by bucket: each new key's way (reads only; the
     table is written by the next launches, so every program sees the same snapshot)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     kmask = offs < n
     sb = tl.load(sb_ptr + offs, mask=kmask, other=num_buckets)
-    rank = offs - tl.load(start_ptr + offs, mask=kmask, other=0)
     j = tl.load(order_ptr + offs, mask=kmask, other=0)
     k = tl.load(ks_ptr + j, mask=kmask, other=EMPTY)
     src = tl.load(src_ptr + j, mask=kmask, other=0)
-    pslot = tl.load(slot_ptr + j, mask=kmask, other=-1)
-    fresh = kmask & (sb < num_buckets)
+    pslot = tl.load(slot_ptr + offs, mask=kmask, other=-1)
     present = kmask & (pslot >= 0)
+    fresh = kmask & (sb < num_buckets) & (pslot < 0)
+    # a new key's rank among the new keys of its bucket: its place in the bucket's run
+    # less the keys the table holds before it there. Those are at most WAYS (each holds a
+    # way of the bucket), so a run place past 2 * WAYS ranks past every way: counting the
+    # held keys over the 2 * WAYS places before it is exact wherever the rank matters.
+    run = offs - tl.load(start_ptr + offs, mask=kmask, other=0)
+    held = tl.full([BLOCK_K], 0, tl.int64)
+    for t in tl.static_range(1, 2 * WAYS + 1):
+        before = kmask & (run >= t)
+        held += (tl.load(slot_ptr + offs - t, mask=before, other=-1) >= 0).to(tl.int64)
+    rank = run - held
     b = tl.where(fresh, sb, 0).to(tl.int64)
     w = tl.arange(0, WAYS)
     bslots = (b * WAYS)[:, None] + w[None, :]
@@ -152,7 +176,7 @@ def _insert_decay_kernel(
     sb_ptr, decay_ptr, n, counters_ptr, CMAX: tl.constexpr, DECAY_AT: tl.constexpr,
     WAYS: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """Insert step 3: clamp, and halve where due, the counters of buckets taking keys."""
+    """Insert step 4: clamp, and halve where due, the counters of buckets taking keys."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     m = (offs < n) & (tl.load(decay_ptr + offs, mask=offs < n, other=0) != 0)
     b = tl.load(sb_ptr + offs, mask=m, other=0).to(tl.int64)
@@ -169,7 +193,7 @@ def _insert_apply_kernel(
     key_target_ptr, new_keys_ptr, new_counters_ptr, n, tkeys_ptr, counters_ptr, trash,
     BLOCK_K: tl.constexpr,
 ):
-    """Insert step 4: the new keys and their counters (rows follow with scatter_rows)."""
+    """Insert step 5: the new keys and their counters (rows follow with scatter_rows)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     kmask = offs < n
     t = tl.load(key_target_ptr + offs, mask=kmask, other=trash)
@@ -204,6 +228,7 @@ def _block_d(dim: int) -> int:
 
 # NOTE: launched directly (gpu.launch): an admission round is five of these launches, and
 # the JIT's per-call binding costs more than each launch (bench/RESULTS.md, "Per-call path")
+_LAST = DirectLaunch(_insert_last_kernel)
 _PROBE = DirectLaunch(_insert_probe_kernel)
 _PLAN = DirectLaunch(_insert_plan_kernel)
 _DECAY = DirectLaunch(_insert_decay_kernel)
@@ -235,43 +260,77 @@ def scatter_rows(
 
 
 @on_tensor_device
-def insert(
-    keys: torch.Tensor, values: torch.Tensor, tkeys: torch.Tensor, counters: torch.Tensor,
-    rows_all: torch.Tensor, stats: torch.Tensor, num_buckets: int, ways: int, *, empty: int,
-    cmax: int, decay_at: int,
-) -> None:
-    """Insert ``keys``/``values`` (non-empty) with no host sync: the same placements as
-    ``gpu.cache_twin.plan_insert`` in two sorts and five launches. ``rows_all`` has the
-    trash row at index ``tkeys.numel()``; ``stats`` (int64 [3]) gains placed, evicted
-    and dropped counts."""
+def prepare_insert(keys: torch.Tensor, num_buckets: int,
+                   out: PreparedInsert | None = None) -> PreparedInsert:
+    """Steps that read nothing of the table (two sorts, a launch, a search): they may run
+    on another stream while lookups use the table (gpu.split_round). Into ``out``
+    (buffers of ``keys``' size, reused), the keys copied there first (they may change
+    meanwhile: a log that lookups keep appending to), or into fresh buffers; ``keys``
+    non-empty."""
     n = keys.numel()
+    # NOTE: bucket indices sort as int32 (a cache of 2**31 buckets would need 2**34 slots)
+    assert num_buckets < 1 << 31
+    if out is None:
+        p = PreparedInsert.empty(n, keys.device, keys)
+    else:
+        p = out
+        p.keys.copy_(keys)
+        keys = p.keys
+    torch.sort(keys, stable=True, out=(p.ks, p.src))
+    bk = TILES.insert_block_k
+    _launch(_LAST, (_cdiv(n, bk),), (p.ks, n, num_buckets, p.skey), ("last", bk),
+            EMPTY=EMPTY_KEY, BLOCK_K=bk)
+    torch.sort(p.skey, stable=True, out=(p.sb, p.order))
+    torch.searchsorted(p.sb, p.sb, out=p.start)
+    return p
+
+
+@on_tensor_device
+def apply_insert(
+    p: PreparedInsert, values: torch.Tensor, tkeys: torch.Tensor, counters: torch.Tensor,
+    rows_all: torch.Tensor, stats: torch.Tensor, num_buckets: int, ways: int, *, cmax: int,
+    decay_at: int,
+) -> None:
+    """The steps that read and write the table, in the caller's stream order: the same
+    placements as ``gpu.cache_twin.plan_insert`` for the keys ``p`` was prepared from,
+    whatever the table became since. ``rows_all`` has the trash row at index
+    ``tkeys.numel()``; ``stats`` (int64 [3]) gains placed, evicted and dropped counts."""
+    n = p.ks.numel()
     trash = tkeys.numel()
     bk = TILES.insert_block_k
     grid = (_cdiv(n, bk),)
-    # NOTE: bucket indices sort as int32 (a cache of 2**31 buckets would need 2**34 slots)
-    assert num_buckets < 1 << 31
-    ks, src = torch.sort(keys, stable=True)
-    skey = torch.empty(n, dtype=torch.int32, device=keys.device)
-    slot = torch.empty_like(ks)
-    mark = torch.zeros(trash, dtype=torch.int8, device=keys.device)
-    _launch(_PROBE, grid, (ks, n, tkeys, num_buckets, skey, slot, mark),
-            ("probe", ways, empty, bk), WAYS=ways, EMPTY=empty, BLOCK_K=bk)
-    sb, order = torch.sort(skey, stable=True)
-    start = torch.searchsorted(sb, sb)
-    key_target = torch.empty_like(ks)
-    new_keys = torch.empty_like(ks)
-    new_counters = torch.empty(n, dtype=counters.dtype, device=keys.device)
-    row_target = torch.empty_like(ks)
-    row_src = torch.empty_like(ks)
-    decay = torch.empty(n, dtype=torch.int8, device=keys.device)
+    empty = EMPTY_KEY
+    slot = torch.empty_like(p.ks)
+    mark = torch.zeros(trash, dtype=torch.int8, device=tkeys.device)
+    _launch(_PROBE, grid, (p.sb, p.order, p.ks, n, tkeys, num_buckets, slot, mark),
+            ("probe", ways, bk), WAYS=ways, EMPTY=empty, BLOCK_K=bk)
+    key_target = torch.empty_like(p.ks)
+    new_keys = torch.empty_like(p.ks)
+    new_counters = torch.empty(n, dtype=counters.dtype, device=tkeys.device)
+    row_target = torch.empty_like(p.ks)
+    row_src = torch.empty_like(p.ks)
+    decay = torch.empty(n, dtype=torch.int8, device=tkeys.device)
     _launch(_PLAN, grid,
-            (sb, start, order, ks, src, slot, mark, n, tkeys, counters, num_buckets, trash,
-             key_target, new_keys, new_counters, row_target, row_src, decay, stats),
-            ("plan", counters.dtype, cmax, decay_at, ways, empty, bk),
+            (p.sb, p.start, p.order, p.ks, p.src, slot, mark, n, tkeys, counters,
+             num_buckets, trash, key_target, new_keys, new_counters, row_target, row_src,
+             decay, stats),
+            ("plan", counters.dtype, cmax, decay_at, ways, bk),
             CMAX=cmax, DECAY_AT=decay_at, WAYS=ways, EMPTY=empty, BLOCK_K=bk)
-    _launch(_DECAY, grid, (sb, decay, n, counters),
+    _launch(_DECAY, grid, (p.sb, decay, n, counters),
             ("decay", counters.dtype, cmax, decay_at, ways, bk),
             CMAX=cmax, DECAY_AT=decay_at, WAYS=ways, BLOCK_K=bk)
     _launch(_APPLY, grid, (key_target, new_keys, new_counters, n, tkeys, counters, trash),
             ("apply", counters.dtype, bk), BLOCK_K=bk)
     scatter_rows(rows_all, row_target, values, row_src)
+
+
+@on_tensor_device
+def insert(
+    keys: torch.Tensor, values: torch.Tensor, tkeys: torch.Tensor, counters: torch.Tensor,
+    rows_all: torch.Tensor, stats: torch.Tensor, num_buckets: int, ways: int, *, cmax: int,
+    decay_at: int,
+) -> None:
+    """Insert ``keys``/``values`` (non-empty) with no host sync: :func:`prepare_insert`
+    then :func:`apply_insert`."""
+    apply_insert(prepare_insert(keys, num_buckets), values, tkeys, counters, rows_all,
+                 stats, num_buckets, ways, cmax=cmax, decay_at=decay_at)

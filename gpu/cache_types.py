@@ -1,5 +1,5 @@
-"""What a :class:`gpu.cache.GPUCache` hands out: its statistics and the miss-candidate
-buffer its linear lookups fill without a host sync."""
+"""What a :class:`gpu.cache.GPUCache` hands out: its statistics, the miss-candidate
+buffer its linear lookups fill without a host sync, and an insert's prepared half."""
 
 from __future__ import annotations
 
@@ -93,3 +93,32 @@ class MissCandidates:
     def positions(self) -> torch.Tensor:
         """``[cap]`` int64: the batch position of each of :attr:`keys`."""
         return self.buffer[1 + self.cap:]
+
+
+@dataclass(frozen=True)
+class PreparedInsert:
+    """The half of an insert that reads nothing of the cache's table
+    (:meth:`gpu.cache.GPUCache.prepare_insert`): the batch sorted by key (``ks``, and
+    ``src``, each sorted key's batch position), each position's int32 bucket sort key
+    (``skey``: the last occurrence of a key its bucket, the others past every bucket),
+    those sorted (``sb``, ``order``) and where each one's run of equal buckets starts
+    (``start``). On the torch backend only ``keys`` is kept (its plan reads the table)."""
+
+    keys: torch.Tensor
+    ks: torch.Tensor
+    src: torch.Tensor
+    skey: torch.Tensor
+    sb: torch.Tensor
+    order: torch.Tensor
+    start: torch.Tensor
+
+    @classmethod
+    def empty(cls, n: int, device: torch.device | str, keys: torch.Tensor | None = None
+              ) -> PreparedInsert:
+        """Buffers for a batch of ``n`` keys (what a reused round writes into); ``keys``
+        (the batch itself) where it need not be copied."""
+        def i64() -> torch.Tensor:
+            return torch.empty(n, dtype=torch.int64, device=device)
+        skey = torch.empty(n, dtype=torch.int32, device=device)
+        return cls(i64() if keys is None else keys, i64(), i64(), skey,
+                   torch.empty_like(skey), i64(), i64())

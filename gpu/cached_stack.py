@@ -55,6 +55,10 @@ class CachedStack:
     def _drop_waiting(self) -> None:
         """Forget admissions not yet made (overridden by stacks that keep any)."""
 
+    def _settle(self) -> None:
+        """Queue admissions already decided (caller holds the guard; overridden by stacks
+        whose rounds complete at a later lookup)."""
+
     def erase(self, keys: torch.Tensor) -> None:
         with self.guard:
             self._drop_waiting()
@@ -71,9 +75,12 @@ class CachedStack:
         """Whether each key is in this layer's GPU cache now (not counted as a lookup)."""
         with self.guard:
             self.follower.sync()
+            self._settle()
             return self.cache.probe(keys.to(self.device), record=False) >= 0
 
     def gpu_stats(self) -> TierStats:
+        with self.guard:
+            self._settle()
         s = self.cache.stats()
         return TierStats(s.hits, s.misses, s.inserts, s.evictions)
 

@@ -116,6 +116,9 @@ class LinearStack(CachedStack):
     def _drop_waiting(self) -> None:
         self.log.drop()
 
+    def _settle(self) -> None:
+        self.log.settle()
+
     def update(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         self.check.flag.raise_pending()
         check_range(keys, self.num_rows, name="keys")

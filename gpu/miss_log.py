@@ -25,9 +25,13 @@ lookup's output.
 
 On CUDA a LinearUVM stack keeps the warm cache's log for good from its construction
 (:meth:`MissLog.keep`; while the cache fills, it waits beside the filling log), and that
-log's round, its insert and then the log emptied, is captured there into a CUDA graph
-(:mod:`gpu.graphed`): a warm round costs the lookup that triggers it one graph launch
-instead of a dozen allocations and launches (bench/RESULTS.md, "Per-call path (H200)").
+log's round runs in two halves (:mod:`gpu.split_round`), each captured there into a CUDA
+graph (:mod:`gpu.graphed`): the insert's sorts on a side stream, started by the lookup
+that makes the round due, and its table writes (then the log emptied) queued by the first
+lookup after the sorts are done. No lookup waits for the sorts, and a round costs a
+lookup two graph launches instead of a dozen allocations and launches (bench/RESULTS.md,
+"Per-call path (H200)"). Statistics, cache probes and ``flush`` queue a pending table
+half first.
 
 Consistency: a logged row is as old as the lookup that read it, so the log is emptied
 whenever the stack learns of a change to the table (:class:`~gpu.change_follower.
@@ -43,7 +47,7 @@ from hostcache.layout import EMPTY_KEY
 
 from .admission import RoundBudget
 from .cache import GPUCache, MissCandidates
-from .graphed import GraphedCall
+from .split_round import SplitRound
 from .tier_config import TierConfig
 
 
@@ -61,9 +65,9 @@ class MissLog:
                  prob: float) -> None:
         self._cache, self._budget, self._config, self._prob = cache, budget, config, prob
         self._cand: MissCandidates | None = None
-        #: a warm cache's log kept for good, with its round (insert, then the log emptied)
-        #: captured into a CUDA graph (:meth:`keep`, gpu.graphed)
-        self._kept: tuple[MissCandidates, GraphedCall] | None = None
+        #: a warm cache's log kept for good, with its round in two halves, each captured
+        #: into a CUDA graph (:meth:`keep`, gpu.split_round)
+        self._kept: tuple[MissCandidates, SplitRound] | None = None
         self._warm = False  # the budget's phase when the log was sized
         self._calls = 0
         self._keys = 0
@@ -110,33 +114,46 @@ class MissLog:
 
     def keep(self) -> bool:
         """Keep the current log (a warm cache's, empty, its round run once eagerly: the
-        kernels loaded) for every later warm phase, its round captured into a CUDA graph;
-        returns whether rounds now replay it. At a layer's construction: the capture
-        holds the device's default random generator (gpu.graphed). On the CPU the log is
-        kept the same way, its round run eagerly (no layer does that: tests do)."""
+        kernels loaded) for every later warm phase, its round split in two halves
+        (:mod:`gpu.split_round`), each captured into a CUDA graph; returns whether rounds
+        now replay them. At a layer's construction: the capture holds the device's default
+        random generator (gpu.graphed). On the CPU the log is kept the same way, its
+        halves eager (no layer does that: tests do)."""
         cand = self._cand
         if cand is None or self._prob < 1.0 or not self._budget.warm or \
                 self._kept is not None:
             return False
-        cache, rows = self._cache, cand.rows
-        assert rows is not None
+        split = SplitRound(self._cache, cand)
+        self._kept = (cand, split)
+        return split.capture()
 
-        def admit() -> None:
-            keys, kept_rows = cand.keys, rows
-            if not keys.is_cuda:  # NOTE: the count is at hand: insert no padding
-                used = min(int(cand.count), cand.cap)
-                keys, kept_rows = keys[:used], kept_rows[:used]
-            cache.insert(keys, kept_rows, validate=False)
-            cand.buffer.fill_(EMPTY_KEY)
-            cand.buffer[:1].zero_()
+    def _split(self) -> SplitRound | None:
+        """The current log's split round, where it is the kept log and no CUDA graph is
+        being captured (inside a caller's capture a round runs whole, in stream order, and
+        becomes part of that graph)."""
+        kept = self._kept
+        if kept is None or self._cand is not kept[0]:
+            return None
+        if kept[0].buffer.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None
+        return kept[1]
 
-        graphed = GraphedCall(admit, cache.device)
-        self._kept = (cand, graphed)
-        return cand.buffer.is_cuda and graphed.capture()
+    def settle(self) -> None:
+        """Queue the table half of a pending round now (caller holds the cache guard):
+        statistics and probes after it see its keys."""
+        split = self._split()
+        if split is not None:
+            split.finish()
 
     def logged(self, n: int) -> None:
         """After a lookup of ``n`` keys logged its misses (caller holds the cache guard
-        and the table's read side): run a round if one is due."""
+        and the table's read side): queue the table half of a round whose sorts are done,
+        and start a round if one is due."""
+        kept = self._kept
+        if kept is not None and kept[1].pending:
+            split = self._split()
+            if split is not None:
+                split.poll()
         self._calls += 1
         self._keys += n
         cfg, slots = self._config, self._cache.capacity
@@ -146,40 +163,53 @@ class MissLog:
         else:  # filling, or a batch large enough to pay for a round of its own
             due = self._keys >= fill
         if due:
-            self.round()
+            self.round(wait=False)
 
-    def round(self) -> None:
-        """Admit what is logged (caller holds the guard and the table's read side)."""
+    def round(self, wait: bool = True) -> None:
+        """Admit what is logged (caller holds the guard and the table's read side). The
+        kept log's round is split (gpu.split_round): with ``wait=False`` its table half
+        comes at a later lookup once its sorts are done, and while one is pending no
+        other starts (the lookups go on counting: the next one starts it)."""
         cand = self._cand
         if cand is None:
             return
+        split = self._split()
+        if split is not None:
+            if split.pending:
+                if not wait:
+                    return
+                split.finish()
+            self._budget.admitted += min(self._keys, cand.cap)
+            self.rounds += 1
+            split.start()
+            if wait:
+                split.finish()
+            if self._warm == self._budget.warm:
+                self._calls = self._keys = 0
+            else:
+                self.drop()
+            return
         admitted = min(self._keys, cand.cap)
-        kept = self._kept
-        graphed = kept[1] if kept is not None and cand is kept[0] else None
-        if graphed is not None:
-            graphed()  # NOTE: one graph launch: the insert below, then the log emptied
-        else:
-            keys, rows = cand.keys, cand.rows
-            assert rows is not None
-            if keys.device.type == "cpu":  # NOTE: the count is at hand: insert no padding
-                used = min(int(cand.count), cand.cap)
-                keys, rows = keys[:used], rows[:used]
-            if self._prob < 1.0:
-                keep = torch.rand(keys.numel(), device=keys.device) < self._prob
-                keys = torch.where(keep, keys, EMPTY_KEY)
-            if keys.numel():
-                self._cache.insert(keys, rows, validate=False)
+        keys, rows = cand.keys, cand.rows
+        assert rows is not None
+        if keys.device.type == "cpu":  # NOTE: the count is at hand: insert no padding
+            used = min(int(cand.count), cand.cap)
+            keys, rows = keys[:used], rows[:used]
+        if self._prob < 1.0:
+            keep = torch.rand(keys.numel(), device=keys.device) < self._prob
+            keys = torch.where(keep, keys, EMPTY_KEY)
+        if keys.numel():
+            self._cache.insert(keys, rows, validate=False)
         self._budget.admitted += admitted
         self.rounds += 1
-        if graphed is not None and self._warm == self._budget.warm:
-            self._calls = self._keys = 0
-        else:
-            self.drop()
+        self.drop()
 
     def drop(self) -> None:
         """Empty the log, in stream order (a change made logged rows stale, or a round
         took them); caller holds the cache guard."""
         self._calls = self._keys = 0
+        if self._kept is not None:
+            self._kept[1].cancel()  # NOTE: its table half would read rows logged anew
         cand = self._cand
         if cand is None:
             return
@@ -195,12 +225,15 @@ class MissLog:
         self._release()
         kept, self._kept = self._kept, None
         if kept is not None and kept[0].buffer.is_cuda:
-            # NOTE: a replay may still run: its graph and pool go once the stream is past it
+            # NOTE: a replay may still run: its graph and pool go once the streams are
+            # past it
+            kept[1].close()
             torch.cuda.current_stream(kept[0].buffer.device).synchronize()
 
     def _release(self) -> None:
         cand, self._cand = self._cand, None
         if self._kept is not None and cand is self._kept[0]:
+            self._kept[1].cancel()
             # NOTE: kept for the next warm phase, emptied now: what it logged is as old as
             # the lookups that logged it, and the cache went cold meanwhile (a clear, a
             # change feed that overflowed)

@@ -533,3 +533,35 @@ def test_interpreter_insert_decays_and_evicts_like_the_twin(
         halved |= bool(((counters >= decay_at // 2) & (counters < decay_at)).any())
     assert halved, "no bucket was decayed: the test lost its point"
     assert a.stats() == b.stats() and a.stats().evictions > 0
+
+
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=needs_triton),
+    pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])])
+def test_an_insert_prepared_before_the_table_changed_places_as_one_made_after(
+        device: str) -> None:
+    """``prepare_insert`` reads nothing of the table: writes, erases and lookups between it
+    and ``apply_insert`` leave the placements those of an insert made after them, and the
+    prepared keys were copied (their source may change meanwhile)."""
+    twin_cache = make("cpu", "torch", buckets=3, ways=4)
+    cache = make(device, "triton" if device == "cpu" else "auto", buckets=3, ways=4)
+    gen = torch.Generator().manual_seed(11)
+    for step in range(6):
+        batch = torch.randint(-20, 20, (int(torch.randint(1, 30, (1,), generator=gen)),),
+                              generator=gen)
+        rows = torch.randn(batch.numel(), 12, generator=gen)
+        source = batch.to(device, copy=True)
+        prepared = cache.prepare_insert(source, out=type(
+            cache.prepare_insert(source)).empty(batch.numel(), cache.device))
+        source.fill_(EMPTY_KEY)  # NOTE: the log a round prepared from, emptied meanwhile
+        other = torch.randint(-20, 20, (12,), generator=gen)
+        other_rows = torch.randn(12, 12, generator=gen)
+        for c in (twin_cache, cache):  # the table changes between the halves
+            c.insert(other.to(c.device), other_rows.to(c.device))
+            c.erase(other[:3].to(c.device))
+            c.lookup(other.to(c.device))
+        twin_cache.insert(batch, rows)
+        cache.apply_insert(prepared, rows.to(device))
+        for x, y in zip(twin_cache.state(), cache.state(), strict=True):
+            assert torch.equal(x, y.cpu()), step
+    assert twin_cache.stats() == cache.stats() and cache.stats().evictions > 0

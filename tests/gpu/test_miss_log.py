@@ -234,3 +234,74 @@ def test_the_kept_log_is_reused_empty_after_the_cache_went_cold() -> None:
     assert torch.equal(cache.lookup(new)[0], table[new])
     assert int(kept.count) == 0  # the round emptied it
     log.close()
+
+
+def _kept_log(device: str, cfg: TierConfig) -> tuple[GPUCache, MissLog, RoundBudget]:
+    cache = GPUCache(512 * SLOT, DIM, torch.float32, torch.device(device))
+    budget = RoundBudget(cache, cfg)
+    log = MissLog(cache, budget, cfg, 1.0)
+    budget.make_warm()
+    assert log.candidates(1) is not None
+    log.keep()
+    return cache, log, budget
+
+
+def _look(cache: GPUCache, log: MissLog, keys: torch.Tensor, table: torch.Tensor) -> None:
+    cand = log.candidates(keys.numel())
+    out = cache.gather_linear(keys, table, candidates=cand, host_table=False, err=None)
+    assert torch.equal(out, table[keys])
+    log.logged(keys.numel())
+
+
+def test_a_split_round_writes_the_table_at_the_next_lookup_and_a_change_cancels_it() -> None:
+    """A kept log's round (gpu.split_round; its halves eager on the CPU): the lookup that
+    makes it due sorts the log, the next lookup writes the table; a change announced
+    between the halves (the log dropped) cancels the writes, so rows logged before it
+    never go in."""
+    cfg = TierConfig(round_lookups=2, round_capacities=1e9)
+    cache, log, _ = _kept_log("cpu", cfg)
+    table = torch.randn(ROWS, DIM)
+    a, b, c = torch.arange(0, 10), torch.arange(10, 20), torch.arange(20, 30)
+    _look(cache, log, a, table)
+    _look(cache, log, b, table)  # the round is due: its sorts run, its writes wait
+    assert log.rounds == 1
+    assert not (cache.probe(torch.cat([a, b]), record=False) >= 0).any()
+    _look(cache, log, c, table)  # the writes land first, then c is logged ...
+    assert (cache.probe(torch.cat([a, b]), record=False) >= 0).all()
+    assert not (cache.probe(c, record=False) >= 0).any()  # ... and dropped with the log
+    assert torch.equal(cache.lookup(b)[0], table[b])
+    _look(cache, log, c, table)  # the next round is due: sorted, writes pending
+    assert log.rounds == 2
+    log.drop()  # a change was announced: the logged rows may be stale
+    _look(cache, log, a, table)
+    log.settle()
+    assert not (cache.probe(c, record=False) >= 0).any()
+    assert cache.stats().inserts == 20
+    log.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (two streams)")
+def test_the_lookup_that_makes_a_round_due_does_not_wait_for_its_sorts() -> None:
+    """The sorts run on the round's side stream: with that stream held busy, the caller's
+    stream still finishes its lookups; the table half waits for the sorts (settle), and
+    then the logged keys are in."""
+    from gpu.split_round import SplitRound
+
+    cfg = TierConfig(round_lookups=2, round_capacities=1e9)
+    cache, log, _ = _kept_log("cuda", cfg)
+    split = log._kept[1]  # noqa: SLF001  (the round's own side stream, to hold busy)
+    assert isinstance(split, SplitRound)
+    table = torch.randn(ROWS, DIM, device="cuda")
+    keys = torch.arange(0, 40, device="cuda")
+    with torch.cuda.stream(split._side):  # noqa: SLF001
+        torch.cuda._sleep(400_000_000)  # the side stream busy for ~0.2 s
+    _look(cache, log, keys[:20], table)
+    _look(cache, log, keys[20:], table)  # due: the sorts queue behind the sleep
+    torch.cuda.current_stream().synchronize()
+    assert not split._side.query()  # noqa: SLF001  (the caller did not wait for it)
+    assert split.pending and not split.poll()
+    log.settle()
+    assert (cache.probe(keys, record=False) >= 0).all()
+    assert torch.equal(cache.lookup(keys)[0], table[keys])
+    log.close()
