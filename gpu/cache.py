@@ -429,19 +429,29 @@ class GPUCache:
                 f"key {EMPTY_KEY} (INT64_MIN) is reserved for empty slots; remap it")
         self.apply_insert(self.prepare_insert(keys), values)
 
-    def prepare_insert(self, keys: torch.Tensor, out: PreparedInsert | None = None
-                       ) -> PreparedInsert:
+    def prepare_insert(self, keys: torch.Tensor) -> PreparedInsert:
         """The half of ``insert(keys, ...)`` that reads nothing of the table (sorts of the
-        batch; on the torch backend a copy of it): it may run on another stream while
-        lookups use the cache (gpu.split_round). ``keys`` (int64, this cache's device,
-        non-empty, not checked) are copied into ``out`` first where given (buffers from
-        ``PreparedInsert.empty`` of their size), so they may change afterwards."""
+        batch; on the torch backend nothing): it may run on another stream while lookups
+        use the cache (gpu.split_round). ``keys``: int64 on this cache's device,
+        non-empty, not checked."""
         if self._write_kernels is not None:
-            return self._write_kernels.prepare_insert(keys, self.num_buckets, out)
-        if out is None:
-            return PreparedInsert(keys, *(keys[:0],) * 6)
-        out.keys.copy_(keys)
-        return out
+            return self._write_kernels.prepare_insert(keys, self.num_buckets)
+        return PreparedInsert(keys, *(keys[:0],) * 6)
+
+    def sort_insert_keys(self, keys: torch.Tensor, out: PreparedInsert, *,
+                         small: bool = False) -> None:
+        """``prepare_insert`` in two steps into reused buffers (``PreparedInsert.empty``
+        of ``keys``' size), this the first: ``keys`` copied (they may change afterwards),
+        then sorted. ``small``: each key is the empty marker or in ``[0, 2**31)``."""
+        if self._write_kernels is not None:
+            self._write_kernels.sort_keys(keys, out, small)
+        elif keys is not out.keys:
+            out.keys.copy_(keys)
+
+    def sort_insert_buckets(self, out: PreparedInsert) -> None:
+        """The second step of ``prepare_insert`` into ``out``."""
+        if self._write_kernels is not None:
+            self._write_kernels.sort_buckets(out, self.num_buckets)
 
     def apply_insert(self, prepared: PreparedInsert, values: torch.Tensor) -> None:
         """The other half, in stream order: the placements ``insert`` makes of the

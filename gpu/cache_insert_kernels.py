@@ -260,28 +260,42 @@ def scatter_rows(
 
 
 @on_tensor_device
-def prepare_insert(keys: torch.Tensor, num_buckets: int,
-                   out: PreparedInsert | None = None) -> PreparedInsert:
-    """Steps that read nothing of the table (two sorts, a launch, a search): they may run
-    on another stream while lookups use the table (gpu.split_round). Into ``out``
-    (buffers of ``keys``' size, reused), the keys copied there first (they may change
-    meanwhile: a log that lookups keep appending to), or into fresh buffers; ``keys``
-    non-empty."""
-    n = keys.numel()
+def sort_keys(keys: torch.Tensor, p: PreparedInsert, small: bool = False) -> None:
+    """Insert step 1 (reads nothing of the table): ``keys`` copied into ``p.keys`` (unless
+    they are its own: they may change meanwhile, a log that lookups keep appending to)
+    and sorted, stably, into ``p.ks`` / ``p.src``. ``small``: every key is the empty
+    marker or in ``[0, 2**31)`` (a linear table's rows), so they sort as int32, half the
+    radix passes, with the same order."""
+    if keys is not p.keys:
+        p.keys.copy_(keys)
+    if small:
+        # NOTE: the empty marker (INT64_MIN) becomes -1: still first, as it sorts as int64
+        p.skey.copy_(p.keys.clamp(min=-1))
+        torch.sort(p.skey, stable=True, out=(p.sb, p.src))
+        torch.index_select(p.keys, 0, p.src, out=p.ks)
+    else:
+        torch.sort(p.keys, stable=True, out=(p.ks, p.src))
+
+
+@on_tensor_device
+def sort_buckets(p: PreparedInsert, num_buckets: int) -> None:
+    """Insert step 2 (reads nothing of the table): each sorted position's bucket sort key
+    (a launch), the batch sorted by it, and where each bucket's run starts."""
+    n = p.ks.numel()
     # NOTE: bucket indices sort as int32 (a cache of 2**31 buckets would need 2**34 slots)
     assert num_buckets < 1 << 31
-    if out is None:
-        p = PreparedInsert.empty(n, keys.device, keys)
-    else:
-        p = out
-        p.keys.copy_(keys)
-        keys = p.keys
-    torch.sort(keys, stable=True, out=(p.ks, p.src))
     bk = TILES.insert_block_k
     _launch(_LAST, (_cdiv(n, bk),), (p.ks, n, num_buckets, p.skey), ("last", bk),
             EMPTY=EMPTY_KEY, BLOCK_K=bk)
     torch.sort(p.skey, stable=True, out=(p.sb, p.order))
     torch.searchsorted(p.sb, p.sb, out=p.start)
+
+
+def prepare_insert(keys: torch.Tensor, num_buckets: int) -> PreparedInsert:
+    """Steps 1 and 2 of inserting ``keys`` (non-empty) into fresh buffers."""
+    p = PreparedInsert.empty(keys.numel(), keys.device, keys)
+    sort_keys(keys, p)
+    sort_buckets(p, num_buckets)
     return p
 
 

@@ -25,13 +25,14 @@ lookup's output.
 
 On CUDA a LinearUVM stack keeps the warm cache's log for good from its construction
 (:meth:`MissLog.keep`; while the cache fills, it waits beside the filling log), and that
-log's round runs in two halves (:mod:`gpu.split_round`), each captured there into a CUDA
-graph (:mod:`gpu.graphed`): the insert's sorts on a side stream, started by the lookup
-that makes the round due, and its table writes (then the log emptied) queued by the first
-lookup after the sorts are done. No lookup waits for the sorts, and a round costs a
-lookup two graph launches instead of a dozen allocations and launches (bench/RESULTS.md,
-"Per-call path (H200)"). Statistics, cache probes and ``flush`` queue a pending table
-half first.
+log's round runs in three steps (:mod:`gpu.split_round`), each captured there into a
+CUDA graph (:mod:`gpu.graphed`): the insert's two sorts on a side stream, the first
+started by the lookup that makes the round due and the second by a later one, and its
+table writes (then the log emptied) queued by the first lookup after the sorts are done.
+No lookup waits for the sorts on its own stream, and each step costs the lookup that
+queues it one graph launch instead of a dozen allocations and launches (bench/RESULTS.md,
+"Per-call path (H200)"). Statistics, cache probes and ``flush`` queue what is left of a
+round first.
 
 Consistency: a logged row is as old as the lookup that read it, so the log is emptied
 whenever the stack learns of a change to the table (:class:`~gpu.change_follower.
@@ -59,13 +60,15 @@ class MissLog:
         budget: The round budget shared with the stack (reset on clear).
         config: Round cadence.
         prob: Admission probability of a logged miss (``InsertPolicy.gpu``).
+        num_rows: The linear table's rows, if known: every logged key is below it.
     """
 
     def __init__(self, cache: GPUCache, budget: RoundBudget, config: TierConfig,
-                 prob: float) -> None:
+                 prob: float, num_rows: int | None = None) -> None:
         self._cache, self._budget, self._config, self._prob = cache, budget, config, prob
+        self._num_rows = num_rows
         self._cand: MissCandidates | None = None
-        #: a warm cache's log kept for good, with its round in two halves, each captured
+        #: a warm cache's log kept for good, with its round in three steps, each captured
         #: into a CUDA graph (:meth:`keep`, gpu.split_round)
         self._kept: tuple[MissCandidates, SplitRound] | None = None
         self._warm = False  # the budget's phase when the log was sized
@@ -114,16 +117,17 @@ class MissLog:
 
     def keep(self) -> bool:
         """Keep the current log (a warm cache's, empty, its round run once eagerly: the
-        kernels loaded) for every later warm phase, its round split in two halves
-        (:mod:`gpu.split_round`), each captured into a CUDA graph; returns whether rounds
-        now replay them. At a layer's construction: the capture holds the device's default
-        random generator (gpu.graphed). On the CPU the log is kept the same way, its
-        halves eager (no layer does that: tests do)."""
+        kernels loaded) for every later warm phase, its round split in three steps
+        (:mod:`gpu.split_round`), each step captured into a CUDA graph; returns whether
+        rounds now replay them. At a layer's construction: the capture holds the device's
+        default random generator (gpu.graphed). On the CPU the log is kept the same way,
+        its steps eager (no layer does that: tests do)."""
         cand = self._cand
         if cand is None or self._prob < 1.0 or not self._budget.warm or \
                 self._kept is not None:
             return False
-        split = SplitRound(self._cache, cand)
+        small = self._num_rows is not None and self._num_rows <= 1 << 31
+        split = SplitRound(self._cache, cand, small)
         self._kept = (cand, split)
         return split.capture()
 
@@ -139,7 +143,7 @@ class MissLog:
         return kept[1]
 
     def settle(self) -> None:
-        """Queue the table half of a pending round now (caller holds the cache guard):
+        """Queue what is left of a pending round now (caller holds the cache guard):
         statistics and probes after it see its keys."""
         split = self._split()
         if split is not None:
@@ -147,8 +151,8 @@ class MissLog:
 
     def logged(self, n: int) -> None:
         """After a lookup of ``n`` keys logged its misses (caller holds the cache guard
-        and the table's read side): queue the table half of a round whose sorts are done,
-        and start a round if one is due."""
+        and the table's read side): queue the next step of a round whose last step is
+        done, and start a round if one is due."""
         kept = self._kept
         if kept is not None and kept[1].pending:
             split = self._split()
@@ -167,9 +171,9 @@ class MissLog:
 
     def round(self, wait: bool = True) -> None:
         """Admit what is logged (caller holds the guard and the table's read side). The
-        kept log's round is split (gpu.split_round): with ``wait=False`` its table half
-        comes at a later lookup once its sorts are done, and while one is pending no
-        other starts (the lookups go on counting: the next one starts it)."""
+        kept log's round is split (gpu.split_round): with ``wait=False`` its later steps
+        come with later lookups, and while one is pending no other starts (the lookups
+        go on counting: the next one due starts it)."""
         cand = self._cand
         if cand is None:
             return

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from gpu import cache_twin as twin
 from gpu._triton import triton_available
 from gpu.cache import GPUCache, MissCandidates
+from gpu.cache_types import PreparedInsert
 from gpu.errors import BadArgumentError
 from hostcache.layout import EMPTY_KEY
 
@@ -535,32 +536,40 @@ def test_interpreter_insert_decays_and_evicts_like_the_twin(
     assert a.stats() == b.stats() and a.stats().evictions > 0
 
 
+@pytest.mark.parametrize("small", [False, True])
 @pytest.mark.parametrize("device", [
     pytest.param("cpu", marks=needs_triton),
     pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])])
 def test_an_insert_prepared_before_the_table_changed_places_as_one_made_after(
-        device: str) -> None:
-    """``prepare_insert`` reads nothing of the table: writes, erases and lookups between it
-    and ``apply_insert`` leave the placements those of an insert made after them, and the
-    prepared keys were copied (their source may change meanwhile)."""
+        device: str, small: bool) -> None:
+    """An insert's sorts (``sort_insert_keys``, ``sort_insert_buckets``) read nothing of the
+    table: writes, erases and lookups between them and ``apply_insert`` leave the
+    placements those of an insert made after them; the keys were copied (their source may
+    change meanwhile). ``small`` keys (row indices, and the empty marker as padding) sort
+    as int32 to the same order."""
     twin_cache = make("cpu", "torch", buckets=3, ways=4)
     cache = make(device, "triton" if device == "cpu" else "auto", buckets=3, ways=4)
     gen = torch.Generator().manual_seed(11)
     for step in range(6):
-        batch = torch.randint(-20, 20, (int(torch.randint(1, 30, (1,), generator=gen)),),
-                              generator=gen)
-        rows = torch.randn(batch.numel(), 12, generator=gen)
+        size = int(torch.randint(1, 30, (1,), generator=gen))
+        if small:
+            batch = torch.randint(0, 40, (size,), generator=gen)
+            batch[torch.rand(size, generator=gen) < 0.2] = EMPTY_KEY  # a log's padding
+        else:
+            batch = torch.randint(-20, 20, (size,), generator=gen)
+        rows = torch.randn(size, 12, generator=gen)
         source = batch.to(device, copy=True)
-        prepared = cache.prepare_insert(source, out=type(
-            cache.prepare_insert(source)).empty(batch.numel(), cache.device))
-        source.fill_(EMPTY_KEY)  # NOTE: the log a round prepared from, emptied meanwhile
+        prepared = PreparedInsert.empty(size, cache.device)
+        cache.sort_insert_keys(source, prepared, small=small)
+        source.fill_(7)  # NOTE: the log a round sorted, appended to meanwhile
+        cache.sort_insert_buckets(prepared)
         other = torch.randint(-20, 20, (12,), generator=gen)
         other_rows = torch.randn(12, 12, generator=gen)
         for c in (twin_cache, cache):  # the table changes between the halves
             c.insert(other.to(c.device), other_rows.to(c.device))
             c.erase(other[:3].to(c.device))
             c.lookup(other.to(c.device))
-        twin_cache.insert(batch, rows)
+        twin_cache.insert(batch, rows, validate=False)
         cache.apply_insert(prepared, rows.to(device))
         for x, y in zip(twin_cache.state(), cache.state(), strict=True):
             assert torch.equal(x, y.cpu()), step

@@ -239,7 +239,7 @@ def test_the_kept_log_is_reused_empty_after_the_cache_went_cold() -> None:
 def _kept_log(device: str, cfg: TierConfig) -> tuple[GPUCache, MissLog, RoundBudget]:
     cache = GPUCache(512 * SLOT, DIM, torch.float32, torch.device(device))
     budget = RoundBudget(cache, cfg)
-    log = MissLog(cache, budget, cfg, 1.0)
+    log = MissLog(cache, budget, cfg, 1.0, ROWS)
     budget.make_warm()
     assert log.candidates(1) is not None
     log.keep()
@@ -294,8 +294,10 @@ def test_the_lookup_that_makes_a_round_due_does_not_wait_for_its_sorts() -> None
     assert isinstance(split, SplitRound)
     table = torch.randn(ROWS, DIM, device="cuda")
     keys = torch.arange(0, 40, device="cuda")
+    _look(cache, log, keys[:20], table)  # NOTE: the lookup's kernel loaded now, not below
+    log.drop()
     with torch.cuda.stream(split._side):  # noqa: SLF001
-        torch.cuda._sleep(400_000_000)  # the side stream busy for ~0.2 s
+        torch.cuda._sleep(1_000_000_000)  # the side stream busy for ~0.5 s
     _look(cache, log, keys[:20], table)
     _look(cache, log, keys[20:], table)  # due: the sorts queue behind the sleep
     torch.cuda.current_stream().synchronize()
