@@ -52,7 +52,8 @@ class LinearStack(CachedStack):
         #: lookups hold its read side while they read table rows, writes its write side
         self._gate = table_gate(storage, device)
         self.check = RangeCheck(device, self.num_rows)
-        self.log = MissLog(self.cache, self.budget, config, policy.gpu, self.num_rows)
+        self.log = MissLog(self.cache, self.budget, config, policy.gpu, self.num_rows,
+                          self.guard)
         #: a change to the table makes logged rows stale: the log goes with the cache's
         self.follower.on_change = self.log.drop
         if device.type == "cuda" and self.cache.backend == "triton":

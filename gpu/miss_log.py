@@ -48,6 +48,7 @@ from hostcache.layout import EMPTY_KEY
 
 from .admission import RoundBudget
 from .cache import GPUCache, MissCandidates
+from .cache_guard import CacheGuard
 from .split_round import SplitRound
 from .tier_config import TierConfig
 
@@ -61,12 +62,14 @@ class MissLog:
         config: Round cadence.
         prob: Admission probability of a logged miss (``InsertPolicy.gpu``).
         num_rows: The linear table's rows, if known: every logged key is below it.
+        guard: The cache's guard, held around every call here (its ``stream``).
     """
 
     def __init__(self, cache: GPUCache, budget: RoundBudget, config: TierConfig,
-                 prob: float, num_rows: int | None = None) -> None:
+                 prob: float, num_rows: int | None = None,
+                 guard: CacheGuard | None = None) -> None:
         self._cache, self._budget, self._config, self._prob = cache, budget, config, prob
-        self._num_rows = num_rows
+        self._num_rows, self._guard = num_rows, guard
         self._cand: MissCandidates | None = None
         #: a warm cache's log kept for good, with its round in three steps, each captured
         #: into a CUDA graph (:meth:`keep`, gpu.split_round)
@@ -127,7 +130,7 @@ class MissLog:
                 self._kept is not None:
             return False
         small = self._num_rows is not None and self._num_rows <= 1 << 31
-        split = SplitRound(self._cache, cand, small)
+        split = SplitRound(self._cache, cand, small, self._guard)
         self._kept = (cand, split)
         return split.capture()
 
