@@ -35,6 +35,7 @@ from .cache_checks import ArgumentChecks
 from .cache_types import GPUCacheStats, MissCandidates, PreparedInsert
 from .devices import resolve_device
 from .errors import BadArgumentError
+from .miss_list import MissList
 
 __all__ = ["FORCE_TRITON_ENV", "ROW_DTYPES", "Backend", "GPUCache", "GPUCacheStats",
            "MissCandidates", "PoolMode"]
@@ -191,24 +192,19 @@ class GPUCache:
             raise BadArgumentError(f"slots must be -1 or lie in [0, {self.capacity})")
         return twin.gather(self._rows, slots, slots >= 0)
 
-    def lookup(self, keys: torch.Tensor, *, miss_flag: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows of ``keys``: ``(values [N, dim], hit bool [N])``; misses give zero rows.
+    def lookup(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of ``keys``: ``(values [N, dim], hit bool [N])``; misses give zero rows."""
+        values, hit = self._lookup_rows(self._checks.keys(keys), None)
+        assert hit is not None
+        return values, hit
 
-        ``miss_flag``: an int64 ``[1]`` (a :class:`~gpu.host_word.HostWord`'s device view)
-        set to 1 if any key missed and left as it was otherwise: the host learns whether
-        everything hit from one plain load once the stream is synchronized, without a
-        reduction and a copy."""
-        return self._lookup_rows(self._checks.keys(keys), None, miss_flag=miss_flag)
-
-    def serve(self, keys: torch.Tensor, hit: torch.Tensor, miss_flag: torch.Tensor | None
-              ) -> torch.Tensor:
+    def serve(self, keys: torch.Tensor, misses: MissList) -> torch.Tensor:
         """:meth:`lookup` for a caller that checked its keys (a layer's stack: 1-D int64,
-        contiguous, on the cache's device), with the hit flags written into its own
-        buffer: ``hit`` is int8 with at least ``N`` entries (1 where the key hit; entries
-        past ``N`` untouched), reused call after call instead of a new tensor each.
-        Returns the rows (zero where a key missed)."""
-        values, _ = self._lookup_rows(keys, None, miss_flag=miss_flag, hit_out=hit)
+        contiguous, on the cache's device) and learns its misses on the host: each missed
+        key and its batch position go to ``misses`` (grown to ``N`` keys by the caller:
+        ``MissList.ensure``), read with ``MissList.take`` once the lookup finished; no hit
+        flags. Returns the rows (zero where a key missed)."""
+        values, _ = self._lookup_rows(keys, None, misses=misses)
         return values
 
     def lookup_linear(
@@ -242,8 +238,10 @@ class GPUCache:
         table = self._checks.table(table)
         if validate:
             self._checks.linear_keys(keys, table.shape[0])
-        return self._lookup_rows(keys, table, self._checks.candidates(candidates), host_table,
-                                 err)
+        values, hit = self._lookup_rows(keys, table, self._checks.candidates(candidates),
+                                        host_table, err)
+        assert hit is not None
+        return values, hit
 
     def gather_linear(
         self, keys: torch.Tensor, table: torch.Tensor, *,
@@ -270,11 +268,10 @@ class GPUCache:
     def _lookup_rows(
         self, keys: torch.Tensor, table: torch.Tensor | None,
         cand: MissCandidates | None = None, host_table: bool = True,
-        err: torch.Tensor | None = None, miss_flag: torch.Tensor | None = None,
-        hit_out: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        err: torch.Tensor | None = None, misses: MissList | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Probe + gather (+ misses from row ``key`` of ``table``), counted as a lookup;
-        with ``hit_out`` (no ``table``) the hit flags go there, and it is the ``hit``
+        with ``misses`` (no ``table``) the misses are listed there and no hit flags are
         returned."""
         # NOTE: where a large batch is visited in host-page order, start it at a different
         # row each time (gpu.cache_kernels.page_order)
@@ -288,19 +285,18 @@ class GPUCache:
                 want_slots=False, table=table,
                 candidates=cand.buffer if cand is not None else None, host_table=host_table,
                 cmax=twin.COUNTER_MAX, rotate=rotate, err=err,
-                candidate_rows=cand.rows if cand is not None else None, miss_flag=miss_flag,
-                bound=self._bound if table is None else None, hit_out=hit_out)
+                candidate_rows=cand.rows if cand is not None else None,
+                misses=(misses.counter, misses.start, misses.view)
+                if misses is not None else None,
+                bound=self._bound if table is None else None, want_hit=misses is None)
             assert out is not None
-            return out, hit if hit_out is None else hit_out
+            return out, hit
         hit, slot = twin.probe(self._tkeys, self.num_buckets, self.ways, keys)
         twin.bump(self._counters, slot, hit)
         twin.count_hits(self._hits, hit)
-        if miss_flag is not None and not bool(hit.all()):
-            miss_flag.fill_(1)
+        if misses is not None:
+            twin.list_misses(misses.counter, misses.start, misses.view, keys, hit)
         if table is None:
-            if hit_out is not None:
-                hit_out[: keys.numel()].copy_(hit)
-                return twin.gather(self._rows, slot, hit), hit_out
             return twin.gather(self._rows, slot, hit), hit
         vals = twin.gather_linear(self._rows, slot, hit, keys, table)
         if cand is not None:

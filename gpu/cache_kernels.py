@@ -78,7 +78,7 @@ def _lookup_kernel(
     EMPTY: tl.constexpr, STAT_STRIPES: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CMAX: tl.constexpr, ORDERED: tl.constexpr,
     WRITE_HIT: tl.constexpr, CHECK: tl.constexpr, COLLECT_ROWS: tl.constexpr,
-    FLAG_MISS: tl.constexpr, MARK_MISSES: tl.constexpr,
+    LIST_MISSES: tl.constexpr, MARK_MISSES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -148,10 +148,18 @@ def _lookup_kernel(
         # NOTE: a key outside the linear table lands in the layer's key-error flag (a
         # store over the host link, made only when a key is bad: gpu.key_flag)
         tl.store(err_ptr + offs * 0, keys, mask=kmask & ((keys < 0) | (keys >= num_rows)))
-    if FLAG_MISS:
-        # NOTE: one store over the host link per program that met a miss (gpu.host_word)
-        nmiss = tl.reduce((kmask & (hit == 0)).to(tl.int32), 0, add_combine)
-        tl.store(miss_ptr, 1, mask=nmiss > 0)
+    if LIST_MISSES:
+        # NOTE: each miss and its position as a pair in the caller's list in pinned host
+        # memory (gpu.miss_list): the pairs reserved with an atomic on a device counter
+        # that only grows (cand_ptr; cand_cap is its value before this lookup), stored over
+        # the host link, by programs that met a miss only
+        miss = kmask & (hit == 0)
+        mi = miss.to(tl.int64)
+        nmiss = tl.reduce(mi, 0, add_combine)
+        base = tl.atomic_add(cand_ptr, nmiss, mask=nmiss > 0, sem="relaxed") - cand_cap
+        at = 2 * (base + tl.associative_scan(mi, 0, add_combine) - mi)
+        tl.store(miss_ptr + at, keys, mask=miss)
+        tl.store(miss_ptr + at + 1, offs, mask=miss)
 
 
 @triton.jit(do_not_specialize=["n", "cand_cap"])
@@ -370,9 +378,9 @@ def lookup(
     count: bool, want_slots: bool, table: torch.Tensor | None = None,
     candidates: torch.Tensor | None = None, host_table: bool = True, cmax: int,
     rotate: int = 0, err: torch.Tensor | None = None, want_hit: bool = True,
-    candidate_rows: torch.Tensor | None = None, miss_flag: torch.Tensor | None = None,
+    candidate_rows: torch.Tensor | None = None,
+    misses: tuple[torch.Tensor, int, torch.Tensor] | None = None,
     bound: dict[tuple[Any, ...], BoundLaunch] | None = None,
-    hit_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Probe (+ gather, + linear-table misses) of ``keys``: ``(values, hit, slots)``.
 
@@ -386,20 +394,17 @@ def lookup(
     ``gpu.key_flag``) that receives a key outside the linear table. ``want_hit=False``:
     no hit flags (None returned). ``candidate_rows``: ``[cap, dim]`` rows of ``rows``'
     dtype that receive the row read for each listed miss (with ``candidates``, a linear
-    gather). ``miss_flag``: an int64 ``[1]`` (a ``gpu.host_word.HostWord``'s device view)
-    set to 1 if any key missed, else left as it was. ``bound``: the cache's own store of
-    bound launches (:class:`~gpu.launch.BoundLaunch`) for gathers visited in batch order,
-    keyed by what the call passes; ``table`` and ``err`` are then the caller's own, the
-    same objects call after call (a layer's stack). ``hit_out``: an int8 buffer of at
-    least ``N`` entries (a caller's, reused) that receives the hit flags (1: hit) in place
-    of a new ``hit`` (None is returned for it); only with ``bound``.
+    gather). ``misses``: ``(counter, start, pairs)`` of a :class:`gpu.miss_list.MissList`
+    that receives every miss and its batch position (not with ``candidates``). ``bound``:
+    the cache's own store of bound launches (:class:`~gpu.launch.BoundLaunch`) for
+    gathers visited in batch order, keyed by what the call passes; ``table`` and ``err``
+    are then the caller's own, the same objects call after call (a layer's stack).
     """
     n = keys.numel()
     dim = rows.shape[1]
     dev = keys.device
     out = torch.empty(n, dim, dtype=rows.dtype, device=dev) if gather else None
-    if hit_out is not None:
-        want_hit = False  # NOTE: the flags go to the caller's buffer
+    assert misses is None or candidates is None, "misses and candidates share slots"
     hit = torch.empty(n, dtype=torch.bool, device=dev) if want_hit else None
     slots = torch.empty(n, dtype=torch.int64, device=dev) if want_slots else None
     if n == 0:
@@ -410,10 +415,9 @@ def lookup(
         # bound once; the launcher takes only what changes (gpu.launch.BoundLaunch). The
         # tile sizes by identity: the bound launch's key holds the object, so its id is
         # not reused while the entry lives
-        flags = hit_out if hit_out is not None else (
-            hit.view(torch.int8) if hit is not None else None)
+        flags = hit.view(torch.int8) if hit is not None else None
         bkey = (flags is not None, count, id(table), candidates is not None,
-                candidate_rows is not None, id(err), miss_flag is not None, id(TILES))
+                candidate_rows is not None, id(err), misses is not None, id(TILES))
         launch = bound.get(bkey)
         if launch is None:
             if len(bound) >= 16:  # NOTE: a caller passing new tables: bounded
@@ -421,7 +425,7 @@ def lookup(
             launch = bound[bkey] = _bind_lookup(
                 tkeys, counters, rows, stats, num_buckets, ways, empty, count, table,
                 cmax, err, flags is not None, candidates is not None,
-                candidate_rows is not None, miss_flag is not None)
+                candidate_rows is not None, misses is not None)
         # NOTE: only what the variant uses varies, in _bind_lookup's order
         given: list[Any] = [keys, n, out]
         if flags is not None:
@@ -430,11 +434,10 @@ def lookup(
             given += (candidates, _cand_cap(candidates))
         if candidate_rows is not None:
             given.append(candidate_rows)
-        if miss_flag is not None:
-            given.append(miss_flag)
+        if misses is not None:
+            given += misses
         launch(_cdiv(n, TILES.lookup_block_k), *given)
         return out, hit, None
-    assert hit_out is None, "hit_out is for bound lookups"
     bd = _block_d(dim)
     linear = table is not None
     order = _visit_order(keys, table, host_table, rotate) if gather else None
@@ -448,17 +451,18 @@ def lookup(
         num_buckets > 0, gather, linear, want_slots, count,
         candidates is not None and not later, ways, empty, stats.numel(), bd, cmax,
         order is not None, want_hit, err is not None and linear, dim, rows.dtype, tiles,
-        candidate_rows is not None and not later, miss_flag is not None, later)
+        candidate_rows is not None and not later, misses is not None, later)
     _LOOKUP(
         (_cdiv(n, tiles.lookup_block_k),),
         (keys, n, tkeys, counters, rows, stats, max(num_buckets, 1),
          out if out is not None else keys, hit.view(torch.int8) if hit is not None else keys,
          slots if slots is not None else keys, table if linear else rows,
          table.shape[0] if table is not None else 0, _row_stride(table, dim), dim,
-         candidates if candidates is not None else keys, _cand_cap(candidates),
+         candidates if candidates is not None else (misses[0] if misses else keys),
+         _cand_cap(candidates) if misses is None else misses[1],
          order if order is not None else keys, err if err is not None else keys,
          candidate_rows if candidate_rows is not None else rows,
-         miss_flag if miss_flag is not None else keys, marks if marks is not None else keys),
+         misses[2] if misses is not None else keys, marks if marks is not None else keys),
         cx, cxkey)
     if marks is not None:
         assert candidates is not None and out is not None
@@ -470,13 +474,13 @@ def _lookup_constexprs(
     has_cache: bool, gather: bool, linear: bool, want_slots: bool, count: bool,
     collect: bool, ways: int, empty: int, stripes: int, bd: int, cmax: int, ordered: bool,
     want_hit: bool, check: bool, dim: int, dtype: torch.dtype, tiles: Tiles,
-    collect_rows: bool, flag_miss: bool, mark_misses: bool,
+    collect_rows: bool, list_misses: bool, mark_misses: bool,
 ) -> tuple[dict[str, object], tuple[object, ...]]:
     """The lookup kernel's constexprs for one variant and the key that names them (one
     dict per key, kept: gpu.launch.DirectLaunch compares them by identity first)."""
     cxkey = (has_cache, gather, linear, want_slots, count, collect, ways, empty, stripes, bd,
              cmax, ordered, want_hit, check, bd == dim, dtype, tiles, collect_rows,
-             flag_miss, mark_misses)
+             list_misses, mark_misses)
     cx = _LOOKUP_CX.get(cxkey)
     if cx is None:
         cx = _LOOKUP_CX[cxkey] = dict(
@@ -484,22 +488,23 @@ def _lookup_constexprs(
             COUNT=count, COLLECT=collect, WAYS=ways, EMPTY=empty, STAT_STRIPES=stripes,
             BLOCK_K=tiles.lookup_block_k, BLOCK_D=bd, EVEN_D=bd == dim, CMAX=cmax,
             ORDERED=ordered, WRITE_HIT=want_hit, CHECK=check, COLLECT_ROWS=collect_rows,
-            FLAG_MISS=flag_miss, MARK_MISSES=mark_misses, num_warps=tiles.lookup_warps)
+            LIST_MISSES=list_misses, MARK_MISSES=mark_misses, num_warps=tiles.lookup_warps)
     return cx, cxkey
 
 
 #: what a bound lookup passes per call (parameter indices of _lookup_kernel): keys, n and
-#: out always; hit flags, candidates and their capacity, candidate rows, the miss flag
-#: where the variant uses them (the others stay bound to placeholders)
-_VARY_ALWAYS, _VARY_HIT, _VARY_CAND, _VARY_CROWS, _VARY_MISS = (0, 1, 7), (8,), (14, 15), \
-    (18,), (19,)
+#: out always; hit flags, candidates and their capacity, candidate rows, a miss list's
+#: counter, start and pairs (in the candidates' slots and the last) where the variant uses
+#: them (the others stay bound to placeholders)
+_VARY_ALWAYS, _VARY_HIT, _VARY_CAND, _VARY_CROWS, _VARY_LIST = (0, 1, 7), (8,), (14, 15), \
+    (18,), (14, 15, 19)
 
 
 def _bind_lookup(tkeys: torch.Tensor, counters: torch.Tensor, rows: torch.Tensor,
                  stats: torch.Tensor, num_buckets: int, ways: int, empty: int, count: bool,
                  table: torch.Tensor | None, cmax: int, err: torch.Tensor | None,
                  want_hit: bool, has_cand: bool, has_crows: bool,
-                 has_miss: bool) -> BoundLaunch:
+                 has_list: bool) -> BoundLaunch:
     """A gather in batch order with this cache's tables bound (the varying arguments'
     slots hold placeholders until a call gives them)."""
     dim = rows.shape[1]
@@ -507,14 +512,14 @@ def _bind_lookup(tkeys: torch.Tensor, counters: torch.Tensor, rows: torch.Tensor
     cx, cxkey = _lookup_constexprs(
         num_buckets > 0, True, linear, False, count, has_cand, ways, empty, stats.numel(),
         _block_d(dim), cmax, False, want_hit, err is not None and linear, dim, rows.dtype,
-        TILES, has_crows, has_miss, False)
+        TILES, has_crows, has_list, False)
     args = (tkeys, 0, tkeys, counters, rows, stats, max(num_buckets, 1), rows, tkeys, tkeys,
             table if linear else rows, table.shape[0] if table is not None else 0,
             _row_stride(table, dim), dim, tkeys, 0, tkeys, err if err is not None else tkeys,
             rows, tkeys, tkeys)
     varying = _VARY_ALWAYS + (_VARY_HIT if want_hit else ()) + (
         _VARY_CAND if has_cand else ()) + (_VARY_CROWS if has_crows else ()) + (
-        _VARY_MISS if has_miss else ())
+        _VARY_LIST if has_list else ())
     return BoundLaunch(_LOOKUP, args, cx, cxkey, varying)
 
 

@@ -142,6 +142,19 @@ def collect_misses(cand: torch.Tensor, keys: torch.Tensor, hit: torch.Tensor,
         cand_rows[base:base + m] = vals[pos]
 
 
+def list_misses(counter: torch.Tensor, start: int, pairs: torch.Tensor, keys: torch.Tensor,
+                hit: torch.Tensor) -> None:
+    """The twin of the kernels' miss listing (``gpu.miss_list``): every miss and its batch
+    position as ``[key, position]`` pairs of ``pairs`` from pair ``counter - start``, in
+    batch order; ``counter`` grows by their count."""
+    pos = (~hit).nonzero().squeeze(1)
+    base = int(counter[0]) - start
+    counter += pos.numel()
+    at = pairs.view(-1, 2)[base:base + pos.numel()]
+    at[:, 0] = keys[pos].to(at.device)
+    at[:, 1] = pos.to(at.device)
+
+
 def pool(
     vals: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None, mean: bool,
     out_dtype: torch.dtype,

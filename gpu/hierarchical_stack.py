@@ -1,8 +1,9 @@
 """The Hierarchical stack: GPU cache -> shared ``HostCache`` -> parameter server.
 
-A lookup probes the GPU cache (on CUDA the probe also sets a miss flag in pinned host
-memory, so one stream sync tells whether anything missed); the misses, deduplicated, are
-read from the shared host cache (on CUDA, from ``TierConfig.host_gpu_read_keys`` distinct
+A lookup probes the GPU cache, and the probe lists each miss and its batch position (on
+CUDA in pinned host memory, :mod:`gpu.miss_list`: after one stream sync the host knows
+what missed, with no reduction, search or copy on the device); the misses, deduplicated on
+the host, are read from the shared host cache (on CUDA, from ``TierConfig.host_gpu_read_keys`` distinct
 keys on, by a kernel over the registered table, :mod:`gpu.host_kernels`; fewer on the
 CPU), then the parameter server; rows from the parameter server enter the host cache with
 ``overwrite=False`` and a cursor check (``since``), so a concurrent ``update`` (PS first,
@@ -19,6 +20,7 @@ import logging
 import threading
 from typing import Any
 
+import numpy as np
 import torch
 
 from psclient import PSClientError
@@ -27,8 +29,8 @@ from .admission import PendingAdmissions
 from .cached_stack import CachedStack
 from .errors import KeyNotFoundError, StorageUnavailableError, StorageWriteError
 from .host_filler import HostFiller
-from .host_word import HostWord
 from .layer_config import InsertPolicy, LayerStats, PoolingMode, TierStats
+from .miss_list import MissList
 from .tier_config import TierConfig
 
 logger = logging.getLogger(__name__)
@@ -47,20 +49,6 @@ def touch_sample(host: Any, keys: torch.Tensor, hit: torch.Tensor, hits: int,
         pick = torch.randint(0, hits, (sample,))
         hk, weight = hk[pick], max(1, round(hits / sample))
     host.touch(hk, weight)
-
-
-class _ThreadState:
-    """One thread's lookup scratch on CUDA: the miss flag the lookup kernel sets, and the
-    int8 buffer its hit flags go to (grown, never shrunk)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.word = HostWord(device, "the layer's miss flag")
-        self.capacity = 0
-        self.hit = torch.empty(0, dtype=torch.int8, device=device)
-
-    def grow(self, n: int) -> None:
-        self.capacity = max(n, 2 * self.capacity, 1024)
-        self.hit = torch.empty(self.capacity, dtype=torch.int8, device=self.hit.device)
 
 
 class HierarchicalStack(CachedStack):
@@ -84,7 +72,7 @@ class HierarchicalStack(CachedStack):
                                  config.host_linger_s)
         self._side: Any = None  # the filler's CUDA stream (copies of the hit reports)
         self._cuda = device.type == "cuda"
-        self._words = threading.local()  # each thread's _ThreadState (CUDA)
+        self._lists = threading.local()  # each thread's MissList
         if host_cache is not None:
             if device.type == "cuda":
                 from .hostreg import register
@@ -93,43 +81,52 @@ class HierarchicalStack(CachedStack):
         self._host = [0, 0, 0, 0]  # hits, misses, rows it placed, residents they evicted
         self._ps = [0, 0]  # found, missing
 
-    def _thread_state(self, n: int) -> _ThreadState:
-        """This thread's miss flag and hit-flag buffer (CUDA; one per thread: lookups of
-        several threads may be in flight at once), the buffer grown to ``n`` keys."""
-        state = getattr(self._words, "state", None)
-        if state is None:
-            state = self._words.state = _ThreadState(self.device)
-        if n > state.capacity:
-            state.grow(n)
-        return state
+    def _miss_list(self, n: int) -> MissList:
+        """This thread's list of its lookup's misses (one per thread: lookups of several
+        threads may be in flight at once), grown to ``n`` keys."""
+        misses = getattr(self._lists, "misses", None)
+        if misses is None:
+            misses = self._lists.misses = MissList(self.device)
+        misses.ensure(n)
+        return misses
 
     def rows(self, keys: torch.Tensor) -> torch.Tensor:
-        if not self._cuda:
-            with self.guard:
-                since = self.follower.sync()
-                values, hit = self.cache.lookup(keys)
-            if bool(hit.all()):
-                return values
-        else:
-            n = keys.numel()
-            state = self._thread_state(n)
-            word = state.word
-            word.write(0)  # NOTE: this thread's previous lookup finished (it synchronized)
-            with self.guard:
-                since = self.follower.sync()
-                # NOTE: the layer checked the keys; the hit flags go to this thread's
-                # buffer (read only when something missed, before its next lookup)
-                values = self.cache.serve(keys, state.hit, word.device_view)
-                stream = self.guard.stream
+        misses = self._miss_list(keys.numel())
+        with self.guard:
+            since = self.follower.sync()
+            # NOTE: the layer checked the keys; each miss and its position are listed by
+            # the lookup itself, on CUDA in pinned host memory (gpu.miss_list)
+            values = self.cache.serve(keys, misses)
+            stream = self.guard.stream
+        if stream is not None:
             # NOTE: the call's one host sync when every key hit: no reduction, no copy
             stream.synchronize()
-            if word.read() == 0:
-                return values
-            hit = state.hit[:n].view(torch.bool)
-        miss = (~hit).nonzero().squeeze(1)
-        ukeys, inverse = torch.unique(keys[miss], return_inverse=True)
-        urows, found, complete = self._fetch(ukeys, since)
-        values[miss] = urows[inverse]
+        mkeys, mpos = misses.take()
+        if mkeys.size == 0:
+            return values
+        return self._serve_misses(values, mkeys, mpos, since)
+
+    def _serve_misses(self, values: torch.Tensor, mkeys: np.ndarray, mpos: np.ndarray,
+                      since: int) -> torch.Tensor:
+        """Fill a lookup's missed rows (listed on the host) from the lower tiers:
+        deduplicated on the host; on CUDA the indices sent over in one copy and the rows
+        in another (or read by the GPU from the host cache); placed with a gather and a
+        scatter."""
+        ukeys_np, inverse = np.unique(mkeys, return_inverse=True)
+        # NOTE: the distinct keys, the missed positions and each one's distinct key, in one
+        # copy to the device
+        u, m = ukeys_np.size, mpos.size
+        idx = torch.from_numpy(np.concatenate((ukeys_np, mpos, inverse.reshape(-1))))
+        dev_idx = idx.to(self.device)
+        ukeys, pos, inv = dev_idx[:u], dev_idx[u:u + m], dev_idx[u + m:]
+        if self._reg is not None and u >= self.config.host_gpu_read_keys:
+            urows, found, complete = self._fetch(ukeys, since)
+        else:
+            urows, found, complete = self._fetch(torch.from_numpy(ukeys_np), since)
+            urows = urows.to(self.device)
+            if not complete:
+                found = found.to(self.device)
+        values.index_copy_(0, pos, urows.index_select(0, inv))
         self._offer(ukeys, urows, found, complete, since)
         return values
 

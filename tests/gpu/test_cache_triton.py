@@ -249,44 +249,14 @@ def test_page_ordered_lookups_list_the_twins_misses_when_the_list_fills(
     pytest.param("cpu", marks=needs_triton),
     pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_the_miss_flag_is_set_by_a_miss_and_only_by_one(device: str, backend: str) -> None:
-    """A lookup with a miss flag (a mapped host word on CUDA) sets it to 1 when any key
-    missed, wherever in the batch, and leaves it alone when every key hit."""
-    from gpu.host_word import HostWord
-
-    cache = make(device, backend if device == "cpu" else "auto", buckets=16)
-    present = torch.arange(0, 40, 2, device=device)
-    cache.insert(present, torch.randn(20, 12, device=device))
-    present = present[cache.probe(present, record=False) >= 0]  # a full bucket drops some
-    assert present.numel() >= 10
-    word = HostWord(torch.device(device), "a test's miss flag")
-    for keys in (present, present.flip(0)[:7], torch.empty(0, dtype=torch.int64,
-                                                               device=device)):
-        word.write(0)
-        _, hit = cache.lookup(keys, miss_flag=word.device_view)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        assert bool(hit.all()) and word.read() == 0
-    # one absent key at the start, the middle, the end of the batch
-    for where in (0, present.numel() // 2, present.numel() - 1):
-        keys = present.clone()
-        keys[where] = 1
-        word.write(0)
-        _, hit = cache.lookup(keys, miss_flag=word.device_view)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        assert int((~hit).sum()) == 1 and word.read() == 1
-
-
-@pytest.mark.parametrize("device", [
-    pytest.param("cpu", marks=needs_triton),
-    pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])])
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_serve_writes_the_hit_flags_into_the_callers_buffer(device: str, backend: str) -> None:
-    """``GPUCache.serve`` (a stack's lookup into its reused int8 buffer) returns the rows
-    ``lookup`` returns, writes the hit flags into the first N entries of the buffer and
-    nothing past them, counts like a lookup, and sets the miss flag exactly on a miss."""
-    from gpu.host_word import HostWord
+def test_serve_lists_every_miss_and_its_position(device: str, backend: str) -> None:
+    """``GPUCache.serve`` (a stack's lookup that lists its misses in a MissList, pinned
+    host memory on CUDA) returns the rows ``lookup`` returns, counts like it, and lists
+    exactly the missed keys with their batch positions: none when every key hit, a miss at
+    the start, the middle or the end, repeated keys and the reserved empty marker (a key
+    like any other here), batch after batch as the list's counter grows, and after the
+    list grew."""
+    from gpu.miss_list import MissList
 
     a = make(device, backend if device == "cpu" else "auto", buckets=16)
     b = make(device, backend if device == "cpu" else "auto", buckets=16)
@@ -297,24 +267,26 @@ def test_serve_writes_the_hit_flags_into_the_callers_buffer(device: str, backend
         c.insert(present.to(device), rows.to(device))
     present = present[a.probe(present.to(device), record=False).cpu() >= 0]
     assert present.numel() >= 10
-    word = HostWord(torch.device(device), "a test's miss flag")
-    buf = torch.full((64,), 7, dtype=torch.int8, device=device)
-    for keys in (present, torch.cat([present[:5], torch.tensor([1, 2, 4])]),
-                 present.flip(0)[:1], torch.tensor([61])):
+    misses = MissList(torch.device(device))
+    total = 0
+    batches = [present, torch.cat([torch.tensor([1]), present[:5], torch.tensor([2, 4])]),
+               present.flip(0)[:1], torch.tensor([61, 61, EMPTY_KEY, 7]),
+               torch.randint(-50, 50, (3000,), generator=g), present[:3]]
+    for keys in batches:
         keys = keys.to(device)
-        n = keys.numel()
-        buf.fill_(7)
-        word.write(0)
-        got = a.serve(keys, buf, word.device_view)
+        misses.ensure(keys.numel())
+        got = a.serve(keys, misses)
         want, want_hit = b.lookup(keys)
         if device == "cuda":
             torch.cuda.synchronize()
+        listed_keys, listed_pos = misses.take()
         assert torch.equal(got.cpu(), want.cpu())
-        assert torch.equal(buf[:n].cpu(), want_hit.cpu().to(torch.int8))
-        assert bool((buf[n:] == 7).all()), "a flag was written past the batch"
-        assert word.read() == int(not bool(want_hit.all()))
-        got = a.serve(keys, buf, None)  # no miss flag
-        assert torch.equal(got.cpu(), b.lookup(keys)[0].cpu())
+        order = listed_pos.argsort()
+        want_pos = (~want_hit).nonzero().squeeze(1).cpu()
+        assert torch.equal(torch.from_numpy(listed_pos[order]), want_pos)
+        assert torch.equal(torch.from_numpy(listed_keys[order]), keys.cpu()[want_pos])
+        total += want_pos.numel()
+    assert misses.cap >= 3000 and misses.start == total > 2000
     assert a.stats() == b.stats()
 
 

@@ -113,12 +113,12 @@ def test_a_key_that_leaves_out_a_constexpr_never_launches_another_calls_variant(
 
 @pytest.mark.parametrize("dim", [5, 16])
 def test_bound_lookups_with_pointers_and_sizes_in_turns(dim: int) -> None:
-    """A cache's bound lookup (gpu.launch.BoundLaunch: its tables bound, the keys, output,
-    hit flags and miss flag given per call): keys 8 bytes off alignment and aligned in
-    turns, batch sizes of 1, a multiple of 16 and neither, two threads' miss flags; every
-    result equal to the CPU twin's, the flag set exactly when a key missed."""
+    """A cache's bound lookups (gpu.launch.BoundLaunch: its tables bound, the keys, output
+    and hit flags, or a miss list, given per call): keys 8 bytes off alignment and aligned
+    in turns, batch sizes of 1, a multiple of 16 and neither, two threads' miss lists;
+    every result equal to the CPU twin's, the misses listed exactly."""
     from gpu.cache import GPUCache
-    from gpu.host_word import HostWord
+    from gpu.miss_list import MissList
 
     slot = 8 + 4 + dim * 4
     gpu_cache = GPUCache(4096 * slot, dim, torch.float32, "cuda")
@@ -128,20 +128,24 @@ def test_bound_lookups_with_pointers_and_sizes_in_turns(dim: int) -> None:
     rows = torch.randn(600, dim, generator=g)
     for c in (gpu_cache, twin):
         c.insert(present.to(c.device), rows.to(c.device))
-    words = [HostWord(torch.device("cuda"), "a test's miss flag") for _ in range(2)]
+    lists = [MissList(torch.device("cuda")) for _ in range(2)]
     pool = torch.cat([present, torch.randint(0, ROWS, (200,), generator=g)])
     for step, (off, n) in enumerate([(0, 256), (1, 256), (0, 1), (1, 37), (0, 700),
                                      (1, 1), (0, 48), (1, 48)]):
         keys = pool[off:off + n] if step % 3 else present[off:off + n]
         dkeys = pool.cuda()[off:off + n] if step % 3 else present.cuda()[off:off + n]
         assert dkeys.data_ptr() % 16 == 8 * off
-        word = words[step % 2]
-        word.write(0)
-        got, hit = gpu_cache.lookup(dkeys, miss_flag=word.device_view)
+        got, hit = gpu_cache.lookup(dkeys)
         want, want_hit = twin.lookup(keys)
+        misses = lists[step % 2]
+        misses.ensure(n)
+        served = gpu_cache.serve(dkeys, misses)
+        twin.lookup(keys)  # NOTE: counted twice there too
         torch.cuda.synchronize()
         assert torch.equal(got.cpu(), want) and torch.equal(hit.cpu(), want_hit), step
-        assert word.read() == int(not bool(want_hit.all())), step
+        assert torch.equal(served.cpu(), want), step
+        listed = torch.from_numpy(misses.take()[1]).sort().values
+        assert torch.equal(listed, (~want_hit).nonzero().squeeze(1)), step
     assert gpu_cache._bound, "the lookups went through a bound launch"
     assert gpu_cache.stats().hits == twin.stats().hits
 
