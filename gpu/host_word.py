@@ -2,7 +2,7 @@
 
 The host reads it with a plain memory load: no copy, no torch dispatch. A kernel's store
 to it crosses the host link, so kernels write it only when there is something to say (a
-bad key, a missed key). What was written is visible to the host once the writing kernel
+bad key: gpu.key_flag). What was written is visible to the host once the writing kernel
 has finished (after a stream or event synchronization, or at any later point the host
 knows the kernel ran). On the CPU it is a plain tensor.
 """
