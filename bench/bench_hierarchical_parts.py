@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                 if mode == "inline":
                     stack.filler.close()
                     stack.filler = _Inline(spent)
-                    _timed(stack.cache, "lookup", "gpu_cache_lookup", spent, sync)
+                    _timed(stack.cache, "serve", "gpu_cache_lookup", spent, sync)
                     _timed(stack, "_host_lookup", "host_cache_read", spent, sync)
                     _timed(stack, "_fetch_ps", "ps_path", spent, sync)
                     _timed(ps, "lookup", "ps_lookup", spent, lambda: None)
