@@ -3,11 +3,12 @@
 A lookup probes the GPU cache, and the probe lists each miss and its batch position (on
 CUDA in pinned host memory, :mod:`gpu.miss_list`: after one stream sync the host knows
 what missed, with no reduction, search or copy on the device); the misses, deduplicated on
-the host, are read from the shared host cache (on CUDA, from ``TierConfig.host_gpu_read_keys`` distinct
-keys on, by a kernel over the registered table, :mod:`gpu.host_kernels`; fewer on the
-CPU), then the parameter server; rows from the parameter server enter the host cache with
-``overwrite=False`` and a cursor check (``since``), so a concurrent ``update`` (PS first,
-then the host cache, announced to every process) always wins; fetched rows wait for
+the host, are read from the shared host cache (on CUDA, from
+``TierConfig.host_gpu_read_keys`` distinct keys on, by a kernel over the registered table,
+:mod:`gpu.host_kernels`; fewer on the CPU), then the parameter server; rows from the
+parameter server enter the host cache with ``overwrite=False`` and a cursor check
+(``since``), so a concurrent ``update`` (PS first, then the host cache, announced to every
+process) always wins; fetched rows wait for
 their GPU admission round (:mod:`gpu.admission`). Fetches run outside the cache guard,
 so one thread's misses never hold up another thread's hits. The host-cache fills and the
 GPU's hit reports to the host cache's policy run on a worker thread
@@ -71,7 +72,6 @@ class HierarchicalStack(CachedStack):
         self.filler = HostFiller("nvecache-host-fill", config.host_batch_keys,
                                  config.host_linger_s)
         self._side: Any = None  # the filler's CUDA stream (copies of the hit reports)
-        self._cuda = device.type == "cuda"
         self._lists = threading.local()  # each thread's MissList
         if host_cache is not None:
             if device.type == "cuda":
