@@ -7,18 +7,23 @@ there; a key's slot is found with ``probe`` of :mod:`gpu.cache_probe_kernels`).
 
 Insert without a host sync: the plan has no data-dependent shape. Every batch position
 gets a target slot, and positions that write nothing target the *trash slot* one past the
-table (``rows_all`` / the table tensors have ``slots + 1`` entries). Two sorts and five
-launches make the same placements as ``gpu.cache_twin.plan_insert``:
+table (``rows_all`` / the table tensors have ``slots + 1`` entries). Two sorts and six
+launches make the same placements as ``gpu.cache_twin.plan_insert``. First what reads
+nothing of the table (:func:`sort_keys`, :func:`sort_buckets`; a LinearUVM round runs it
+on a side stream while lookups go on, :mod:`gpu.split_round`):
 
-1. a stable sort by key, then :func:`_insert_probe_kernel`: the last occurrence of each
-   key is present (its slot, marked pinned) or fresh (its bucket);
-2. a stable sort by bucket (int32 sort keys: half the radix passes of int64), then
-   :func:`_insert_plan_kernel`: each fresh key's way, from a snapshot of its bucket
-   (reads only, so every program sees the same table);
-3. :func:`_insert_decay_kernel`: clamp, and halve where due, the counters of buckets that
+1. a stable sort by key (as int32 for a linear table's rows);
+2. :func:`_insert_last_kernel`: the last occurrence of each key gets its bucket as an
+   int32 sort key, then a stable sort by bucket, and where each bucket's run starts;
+
+then, in stream order (:func:`apply_insert`):
+
+3. :func:`_insert_probe_kernel`: which keys the table holds (their slots, marked
+   pinned), and :func:`_insert_plan_kernel`: each new key's way, from a snapshot of its
+   bucket (reads only, so every program sees the same table);
+4. :func:`_insert_decay_kernel`: clamp, and halve where due, the counters of buckets that
    take keys;
-4. :func:`_insert_apply_kernel`: the new keys and counters;
-5. :func:`scatter_rows`: the rows.
+5. :func:`_insert_apply_kernel`: the new keys and counters; :func:`scatter_rows`: the rows.
 """
 
 from __future__ import annotations
