@@ -72,7 +72,7 @@ def _max_combine(a, b):
 def _insert_last_kernel(
     ks_ptr, n, num_buckets, skey_ptr, EMPTY: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """Insert step 1, over the batch sorted by key, reading nothing of the table: the last
+    """Insert step 2, over the batch sorted by key, reading nothing of the table: the last
     occurrence of each key sorts by its bucket (an int32 sort key: half the radix passes
     of int64); every other position, and the empty marker, after all buckets."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -92,7 +92,7 @@ def _insert_probe_kernel(
     sb_ptr, order_ptr, ks_ptr, n, tkeys_ptr, num_buckets, slot_ptr, mark_ptr,
     WAYS: tl.constexpr, EMPTY: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """Insert step 2, over the batch sorted by bucket: which of its keys the table holds
+    """Insert step 3, over the batch sorted by bucket: which of its keys the table holds
     (their slot, marked pinned), -1 for the others."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     kmask = offs < n
@@ -114,7 +114,7 @@ def _insert_plan_kernel(
     CMAX: tl.constexpr, DECAY_AT: tl.constexpr, WAYS: tl.constexpr, EMPTY: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """Insert step 3, over the batch sorted by bucket: each new key's way (reads only; the
+    """Insert step 3, then: over the batch sorted by bucket, each new key's way (reads only; the
     table is written by the next launches, so every program sees the same snapshot)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     kmask = offs < n
