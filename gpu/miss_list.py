@@ -13,7 +13,11 @@ pairs with one atomic on a device counter that only grows (atomics on host memor
 not portable over PCIe); the caller passes the counter's value before the lookup
 (``start``), which the host knows: it adds each lookup's count after reading it. The
 pairs a lookup wrote are a prefix of the list, found by a binary search for the first
-unused pair. On the CPU (the interpreter's tests, the torch twin) it is plain memory.
+unused pair. A lookup whose list was never taken (its call raised, or was interrupted,
+between the launch and the read) leaves it open: the next :meth:`MissList.ensure` waits
+for the device, empties the list and reads the counter, so no stale pair is ever read as
+another lookup's. On the CPU (the interpreter's tests, the torch twin) it is plain
+memory.
 """
 
 from __future__ import annotations
@@ -39,10 +43,14 @@ class MissList:
         self.view = torch.empty(0, dtype=torch.int64, device=device)
         self._pairs = np.empty((0, 2), dtype=np.int64)
         self._host: torch.Tensor | None = None
+        self._open = False  # a lookup was given the list and its misses not yet taken
 
     def ensure(self, n: int) -> None:
-        """Room for a lookup of ``n`` keys (every one may miss). Only between lookups
-        whose results were read: the old list may go."""
+        """Get the list ready for a lookup of ``n`` keys (every one may miss), whose
+        misses :meth:`take` then reads."""
+        if self._open:
+            self._recover()
+        self._open = True
         if n <= self.cap:
             return
         cap = max(n, 2 * self.cap, 1024)
@@ -64,6 +72,7 @@ class MissList:
     def take(self) -> tuple[np.ndarray, np.ndarray]:
         """After the lookup finished (its stream synchronized): ``(keys, positions)`` of
         its misses (copies, in the order listed), and the list emptied for the next."""
+        self._open = False
         pos = self._pairs[:, 1]
         if self.cap == 0 or pos[0] < 0:
             empty = np.empty(0, dtype=np.int64)
@@ -85,3 +94,11 @@ class MissList:
             self.counter.zero_()
             self.start = 0
         return keys, where
+
+    def _recover(self) -> None:
+        """After a lookup whose misses were never taken: wait for it, then start over."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._pairs[:, 1] = -1
+        self.start = int(self.counter.item())
+        self._open = False

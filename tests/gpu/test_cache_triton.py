@@ -271,7 +271,9 @@ def test_serve_lists_every_miss_and_its_position(device: str, backend: str) -> N
     total = 0
     batches = [present, torch.cat([torch.tensor([1]), present[:5], torch.tensor([2, 4])]),
                present.flip(0)[:1], torch.tensor([61, 61, EMPTY_KEY, 7]),
-               torch.randint(-50, 50, (3000,), generator=g), present[:3]]
+               torch.randint(-50, 50, (3000,), generator=g),
+               torch.arange(1000, 4000),  # every key a miss: the list full
+               present[:3]]
     for keys in batches:
         keys = keys.to(device)
         misses.ensure(keys.numel())
@@ -286,7 +288,21 @@ def test_serve_lists_every_miss_and_its_position(device: str, backend: str) -> N
         assert torch.equal(torch.from_numpy(listed_pos[order]), want_pos)
         assert torch.equal(torch.from_numpy(listed_keys[order]), keys.cpu()[want_pos])
         total += want_pos.numel()
-    assert misses.cap >= 3000 and misses.start == total > 2000
+    assert misses.cap == 3000 and misses.start == total > 5000
+    # a lookup whose misses were never taken (its call raised before reading them): the
+    # next lookup lists only its own
+    misses.ensure(4)
+    a.serve(torch.tensor([5, 6, 7, 8], device=device), misses)
+    b.lookup(torch.tensor([5, 6, 7, 8], device=device))
+    keys = torch.cat([present[:2], torch.tensor([62])]).to(device)
+    misses.ensure(keys.numel())
+    got = a.serve(keys, misses)
+    want, _ = b.lookup(keys)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    listed_keys, listed_pos = misses.take()
+    assert listed_keys.tolist() == [62] and listed_pos.tolist() == [2]
+    assert torch.equal(got.cpu(), want.cpu())
     assert a.stats() == b.stats()
 
 
