@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
@@ -274,15 +275,20 @@ def test_serve_lists_every_miss_and_its_position(device: str, backend: str) -> N
                torch.randint(-50, 50, (3000,), generator=g),
                torch.arange(1000, 4000),  # every key a miss: the list full
                present[:3]]
-    for keys in batches:
-        keys = keys.to(device)
+
+    def serve(keys: torch.Tensor) -> tuple[bool, torch.Tensor, np.ndarray, np.ndarray]:
+        """(served rows == looked-up rows, the twin's hit flags, listed keys, positions)"""
         misses.ensure(keys.numel())
         got = a.serve(keys, misses)
         want, want_hit = b.lookup(keys)
         if device == "cuda":
             torch.cuda.synchronize()
-        listed_keys, listed_pos = misses.take()
-        assert torch.equal(got.cpu(), want.cpu())
+        return torch.equal(got.cpu(), want.cpu()), want_hit, *misses.take()
+
+    for keys in batches:
+        keys = keys.to(device)
+        same, want_hit, listed_keys, listed_pos = serve(keys)
+        assert same
         order = listed_pos.argsort()
         want_pos = (~want_hit).nonzero().squeeze(1).cpu()
         assert torch.equal(torch.from_numpy(listed_pos[order]), want_pos)
@@ -294,15 +300,9 @@ def test_serve_lists_every_miss_and_its_position(device: str, backend: str) -> N
     misses.ensure(4)
     a.serve(torch.tensor([5, 6, 7, 8], device=device), misses)
     b.lookup(torch.tensor([5, 6, 7, 8], device=device))
-    keys = torch.cat([present[:2], torch.tensor([62])]).to(device)
-    misses.ensure(keys.numel())
-    got = a.serve(keys, misses)
-    want, _ = b.lookup(keys)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    listed_keys, listed_pos = misses.take()
-    assert listed_keys.tolist() == [62] and listed_pos.tolist() == [2]
-    assert torch.equal(got.cpu(), want.cpu())
+    same, _, listed_keys, listed_pos = serve(torch.cat([present[:2], torch.tensor([62])])
+                                             .to(device))
+    assert same and listed_keys.tolist() == [62] and listed_pos.tolist() == [2]
     assert a.stats() == b.stats()
 
 
