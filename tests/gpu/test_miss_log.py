@@ -176,7 +176,8 @@ def _compiled_variants() -> int:
     from gpu import cache_insert_kernels, cache_kernels, gather_kernels
 
     fns = [cache_kernels._lookup_kernel, gather_kernels._gather_kernel,
-           cache_insert_kernels._insert_probe_kernel, cache_insert_kernels._insert_plan_kernel,
+           cache_insert_kernels._insert_last_kernel, cache_insert_kernels._insert_probe_kernel,
+           cache_insert_kernels._insert_plan_kernel,
            cache_insert_kernels._insert_decay_kernel, cache_insert_kernels._insert_apply_kernel,
            cache_insert_kernels._scatter_rows_kernel]
     return sum(len(caches[0]) for f in fns for caches in f.device_caches.values())
