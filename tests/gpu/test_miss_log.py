@@ -308,3 +308,33 @@ def test_the_lookup_that_makes_a_round_due_does_not_wait_for_its_sorts() -> None
     assert (cache.probe(keys, record=False) >= 0).all()
     assert torch.equal(cache.lookup(keys)[0], table[keys])
     log.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_write_announced_while_a_round_is_pending_is_never_undone(
+        block: SharedMemBlock, device: str) -> None:
+    """A warm layer's round started (on CUDA its sorts queued, its table writes waiting for
+    a later lookup), then a write announced through the block: the next lookup follows the
+    feed, which cancels the pending writes with the log, so the old rows never go in; every
+    lookup and, after a flush, the cache hold the new rows."""
+    layer = layer_on(block, device, 8 * ROWS,
+                     tuning=TierConfig(admit_fraction=1.0, round_lookups=2,
+                                       round_capacities=1e9, warm_capacities=1.0))
+    everything = torch.arange(ROWS, device=device)
+    for _ in range(8):  # cold: a round once as many keys as slots were looked up; warm
+        layer(everything)
+    assert layer.in_gpu_cache(everything).all()
+    layer.erase(everything)  # NOTE: still warm, the cache empty
+    keys = torch.arange(0, 64, device=device)
+    assert torch.equal(layer(keys).cpu(), block.tensor[:64])
+    assert torch.equal(layer(keys).cpu(), block.tensor[:64])  # the round is due: started
+    block.write(torch.tensor([3, 5]), torch.full((2, DIM), 9.0))  # announced
+    for _ in range(3):  # each follows the feed first; the old round never lands
+        got = layer(keys).cpu()
+        assert torch.equal(got, block.tensor[:64]) and got[[3, 5]].eq(9.0).all()
+    layer.flush()
+    cached = layer.in_gpu_cache(keys)
+    assert cached.any()
+    got = layer(keys).cpu()  # rows from the cache where cached: the new ones
+    assert torch.equal(got, block.tensor[:64]) and got[[3, 5]].eq(9.0).all()
+    layer.close()
