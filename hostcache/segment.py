@@ -143,7 +143,11 @@ def _map(name: str, memory: posix_ipc.SharedMemory, size: int) -> Mapping:
             mm.madvise(mmap.MADV_HUGEPAGE)
         except OSError:
             pass
-    buffer = torch.frombuffer(mm, dtype=torch.uint8)
+    # NOTE: through a memoryview, which holds an export of the mmap for as long as the
+    # tensor (or any view of it) lives: torch.frombuffer keeps a reference to the object it
+    # is given but releases its buffer at once, so over the bare mmap a close() would unmap
+    # pages that torch views (and CUDA registrations of them) still point into.
+    buffer = torch.frombuffer(memoryview(mm), dtype=torch.uint8)
     header = np.frombuffer(mm, dtype=np.int64, count=layout.HEADER_WORDS)
     return Mapping(name=name, mm=mm, buffer=buffer, header=header)
 

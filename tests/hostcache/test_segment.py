@@ -174,3 +174,28 @@ def test_views_outlive_a_closed_handle(table_name: str) -> None:
         assert view[1].tolist() == [3.0, 4.0]  # mapping stays while a view lives
     finally:
         SharedMemBlock.unlink(table_name)
+
+
+def _mapped(path: str) -> bool:
+    with open("/proc/self/maps") as f:
+        return any(line.rstrip("\n").endswith(path) for line in f)
+
+
+def test_a_closed_mapping_stays_mapped_while_a_torch_view_of_it_lives(table_name: str) -> None:
+    """Only a torch view of the segment left (what a CUDA registration holds): closing the
+    mapping must not unmap the pages under it; the last view and handle going does."""
+    import gc
+
+    SharedMemBlock.create(table_name, num_rows=1024, dim=4).close()
+    try:
+        mapping, geo = segment.attach(table_name)
+        view = mapping.tensor(geo.rows_off, 16, torch.float32)
+        view.fill_(7.0)
+        mapping.close()
+        assert _mapped(segment.shm_path(table_name))
+        assert view.sum().item() == 112.0  # the pages are still the segment's
+        del view, mapping
+        gc.collect()
+        assert not _mapped(segment.shm_path(table_name))
+    finally:
+        SharedMemBlock.unlink(table_name)
