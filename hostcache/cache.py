@@ -17,11 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple, Self
 
+import numpy as np
 import torch
 
-from . import layout
+from . import layout, table_loops
 from .errors import BadArgumentError
-from .hashing import bucket_of
 from .segment import Mapping, check_mode
 from .table import (
     C_ERASES,
@@ -36,7 +36,6 @@ from .table import (
 from .validate import check_cache_keys, check_values, dedup_last
 
 _COUNTER_CAP = 1 << 30
-_PROTECTED = torch.iinfo(torch.int32).max
 
 
 class Inserted(NamedTuple):
@@ -61,18 +60,9 @@ class CacheAudit:
     mid_write: int
 
 
-def _matching_way(match: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(found, way) from a [N, ways] bool match (a key sits in at most one way).
-
-    With 8 ways the row of 8 bools is read as one int64 (byte ``w`` holds bit ``8 w``), so
-    finding the way is one float exponent instead of an argmax over 8 columns.
-    """
-    if match.shape[1] == 8 and match.is_contiguous():
-        bits = match.view(torch.uint8).view(torch.int64).squeeze(1)
-        found = bits != 0
-        way = ((torch.frexp(bits.to(torch.float64))[1] - 1) >> 3).clamp_(min=0)
-        return found, way
-    return match.any(dim=1), match.to(torch.uint8).argmax(dim=1)
+def _row_bytes(rows: torch.Tensor) -> np.ndarray:
+    """uint8 ``[N, row_bytes]`` numpy view of ``[N, dim]`` rows of any table dtype."""
+    return rows.contiguous().view(torch.uint8).numpy()
 
 
 class HostCache(SharedTable):
@@ -155,11 +145,23 @@ class HostCache(SharedTable):
         self._policy2 = self._policy.view(-1, ways)
         raw = mapping.tensor(geo.rows_off, slots * geo.row_stride, torch.uint8)
         self._rows = raw.view(slots, geo.row_stride)[:, : geo.row_bytes].view(geo.dtype)
+        # NOTE: numpy views of the same pages for the compiled loops (hostcache.table_loops);
+        # rows as raw bytes, whole strides, of which each loop uses the first row_bytes
+        self._nkeys = self._keys.numpy()
+        self._nkeys2 = self._keys2.numpy()
+        self._nversions = self._versions.numpy()
+        self._npolicy = self._policy.numpy()
+        self._npolicy2 = self._policy2.numpy()
+        self._nraw = raw.view(slots, geo.row_stride).numpy()
+        table_loops.warm_up()
 
     def _drop_views(self) -> None:
         empty = torch.empty(0)
         self._keys = self._versions = self._policy = self._rows = empty
         self._keys2 = self._versions2 = self._policy2 = empty
+        none = np.empty(0, dtype=np.int64)
+        self._nkeys = self._nkeys2 = self._nversions = self._npolicy = none
+        self._npolicy2 = self._nraw = none
 
     # -- reads ---------------------------------------------------------------------------
 
@@ -173,39 +175,30 @@ class HostCache(SharedTable):
         """
         keys = check_cache_keys(keys)
         self._live()
-        ways = self.geometry.ways
-        bucket = bucket_of(keys, self.geometry.num_buckets)
-        found, way = _matching_way(self._keys2.index_select(0, bucket) == keys[:, None])
-        slot = bucket * ways + way
-        # NOTE: seqlock window: version, row, key, version. A hit needs an even version
-        # that did not change and the key still in place inside the window, so the row
-        # belongs to the key even if writers moved keys between the probe and the window.
-        ver_before = self._versions.index_select(0, slot)
-        values = self._rows.index_select(0, slot)
-        key_inside = self._keys.index_select(0, slot)
-        ver_after = self._versions.index_select(0, slot)
-        hit = key_inside == keys
-        hit &= found
-        # NOTE: even before and unchanged after, in one comparison (versions only grow, so
-        # an odd ver_before, cleared of its low bit, is below any ver_after)
-        hit &= ver_after == (ver_before & -2)
-        n_hits = int(hit.sum())
-        if n_hits < keys.numel():
-            values.index_fill_(0, (~hit).nonzero().squeeze(1), 0)
-        if not count:
-            return values, hit
-        if n_hits:
-            # policy counters: racy across processes by design (approximate frequencies).
-            # Every key's slot gets its hit bit (0 for a miss) in one pass, with no
-            # boolean compaction of the hit slots; adding 0 is a read and write back,
-            # racy with a writer placing a new key there as a hit's add is (the new key
-            # may keep the old counter: approximate, never a wrong row).
-            self._policy.index_add_(0, slot, hit.to(torch.int32))
-        c = self._counters
-        c[C_LOOKUPS] += 1
-        c[C_HITS] += n_hits
-        c[C_MISSES] += keys.numel() - n_hits
-        return values, hit
+        geo = self.geometry
+        kn = keys.numpy()
+        slot, found = self._probe(kn)
+        n = kn.shape[0]
+        # NOTE: seqlock window: version, row, key, version, each step a compiled call of
+        # its own (hostcache.table_loops). A hit needs an even version that did not change
+        # and the key still in place inside the window, so the row belongs to the key even
+        # if writers moved keys between the probe and the window.
+        ver_before = np.empty(n, np.int64)
+        table_loops.read_versions(self._nversions, slot, ver_before)
+        out = torch.empty((n, geo.row_bytes), dtype=torch.uint8)
+        key_inside = np.empty(n, np.int64)
+        table_loops.read_rows(self._nraw, self._nkeys, slot, out.numpy(), key_inside)
+        ver_after = np.empty(n, np.int64)
+        table_loops.read_versions(self._nversions, slot, ver_after)
+        hit, n_hits = table_loops.finish_lookup(kn, found, key_inside, ver_before, ver_after,
+                                                out.numpy(), self._npolicy, slot, count)
+        values = out.view(geo.dtype)
+        if count:
+            c = self._counters
+            c[C_LOOKUPS] += 1
+            c[C_HITS] += n_hits
+            c[C_MISSES] += n - n_hits
+        return values, torch.from_numpy(hit)
 
     def touch(self, keys: torch.Tensor, weight: int = 1) -> None:
         """Count ``weight`` hits of each cached key in the eviction policy, as a lookup
@@ -215,12 +208,8 @@ class HostCache(SharedTable):
         if isinstance(weight, bool) or not isinstance(weight, int) or weight < 1:
             raise BadArgumentError(f"weight must be an int >= 1; got {weight!r}")
         self._live()
-        _, found, slot = self._find(keys)
-        slot = slot[found]
-        if slot.numel():
-            # racy across processes by design, like lookup's (approximate frequencies)
-            self._policy.index_add_(0, slot, torch.full((slot.numel(),), weight,
-                                                        dtype=torch.int32))
+        slot, found = self._probe(keys.numpy())
+        table_loops.add_policy(self._npolicy, slot, found, weight)
 
     def contains(self, keys: torch.Tensor) -> torch.Tensor:
         """bool [N]: whether each key is cached now (no counters touched)."""
@@ -247,12 +236,22 @@ class HostCache(SharedTable):
             mid_write=int(((self._versions & 1) == 1).sum()),
         )
 
+    def _probe(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(slot, found) of each key (way 0 of its bucket where absent) and its bucket."""
+        slot = np.empty(keys.shape[0], np.int64)
+        found = np.empty(keys.shape[0], np.bool_)
+        bucket = table_loops.buckets(keys, self.geometry.num_buckets)
+        table_loops.find(self._nkeys2, keys, bucket, slot, found)
+        return slot, found
+
     def _find(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(bucket, found, slot) of each key; exact under the writer lock."""
-        ways = self.geometry.ways
-        bucket = bucket_of(keys, self.geometry.num_buckets)
-        found, way = _matching_way(self._keys2.index_select(0, bucket) == keys[:, None])
-        return bucket, found, bucket * ways + way
+        kn = keys.numpy()
+        slot = np.empty(kn.shape[0], np.int64)
+        found = np.empty(kn.shape[0], np.bool_)
+        bucket = table_loops.buckets(kn, self.geometry.num_buckets)
+        table_loops.find(self._nkeys2, kn, bucket, slot, found)
+        return torch.from_numpy(bucket), torch.from_numpy(found), torch.from_numpy(slot)
 
     # -- writes --------------------------------------------------------------------------
 
@@ -266,14 +265,23 @@ class HostCache(SharedTable):
         """Seqlock write of distinct ``slots`` (caller holds the writer lock)."""
         if slots.numel() == 0:
             return
-        one = torch.ones(slots.numel(), dtype=torch.int64)
-        self._versions.index_add_(0, slots, one)  # odd: readers treat the slot as a miss
-        self._keys.index_copy_(0, slots, keys)
-        if rows is not None:
-            self._rows.index_copy_(0, slots, rows)
-        if policy is not None:
-            self._policy.index_copy_(0, slots, policy)
-        self._versions.index_add_(0, slots, one)  # even again: the new contents are committed
+        sn = slots.numpy()
+        kn = keys.contiguous().numpy()
+        with_rows, with_policy = rows is not None, policy is not None
+        rn = _row_bytes(rows) if rows is not None else self._nraw[:0]
+        src = np.arange(sn.shape[0], dtype=np.int64)
+        pn = policy.contiguous().numpy() if policy is not None else self._npolicy[:0]
+        self._write_seqlocked(sn, kn, rn, src, pn, with_rows, with_policy)
+
+    def _write_seqlocked(self, slots: np.ndarray, keys: np.ndarray, rows: np.ndarray,
+                         src: np.ndarray, policy: np.ndarray, with_rows: bool,
+                         with_policy: bool) -> None:
+        """The seqlock write: versions odd (readers treat the slots as misses), the new
+        contents, versions even again (committed); each a compiled call of its own."""
+        table_loops.bump_versions(self._nversions, slots)
+        table_loops.write_slots(self._nkeys, self._nraw, self._npolicy, slots, keys, rows,
+                                src, policy, with_rows, with_policy)
+        table_loops.bump_versions(self._nversions, slots)
 
     def insert(
         self,
@@ -330,7 +338,6 @@ class HostCache(SharedTable):
         values = check_values(values, keys.numel(), self.geometry.dim, self.geometry.dtype)
         if keys.numel() == 0:
             return torch.zeros(0, dtype=torch.bool), 0, 0
-        ways = self.geometry.ways
         with self._writing():
             ukeys, last, inverse_or_none = dedup_last(keys)
             inverse: torch.Tensor | None = inverse_or_none
@@ -346,14 +353,16 @@ class HostCache(SharedTable):
             # each write: a 2k-row insert spent a quarter of its time copying rows
             bucket, found, slot = self._find(ukeys)
             old_slots = slot[found]
-            if overwrite:  # keys already present: overwrite in place, tell the others
-                self._write_slots(old_slots, ukeys[found],
-                                  values.index_select(0, last[found]), None)
+            if overwrite and old_slots.numel():
+                # keys already present: overwrite in place, tell the others
+                self._write_seqlocked(old_slots.numpy(), ukeys[found].numpy(),
+                                      _row_bytes(values), last[found].numpy(),
+                                      self._npolicy[:0], True, False)
             new = ~found
             written, evicted = 0, 0
             if bool(new.any()):
                 written, evicted = self._insert_new(
-                    ukeys[new], values, last[new], bucket[new], old_slots, ways
+                    ukeys[new], values, last[new], bucket[new], old_slots
                 )
             self.ring.append(ukeys if announce_new else ukeys[found] if overwrite else ukeys[:0])
             c = self._counters
@@ -371,48 +380,17 @@ class HostCache(SharedTable):
         src: torch.Tensor,
         bucket: torch.Tensor,
         protected_slots: torch.Tensor,
-        ways: int,
     ) -> tuple[int, int]:
-        """Place keys that are not cached (key ``i``'s row is ``values[src[i]]``); returns
-        (written, evicted). Under the lock."""
-        order = torch.argsort(bucket, stable=True)
-        keys, src, bucket = keys[order], src[order], bucket[order]
-        ubuckets, group = torch.unique_consecutive(bucket, return_inverse=True)
-        first = torch.searchsorted(bucket, ubuckets)
-        rank = torch.arange(bucket.numel(), dtype=torch.int64) - first[group]
-        # priority of each way of every touched bucket: empty first, then the coldest
-        key_b = self._keys2.index_select(0, ubuckets)
-        prio = self._policy2.index_select(0, ubuckets).clone()
-        prio[key_b == layout.EMPTY_KEY] = -1
-        if protected_slots.numel():
-            # NOTE: the touched buckets' protected ways, found by searching the (sorted)
-            # buckets: the work of the keys, not of the table's size
-            pb = torch.div(protected_slots, ways, rounding_mode="floor")
-            at = torch.searchsorted(ubuckets, pb).clamp_(max=ubuckets.numel() - 1)
-            mine = ubuckets[at] == pb
-            prio[at[mine], (protected_slots - pb * ways)[mine]] = _PROTECTED
-        prio_sorted, way_order = torch.sort(prio, dim=1, stable=True)
-        ok = rank < ways
-        g, r = group[ok], rank[ok]
-        victim_prio = prio_sorted[g, r]
-        usable = victim_prio != _PROTECTED
-        g, r, victim_prio = g[usable], r[usable], victim_prio[usable]
-        sel = ok.nonzero().squeeze(1)[usable]
-        target = ubuckets[g] * ways + way_order[g, r]
-        was_empty = victim_prio < 0
-        new_policy = torch.where(was_empty, 1, victim_prio + 1).to(torch.int32)
-        self._write_slots(target, keys[sel], values.index_select(0, src[sel]), new_policy)
-        n_filled = int(was_empty.sum())
-        self._header[layout.W_SIZE] += n_filled
-        self._decay(ubuckets)
-        return int(target.numel()), int(target.numel()) - n_filled
-
-    def _decay(self, buckets: torch.Tensor) -> None:
-        pol = self._policy2.index_select(0, buckets)
-        hot = (pol > _COUNTER_CAP).any(dim=1)
-        if bool(hot.any()):
-            b = buckets[hot]
-            self._policy2[b] = self._policy2.index_select(0, b) >> 1
+        """Place keys that are not cached (key ``i``'s row is ``values[src[i]]``; the ways
+        of ``protected_slots`` are not taken); returns (written, evicted). Under the lock."""
+        prot = np.sort(protected_slots.numpy())
+        slot, nkeys, nsrc, npol, touched, filled = table_loops.plan_new(
+            self._nkeys2, self._npolicy2, keys.numpy(), src.numpy(), bucket.numpy(), prot)
+        if slot.shape[0]:
+            self._write_seqlocked(slot, nkeys, _row_bytes(values), nsrc, npol, True, True)
+        self._header[layout.W_SIZE] += filled
+        table_loops.decay(self._npolicy2, touched, _COUNTER_CAP)
+        return int(slot.shape[0]), int(slot.shape[0]) - filled
 
     def update(
         self, keys: torch.Tensor, values: torch.Tensor, *, insert_missing: bool = False

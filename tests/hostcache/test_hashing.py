@@ -1,4 +1,5 @@
-"""The key hash: CPU (numpy) and torch paths give the same bits as murmur3's fmix64.
+"""The key hash: CPU (numpy, and the host cache's compiled loops) and torch paths give the
+same bits as murmur3's fmix64.
 
 The hash decides where a key lives in shared memory, for every process and for the GPU
 kernels: a path that disagrees in one bit puts keys where no other reader looks.
@@ -10,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hostcache import table_loops
 from hostcache.hashing import _fmix_torch, bucket_of, hash_keys
 
 U64 = (1 << 64) - 1
@@ -41,6 +43,9 @@ def test_both_paths_match_the_reference(keys: list[int], num_buckets: int) -> No
     assert _fmix_torch(t).tolist() == want  # the torch path (CUDA tensors, the GPU twin)
     assert bucket_of(t, num_buckets).tolist() == [h % num_buckets for h in want]
     assert (_fmix_torch(t) % num_buckets).tolist() == [h % num_buckets for h in want]
+    # the host cache's compiled probe (hostcache.table_loops)
+    assert table_loops.buckets(t.numpy(), num_buckets).tolist() == [
+        h % num_buckets for h in want]
 
 
 def test_strided_and_empty_input_and_the_result_dtype() -> None:

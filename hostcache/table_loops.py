@@ -1,0 +1,283 @@
+"""The host cache's per-key loops, compiled by numba: probe, seqlock reads and writes, and
+the placement of new keys.
+
+A lookup of a few hundred keys (what a Hierarchical layer's misses ask of the host cache)
+spent most of its time in the per-operation cost of some twenty small torch operations;
+as loops compiled once these cost about as much as the memory they touch
+(bench/RESULTS.md, "Host cache (CPU)"), and they release the GIL, so a host-cache fill on
+a worker thread no longer holds up the serving thread.
+
+Rows are moved as raw bytes (``uint8 [slots, row_stride]`` views of the segment, the first
+``row_bytes`` of each used), so one compiled variant serves every table dtype.
+
+NOTE: the seqlock's steps are separate compiled calls, each a barrier the compiler cannot
+move loads or stores across: a reader loads every slot's version, then the rows and keys,
+then the versions again (``read_versions`` / ``read_rows`` / ``read_versions`` +
+``finish_lookup``); a writer makes the versions odd, writes, and makes them even again
+(``bump_versions`` / ``write_slots`` / ``bump_versions``). Inside one loop the compiler
+may reorder loads and stores of different arrays; across calls it cannot, and x86 keeps
+each CPU's loads, and its stores, in program order (``hostcache.layout`` states the
+protocol).
+
+``bucket_of`` here is ``hostcache.hashing.bucket_of``'s fmix64, bit for bit
+(tests/hostcache/test_table_loops.py holds them equal).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+from numba import njit
+
+from .layout import EMPTY_KEY
+
+_M1 = np.uint64(0xFF51AFD7ED558CCD)
+_M2 = np.uint64(0xC4CEB9FE1A85EC53)
+_S33 = np.uint64(33)
+_POS = np.uint64(0x7FFFFFFFFFFFFFFF)
+_EMPTY = np.int64(EMPTY_KEY)
+#: a way that must not be taken (its key is being written by the same insert)
+PROTECTED = np.int64(np.iinfo(np.int32).max)
+
+#: compiled once and cached beside this module; the GIL released inside
+_jit = njit(cache=True, nogil=True, boundscheck=False)
+
+
+@_jit
+def _bucket(key: np.int64, num_buckets: np.uint64) -> np.int64:
+    x = np.uint64(key)
+    x ^= x >> _S33
+    x *= _M1
+    x ^= x >> _S33
+    x *= _M2
+    x ^= x >> _S33
+    x &= _POS
+    return np.int64(x % num_buckets)
+
+
+@_jit
+def buckets(keys: np.ndarray, num_buckets: int) -> np.ndarray:
+    """The bucket of every key (``hostcache.hashing.bucket_of``)."""
+    nb = np.uint64(num_buckets)
+    out = np.empty(keys.shape[0], np.int64)
+    for i in range(keys.shape[0]):
+        out[i] = _bucket(keys[i], nb)
+    return out
+
+
+@_jit
+def find(tkeys2: np.ndarray, keys: np.ndarray, bucket: np.ndarray, slot: np.ndarray,
+         found: np.ndarray) -> None:
+    """Each key's slot (way 0 of its bucket where absent) and whether it is there."""
+    ways = tkeys2.shape[1]
+    for i in range(keys.shape[0]):
+        b = bucket[i]
+        k = keys[i]
+        s = b * ways
+        f = False
+        for w in range(ways):
+            if tkeys2[b, w] == k:
+                s += w
+                f = True
+                break
+        slot[i] = s
+        found[i] = f
+
+
+@_jit
+def read_versions(versions: np.ndarray, slot: np.ndarray, out: np.ndarray) -> None:
+    for i in range(slot.shape[0]):
+        out[i] = versions[slot[i]]
+
+
+@_jit
+def read_rows(raw: np.ndarray, tkeys: np.ndarray, slot: np.ndarray, out: np.ndarray,
+              key_inside: np.ndarray) -> None:
+    """Each slot's row (``out``: uint8 ``[N, row_bytes]``) and key, inside the window."""
+    nb = out.shape[1]
+    for i in range(slot.shape[0]):
+        s = slot[i]
+        for j in range(nb):
+            out[i, j] = raw[s, j]
+        key_inside[i] = tkeys[s]
+
+
+@_jit
+def finish_lookup(keys: np.ndarray, found: np.ndarray, key_inside: np.ndarray,
+                  ver_before: np.ndarray, ver_after: np.ndarray, out: np.ndarray,
+                  policy: np.ndarray, slot: np.ndarray, count: bool) -> tuple[np.ndarray, int]:
+    """Hit flags (an even version unchanged across the window, the key still in place),
+    misses' rows zeroed, each hit's policy counter bumped (racy across processes by
+    design: approximate frequencies) when ``count``; returns ``(hit, hits)``."""
+    n = keys.shape[0]
+    nb = out.shape[1]
+    hit = np.empty(n, np.bool_)
+    hits = 0
+    for i in range(n):
+        # NOTE: even before and unchanged after in one comparison (versions only grow)
+        h = found[i] and key_inside[i] == keys[i] and ver_after[i] == (ver_before[i] & -2)
+        hit[i] = h
+        if h:
+            hits += 1
+            if count:
+                policy[slot[i]] += 1
+        else:
+            for j in range(nb):
+                out[i, j] = 0
+    return hit, hits
+
+
+@_jit
+def add_policy(policy: np.ndarray, slot: np.ndarray, found: np.ndarray, weight: int) -> None:
+    """``weight`` more hits for every found key's slot (racy by design, like lookups')."""
+    for i in range(slot.shape[0]):
+        if found[i]:
+            policy[slot[i]] += weight
+
+
+@_jit
+def bump_versions(versions: np.ndarray, slot: np.ndarray) -> None:
+    for i in range(slot.shape[0]):
+        versions[slot[i]] += 1
+
+
+@_jit
+def write_slots(tkeys: np.ndarray, raw: np.ndarray, policy: np.ndarray, slot: np.ndarray,
+                keys: np.ndarray, rows: np.ndarray, src: np.ndarray, new_policy: np.ndarray,
+                with_rows: bool, with_policy: bool) -> None:
+    """Slot ``slot[i]`` takes ``keys[i]``, row ``rows[src[i]]`` (uint8 ``[M, row_bytes]``)
+    and counter ``new_policy[i]`` (each part only when asked for); the caller made the
+    versions odd first and makes them even after."""
+    nb = rows.shape[1]
+    for i in range(slot.shape[0]):
+        s = slot[i]
+        tkeys[s] = keys[i]
+        if with_rows:
+            r = src[i]
+            for j in range(nb):
+                raw[s, j] = rows[r, j]
+        if with_policy:
+            policy[s] = new_policy[i]
+
+
+@_jit
+def plan_new(tkeys2: np.ndarray, policy2: np.ndarray, keys: np.ndarray, src: np.ndarray,
+             bucket: np.ndarray, protected: np.ndarray
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    """Where absent keys go (LFU-DA): the ``r``-th new key of a bucket (in the order given)
+    takes the bucket's ``r``-th way by (priority, way), priority -1 for an empty way, else
+    its counter; a protected way (a key this insert also writes, ``protected`` sorted) is
+    never taken, and keys past the bucket's ways are not placed. A placed key's counter is
+    1 in an empty way, else the victim's + 1.
+
+    Returns ``(slots, keys, src, counters, buckets, filled)``: the placed keys, the
+    distinct buckets the keys fell in, and how many keys went into empty ways.
+    """
+    ways = tkeys2.shape[1]
+    n = keys.shape[0]
+    order = np.argsort(bucket, kind="mergesort")
+    out_slot = np.empty(n, np.int64)
+    out_key = np.empty(n, np.int64)
+    out_src = np.empty(n, np.int64)
+    out_pol = np.empty(n, np.int32)
+    prio = np.empty(ways, np.int64)
+    way_order = np.empty(ways, np.int64)
+    touched = np.empty(n, np.int64)
+    g = 0
+    m = 0
+    filled = 0
+    i = 0
+    while i < n:
+        b = bucket[order[i]]
+        touched[g] = b
+        g += 1
+        for w in range(ways):
+            s = b * ways + w
+            if tkeys2[b, w] == _EMPTY:
+                p = np.int64(-1)
+            else:
+                p = np.int64(policy2[b, w])
+            at = np.searchsorted(protected, s)
+            if at < protected.shape[0] and protected[at] == s:
+                p = PROTECTED
+            # NOTE: insertion by (priority, way): a stable sort of at most 16 ways
+            j = w
+            while j > 0 and prio[j - 1] > p:
+                prio[j] = prio[j - 1]
+                way_order[j] = way_order[j - 1]
+                j -= 1
+            prio[j] = p
+            way_order[j] = w
+        r = 0
+        while i < n and bucket[order[i]] == b:
+            if r < ways and prio[r] != PROTECTED:
+                k = order[i]
+                out_slot[m] = b * ways + way_order[r]
+                out_key[m] = keys[k]
+                out_src[m] = src[k]
+                if prio[r] < 0:
+                    out_pol[m] = 1
+                    filled += 1
+                else:
+                    out_pol[m] = np.int32(prio[r] + 1)
+                m += 1
+            r += 1
+            i += 1
+    return out_slot[:m], out_key[:m], out_src[:m], out_pol[:m], touched[:g], filled
+
+
+@_jit
+def decay(policy2: np.ndarray, bucket: np.ndarray, cap: int) -> None:
+    """Halve every counter of each given bucket where one of them passed ``cap``."""
+    ways = policy2.shape[1]
+    for i in range(bucket.shape[0]):
+        b = bucket[i]
+        hot = False
+        for w in range(ways):
+            if policy2[b, w] > cap:
+                hot = True
+        if hot:
+            for w in range(ways):
+                policy2[b, w] >>= 1
+
+
+_warm = False
+_warm_lock = threading.Lock()
+
+
+def warm_up() -> None:
+    """Compile every loop (or load it from numba's cache beside this module) once per
+    process, in the argument types the host cache calls them with: a table's first lookup
+    or insert then costs what the next ones do (a compilation takes seconds, a cached load
+    tens of milliseconds a loop)."""
+    global _warm
+    if _warm:
+        return
+    with _warm_lock:
+        if _warm:
+            return
+        ways = 8
+        tkeys2 = np.full((1, ways), _EMPTY, np.int64)
+        tkeys = tkeys2.reshape(-1)
+        policy2 = np.zeros((1, ways), np.int32)
+        policy = policy2.reshape(-1)
+        versions = np.zeros(ways, np.int64)
+        raw = np.zeros((ways, 16), np.uint8)
+        keys = np.arange(1, dtype=np.int64)
+        slot = np.zeros(1, np.int64)
+        found = np.zeros(1, np.bool_)
+        ver = np.zeros(1, np.int64)
+        out = np.zeros((1, 8), np.uint8)
+        bucket = buckets(keys, 1)
+        find(tkeys2, keys, bucket, slot, found)
+        read_versions(versions, slot, ver)
+        read_rows(raw, tkeys, slot, out, ver)
+        finish_lookup(keys, found, ver, ver, ver, out, policy, slot, False)
+        add_policy(policy, slot, found, 1)
+        none = np.zeros(0, np.int64)
+        plan = plan_new(tkeys2, policy2, none, none, none, none)
+        bump_versions(versions, plan[0])
+        write_slots(tkeys, raw, policy, plan[0], plan[1], out, plan[2], plan[3], True, True)
+        decay(policy2, plan[4], 1 << 30)
+        _warm = True

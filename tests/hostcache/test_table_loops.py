@@ -1,0 +1,62 @@
+"""The host cache's compiled placement of new keys (``hostcache.table_loops.plan_new``)
+against the LFU-DA rules written out per key in Python."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hostcache import table_loops
+from hostcache.layout import EMPTY_KEY
+
+
+def reference(tkeys2: np.ndarray, policy2: np.ndarray, keys: list[int], src: list[int],
+              bucket: list[int], protected: set[int]) -> tuple[list[tuple[int, ...]], int]:
+    """The rules one key at a time: keys grouped by bucket (stable), the r-th new key of
+    a bucket takes the r-th way by (priority, way) unless it is protected; priority -1 for
+    an empty way, else the counter; the new counter is 1 or the victim's + 1."""
+    ways = tkeys2.shape[1]
+    placed, filled = [], 0
+    for b in sorted(set(bucket)):
+        mine = [i for i in range(len(keys)) if bucket[i] == b]
+        prio = []
+        for w in range(ways):
+            s = b * ways + w
+            p = -1 if tkeys2[b, w] == EMPTY_KEY else int(policy2[b, w])
+            prio.append((int(table_loops.PROTECTED) if s in protected else p, w))
+        prio.sort()
+        for r, i in enumerate(mine):
+            if r >= ways or prio[r][0] == table_loops.PROTECTED:
+                continue
+            p, w = prio[r]
+            placed.append((b * ways + w, keys[i], src[i], 1 if p < 0 else p + 1))
+            filled += p < 0
+    return placed, filled
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from([8, 16]), st.integers(1, 6), st.data())
+def test_plan_new_follows_the_lfu_da_rules(ways: int, num_buckets: int,
+                                           data: st.DataObject) -> None:
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    slots = num_buckets * ways
+    tkeys = np.where(rng.random(slots) < 0.4, EMPTY_KEY,
+                     rng.integers(0, 1000, slots)).astype(np.int64)
+    policy = rng.integers(0, 5, slots).astype(np.int32)  # ties between ways are common
+    n = data.draw(st.integers(0, 3 * ways))
+    keys = rng.integers(1000, 10**6, n).astype(np.int64)
+    src = rng.permutation(n).astype(np.int64)
+    bucket = rng.integers(0, num_buckets, n).astype(np.int64)
+    protected = np.sort(rng.choice(slots, data.draw(st.integers(0, slots // 2)),
+                                   replace=False)).astype(np.int64)
+    slot, pkeys, psrc, pol, touched, filled = table_loops.plan_new(
+        tkeys.reshape(num_buckets, ways), policy.reshape(num_buckets, ways), keys, src,
+        bucket, protected)
+    want, want_filled = reference(tkeys.reshape(num_buckets, ways),
+                                  policy.reshape(num_buckets, ways), keys.tolist(),
+                                  src.tolist(), bucket.tolist(), set(protected.tolist()))
+    got = sorted(zip(slot.tolist(), pkeys.tolist(), psrc.tolist(), pol.tolist(), strict=True))
+    assert got == sorted(want)
+    assert filled == want_filled
+    assert sorted(touched.tolist()) == sorted(set(bucket.tolist()))
