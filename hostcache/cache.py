@@ -33,7 +33,7 @@ from .table import (
     C_UPDATES,
     SharedTable,
 )
-from .validate import check_cache_keys, check_values, dedup_last
+from .validate import check_cache_keys, check_values
 
 _COUNTER_CAP = 1 << 30
 
@@ -215,16 +215,15 @@ class HostCache(SharedTable):
         """bool [N]: whether each key is cached now (no counters touched)."""
         keys = check_cache_keys(keys)
         self._live()
-        return self._find(keys)[1]
+        return torch.from_numpy(self._probe(keys.numpy())[1])
 
     def policy(self, keys: torch.Tensor) -> torch.Tensor:
         """int32 [N]: each key's eviction-policy counter now (-1 where it is not cached);
         read without the writer lock, so approximate while others write."""
         keys = check_cache_keys(keys)
         self._live()
-        _, found, slot = self._find(keys)
-        counts = self._policy.index_select(0, slot)
-        return torch.where(found, counts, torch.full_like(counts, -1))
+        slot, found = self._probe(keys.numpy())
+        return torch.from_numpy(np.where(found, self._npolicy[slot], -1).astype(np.int32))
 
     def audit(self) -> CacheAudit:
         """What a consistency check finds (exact while no writer is inside; see
@@ -237,41 +236,15 @@ class HostCache(SharedTable):
         )
 
     def _probe(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(slot, found) of each key (way 0 of its bucket where absent) and its bucket."""
+        """(slot, found) of each key (way 0 of its bucket where absent); exact under the
+        writer lock."""
         slot = np.empty(keys.shape[0], np.int64)
         found = np.empty(keys.shape[0], np.bool_)
         bucket = table_loops.buckets(keys, self.geometry.num_buckets)
         table_loops.find(self._nkeys2, keys, bucket, slot, found)
         return slot, found
 
-    def _find(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(bucket, found, slot) of each key; exact under the writer lock."""
-        kn = keys.numpy()
-        slot = np.empty(kn.shape[0], np.int64)
-        found = np.empty(kn.shape[0], np.bool_)
-        bucket = table_loops.buckets(kn, self.geometry.num_buckets)
-        table_loops.find(self._nkeys2, kn, bucket, slot, found)
-        return torch.from_numpy(bucket), torch.from_numpy(found), torch.from_numpy(slot)
-
     # -- writes --------------------------------------------------------------------------
-
-    def _write_slots(
-        self,
-        slots: torch.Tensor,
-        keys: torch.Tensor,
-        rows: torch.Tensor | None,
-        policy: torch.Tensor | None,
-    ) -> None:
-        """Seqlock write of distinct ``slots`` (caller holds the writer lock)."""
-        if slots.numel() == 0:
-            return
-        sn = slots.numpy()
-        kn = keys.contiguous().numpy()
-        with_rows, with_policy = rows is not None, policy is not None
-        rn = _row_bytes(rows) if rows is not None else self._nraw[:0]
-        src = np.arange(sn.shape[0], dtype=np.int64)
-        pn = policy.contiguous().numpy() if policy is not None else self._npolicy[:0]
-        self._write_seqlocked(sn, kn, rn, src, pn, with_rows, with_policy)
 
     def _write_seqlocked(self, slots: np.ndarray, keys: np.ndarray, rows: np.ndarray,
                          src: np.ndarray, policy: np.ndarray, with_rows: bool,
@@ -338,59 +311,54 @@ class HostCache(SharedTable):
         values = check_values(values, keys.numel(), self.geometry.dim, self.geometry.dtype)
         if keys.numel() == 0:
             return torch.zeros(0, dtype=torch.bool), 0, 0
+        kn = keys.numpy()
         with self._writing():
-            ukeys, last, inverse_or_none = dedup_last(keys)
-            inverse: torch.Tensor | None = inverse_or_none
+            ukeys, last, inverse = table_loops.dedup_last(kn)
+            refused = False
             if since is not None:
                 changed, _, overflowed = self.ring.changes_since(since)
                 if overflowed:
                     return torch.zeros(keys.numel(), dtype=torch.bool), 0, 0
                 if changed.numel():
-                    fresh = ~torch.isin(ukeys, changed)
+                    fresh = ~np.isin(ukeys, changed.numpy())
                     ukeys, last = ukeys[fresh], last[fresh]
-                    inverse = None
-            # NOTE: rows travel as positions in `values` until the one gather that feeds
-            # each write: a 2k-row insert spent a quarter of its time copying rows
-            bucket, found, slot = self._find(ukeys)
+                    refused = True
+            # NOTE: rows travel as positions in `values` until the one copy that feeds each
+            # write: a 2k-row insert spent a quarter of its time copying rows
+            slot, found = self._probe(ukeys)
             old_slots = slot[found]
-            if overwrite and old_slots.numel():
+            rows = _row_bytes(values)
+            if overwrite and old_slots.size:
                 # keys already present: overwrite in place, tell the others
-                self._write_seqlocked(old_slots.numpy(), ukeys[found].numpy(),
-                                      _row_bytes(values), last[found].numpy(),
+                self._write_seqlocked(old_slots, ukeys[found], rows, last[found],
                                       self._npolicy[:0], True, False)
             new = ~found
             written, evicted = 0, 0
-            if bool(new.any()):
-                written, evicted = self._insert_new(
-                    ukeys[new], values, last[new], bucket[new], old_slots
-                )
-            self.ring.append(ukeys if announce_new else ukeys[found] if overwrite else ukeys[:0])
+            if new.any():
+                written, evicted = self._insert_new(ukeys[new], rows, last[new], old_slots)
+            announced = ukeys if announce_new else ukeys[found] if overwrite else ukeys[:0]
+            self.ring.append(torch.from_numpy(announced))
             c = self._counters
             written += int(found.sum()) if overwrite else 0
             c[C_INSERTS] += written
             c[C_EVICTIONS] += evicted
-        if inverse is None:  # some keys were refused: report the found ones by key
-            return torch.isin(keys, ukeys[found]), written, evicted
-        return found[inverse], written, evicted
+        if refused:  # some keys were refused: report the found ones by key
+            return torch.from_numpy(np.isin(kn, ukeys[found])), written, evicted
+        return torch.from_numpy(found[inverse]), written, evicted
 
-    def _insert_new(
-        self,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        src: torch.Tensor,
-        bucket: torch.Tensor,
-        protected_slots: torch.Tensor,
-    ) -> tuple[int, int]:
-        """Place keys that are not cached (key ``i``'s row is ``values[src[i]]``; the ways
-        of ``protected_slots`` are not taken); returns (written, evicted). Under the lock."""
-        prot = np.sort(protected_slots.numpy())
+    def _insert_new(self, keys: np.ndarray, rows: np.ndarray, src: np.ndarray,
+                    protected_slots: np.ndarray) -> tuple[int, int]:
+        """Place keys that are not cached (key ``i``'s row is ``rows[src[i]]``, raw bytes;
+        the ways of ``protected_slots`` are not taken); returns (written, evicted). Under
+        the lock."""
+        bucket = table_loops.buckets(keys, self.geometry.num_buckets)
         slot, nkeys, nsrc, npol, touched, filled = table_loops.plan_new(
-            self._nkeys2, self._npolicy2, keys.numpy(), src.numpy(), bucket.numpy(), prot)
-        if slot.shape[0]:
-            self._write_seqlocked(slot, nkeys, _row_bytes(values), nsrc, npol, True, True)
+            self._nkeys2, self._npolicy2, keys, src, bucket, np.sort(protected_slots))
+        if slot.size:
+            self._write_seqlocked(slot, nkeys, rows, nsrc, npol, True, True)
         self._header[layout.W_SIZE] += filled
         table_loops.decay(self._npolicy2, touched, _COUNTER_CAP)
-        return int(slot.shape[0]), int(slot.shape[0]) - filled
+        return int(slot.size), int(slot.size) - filled
 
     def update(
         self, keys: torch.Tensor, values: torch.Tensor, *, insert_missing: bool = False
@@ -403,20 +371,22 @@ class HostCache(SharedTable):
         parameter server just before is told to drop it).
         """
         if insert_missing:
-            found, _, _ = self._upsert(keys, values, overwrite=True, announce_new=True)
-            self._counters[C_UPDATES] += int(found.sum())
-            return found
+            present, _, _ = self._upsert(keys, values, overwrite=True, announce_new=True)
+            self._counters[C_UPDATES] += int(present.sum())
+            return present
         keys = check_cache_keys(keys)
         values = check_values(values, keys.numel(), self.geometry.dim, self.geometry.dtype)
         if keys.numel() == 0:
             return torch.zeros(0, dtype=torch.bool)
         with self._writing():
-            ukeys, last, inverse = dedup_last(keys)
-            _, found, slot = self._find(ukeys)
-            self._write_slots(slot[found], ukeys[found], values.index_select(0, last[found]), None)
-            self.ring.append(ukeys[found])
+            ukeys, last, inverse = table_loops.dedup_last(keys.numpy())
+            slot, found = self._probe(ukeys)
+            if found.any():
+                self._write_seqlocked(slot[found], ukeys[found], _row_bytes(values),
+                                      last[found], self._npolicy[:0], True, False)
+            self.ring.append(torch.from_numpy(ukeys[found]))
             self._counters[C_UPDATES] += int(found.sum())
-        return found[inverse]
+        return torch.from_numpy(found[inverse])
 
     def erase(self, keys: torch.Tensor) -> torch.Tensor:
         """Remove keys; returns bool [N] of keys that were cached.
@@ -428,16 +398,18 @@ class HostCache(SharedTable):
         if keys.numel() == 0:
             return torch.zeros(0, dtype=torch.bool)
         with self._writing():
-            ukeys, _, inverse = dedup_last(keys)
-            _, found, slot = self._find(ukeys)
+            ukeys, _, inverse = table_loops.dedup_last(keys.numpy())
+            slot, found = self._probe(ukeys)
             gone = slot[found]
-            empty = torch.full((gone.numel(),), layout.EMPTY_KEY, dtype=torch.int64)
-            self._write_slots(gone, empty, None, torch.zeros(gone.numel(), dtype=torch.int32))
-            self.ring.append(ukeys)
-            n = int(gone.numel())
+            n = int(gone.size)
+            if n:
+                empty = np.full(n, layout.EMPTY_KEY, dtype=np.int64)
+                self._write_seqlocked(gone, empty, self._nraw[:0], gone[:0],
+                                      np.zeros(n, dtype=np.int32), False, True)
+            self.ring.append(torch.from_numpy(ukeys))
             self._header[layout.W_SIZE] -= n
             self._counters[C_ERASES] += n
-        return found[inverse]
+        return torch.from_numpy(found[inverse])
 
     def clear(self) -> None:
         """Remove every row; every process's GPU cache is told to drop everything."""

@@ -67,6 +67,26 @@ def buckets(keys: np.ndarray, num_buckets: int) -> np.ndarray:
 
 
 @_jit
+def dedup_last(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(distinct keys ascending, each one's last position, each key's distinct index)``
+    (``hostcache.validate.dedup_last``'s result)."""
+    n = keys.shape[0]
+    order = np.argsort(keys, kind="mergesort")
+    ukeys = np.empty(n, np.int64)
+    last = np.empty(n, np.int64)
+    inverse = np.empty(n, np.int64)
+    u = -1
+    for j in range(n):
+        i = order[j]
+        if u < 0 or keys[i] != ukeys[u]:
+            u += 1
+            ukeys[u] = keys[i]
+        last[u] = i  # NOTE: a stable sort: a run's last element is the key's last position
+        inverse[i] = u
+    return ukeys[:u + 1], last[:u + 1], inverse
+
+
+@_jit
 def find(tkeys2: np.ndarray, keys: np.ndarray, bucket: np.ndarray, slot: np.ndarray,
          found: np.ndarray) -> None:
     """Each key's slot (way 0 of its bucket where absent) and whether it is there."""
@@ -269,6 +289,7 @@ def warm_up() -> None:
         found = np.zeros(1, np.bool_)
         ver = np.zeros(1, np.int64)
         out = np.zeros((1, 8), np.uint8)
+        dedup_last(keys)
         bucket = buckets(keys, 1)
         find(tkeys2, keys, bucket, slot, found)
         read_versions(versions, slot, ver)
