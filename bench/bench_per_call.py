@@ -168,11 +168,26 @@ def linear_uvm(name: str, rows: int, sizes: list[int], reps: int, big_rows: int)
                                      max(8, (16 << 20) // n))
                     for b in batches:
                         emb(b)
+                    before = emb.stats().gpu
                     t = back_to_back(emb, batches)
+                    after = emb.stats().gpu
                     tb = back_to_back(lambda k, v=view: v.index_select(0, k), batches[:8])
+                    # NOTE: what the misses alone cost over the host link: as many distinct
+                    # random rows as a call missed, read zero-copy (the link's random-read
+                    # rate; the Zipf baseline re-reads its hot rows); the layer cannot beat
+                    # the baseline by more than tb / t_miss however cheap its hits
+                    misses = after.misses - before.misses
+                    miss_rate = misses / max(1, misses + after.hits - before.hits)
+                    m = max(1, round(miss_rate * n))
+                    gen = torch.Generator().manual_seed(n)
+                    cold = [torch.randperm(table_rows, generator=gen)[:m].to(DEV)
+                            for _ in range(8)]
+                    t_miss = back_to_back(lambda k, v=view: v.index_select(0, k), cold)
                     emit(bench="linear_uvm_back_to_back", batch=n, rows=table_rows,
                          mkeys_s=n / t / 1e6, index_select_mkeys_s=n / tb / 1e6,
-                         speedup=tb / t)
+                         speedup=tb / t, miss_rate=miss_rate, misses_alone_us=t_miss * 1e6,
+                         misses_alone_gb_s=m * DIM * 4 / t_miss / 1e9,
+                         speedup_bound_by_misses=tb / t_miss)
                 reg.close()
                 for n in (1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20):
                     fresh = NVEmbedding(table_rows, DIM, torch.float32, LayerType.LinearUVM,
