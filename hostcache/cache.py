@@ -15,12 +15,12 @@ counters pass 2**30 has them halved.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Self
+from typing import Any, NamedTuple, Self
 
 import numpy as np
 import torch
 
-from . import layout, table_loops
+from . import layout
 from .errors import BadArgumentError
 from .segment import Mapping, check_mode
 from .table import (
@@ -36,6 +36,21 @@ from .table import (
 from .validate import check_cache_keys, check_values
 
 _COUNTER_CAP = 1 << 30
+
+
+class _LoadLoops:
+    """Stands for :mod:`hostcache.table_loops` until a host cache is first mapped: then it
+    imports it (and numba with it, half a second) and puts the module in its place, so
+    ``import hostcache`` alone, and processes that use no host cache, never load numba."""
+
+    def __getattr__(self, name: str) -> Any:
+        from . import table_loops as loops
+
+        globals()["table_loops"] = loops
+        return getattr(loops, name)
+
+
+table_loops: Any = _LoadLoops()
 
 
 class Inserted(NamedTuple):
