@@ -350,7 +350,9 @@ class HostCache(SharedTable):
             new = ~found
             written, evicted = 0, 0
             if new.any():
-                written, evicted = self._insert_new(ukeys[new], rows, last[new], old_slots)
+                # NOTE: an absent key's probed slot is way 0 of its bucket
+                written, evicted = self._insert_new(ukeys[new], rows, last[new],
+                                                    slot[new] // self.geometry.ways, old_slots)
             announced = ukeys if announce_new else ukeys[found] if overwrite else ukeys[:0]
             self.ring.append(torch.from_numpy(announced))
             c = self._counters
@@ -362,11 +364,10 @@ class HostCache(SharedTable):
         return torch.from_numpy(found[inverse]), written, evicted
 
     def _insert_new(self, keys: np.ndarray, rows: np.ndarray, src: np.ndarray,
-                    protected_slots: np.ndarray) -> tuple[int, int]:
+                    bucket: np.ndarray, protected_slots: np.ndarray) -> tuple[int, int]:
         """Place keys that are not cached (key ``i``'s row is ``rows[src[i]]``, raw bytes;
         the ways of ``protected_slots`` are not taken); returns (written, evicted). Under
         the lock."""
-        bucket = table_loops.buckets(keys, self.geometry.num_buckets)
         slot, nkeys, nsrc, npol, touched, filled = table_loops.plan_new(
             self._nkeys2, self._npolicy2, keys, src, bucket, np.sort(protected_slots))
         if slot.size:
