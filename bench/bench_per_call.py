@@ -54,7 +54,12 @@ def per_call(fn: Callable[[torch.Tensor], Any], batches: list[torch.Tensor],
         fn(b)
         wait()
         ts.append(time.perf_counter() - t0)
-    ts.sort()
+    return p50_p99(ts)
+
+
+def p50_p99(ts: list[float]) -> tuple[float, float]:
+    """(p50, p99) in microseconds of call times in seconds."""
+    ts = sorted(ts)
     return ts[len(ts) // 2] * 1e6, ts[min(len(ts) - 1, int(len(ts) * 0.99))] * 1e6
 
 
@@ -77,11 +82,7 @@ def interleaved(fns: list[Callable[[torch.Tensor], Any]], batches: list[torch.Te
             fn(b)
             wait()
             ts[j].append(time.perf_counter() - t0)
-    out = []
-    for t in ts:
-        t.sort()
-        out.append((t[len(t) // 2] * 1e6, t[min(len(t) - 1, int(len(t) * 0.99))] * 1e6))
-    return out
+    return [p50_p99(t) for t in ts]
 
 
 def back_to_back(fn: Callable[[torch.Tensor], Any], batches: list[torch.Tensor],
