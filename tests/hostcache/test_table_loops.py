@@ -1,5 +1,6 @@
-"""The host cache's compiled placement of new keys (``hostcache.table_loops.plan_new``)
-against the LFU-DA rules written out per key in Python."""
+"""The host cache's compiled loops against references: the placement of new keys
+(``plan_new``) against the LFU-DA rules written out per key in Python, and its dedup against
+the torch one a ``SharedMemBlock`` write uses."""
 
 from __future__ import annotations
 
@@ -60,3 +61,20 @@ def test_plan_new_follows_the_lfu_da_rules(ways: int, num_buckets: int,
     assert got == sorted(want)
     assert filled == want_filled
     assert sorted(touched.tolist()) == sorted(set(bucket.tolist()))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(-(1 << 63), (1 << 63) - 1) | st.integers(-3, 3), max_size=60))
+def test_dedup_last_agrees_with_the_torch_one(keys: list[int]) -> None:
+    """The host cache's compiled dedup and ``validate.dedup_last`` (which a
+    ``SharedMemBlock`` write uses, so that process never loads numba) give one answer:
+    distinct keys ascending, each one's last position, each key's distinct index."""
+    import torch
+
+    from hostcache.validate import dedup_last
+
+    kn = np.array(keys, dtype=np.int64)
+    got = table_loops.dedup_last(kn)
+    want = dedup_last(torch.from_numpy(kn.copy()))
+    for g, w in zip(got, want, strict=True):
+        assert g.tolist() == w.tolist()
