@@ -5,7 +5,8 @@ Default constructor arguments everywhere. For each layer type: p50/p99 latency p
 keys (measured one layer after the other, and again with the two layers' calls
 alternating, so that the machine's drift falls on both alike), back-to-back wall-clock
 throughput over distinct batches, LinearUVM's warm-up, the
-first forward after construction (a fresh process, Triton's kernel cache warm), and
+first forward after construction (a fresh process, Triton's kernel cache warm), where a
+GPULayer call's host time goes (``--only host``), and
 ``torch.compile``. Prints one JSON line per figure. Run on a CUDA machine:
 ``python bench/bench_per_call.py [--quick]``.
 """
@@ -303,15 +304,59 @@ def first_forward(name: str) -> None:
         SharedMemBlock.unlink(name)
 
 
+def host_time(fn: Callable[[], Any], calls: int = 3000) -> float:
+    """Mean host time of one call in microseconds: no sync per call (one every 100, so
+    the queue stays short), what the calling thread spends before the call returns."""
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    total = 0.0
+    for i in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        total += time.perf_counter() - t0
+        if i % 100 == 99:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    return total / calls * 1e6
+
+
+def host_path(rows: int) -> None:
+    """Where a 1k-key GPULayer call's host time goes, against ``nn.Embedding``'s: the
+    pieces timed alone (the layer's gather launched as the layer does, behind no checks;
+    the output's allocation; an empty module call), then both whole calls."""
+    w = torch.randn(rows, DIM, device=DEV)
+    emb = NVEmbedding(rows, DIM, torch.float32, LayerType.GPULayer, storage=w, device=DEV)
+    base = torch.nn.Embedding.from_pretrained(w)
+    keys = ZipfKeys(rows, 1.05, seed=3).sample(1024).to(DEV)
+    stack = emb._tiers  # NOTE: the bench times its pieces; tests use public seams
+    gather, table, flag, bound = (stack._gather, stack.table, stack.check.err, stack._bound)
+    empty = torch.nn.Identity()
+    parts = {
+        "nn_embedding_call": lambda: base(keys),
+        "torch_embedding_op": lambda: torch.embedding(w, keys),
+        "layer_call": lambda: emb(keys),
+        "gather_launch_with_output_alloc": lambda: gather(keys, table, flag, host_table=False,
+                                                          bound=bound),
+        "torch_empty_output": lambda: torch.empty(1024, DIM, device=DEV),
+        "empty_module_call": lambda: empty(keys),
+        "layer_checks_and_gate": lambda: (stack.check(keys), stack._gate.__enter__(),
+                                          stack._gate.__exit__()),
+    }
+    for what, fn in parts.items():
+        emit(bench="gpulayer_host_time", part=what, batch=1024, host_us=host_time(fn))
+    emb.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", action="append", choices=["gpu", "linear", "first"])
+    ap.add_argument("--only", action="append", choices=["gpu", "linear", "first", "host"])
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_per_call needs a CUDA GPU", file=sys.stderr)
         return 2
-    only = set(args.only or ["gpu", "linear", "first"])
+    only = set(args.only or ["gpu", "linear", "first", "host"])
     reps = 100 if args.quick else 400
     sizes = [1 << 10, 1 << 12, 1 << 14]
     name = f"bench-per-call-{os.getpid()}"
@@ -322,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
         linear_uvm(name, 1 << 20, sizes, reps, 1 << 20 if args.quick else 1 << 22)
     if "first" in only:
         first_forward(name)
+    if "host" in only:
+        host_path(1 << 20)
     return 0
 
 
