@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from . import mirror_loops as L
+from . import mirror_loops as loops
 from .codec import be_bytes_to_keys
 
 log = logging.getLogger(__name__)
@@ -95,8 +95,8 @@ class _Mapped:
     def __init__(self, fd: int, size: int) -> None:
         self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         buf = memoryview(self._mm)
-        self.hdr = np.frombuffer(buf, np.int64, L.HEADER_WORDS)
-        slots, cap, rb = (int(self.hdr[i]) for i in (L.SLOTS, L.ROW_CAP, L.ROW_BYTES))
+        self.hdr = np.frombuffer(buf, np.int64, loops.HEADER_WORDS)
+        slots, cap, rb = (int(self.hdr[i]) for i in (loops.SLOTS, loops.ROW_CAP, loops.ROW_BYTES))
         at = _HEADER_BYTES
         self.skeys = np.frombuffer(buf, np.int64, slots, at)
         self.srows = np.frombuffer(buf, np.int64, slots, at + 8 * slots)
@@ -149,30 +149,30 @@ class RowMirror:
         """``(rows uint8 [N, row_bytes], found [N])`` of ``keys`` as the store holds them
         now, or None: ask LMDB (a write in flight, a stale mirror, a corrupt stored value)."""
         m = self._map
-        if m is None or m.hdr[L.STATE] != OK:
+        if m is None or m.hdr[loops.STATE] != OK:
             m = self._reopen_if_retired()
             if m is None:
                 return None
         hdr = m.hdr
-        gen = hdr[L.GEN]
+        gen = hdr[loops.GEN]
         if gen & 1:
             return None
         out = np.empty((keys.shape[0], self._row_bytes), np.uint8)
         found = np.empty(keys.shape[0], np.bool_)
-        bad = L.lookup(m.skeys, m.srows, m.rows, keys, out, found)
-        if hdr[L.GEN] != gen or bad >= 0:
+        bad = loops.lookup(m.skeys, m.srows, m.rows, keys, out, found)
+        if hdr[loops.GEN] != gen or bad >= 0:
             return None
         return out, found
 
     def _reopen_if_retired(self) -> _Mapped | None:
         m = self._map
-        if m is not None and m.hdr[L.STATE] != RETIRED:
+        if m is not None and m.hdr[loops.STATE] != RETIRED:
             return None  # STALE: the next writer rebuilds it
         try:
             new = self._open_file()
         except OSError:
             return None
-        if new is None or new.hdr[L.STATE] != OK:
+        if new is None or new.hdr[loops.STATE] != OK:
             return None
         self._map = new
         return new
@@ -201,34 +201,34 @@ class RowMirror:
             if m is None:  # NOTE: no mirror to keep (it could not be built): LMDB alone
                 yield self
                 return
-            m.hdr[L.GEN] += 1  # odd: readers go to LMDB
+            m.hdr[loops.GEN] += 1  # odd: readers go to LMDB
             self._writing = True
             try:
                 yield self
             except BaseException:
-                if self._map is m and m.hdr[L.STATE] == OK:
-                    m.hdr[L.GEN] += 1  # untouched: even again
+                if self._map is m and m.hdr[loops.STATE] == OK:
+                    m.hdr[loops.GEN] += 1  # untouched: even again
                 raise
             finally:
                 self._writing = False
             m = self._map
-            if m is not None and m.hdr[L.STATE] == OK:
-                m.hdr[L.TXNID] = self._last_txnid()
-                m.hdr[L.GEN] += 1
+            if m is not None and m.hdr[loops.STATE] == OK:
+                m.hdr[loops.TXNID] = self._last_txnid()
+                m.hdr[loops.GEN] += 1
 
     def put(self, keys: np.ndarray, rows: np.ndarray) -> None:
         """Rows the write just committed (uint8 ``[N, row_bytes]``; the last of repeated
         keys wins), inside :meth:`writing`."""
-        self._apply(lambda m: L.put(m.hdr, m.skeys, m.srows, m.free, m.rows, keys, rows,
+        self._apply(lambda m: loops.put(m.hdr, m.skeys, m.srows, m.free, m.rows, keys, rows,
                                     False), keys.shape[0])
 
     def erase(self, keys: np.ndarray) -> None:
-        self._apply(lambda m: L.erase(m.hdr, m.skeys, m.srows, m.free, keys), 0)
+        self._apply(lambda m: loops.erase(m.hdr, m.skeys, m.srows, m.free, keys), 0)
 
     def clear(self) -> None:
         def wipe(m: _Mapped) -> None:
-            m.srows[:] = L.EMPTY
-            for w in (L.COUNT, L.USED, L.NEXT_ROW, L.FREE_TOP):
+            m.srows[:] = loops.EMPTY
+            for w in (loops.COUNT, loops.USED, loops.NEXT_ROW, loops.FREE_TOP):
                 m.hdr[w] = 0
         self._apply(wipe, 0)
 
@@ -238,20 +238,20 @@ class RowMirror:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
         if m is not None:
-            m.hdr[L.STATE] = RETIRED
+            m.hdr[loops.STATE] = RETIRED
         self._map = None
 
     def _apply(self, change: Callable[[_Mapped], None], new_keys: int) -> None:
         assert self._writing, "inside writing() only"
         m = self._map
-        if m is None or m.hdr[L.STATE] != OK:
+        if m is None or m.hdr[loops.STATE] != OK:
             return
         try:
             if new_keys:
                 m = self._room_for(m, new_keys)
             change(m)
         except BaseException as e:
-            m.hdr[L.STATE] = STALE  # NOTE: odd and stale: readers use LMDB until a rebuild
+            m.hdr[loops.STATE] = STALE  # NOTE: odd and stale: readers use LMDB until a rebuild
             log.warning("the row mirror %s could not follow a write; lookups read LMDB "
                         "until the next write rebuilds it", self.path, exc_info=True)
             if not isinstance(e, Exception):
@@ -261,12 +261,12 @@ class RowMirror:
     def _room_for(self, m: _Mapped, n: int) -> _Mapped:
         hdr = m.hdr
         slots = m.skeys.shape[0]
-        rows_left = m.rows.shape[0] - hdr[L.NEXT_ROW] + hdr[L.FREE_TOP]
-        if hdr[L.USED] + n <= slots * 3 // 4 and rows_left >= n:
+        rows_left = m.rows.shape[0] - hdr[loops.NEXT_ROW] + hdr[loops.FREE_TOP]
+        if hdr[loops.USED] + n <= slots * 3 // 4 and rows_left >= n:
             return m
-        grown = self._new_file(int(hdr[L.COUNT]) + n, gen=int(hdr[L.GEN]))
+        grown = self._new_file(int(hdr[loops.COUNT]) + n, gen=int(hdr[loops.GEN]))
         with _discarded_unless_published(grown):
-            L.copy_live(m.skeys, m.srows, m.rows, grown.hdr, grown.skeys, grown.srows,
+            loops.copy_live(m.skeys, m.srows, m.rows, grown.hdr, grown.skeys, grown.srows,
                         grown.rows)
             self._publish(grown)
         return grown
@@ -283,10 +283,10 @@ class RowMirror:
             size = os.fstat(fd).st_size
             if size < _HEADER_BYTES:
                 return None
-            head = np.frombuffer(os.pread(fd, 8 * L.HEADER_WORDS, 0), np.int64)
-            if head[L.MAGIC] != _MAGIC or head[L.VERSION] != _FORMAT or \
-                    head[L.ROW_BYTES] != self._row_bytes or size != _Mapped.size_of(
-                        int(head[L.SLOTS]), int(head[L.ROW_CAP]), self._row_bytes):
+            head = np.frombuffer(os.pread(fd, 8 * loops.HEADER_WORDS, 0), np.int64)
+            if head[loops.MAGIC] != _MAGIC or head[loops.VERSION] != _FORMAT or \
+                    head[loops.ROW_BYTES] != self._row_bytes or size != _Mapped.size_of(
+                        int(head[loops.SLOTS]), int(head[loops.ROW_CAP]), self._row_bytes):
                 return None
             m = _Mapped(fd, size)
         finally:
@@ -300,10 +300,12 @@ class RowMirror:
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, self._mode)
         try:
             os.ftruncate(fd, _Mapped.size_of(slots, cap, self._row_bytes))  # sparse
-            hdr = np.zeros(L.HEADER_WORDS, np.int64)
-            hdr[[L.MAGIC, L.VERSION, L.GEN, L.STATE, L.SLOTS, L.ROW_CAP, L.ROW_BYTES,
-                 L.BOOT0, L.BOOT1]] = [_MAGIC, _FORMAT, gen, OK, slots, cap,
-                                       self._row_bytes, *self._boot]
+            hdr = np.zeros(loops.HEADER_WORDS, np.int64)
+            for word, value in ((loops.MAGIC, _MAGIC), (loops.VERSION, _FORMAT),
+                                (loops.GEN, gen), (loops.STATE, OK), (loops.SLOTS, slots),
+                                (loops.ROW_CAP, cap), (loops.ROW_BYTES, self._row_bytes),
+                                (loops.BOOT0, self._boot[0]), (loops.BOOT1, self._boot[1])):
+                hdr[word] = value
             os.pwrite(fd, hdr.tobytes(), 0)
             m = _Mapped(fd, _Mapped.size_of(slots, cap, self._row_bytes))
         except BaseException:
@@ -312,7 +314,7 @@ class RowMirror:
                 os.unlink(tmp)
             raise
         os.close(fd)
-        m.srows[:] = L.EMPTY
+        m.srows[:] = loops.EMPTY
         m.tmp = tmp
         return m
 
@@ -323,24 +325,24 @@ class RowMirror:
         new.tmp = None
         old = self._map
         if old is not None:
-            old.hdr[L.STATE] = RETIRED
+            old.hdr[loops.STATE] = RETIRED
         self._map = new
 
     def _ensure_fresh(self, *, at_open: bool) -> None:
         """Under the writer lock: map the mirror, rebuilding it if it cannot be trusted."""
         m = self._map
-        if m is None or m.hdr[L.STATE] == RETIRED:
+        if m is None or m.hdr[loops.STATE] == RETIRED:
             m = self._map = self._open_file()
         why = None
         if m is None:
             why = "none yet" if not os.path.exists(self.path) else "not readable as a mirror"
-        elif m.hdr[L.GEN] & 1:
+        elif m.hdr[loops.GEN] & 1:
             why = "a writer died while changing it"
-        elif m.hdr[L.STATE] != OK:
+        elif m.hdr[loops.STATE] != OK:
             why = "it missed a write"
-        elif at_open and (int(m.hdr[L.BOOT0]), int(m.hdr[L.BOOT1])) != self._boot:
+        elif at_open and (int(m.hdr[loops.BOOT0]), int(m.hdr[loops.BOOT1])) != self._boot:
             why = "written before the machine restarted"
-        elif at_open and m.hdr[L.TXNID] != self._last_txnid():
+        elif at_open and m.hdr[loops.TXNID] != self._last_txnid():
             why = "the store changed since it was written"
         if why is not None:
             self._rebuild(why)
@@ -363,11 +365,11 @@ class RowMirror:
             new = self._new_file(count, gen=0)
             with _discarded_unless_published(new):
                 for keys, rows, bad in chunks:
-                    L.put(new.hdr, new.skeys, new.srows, new.free, new.rows, keys, rows,
+                    loops.put(new.hdr, new.skeys, new.srows, new.free, new.rows, keys, rows,
                           False)
-                    L.put(new.hdr, new.skeys, new.srows, new.free, new.rows, bad,
+                    loops.put(new.hdr, new.skeys, new.srows, new.free, new.rows, bad,
                           np.empty((0, rb), np.uint8), True)
-                new.hdr[L.TXNID] = self._last_txnid()
+                new.hdr[loops.TXNID] = self._last_txnid()
                 self._publish(new)
         except OSError:
             log.warning("cannot build the row mirror %s: lookups read LMDB", self.path,

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import psclient
-from psclient import mirror_loops as L
+from psclient import mirror_loops as loops
 from psclient.codec import be_key_bytes
 
 from .workers import mirror_writer_held
@@ -33,7 +33,7 @@ def _url(store: Path, **opts: object) -> str:
 
 
 def _header(store: Path, table: str) -> np.ndarray:
-    return np.fromfile(store / f"rows.{table}.nvidx", dtype=np.int64, count=L.HEADER_WORDS)
+    return np.fromfile(store / f"rows.{table}.nvidx", dtype=np.int64, count=loops.HEADER_WORDS)
 
 
 def _same(ps: psclient.ParameterServer, keys: torch.Tensor) -> tuple[torch.Tensor,
@@ -74,8 +74,8 @@ def test_the_mirror_equals_lmdb_through_growth(store: Path, seed: int) -> None:
             probe = torch.arange(-5, 4005) if step % 4 == 0 else k
             _same(ps, probe)
             _same(other, probe)
-            assert _header(store, "grow")[L.COUNT] == ps.size()
-            sizes.add(int(_header(store, "grow")[L.SLOTS]))
+            assert _header(store, "grow")[loops.COUNT] == ps.size()
+            sizes.add(int(_header(store, "grow")[loops.SLOTS]))
         assert len(sizes) >= 2  # it grew
 
 
@@ -83,12 +83,12 @@ def test_lookups_read_the_mirror_and_writes_keep_it_even(store: Path) -> None:
     with psclient.connect(_url(store), table="t", dim=4) as ps:
         ps.insert(torch.arange(100), torch.ones(100, 4))
         hdr = _header(store, "t")
-        assert hdr[L.GEN] % 2 == 0 and hdr[L.STATE] == 0 and hdr[L.COUNT] == 100
+        assert hdr[loops.GEN] % 2 == 0 and hdr[loops.STATE] == 0 and hdr[loops.COUNT] == 100
         assert ps._mirror.read(np.arange(3, dtype=np.int64)) is not None  # no LMDB read
         ps.update(torch.tensor([5, 500]), torch.zeros(2, 4))
         got, found = _same(ps, torch.tensor([5, 500, 6]))
         assert found.tolist() == [True, False, True] and got[0].sum() == 0
-        assert _header(store, "t")[L.GEN] == hdr[L.GEN] + 2
+        assert _header(store, "t")[loops.GEN] == hdr[loops.GEN] + 2
 
 
 def test_a_writer_killed_inside_its_write_leaves_lookups_right_and_is_repaired(
@@ -104,7 +104,7 @@ def test_a_writer_killed_inside_its_write_leaves_lookups_right_and_is_repaired(
         child.start()
         try:
             assert held.wait(60), "the writer did not reach its write"
-            assert _header(store, "k")[L.GEN] % 2 == 1
+            assert _header(store, "k")[loops.GEN] % 2 == 1
             assert ps._mirror.read(np.arange(3, dtype=np.int64)) is None  # LMDB instead
             got, found = ps.lookup(torch.tensor([1, 77]))
             assert found.tolist() == [True, False] and torch.equal(got[0], torch.ones(4))
@@ -113,7 +113,7 @@ def test_a_writer_killed_inside_its_write_leaves_lookups_right_and_is_repaired(
             child.join(10)
         ps.insert(torch.tensor([77]), torch.full((1, 4), 2.0))  # the lock is free
         hdr = _header(store, "k")
-        assert hdr[L.GEN] % 2 == 0 and hdr[L.STATE] == 0 and hdr[L.COUNT] == 51
+        assert hdr[loops.GEN] % 2 == 0 and hdr[loops.STATE] == 0 and hdr[loops.COUNT] == 51
         assert ps._mirror.read(np.arange(3, dtype=np.int64)) is not None
         got, found = _same(ps, torch.tensor([1, 77, 78]))
         assert found.tolist() == [True, True, False] and got[1, 0] == 2.0
@@ -144,15 +144,15 @@ def test_a_mirror_from_another_boot_is_rebuilt(store: Path) -> None:
     with psclient.connect(_url(store), table="boot", dim=2) as ps:
         ps.insert(torch.tensor([1, 2]), torch.ones(2, 2))
     path = store / "rows.boot.nvidx"
-    words = np.memmap(path, dtype=np.int64, mode="r+", shape=(L.HEADER_WORDS,))
-    words[L.BOOT0] ^= 1
-    words[L.COUNT] = 7  # what a lost write could leave
+    words = np.memmap(path, dtype=np.int64, mode="r+", shape=(loops.HEADER_WORDS,))
+    words[loops.BOOT0] ^= 1
+    words[loops.COUNT] = 7  # what a lost write could leave
     words.flush()
     del words
     inode = os.stat(path).st_ino
     with psclient.connect(_url(store), table="boot") as ps:
         _same(ps, torch.tensor([1, 2, 3]))
-    assert os.stat(path).st_ino != inode and _header(store, "boot")[L.COUNT] == 2
+    assert os.stat(path).st_ino != inode and _header(store, "boot")[loops.COUNT] == 2
 
 
 def test_threads_writing_and_reading_through_one_handle_see_whole_batches(
@@ -187,7 +187,7 @@ def test_threads_writing_and_reading_through_one_handle_see_whole_batches(
         for t in writers:
             t.join(60)
         assert errors == []
-        assert _header(store, "thr")[L.GEN] % 2 == 0
+        assert _header(store, "thr")[loops.GEN] % 2 == 0
 
 
 def test_mirror_false_keeps_lmdb_alone(store: Path) -> None:
