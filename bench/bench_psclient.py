@@ -8,8 +8,9 @@ redis-py pipeline of GET/SET per key. Also the raw layout choice: HMGET/HSET ove
 partitions against MGET/MSET over plain keys, and HMGET replies read off the socket in bulk
 (psclient.redis_wire) against redis-py's parser.
 
-file:// : lookups of 8k distinct keys of a 1M-row table (``--file-rows``) against the
-per-key reference path (``FileParameterServer._lookup_per_key``), py-lmdb's native batched
+file:// : lookups of 8k distinct keys of a 1M-row table (``--file-rows``), read from the
+row mirror (psclient.file_mirror), against the LMDB read it falls back to
+(``FileParameterServer._lookup_lmdb``), the per-key reference path (``FileParameterServer._lookup_per_key``), py-lmdb's native batched
 read (``Cursor.getmulti``) and LMDB's search alone, alternated in rounds; a batch with
 duplicate keys; a plain in-memory dict of the same rows; the embedded-store choice, LMDB
 against SQLite (WAL), for the same batches.
@@ -416,10 +417,13 @@ def bench_file(insert_batch: int, lookup_batch: int, dim: int, reps: int, total:
             assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
             gm_vals, gm_found = _getmulti_lookup(ps, pn)
             assert gm_found.all() and gm_vals.tobytes() == got.numpy().tobytes()
-            runs: dict[str, list[float]] = {"lookup": [], "per-key": [], "getmulti": [],
-                                            "search-only": []}
+            lmdb_got, _ = ps._lookup_lmdb(pn)
+            assert torch.equal(lmdb_got.view(torch.uint8), got.view(torch.uint8))
+            runs: dict[str, list[float]] = {"lookup": [], "lmdb": [], "per-key": [],
+                                            "getmulti": [], "search-only": []}
             for _ in range(rounds):
                 runs["lookup"].append(best_rate(lambda: ps.lookup(probe), lookup_batch, reps))
+                runs["lmdb"].append(best_rate(lambda: ps._lookup_lmdb(pn), lookup_batch, reps))
                 runs["per-key"].append(
                     best_rate(lambda: ps._lookup_per_key(pn), lookup_batch, reps))
                 runs["getmulti"].append(
@@ -442,6 +446,9 @@ def bench_file(insert_batch: int, lookup_batch: int, dim: int, reps: int, total:
         emit(bench="psclient-file(lmdb)", op=f"lookup-{lookup_batch}-distinct",
              rows_per_s=look, table_rows=total,
              rows_per_s_per_round=[round(x) for x in runs["lookup"]],
+             lmdb_path_rows_per_s=max(runs["lmdb"]),
+             vs_lmdb_path_median=float(np.median([a / b for a, b in zip(
+                 runs["lookup"], runs["lmdb"], strict=True)])),
              per_key_rows_per_s=max(runs["per-key"]),
              vs_per_key_per_round=[round(x, 3) for x in ratios],
              vs_per_key_median=float(np.median(ratios)),

@@ -59,15 +59,18 @@ from .errors import (
     UnsupportedURLError,
 )
 from .feed import FeedBatch, make_batch
+from .file_mirror import RowMirror, scan_rows
 from .schema import TableSchema
 
 log = logging.getLogger(__name__)
 
 _OPTIONS: dict[str, type] = {"map_size": int, "max_dbs": int, "sync": bool,
                              "changes_maxlen": int, "feed_entry_keys": int,
+                             "mirror": bool,
                              "upgrade": bool}  # NOTE: accepted; file:// upgrades on open
 _DEFAULTS: dict[str, Any] = {"map_size": 1 << 40, "max_dbs": 128, "sync": True,
-                             "changes_maxlen": 1000, "feed_entry_keys": 4096}
+                             "changes_maxlen": 1000, "feed_entry_keys": 4096,
+                             "mirror": True}
 
 _ENVS: dict[tuple[int, str], list[Any]] = {}  # (pid, path) -> [env, refcount]
 _ENVS_LOCK = threading.Lock()
@@ -139,6 +142,7 @@ class FileParameterServer(ParameterServer):
     """A table in a local LMDB environment. Create with :func:`psclient.connect`."""
 
     _env: Any = None
+    _mirror: RowMirror | None = None
 
     def __init__(self, path: str, table: str, dim: int | None, dtype: str | None,
                  opts: dict[str, Any]) -> None:
@@ -156,11 +160,30 @@ class FileParameterServer(ParameterServer):
             self._env = _acquire_env(path, self._opts)
             try:
                 schema = self._open_schema(table, dim, dtype, opts.get("partitions"))
+                if self._opts["mirror"]:
+                    self._mirror = self._open_mirror(table, schema.row_bytes)
             except BaseException:
                 _release_env(path)
                 self._env = None
                 raise
         super().__init__(table, schema)
+
+    def _open_mirror(self, table: str, row_bytes: int) -> RowMirror | None:
+        """The table's row mirror (psclient.file_mirror), built from LMDB if it must be."""
+        def scan(feed: Any) -> None:
+            with self._env.begin(db=self._rows) as txn:
+                scan_rows(txn, self._rows, feed)
+        try:
+            return RowMirror(self._path, table, row_bytes, scan,
+                             lambda: int(self._env.info()["last_txnid"]))
+        except OSError as e:
+            log.warning("%s: no row mirror (%s); lookups search LMDB", self._where, e)
+            return None
+
+    def _writing(self) -> Any:
+        """Around a write of rows: the mirror's writer protocol (file_mirror), or nothing."""
+        return self._mirror.writing() if self._mirror is not None else \
+            contextlib.nullcontext(None)
 
     def _open_schema(self, table: str, dim: int | None, dtype: str | None,
                      partitions: int | None) -> TableSchema:
@@ -208,6 +231,18 @@ class FileParameterServer(ParameterServer):
     # -- operations ----------------------------------------------------------------------
 
     def _lookup(self, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """From the row mirror when it can answer (:mod:`psclient.file_mirror`: one
+        compiled probe per key, no LMDB search), else :meth:`_lookup_lmdb`."""
+        if self._mirror is not None:
+            got = self._mirror.read(keys)
+            if got is not None:
+                rows, found = got
+                n = keys.shape[0]
+                return (torch.from_numpy(rows).view(self._schema.torch_dtype).view(n, -1),
+                        torch.from_numpy(found))
+        return self._lookup_lmdb(keys)
+
+    def _lookup_lmdb(self, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """One read transaction; each distinct key read once, in key order.
 
         NOTE: ``txn.get`` through C-level ``map`` (no Python code per key), with a row of
@@ -237,49 +272,68 @@ class FileParameterServer(ParameterServer):
     def _insert(self, keys: np.ndarray, values: torch.Tensor) -> None:
         order, ks, kb = self._sorted(keys)
         vb = row_bytes_list(values, order)
-        with _lmdb_errors(self._where), self._env.begin(write=True, db=self._rows) as txn:
-            cur = txn.cursor()
-            # NOTE: which keys exist already (exact change feed), then one putmulti.
-            existed = np.fromiter(map(cur.set_key, kb), dtype=bool, count=ks.size)
-            cur.putmulti(zip(kb, vb, strict=True), overwrite=True)
-            if existed.any():
-                self._append_feed(txn, ks[existed])
+        with self._writing() as mirror:
+            with _lmdb_errors(self._where), \
+                    self._env.begin(write=True, db=self._rows) as txn:
+                cur = txn.cursor()
+                # NOTE: which keys exist already (exact change feed), then one putmulti.
+                existed = np.fromiter(map(cur.set_key, kb), dtype=bool, count=ks.size)
+                cur.putmulti(zip(kb, vb, strict=True), overwrite=True)
+                if existed.any():
+                    self._append_feed(txn, ks[existed])
+            if mirror is not None:
+                mirror.put(keys, _raw_rows(values))
 
     def _update(self, keys: np.ndarray, values: torch.Tensor) -> torch.Tensor:
         order, ks, kb = self._sorted(keys)
         vb = row_bytes_list(values, order)
-        with _lmdb_errors(self._where), self._env.begin(write=True, db=self._rows) as txn:
-            cur = txn.cursor()
-            existed_sorted = np.fromiter(map(cur.set_key, kb), dtype=bool, count=ks.size)
-            if existed_sorted.any():
-                cur.putmulti(compress(zip(kb, vb, strict=True), existed_sorted), overwrite=True)
-                self._append_feed(txn, ks[existed_sorted])
-        existed = np.zeros(keys.size, dtype=bool)
-        existed[order] = existed_sorted
+        with self._writing() as mirror:
+            with _lmdb_errors(self._where), \
+                    self._env.begin(write=True, db=self._rows) as txn:
+                cur = txn.cursor()
+                existed_sorted = np.fromiter(map(cur.set_key, kb), dtype=bool, count=ks.size)
+                if existed_sorted.any():
+                    cur.putmulti(compress(zip(kb, vb, strict=True), existed_sorted),
+                                 overwrite=True)
+                    self._append_feed(txn, ks[existed_sorted])
+            existed = np.zeros(keys.size, dtype=bool)
+            existed[order] = existed_sorted
+            if mirror is not None and existed_sorted.any():
+                mirror.put(keys[existed], _raw_rows(values)[existed])
         return torch.from_numpy(existed)
 
     def _erase(self, keys: np.ndarray) -> None:
         _, ks, kb = self._sorted(keys)
-        with _lmdb_errors(self._where), self._env.begin(write=True, db=self._rows) as txn:
-            deleted = np.fromiter(map(txn.delete, kb), dtype=bool, count=ks.size)
-            if deleted.any():
-                self._append_feed(txn, ks[deleted])
+        with self._writing() as mirror:
+            with _lmdb_errors(self._where), \
+                    self._env.begin(write=True, db=self._rows) as txn:
+                deleted = np.fromiter(map(txn.delete, kb), dtype=bool, count=ks.size)
+                if deleted.any():
+                    self._append_feed(txn, ks[deleted])
+            if mirror is not None and deleted.any():
+                mirror.erase(ks[deleted])
 
     def _clear(self) -> None:
-        with _lmdb_errors(self._where), self._env.begin(write=True) as txn:
-            txn.drop(self._rows, delete=False)
-            self._append_feed(txn, None)
+        with self._writing() as mirror:
+            with _lmdb_errors(self._where), self._env.begin(write=True) as txn:
+                txn.drop(self._rows, delete=False)
+                self._append_feed(txn, None)
+            if mirror is not None:
+                mirror.clear()
 
     def _size(self) -> int:
         with _lmdb_errors(self._where), self._env.begin() as txn:
             return int(txn.stat(self._rows)["entries"])
 
     def _drop(self) -> None:
-        with _lmdb_errors(self._where), self._env.begin(write=True) as txn:
-            txn.drop(self._rows, delete=True)
-            txn.drop(self._feed_db, delete=True)
-            txn.delete(self._schema_key, db=self._main)
-            txn.delete(self._trim_key, db=self._main)
+        with self._writing() as mirror:
+            with _lmdb_errors(self._where), self._env.begin(write=True) as txn:
+                txn.drop(self._rows, delete=True)
+                txn.drop(self._feed_db, delete=True)
+                txn.delete(self._schema_key, db=self._main)
+                txn.delete(self._trim_key, db=self._main)
+            if mirror is not None:
+                mirror.retire()
         log.info("dropped %s", self._where)
 
     # -- change feed ---------------------------------------------------------------------
@@ -391,14 +445,36 @@ class FileParameterServer(ParameterServer):
     def _after_fork(self) -> None:
         # NOTE: LMDB: an environment must not be used after fork; open our own in the child.
         self._env = _acquire_env(self._path, self._opts)
+        if self._mirror is not None:
+            self._mirror.after_fork()
         with self._env.begin(write=True) as txn:
             self._open_dbs(txn)
 
     def _close(self) -> None:
+        if self._mirror is not None:
+            self._mirror.close()
+            self._mirror = None
         if self._env is not None:
             if (os.getpid(), self._path) in _ENVS:
                 _release_env(self._path)
             self._env = None
+
+
+def _raw_rows(values: torch.Tensor) -> np.ndarray:
+    """A contiguous ``[N, dim]`` tensor's rows as uint8 ``[N, row_bytes]`` (a view)."""
+    return values.view(torch.uint8).numpy().reshape(values.shape[0], -1)
+
+
+def _flag(value: object) -> bool:
+    """A boolean URL option; ValueError for anything but the usual spellings."""
+    if isinstance(value, bool):
+        return value
+    word = str(value).lower()
+    if word in ("1", "true", "yes", "on"):
+        return True
+    if word in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(word)
 
 
 def _parse_url(url: str, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -422,10 +498,11 @@ def _parse_url(url: str, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
             raise BadArgumentError(
                 f"unknown file:// option {name!r}: use one of {sorted(_OPTIONS)}")
         try:
-            opts[name] = (str(value).lower() in ("1", "true", "yes") if typ is bool
-                          and not isinstance(value, bool) else typ(value))
+            opts[name] = _flag(value) if typ is bool else typ(value)
         except (TypeError, ValueError) as e:
-            raise BadArgumentError(f"option {name}={value!r} must be {typ.__name__}") from e
+            raise BadArgumentError(f"option {name}={value!r} must be {typ.__name__}"
+                                   + (" (true/false, yes/no, on/off or 1/0)"
+                                      if typ is bool else "")) from e
     return os.path.realpath(path), opts
 
 

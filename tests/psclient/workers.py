@@ -59,3 +59,13 @@ def versioned_writer_forever(url: str, table: str, n_keys: int, seed: int, versi
             else:
                 ps.erase(keys)
             ready.set()
+
+
+def mirror_writer_held(url: str, table: str, held: Any) -> None:
+    """Enter a file:// table's row-mirror write (its GEN odd, the writer lock held), say so,
+    and stay there until killed: a writer caught mid-write."""
+    import threading
+
+    with psclient.connect(url, table=table) as ps, ps._mirror.writing():
+        held.set()
+        threading.Event().wait()

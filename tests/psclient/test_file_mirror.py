@@ -1,0 +1,210 @@
+"""The file:// store's row mirror (psclient.file_mirror): what lookups read instead of
+LMDB's B-tree, always equal to LMDB, across growth, other processes' writes, writers
+killed mid-write, writes that bypass it, and machine restarts."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+from pathlib import Path
+
+import lmdb
+import numpy as np
+import pytest
+import torch
+
+import psclient
+from psclient import mirror_loops as loops
+from psclient.codec import be_key_bytes
+
+from .workers import mirror_writer_held
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Path:
+    return tmp_path / "store"
+
+
+def _url(store: Path, **opts: object) -> str:
+    query = "&".join(f"{k}={v}" for k, v in opts.items())
+    return f"file://{store}" + (f"?{query}" if query else "")
+
+
+def _header(store: Path, table: str) -> np.ndarray:
+    return np.fromfile(store / f"rows.{table}.nvidx", dtype=np.int64, count=loops.HEADER_WORDS)
+
+
+def _same(ps: psclient.ParameterServer, keys: torch.Tensor) -> tuple[torch.Tensor,
+                                                                      torch.Tensor]:
+    """The lookup, checked against LMDB's own read of the same keys."""
+    got, found = ps.lookup(keys)
+    ref, ref_found = ps._lookup_lmdb(keys.numpy())
+    assert torch.equal(found, ref_found)
+    assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
+    return got, found
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_mirror_equals_lmdb_through_growth(store: Path, seed: int) -> None:
+    """Random writes in batches of 1 to 3,000 keys over 4,000 (duplicates, overwrites,
+    erases leaving tombstones, clears), growing the mirror several times from its 1,024
+    slots: every lookup equals LMDB's read, and a second handle opened before the growth
+    follows the new files."""
+    rng = np.random.default_rng(seed)
+    with psclient.connect(_url(store), table="grow", dim=3, dtype=torch.float64) as ps, \
+            psclient.connect(_url(store), table="grow") as other:
+        ps.clear()
+        sizes = {1024}
+        for step in range(40):
+            n = int(rng.choice([1, 5, 100, 700, 3000]))
+            k = torch.from_numpy(rng.integers(0, 4000, n))
+            v = torch.from_numpy(rng.standard_normal((n, 3)))
+            op = rng.choice(["insert", "insert", "update", "erase", "clear"],
+                            p=[0.35, 0.2, 0.25, 0.17, 0.03])
+            if op == "insert":
+                ps.insert(k, v)
+            elif op == "update":
+                ps.update(k, v)
+            elif op == "erase":
+                ps.erase(k)
+            else:
+                ps.clear()
+            probe = torch.arange(-5, 4005) if step % 4 == 0 else k
+            _same(ps, probe)
+            _same(other, probe)
+            assert _header(store, "grow")[loops.COUNT] == ps.size()
+            sizes.add(int(_header(store, "grow")[loops.SLOTS]))
+        assert len(sizes) >= 2  # it grew
+
+
+def test_lookups_read_the_mirror_and_writes_keep_it_even(store: Path) -> None:
+    with psclient.connect(_url(store), table="t", dim=4) as ps:
+        ps.insert(torch.arange(100), torch.ones(100, 4))
+        hdr = _header(store, "t")
+        assert hdr[loops.GEN] % 2 == 0 and hdr[loops.STATE] == 0 and hdr[loops.COUNT] == 100
+        assert ps._mirror.read(np.arange(3, dtype=np.int64)) is not None  # no LMDB read
+        ps.update(torch.tensor([5, 500]), torch.zeros(2, 4))
+        got, found = _same(ps, torch.tensor([5, 500, 6]))
+        assert found.tolist() == [True, False, True] and got[0].sum() == 0
+        assert _header(store, "t")[loops.GEN] == hdr[loops.GEN] + 2
+
+
+def test_a_writer_killed_inside_its_write_leaves_lookups_right_and_is_repaired(
+        store: Path) -> None:
+    """A process holding the mirror's write side (GEN odd) is SIGKILLed: lookups here read
+    LMDB meanwhile (and see its rows); the next write finds GEN odd under the lock and
+    rebuilds the mirror first; lookups then read the mirror again."""
+    with psclient.connect(_url(store), table="k", dim=4) as ps:
+        ps.insert(torch.arange(50), torch.ones(50, 4))
+        ctx = mp.get_context("spawn")
+        held = ctx.Event()
+        child = ctx.Process(target=mirror_writer_held, args=(_url(store), "k", held))
+        child.start()
+        try:
+            assert held.wait(60), "the writer did not reach its write"
+            assert _header(store, "k")[loops.GEN] % 2 == 1
+            assert ps._mirror.read(np.arange(3, dtype=np.int64)) is None  # LMDB instead
+            got, found = ps.lookup(torch.tensor([1, 77]))
+            assert found.tolist() == [True, False] and torch.equal(got[0], torch.ones(4))
+        finally:
+            os.kill(child.pid, signal.SIGKILL)
+            child.join(10)
+        ps.insert(torch.tensor([77]), torch.full((1, 4), 2.0))  # the lock is free
+        hdr = _header(store, "k")
+        assert hdr[loops.GEN] % 2 == 0 and hdr[loops.STATE] == 0 and hdr[loops.COUNT] == 51
+        assert ps._mirror.read(np.arange(3, dtype=np.int64)) is not None
+        got, found = _same(ps, torch.tensor([1, 77, 78]))
+        assert found.tolist() == [True, True, False] and got[1, 0] == 2.0
+
+
+def test_a_write_that_bypassed_psclient_is_seen_after_reopening(store: Path) -> None:
+    with psclient.connect(_url(store), table="raw", dim=2) as ps:
+        ps.insert(torch.tensor([1, 2]), torch.ones(2, 2))
+    inode = os.stat(store / "rows.raw.nvidx").st_ino
+    env = lmdb.open(str(store), max_dbs=8, subdir=True, create=False)
+    try:
+        db = env.open_db(b"rows:raw", create=False)
+        with env.begin(write=True, db=db) as txn:
+            txn.put(be_key_bytes(np.array([3], dtype=np.int64))[0],
+                    torch.full((2,), 5.0).numpy().tobytes())
+            txn.delete(be_key_bytes(np.array([1], dtype=np.int64))[0])
+    finally:
+        env.close()
+    with psclient.connect(_url(store), table="raw") as ps:
+        got, found = _same(ps, torch.tensor([1, 2, 3]))
+        assert found.tolist() == [False, True, True] and got[2, 0] == 5.0
+    assert os.stat(store / "rows.raw.nvidx").st_ino != inode  # rebuilt
+
+
+def test_a_mirror_from_another_boot_is_rebuilt(store: Path) -> None:
+    """Page-cache writes lost in a machine crash leave no trace in the file: a mirror
+    written before the machine restarted is never trusted."""
+    with psclient.connect(_url(store), table="boot", dim=2) as ps:
+        ps.insert(torch.tensor([1, 2]), torch.ones(2, 2))
+    path = store / "rows.boot.nvidx"
+    words = np.memmap(path, dtype=np.int64, mode="r+", shape=(loops.HEADER_WORDS,))
+    words[loops.BOOT0] ^= 1
+    words[loops.COUNT] = 7  # what a lost write could leave
+    words.flush()
+    del words
+    inode = os.stat(path).st_ino
+    with psclient.connect(_url(store), table="boot") as ps:
+        _same(ps, torch.tensor([1, 2, 3]))
+    assert os.stat(path).st_ino != inode and _header(store, "boot")[loops.COUNT] == 2
+
+
+def test_threads_writing_and_reading_through_one_handle_see_whole_batches(
+        store: Path) -> None:
+    """Writers on several threads (the per-process lock orders them before the flock);
+    every lookup sees each row whole and every batch from one commit."""
+    with psclient.connect(_url(store), table="thr", dim=8) as ps:
+        ps.insert(torch.arange(256), torch.zeros(256, 8))
+        stop = threading.Event()
+        errors: list[str] = []
+
+        def write(first: int) -> None:
+            i = first
+            while not stop.is_set():
+                ps.insert(torch.arange(256), torch.full((256, 8), float(i)))
+                i += 2
+
+        def read() -> None:
+            for _ in range(300):
+                got, found = ps.lookup(torch.arange(256))
+                if not bool(found.all()) or got.unique().numel() != 1:
+                    errors.append("a lookup mixed two writes")
+                    return
+
+        writers = [threading.Thread(target=write, args=(s,)) for s in (0, 1)]
+        readers = [threading.Thread(target=read) for _ in range(2)]
+        for t in writers + readers:
+            t.start()
+        for t in readers:
+            t.join(120)
+        stop.set()
+        for t in writers:
+            t.join(60)
+        assert errors == []
+        assert _header(store, "thr")[loops.GEN] % 2 == 0
+
+
+def test_mirror_false_keeps_lmdb_alone(store: Path) -> None:
+    with psclient.connect(_url(store, mirror="false"), table="plain", dim=2) as ps:
+        ps.insert(torch.tensor([4]), torch.ones(1, 2))
+        assert ps.lookup(torch.tensor([4, 5]))[1].tolist() == [True, False]
+    assert not (store / "rows.plain.nvidx").exists()
+    with pytest.raises(psclient.BadArgumentError, match="mirror"):
+        psclient.connect(_url(store, mirror="maybe"), table="plain")
+
+
+def test_drop_removes_the_mirror_and_other_handles_stop_reading_it(store: Path) -> None:
+    other = psclient.connect(_url(store), table="gone", dim=2)
+    ps = psclient.connect(_url(store), table="gone")
+    ps.insert(torch.tensor([1]), torch.ones(1, 2))
+    assert other.lookup(torch.tensor([1]))[1].tolist() == [True]
+    ps.drop()
+    assert not (store / "rows.gone.nvidx").exists()
+    assert other._mirror.read(np.arange(1, dtype=np.int64)) is None
+    other.close()
