@@ -170,9 +170,10 @@ class FileParameterServer(ParameterServer):
 
     def _open_mirror(self, table: str, row_bytes: int) -> RowMirror | None:
         """The table's row mirror (psclient.file_mirror), built from LMDB if it must be."""
-        def scan(feed: Any) -> None:
+        @contextlib.contextmanager
+        def scan() -> Iterator[tuple[int, Iterator[tuple[list[bytes], list[bytes]]]]]:
             with self._env.begin(db=self._rows) as txn:
-                scan_rows(txn, self._rows, feed)
+                yield int(txn.stat(self._rows)["entries"]), scan_rows(txn, self._rows)
         try:
             return RowMirror(self._path, table, row_bytes, scan,
                              lambda: int(self._env.info()["last_txnid"]))

@@ -123,13 +123,15 @@ class RowMirror:
         directory: The store's directory (LMDB's files are there).
         table: The table name.
         row_bytes: Bytes per row.
-        scan: Called with a function that takes ``(keys, values)`` chunks of the table's
-            stored rows; it must run a read over LMDB and feed every row (a rebuild).
+        scan: A context manager over one LMDB read of the table: it gives the table's row
+            count and an iterator of ``(keys, values)`` chunks of its stored rows (raw
+            LMDB bytes), for a rebuild.
         last_txnid: LMDB's last committed transaction id, now.
     """
 
     def __init__(self, directory: str, table: str, row_bytes: int,
-                 scan: Callable[[Callable[[list[bytes], list[bytes]], None]], None],
+                 scan: Callable[[], contextlib.AbstractContextManager[
+                     tuple[int, Iterator[tuple[list[bytes], list[bytes]]]]]],
                  last_txnid: Callable[[], int]) -> None:
         self.path = os.path.join(directory, f"rows.{table}.nvidx")
         self._lock_path = os.path.join(directory, "mirror.lock")
@@ -348,29 +350,24 @@ class RowMirror:
             self._rebuild(why)
 
     def _rebuild(self, why: str) -> None:
-        """The mirror from LMDB's rows, scanned once (under the writer lock)."""
+        """The mirror from LMDB's rows, streamed from one read of the table into a file
+        sized for its count (under the writer lock)."""
         t0 = time.perf_counter()
-        chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         rb = self._row_bytes
-
-        def take(keys: list[bytes], values: list[bytes]) -> None:
-            good = np.fromiter(map(len, values), np.int64, len(values)) == rb
-            k = be_bytes_to_keys(b"".join(keys))
-            rows = np.frombuffer(b"".join(compress(values, good)), np.uint8).reshape(-1, rb)
-            chunks.append((k[good], rows, k[~good]))
-
         try:
-            self._scan(take)
-            count = sum(c[0].shape[0] + c[2].shape[0] for c in chunks)
-            new = self._new_file(count, gen=0)
-            with _discarded_unless_published(new):
-                for keys, rows, bad in chunks:
-                    loops.put(new.hdr, new.skeys, new.srows, new.free, new.rows, keys, rows,
-                          False)
-                    loops.put(new.hdr, new.skeys, new.srows, new.free, new.rows, bad,
-                          np.empty((0, rb), np.uint8), True)
-                new.hdr[loops.TXNID] = self._last_txnid()
-                self._publish(new)
+            with self._scan() as (count, chunks):
+                new = self._new_file(count, gen=0)
+                with _discarded_unless_published(new):
+                    for keys, values in chunks:
+                        good = np.fromiter(map(len, values), np.int64, len(values)) == rb
+                        k = be_bytes_to_keys(b"".join(keys))
+                        rows = np.frombuffer(b"".join(compress(values, good)), np.uint8)
+                        loops.put(new.hdr, new.skeys, new.srows, new.free, new.rows,
+                                  k[good], rows.reshape(-1, rb), False)
+                        loops.put(new.hdr, new.skeys, new.srows, new.free, new.rows,
+                                  k[~good], np.empty((0, rb), np.uint8), True)
+                    new.hdr[loops.TXNID] = self._last_txnid()
+                    self._publish(new)
         except OSError:
             log.warning("cannot build the row mirror %s: lookups read LMDB", self.path,
                         exc_info=True)
@@ -400,12 +397,12 @@ def _discarded_unless_published(new: _Mapped) -> Iterator[None]:
                 os.unlink(new.tmp)
 
 
-def scan_rows(txn: Any, db: Any, feed: Callable[[list[bytes], list[bytes]], None]) -> None:
-    """Feed every row of an LMDB database in chunks (a rebuild's read)."""
+def scan_rows(txn: Any, db: Any) -> Iterator[tuple[list[bytes], list[bytes]]]:
+    """Every row of an LMDB database, in ``(keys, values)`` chunks (a rebuild's read)."""
     items = txn.cursor(db=db).iternext()
     while True:
         chunk = list(islice(items, _REBUILD_CHUNK))
         if not chunk:
             return
         keys, values = zip(*chunk, strict=True)
-        feed(list(keys), list(values))
+        yield list(keys), list(values)
