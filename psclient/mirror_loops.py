@@ -39,7 +39,7 @@ _jit = njit(cache=True, nogil=True, boundscheck=False)
 
 
 @_jit
-def _home(key: np.int64, mask: np.int64) -> np.int64:
+def _home(key: int, mask: int) -> np.int64:
     """A key's first slot: murmur3's fmix64 of the key, masked."""
     x = np.uint64(key)
     x ^= x >> _S33
@@ -51,7 +51,7 @@ def _home(key: np.int64, mask: np.int64) -> np.int64:
 
 
 @_jit
-def _find(skeys: np.ndarray, srows: np.ndarray, key: np.int64) -> np.int64:
+def _find(skeys: np.ndarray, srows: np.ndarray, key: int) -> int:
     """The slot holding ``key``, or -1."""
     mask = skeys.shape[0] - 1
     j = _home(key, mask)
@@ -67,7 +67,7 @@ def _find(skeys: np.ndarray, srows: np.ndarray, key: np.int64) -> np.int64:
 
 @_jit
 def lookup(skeys: np.ndarray, srows: np.ndarray, rows: np.ndarray, keys: np.ndarray,
-           out: np.ndarray, found: np.ndarray) -> np.int64:
+           out: np.ndarray, found: np.ndarray) -> int:
     """Each key's row into ``out`` (zeros where absent) and ``found``; returns the index
     of a key whose stored value is corrupt (the caller asks the store instead), else -1."""
     nb = out.shape[1]
@@ -88,7 +88,7 @@ def lookup(skeys: np.ndarray, srows: np.ndarray, rows: np.ndarray, keys: np.ndar
 
 
 @_jit
-def _take_row(hdr: np.ndarray, free: np.ndarray) -> np.int64:
+def _take_row(hdr: np.ndarray, free: np.ndarray) -> int:
     top = hdr[FREE_TOP]
     if top > 0:
         hdr[FREE_TOP] = top - 1
