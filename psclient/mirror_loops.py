@@ -39,7 +39,7 @@ _jit = njit(cache=True, nogil=True, boundscheck=False)
 
 
 @_jit
-def _home(key: int, mask: int) -> np.int64:
+def _home(key: int, mask: int) -> int:
     """A key's first slot: murmur3's fmix64 of the key, masked."""
     x = np.uint64(key)
     x ^= x >> _S33
@@ -47,7 +47,7 @@ def _home(key: int, mask: int) -> np.int64:
     x ^= x >> _S33
     x *= _M2
     x ^= x >> _S33
-    return np.int64(x & np.uint64(mask))
+    return int(np.int64(x & np.uint64(mask)))
 
 
 @_jit
