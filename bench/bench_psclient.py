@@ -10,8 +10,9 @@ partitions against MGET/MSET over plain keys, and HMGET replies read off the soc
 
 file:// : lookups of 8k distinct keys of a 1M-row table (``--file-rows``), read from the
 row mirror (psclient.file_mirror), against the LMDB read it falls back to
-(``FileParameterServer._lookup_lmdb``), the per-key reference path (``FileParameterServer._lookup_per_key``), py-lmdb's native batched
-read (``Cursor.getmulti``) and LMDB's search alone, alternated in rounds; a batch with
+(``FileParameterServer._lookup_lmdb``), the per-key reference path
+(``FileParameterServer._lookup_per_key``), py-lmdb's native batched read
+(``Cursor.getmulti``) and LMDB's search alone, alternated in rounds; a batch with
 duplicate keys; a plain in-memory dict of the same rows; the embedded-store choice, LMDB
 against SQLite (WAL), for the same batches.
 
