@@ -291,6 +291,10 @@ class ParameterServer(ABC):
     @abstractmethod
     def _clear(self) -> None: ...
 
+    def _reserve(self, rows: int) -> None:  # noqa: B027 - optional for backends
+        """A bulk load of about ``rows`` new rows is starting (a backend may size itself
+        once instead of growing step by step); nothing by default."""
+
     @abstractmethod
     def _size(self) -> int: ...
 

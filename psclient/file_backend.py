@@ -322,6 +322,10 @@ class FileParameterServer(ParameterServer):
             if mirror is not None:
                 mirror.clear()
 
+    def _reserve(self, rows: int) -> None:
+        if self._mirror is not None:
+            self._mirror.reserve(rows)
+
     def _size(self) -> int:
         with _lmdb_errors(self._where), self._env.begin() as txn:
             return int(txn.stat(self._rows)["entries"])
@@ -441,7 +445,8 @@ class FileParameterServer(ParameterServer):
             feed = int(txn.stat(self._feed_db)["entries"])
         info = self._env.info()
         return {"backend": "lmdb", "path": self._path, "feed_entries": feed,
-                "map_size": info["map_size"], "readers": info["num_readers"]}
+                "map_size": info["map_size"], "readers": info["num_readers"],
+                "mirror": self._mirror.info() if self._mirror is not None else None}
 
     def _after_fork(self) -> None:
         # NOTE: LMDB: an environment must not be used after fork; open our own in the child.

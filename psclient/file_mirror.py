@@ -234,6 +234,22 @@ class RowMirror:
                 m.hdr[w] = 0
         self._apply(wipe, 0)
 
+    def reserve(self, keys: int) -> None:
+        """Grow once to hold ``keys`` more keys (a bulk load is coming)."""
+        with self.writing():
+            self._apply(lambda m: None, keys)
+
+    def info(self) -> dict[str, Any]:
+        """What ``stat()`` shows of the mirror."""
+        m = self._map
+        if m is None:
+            return {"path": self.path, "state": "none (lookups search LMDB)"}
+        state = {OK: "ok", STALE: "stale (lookups search LMDB until the next write)",
+                 RETIRED: "retired"}.get(int(m.hdr[loops.STATE]), "unknown")
+        return {"path": self.path, "state": state, "keys": int(m.hdr[loops.COUNT]),
+                "slots": int(m.skeys.shape[0]), "row_capacity": int(m.rows.shape[0]),
+                "file_bytes": os.path.getsize(self.path) if os.path.exists(self.path) else 0}
+
     def retire(self) -> None:
         """The table is dropped: the file goes, and every process stops reading it."""
         m = self._map

@@ -309,6 +309,8 @@ def load_into(ps: ParameterServer, source: object, *, keys: object, tensor: str 
         raise BadArgumentError(f"batch_size must be a positive int, got {batch_size!r}")
     total, chunks = _chunks(ps, source, keys, tensor, format, convert, batch_size)
     loaded = 0
+    if total:
+        ps._reserve(total)
     with tqdm(total=total, unit="rows", unit_scale=True, disable=not progress,
               desc=f"load {ps.table}") as bar:
         for k, v in chunks:

@@ -208,3 +208,25 @@ def test_drop_removes_the_mirror_and_other_handles_stop_reading_it(store: Path) 
     assert not (store / "rows.gone.nvidx").exists()
     assert other._mirror.read(np.arange(1, dtype=np.int64)) is None
     other.close()
+
+
+def test_a_bulk_load_sizes_the_mirror_once_and_stat_shows_it(
+        store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from psclient.file_mirror import RowMirror
+
+    published = []
+    publish = RowMirror._publish
+    monkeypatch.setattr(RowMirror, "_publish",
+                        lambda self, new: (published.append(1), publish(self, new)))
+    rows = torch.randn(5000, 4)
+    with psclient.connect(_url(store), table="bulk", dim=4) as ps:
+        published.clear()  # NOTE: the empty mirror built at creation
+        assert ps.load(rows, batch_size=512, progress=False) == 5000
+        assert len(published) == 1  # one growth for the whole load, not one per doubling
+        info = ps.stat()["mirror"]
+        assert info["state"] == "ok" and info["keys"] == 5000
+        assert info["row_capacity"] >= 5000 and info["file_bytes"] > 5000 * 16
+        got, found = _same(ps, torch.arange(-1, 5001))
+        assert found.sum() == 5000 and torch.equal(got[1:5001], rows)
+    with psclient.connect(_url(store, mirror="false"), table="bulk") as ps:
+        assert ps.stat()["mirror"] is None
