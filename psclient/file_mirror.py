@@ -35,6 +35,7 @@ turns it off for a store (every lookup then searches LMDB).
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import mmap
@@ -111,7 +112,7 @@ class _Mapped:
 
 def _geometry(keys: int) -> tuple[int, int]:
     """(slots, row capacity) for a table about to hold ``keys`` keys, with room to grow."""
-    cap = max(_MIN_SLOTS // 2, 2 * keys)
+    cap = max(_MIN_SLOTS // 2, keys + keys // 2)
     slots = max(_MIN_SLOTS, 1 << (2 * cap - 1).bit_length())  # load <= 1/2 when full
     return slots, cap
 
@@ -204,12 +205,17 @@ class RowMirror:
                 yield self
                 return
             m.hdr[loops.GEN] += 1  # odd: readers go to LMDB
+            before = self._last_txnid()
             self._writing = True
             try:
                 yield self
             except BaseException:
-                if self._map is m and m.hdr[loops.STATE] == OK:
-                    m.hdr[loops.GEN] += 1  # untouched: even again
+                m = self._map
+                if m is not None and m.hdr[loops.STATE] == OK:
+                    if self._last_txnid() == before:
+                        m.hdr[loops.GEN] += 1  # nothing committed, nothing applied: even
+                    else:  # NOTE: committed, maybe not applied: rebuilt by the next writer
+                        m.hdr[loops.STATE] = STALE
                 raise
             finally:
                 self._writing = False
@@ -317,7 +323,7 @@ class RowMirror:
         tmp = f"{self.path}.tmp-{os.getpid()}-{threading.get_ident()}"
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, self._mode)
         try:
-            os.ftruncate(fd, _Mapped.size_of(slots, cap, self._row_bytes))  # sparse
+            _allocate(fd, _Mapped.size_of(slots, cap, self._row_bytes))
             hdr = np.zeros(loops.HEADER_WORDS, np.int64)
             for word, value in ((loops.MAGIC, _MAGIC), (loops.VERSION, _FORMAT),
                                 (loops.GEN, gen), (loops.STATE, OK), (loops.SLOTS, slots),
@@ -400,6 +406,17 @@ class RowMirror:
             os.close(self._lock_fd)
             self._lock_fd = -1
         self._map = None
+
+
+def _allocate(fd: int, size: int) -> None:
+    """Give a new file its blocks now: a store into a hole of a mapped file that the disk
+    has no room for is a SIGBUS, a full disk here an OSError (no mirror, LMDB alone)."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        os.ftruncate(fd, size)  # NOTE: a file system without fallocate: a sparse file
 
 
 @contextlib.contextmanager

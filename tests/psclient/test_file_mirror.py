@@ -230,3 +230,30 @@ def test_a_bulk_load_sizes_the_mirror_once_and_stat_shows_it(
         assert found.sum() == 5000 and torch.equal(got[1:5001], rows)
     with psclient.connect(_url(store, mirror="false"), table="bulk") as ps:
         assert ps.stat()["mirror"] is None
+
+
+def test_a_write_that_fails_after_its_commit_leaves_lookups_right(
+        store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An insert that raises between LMDB's commit and the mirror's update (here: the
+    rows' conversion, made to fail): the mirror is marked stale, lookups read LMDB (which
+    has the rows), and the next write rebuilds it."""
+    import psclient.file_backend as fb
+
+    with psclient.connect(_url(store), table="late", dim=2) as ps:
+        ps.insert(torch.tensor([1]), torch.ones(1, 2))
+        raw = fb._raw_rows
+
+        def broken(values: torch.Tensor) -> np.ndarray:
+            raise RuntimeError("after the commit")
+
+        monkeypatch.setattr(fb, "_raw_rows", broken)
+        with pytest.raises(RuntimeError, match="after the commit"):
+            ps.insert(torch.tensor([2]), torch.full((1, 2), 2.0))
+        monkeypatch.setattr(fb, "_raw_rows", raw)
+        assert _header(store, "late")[loops.STATE] == 1  # STALE
+        got, found = ps.lookup(torch.tensor([1, 2]))
+        assert found.tolist() == [True, True] and got[1, 0] == 2.0
+        ps.update(torch.tensor([1]), torch.zeros(1, 2))  # rebuilds, then writes
+        hdr = _header(store, "late")
+        assert hdr[loops.STATE] == 0 and hdr[loops.GEN] % 2 == 0 and hdr[loops.COUNT] == 2
+        _same(ps, torch.tensor([1, 2, 3]))
