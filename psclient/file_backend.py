@@ -273,9 +273,8 @@ class FileParameterServer(ParameterServer):
     def _insert(self, keys: np.ndarray, values: torch.Tensor) -> None:
         order, ks, kb = self._sorted(keys)
         vb = row_bytes_list(values, order)
-        with self._writing() as mirror:
-            with _lmdb_errors(self._where), \
-                    self._env.begin(write=True, db=self._rows) as txn:
+        with _lmdb_errors(self._where), self._writing() as mirror:
+            with self._env.begin(write=True, db=self._rows) as txn:
                 cur = txn.cursor()
                 # NOTE: which keys exist already (exact change feed), then one putmulti.
                 existed = np.fromiter(map(cur.set_key, kb), dtype=bool, count=ks.size)
@@ -288,9 +287,8 @@ class FileParameterServer(ParameterServer):
     def _update(self, keys: np.ndarray, values: torch.Tensor) -> torch.Tensor:
         order, ks, kb = self._sorted(keys)
         vb = row_bytes_list(values, order)
-        with self._writing() as mirror:
-            with _lmdb_errors(self._where), \
-                    self._env.begin(write=True, db=self._rows) as txn:
+        with _lmdb_errors(self._where), self._writing() as mirror:
+            with self._env.begin(write=True, db=self._rows) as txn:
                 cur = txn.cursor()
                 existed_sorted = np.fromiter(map(cur.set_key, kb), dtype=bool, count=ks.size)
                 if existed_sorted.any():
@@ -305,9 +303,8 @@ class FileParameterServer(ParameterServer):
 
     def _erase(self, keys: np.ndarray) -> None:
         _, ks, kb = self._sorted(keys)
-        with self._writing() as mirror:
-            with _lmdb_errors(self._where), \
-                    self._env.begin(write=True, db=self._rows) as txn:
+        with _lmdb_errors(self._where), self._writing() as mirror:
+            with self._env.begin(write=True, db=self._rows) as txn:
                 deleted = np.fromiter(map(txn.delete, kb), dtype=bool, count=ks.size)
                 if deleted.any():
                     self._append_feed(txn, ks[deleted])
@@ -315,8 +312,8 @@ class FileParameterServer(ParameterServer):
                 mirror.erase(ks[deleted])
 
     def _clear(self) -> None:
-        with self._writing() as mirror:
-            with _lmdb_errors(self._where), self._env.begin(write=True) as txn:
+        with _lmdb_errors(self._where), self._writing() as mirror:
+            with self._env.begin(write=True) as txn:
                 txn.drop(self._rows, delete=False)
                 self._append_feed(txn, None)
             if mirror is not None:
@@ -331,8 +328,8 @@ class FileParameterServer(ParameterServer):
             return int(txn.stat(self._rows)["entries"])
 
     def _drop(self) -> None:
-        with self._writing() as mirror:
-            with _lmdb_errors(self._where), self._env.begin(write=True) as txn:
+        with _lmdb_errors(self._where), self._writing() as mirror:
+            with self._env.begin(write=True) as txn:
                 txn.drop(self._rows, delete=True)
                 txn.drop(self._feed_db, delete=True)
                 txn.delete(self._schema_key, db=self._main)
