@@ -60,7 +60,7 @@ class PendingAdmissions:
                  budget: RoundBudget, config: TierConfig) -> None:
         self._cache, self._guard, self._follower = cache, guard, follower
         self._budget, self._config = budget, config
-        #: (keys, rows, event recorded on the stream that produced them, CUDA only)
+        #: (keys, rows, the CUDA stream that produced them, None on the CPU)
         self._pending: list[tuple[torch.Tensor, torch.Tensor, Any]] = []
         self._since: int | None = None
 
@@ -69,24 +69,22 @@ class PendingAdmissions:
         """Keys waiting for a round."""
         return sum(int(k.numel()) for k, _, _ in self._pending)
 
-    def offer(self, keys: torch.Tensor, rows: torch.Tensor, since: int, prob: float) -> None:
-        """Queue fetched rows (read after feed cursor ``since``) for admission with
-        probability ``prob`` each; run a round if enough have gathered."""
+    def offer(self, keys: torch.Tensor, rows: torch.Tensor, since: int, prob: float,
+              stream: Any = None) -> None:
+        """Queue fetched rows (read after feed cursor ``since``; on CUDA queued on
+        ``stream``, the caller's) for admission with probability ``prob`` each; run a
+        round if enough have gathered."""
         cache = self._cache
         if cache.capacity == 0 or keys.numel() == 0 or prob <= 0.0:
             return
         if prob < 1.0:
             keep = torch.rand(keys.numel(), device=keys.device) < prob
             keys, rows = keys[keep], rows[keep]
-        ready = None
-        if rows.is_cuda:
-            # NOTE: another thread may run the round on its own stream: it waits for this
-            # event before reading these rows (enqueued here, maybe not yet computed)
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(rows.device))
+        if rows.is_cuda and stream is None:
+            stream = torch.cuda.current_stream(rows.device)
         cfg = self._config
         with self._guard.lock:
-            self._pending.append((keys, rows, ready))
+            self._pending.append((keys, rows, stream))
             if self._since is None:
                 self._since = since
             enough = min(cfg.admit_keys, max(1, int(cache.capacity * cfg.admit_fraction)))
@@ -100,8 +98,13 @@ class PendingAdmissions:
                since: int) -> None:
         if pending[0][1].is_cuda:
             stream = torch.cuda.current_stream(pending[0][1].device)
-            for k, r, ev in pending:
-                stream.wait_event(ev)
+            waited: set[Any] = {stream}
+            for k, r, producer in pending:
+                if producer not in waited:
+                    # NOTE: another thread's rows, queued on its stream (maybe not yet
+                    # computed): this stream waits for all that stream has queued by now
+                    stream.wait_stream(producer)
+                    waited.add(producer)
                 # the caching allocator must not hand these blocks to their producing
                 # stream again before this stream is done with them
                 k.record_stream(stream)

@@ -32,6 +32,7 @@ from .errors import KeyNotFoundError, StorageUnavailableError, StorageWriteError
 from .host_filler import HostFiller
 from .layer_config import InsertPolicy, LayerStats, PoolingMode, TierStats
 from .miss_list import MissList
+from .staging import PinnedStaging
 from .tier_config import TierConfig
 
 logger = logging.getLogger(__name__)
@@ -104,38 +105,64 @@ class HierarchicalStack(CachedStack):
         mkeys, mpos = misses.take()
         if mkeys.size == 0:
             return values
-        return self._serve_misses(values, mkeys, mpos, since)
+        return self._serve_misses(values, mkeys, mpos, since, stream)
 
     def _serve_misses(self, values: torch.Tensor, mkeys: np.ndarray, mpos: np.ndarray,
-                      since: int) -> torch.Tensor:
+                      since: int, stream: Any) -> torch.Tensor:
         """Fill a lookup's missed rows (listed on the host) from the lower tiers:
-        deduplicated on the host; on CUDA the indices sent over in one copy and the rows
-        in another (or read by the GPU from the host cache); placed with a gather and a
-        scatter."""
+        deduplicated on the host; placed with a gather and a scatter. On CUDA, misses
+        resolved on the CPU go to the device in one copy with the indices that place them
+        (:mod:`gpu.staging`); from ``host_gpu_read_keys`` distinct misses the indices go
+        first and the GPU reads the host cache itself."""
         ukeys_np, inverse = np.unique(mkeys, return_inverse=True)
-        # NOTE: the distinct keys, the missed positions and each one's distinct key, in one
-        # copy to the device
         u, m = ukeys_np.size, mpos.size
-        idx = torch.from_numpy(np.concatenate((ukeys_np, mpos, inverse.reshape(-1))))
-        dev_idx = idx.to(self.device)
-        ukeys, pos, inv = dev_idx[:u], dev_idx[u:u + m], dev_idx[u + m:]
-        if self._reg is not None and u >= self.config.host_gpu_read_keys:
-            urows, found, complete = self._fetch(ukeys, since)
+        # NOTE: the distinct keys, the missed positions and each one's distinct key
+        idx = np.concatenate((ukeys_np, mpos, inverse.reshape(-1)))
+        if not values.is_cuda:
+            dev_idx = torch.from_numpy(idx)
+            urows, found, complete = self._fetch(dev_idx[:u], since)
+        elif self._reg is not None and u >= self.config.host_gpu_read_keys:
+            dev_idx = torch.from_numpy(idx).to(self.device)
+            urows, found, complete = self._fetch(dev_idx[:u], since)
         else:
             urows, found, complete = self._fetch(torch.from_numpy(ukeys_np), since)
-            urows = urows.to(self.device)
-            if not complete:
-                found = found.to(self.device)
+            dev_idx, urows, found = self._send(idx, urows, found, complete)
+        ukeys, pos, inv = dev_idx[:u], dev_idx[u:u + m], dev_idx[u + m:]
         values.index_copy_(0, pos, urows.index_select(0, inv))
-        self._offer(ukeys, urows, found, complete, since)
+        self._offer(ukeys, urows, found, complete, since, stream)
         return values
 
+    def _send(self, idx: np.ndarray, urows: torch.Tensor, found: torch.Tensor,
+              complete: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The indices, the rows resolved on the CPU and (unless ``complete``) the
+        positions of the found ones, to the device in one copy out of this thread's pinned
+        buffer: ``(indices, rows, found positions)`` on the device."""
+        staging = getattr(self._lists, "staging", None)
+        if staging is None:
+            staging = self._lists.staging = PinnedStaging(self.device)
+        raw_rows = urows.view(torch.uint8).numpy().reshape(-1)
+        hit_at = np.empty(0, np.int64) if complete else np.flatnonzero(found.numpy())
+        at_rows = idx.nbytes + hit_at.nbytes
+        total = at_rows + raw_rows.nbytes
+        buf = staging.take(total)
+        buf[:idx.nbytes] = idx.view(np.uint8)
+        buf[idx.nbytes:at_rows] = hit_at.view(np.uint8)
+        buf[at_rows:] = raw_rows
+        dev = staging.send(total)
+        ints = dev[:at_rows].view(torch.int64)
+        rows = dev[at_rows:].view(self.dtype).view(urows.shape)
+        return ints[:idx.size], rows, ints[idx.size:]
+
     def _offer(self, ukeys: torch.Tensor, urows: torch.Tensor, found: torch.Tensor,
-               complete: bool, since: int) -> None:
-        """Fetched rows wait for their GPU admission (default rows never go in)."""
+               complete: bool, since: int, stream: Any) -> None:
+        """Fetched rows wait for their GPU admission (default rows never go in): ``found``
+        flags the found keys, or lists their positions (int64)."""
         if not complete:
-            ukeys, urows = ukeys[found], urows[found]
-        self.pending.offer(ukeys, urows, since, self._policy.gpu)
+            if found.dtype == torch.bool:
+                ukeys, urows = ukeys[found], urows[found]
+            else:
+                ukeys, urows = ukeys.index_select(0, found), urows.index_select(0, found)
+        self.pending.offer(ukeys, urows, since, self._policy.gpu, stream)
 
     def pooled(self, keys: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
                mode: PoolingMode) -> torch.Tensor:
@@ -147,6 +174,7 @@ class HierarchicalStack(CachedStack):
             # one rounding to the table's dtype (as embedding_bag rounds once)
             out, hit = self.cache.lookup_pooled(keys, offsets, mode, weights, validate=False,
                                                 out_dtype=torch.float32)
+            stream = self.guard.stream
         if bool(hit.all()):  # NOTE: the call's one host sync when every key hit
             return out.to(self.dtype)
         miss = (~hit).nonzero().squeeze(1)
@@ -160,7 +188,7 @@ class HierarchicalStack(CachedStack):
             length = (offsets[1:] - offsets[:-1]).float()
             contrib = contrib / length[bag, None]
         out.index_add_(0, bag, contrib)
-        self._offer(ukeys, urows, found, complete, since)
+        self._offer(ukeys, urows, found, complete, since, stream)
         return out.to(self.dtype)
 
     def _host_lookup(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
