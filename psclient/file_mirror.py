@@ -14,8 +14,10 @@ free rows, and the rows. Protocol:
 * **Writers** (every psclient write of rows, under one ``flock`` per store directory,
   ``mirror.lock``, plus a per-process lock for threads) make the header's ``GEN`` odd,
   commit to LMDB, apply the same change to the mirror, record LMDB's last transaction id,
-  and make ``GEN`` even again. A write that fails before the mirror is touched leaves it
-  as it was; one that fails inside leaves it ``STALE``.
+  and make ``GEN`` even again. A write that fails before LMDB's commit leaves the mirror
+  as it was; one that fails after it (or inside the mirror's own update) leaves it
+  ``STALE``, rebuilt by the next writer; the caller's committed write still succeeds when
+  only the mirror's update failed.
 * **Readers** take no lock: ``GEN`` even, read, ``GEN`` unchanged, or else read LMDB
   instead (a write in flight, a stale or retired mirror). The seqlock's steps are separate
   calls (compiler barriers) and x86 keeps loads and stores in order, as in the host cache.
@@ -28,8 +30,9 @@ free rows, and the rows. Protocol:
 * Growing or rebuilding writes a new file and renames it over the old one, whose header
   then says ``RETIRED``: a process still mapping it reopens the path.
 
-The mirror doubles the rows' footprint on disk and in the page cache; ``?mirror=false``
-turns it off for a store (every lookup then searches LMDB).
+The mirror takes 1.5-2x the rows' bytes on disk (allocated when it grows, so a full disk
+is an error then, never a SIGBUS later) and holds the rows a second time in the page
+cache; ``?mirror=false`` turns it off for a store (every lookup then searches LMDB).
 """
 
 from __future__ import annotations
@@ -227,8 +230,8 @@ class RowMirror:
     def put(self, keys: np.ndarray, rows: np.ndarray) -> None:
         """Rows the write just committed (uint8 ``[N, row_bytes]``; the last of repeated
         keys wins), inside :meth:`writing`."""
-        self._apply(lambda m: loops.put(m.hdr, m.skeys, m.srows, m.free, m.rows, keys, rows,
-                                    False), keys.shape[0])
+        self._apply(lambda m: loops.put(m.hdr, m.skeys, m.srows, m.free, m.rows, keys,
+                                        rows, False), keys.shape[0])
 
     def erase(self, keys: np.ndarray) -> None:
         self._apply(lambda m: loops.erase(m.hdr, m.skeys, m.srows, m.free, keys), 0)
@@ -291,7 +294,7 @@ class RowMirror:
         grown = self._new_file(int(hdr[loops.COUNT]) + n, gen=int(hdr[loops.GEN]))
         with _discarded_unless_published(grown):
             loops.copy_live(m.skeys, m.srows, m.rows, grown.hdr, grown.skeys, grown.srows,
-                        grown.rows)
+                            grown.rows)
             self._publish(grown)
         return grown
 
