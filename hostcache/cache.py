@@ -181,39 +181,40 @@ class HostCache(SharedTable):
     # -- reads ---------------------------------------------------------------------------
 
     def lookup(
-        self, keys: torch.Tensor, *, count: bool = True
+        self, keys: torch.Tensor, *, count: bool = True, out: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of ``keys`` (int64 CPU [N]): ``(values [N, dim], hit bool [N])``.
 
         Missing keys give zero rows. Never takes a lock; never returns a torn row.
-        ``count=False`` is a peek: no hit counters or policy counters change.
+        ``count=False`` is a peek: no hit counters or policy counters change. ``out``: a
+        contiguous CPU ``[N, dim]`` tensor of the table's dtype to read the rows into
+        (returned as ``values``), instead of a new one.
         """
         keys = check_cache_keys(keys)
-        self._live()
         geo = self.geometry
-        kn = keys.numpy()
-        slot, found = self._probe(kn)
-        n = kn.shape[0]
-        # NOTE: seqlock window: version, row, key, version, each step a compiled call of
-        # its own (hostcache.table_loops). A hit needs an even version that did not change
-        # and the key still in place inside the window, so the row belongs to the key even
-        # if writers moved keys between the probe and the window.
-        ver_before = np.empty(n, np.int64)
-        table_loops.read_versions(self._nversions, slot, ver_before)
-        out = torch.empty((n, geo.row_bytes), dtype=torch.uint8)
-        key_inside = np.empty(n, np.int64)
-        table_loops.read_rows(self._nraw, self._nkeys, slot, out.numpy(), key_inside)
-        ver_after = np.empty(n, np.int64)
-        table_loops.read_versions(self._nversions, slot, ver_after)
-        hit, n_hits = table_loops.finish_lookup(kn, found, key_inside, ver_before, ver_after,
-                                                out.numpy(), self._npolicy, slot, count)
-        values = out.view(geo.dtype)
+        n = keys.numel()
+        if out is None:
+            out = torch.empty((n, geo.dim), dtype=geo.dtype)
+        elif (out.dtype != geo.dtype or out.shape != (n, geo.dim) or out.device.type != "cpu"
+              or not out.is_contiguous() or out.stride(-1) != 1):
+            raise BadArgumentError(
+                f"out must be a contiguous CPU tensor of shape ({n}, {geo.dim}) and dtype "
+                f"{geo.dtype}; got {tuple(out.shape)} {out.dtype} on {out.device}, strides "
+                f"{out.stride()}")
+        self._live()
+        # NOTE: one compiled call: the probe, then the seqlock window (version, row and
+        # key, version) over every slot, fenced apart (hostcache.table_loops.lookup). A hit
+        # needs an even version that did not change and the key still in place inside the
+        # window, so the row belongs to the key even if writers moved keys meanwhile.
+        hit, n_hits = table_loops.lookup(self._nkeys, self._nkeys2, self._nversions,
+                                         self._nraw, self._npolicy, geo.num_buckets,
+                                         keys.numpy(), _row_bytes(out), count)
         if count:
             c = self._counters
             c[C_LOOKUPS] += 1
             c[C_HITS] += n_hits
             c[C_MISSES] += n - n_hits
-        return values, torch.from_numpy(hit)
+        return out, torch.from_numpy(hit)
 
     def touch(self, keys: torch.Tensor, weight: int = 1) -> None:
         """Count ``weight`` hits of each cached key in the eviction policy, as a lookup

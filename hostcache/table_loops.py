@@ -10,14 +10,14 @@ a worker thread no longer holds up the serving thread.
 Rows are moved as raw bytes (``uint8 [slots, row_stride]`` views of the segment, the first
 ``row_bytes`` of each used), so one compiled variant serves every table dtype.
 
-NOTE: the seqlock's steps are separate compiled calls, each a barrier the compiler cannot
-move loads or stores across: a reader loads every slot's version, then the rows and keys,
-then the versions again (``read_versions`` / ``read_rows`` / ``read_versions`` +
-``finish_lookup``); a writer makes the versions odd, writes, and makes them even again
-(``bump_versions`` / ``write_slots`` / ``bump_versions``). Inside one loop the compiler
-may reorder loads and stores of different arrays; across calls it cannot, and x86 keeps
-each CPU's loads, and its stores, in program order (``hostcache.layout`` states the
-protocol).
+NOTE: the seqlock's steps are kept apart by barriers the compiler cannot move loads or
+stores across: a reader (``lookup``) loads every slot's version, then the rows and keys,
+then the versions again, one pass each with a fence between (``_fence``; without it the
+compiler may merge the two loads of a version, or reorder the passes); a writer makes the
+versions odd, writes, and makes them even again in separate compiled calls
+(``bump_versions`` / ``write_slots`` / ``bump_versions``). Inside one pass the compiler
+may reorder loads and stores of different arrays; x86 keeps each CPU's loads, and its
+stores, in program order (``hostcache.layout`` states the protocol).
 
 ``bucket_of`` here is ``hostcache.hashing.bucket_of``'s fmix64, bit for bit
 (tests/hostcache/test_table_loops.py holds them equal).
@@ -28,7 +28,8 @@ from __future__ import annotations
 import threading
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.extending import intrinsic
 
 from .layout import EMPTY_KEY
 
@@ -105,38 +106,62 @@ def find(tkeys2: np.ndarray, keys: np.ndarray, bucket: np.ndarray, slot: np.ndar
         found[i] = f
 
 
-@_jit
-def read_versions(versions: np.ndarray, slot: np.ndarray, out: np.ndarray) -> None:
-    for i in range(slot.shape[0]):
-        out[i] = versions[slot[i]]
+@intrinsic
+def _fence(typingctx):  # type: ignore[no-untyped-def]
+    """A sequentially consistent fence: no load or store of the compiled loop moves
+    across it (the compiler treats it as touching all memory; on x86 an ``mfence``)."""
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return types.void(), codegen
 
 
 @_jit
-def read_rows(raw: np.ndarray, tkeys: np.ndarray, slot: np.ndarray, out: np.ndarray,
-              key_inside: np.ndarray) -> None:
-    """Each slot's row (``out``: uint8 ``[N, row_bytes]``) and key, inside the window."""
+def lookup(tkeys: np.ndarray, tkeys2: np.ndarray, versions: np.ndarray, raw: np.ndarray,
+           policy: np.ndarray, num_buckets: int, keys: np.ndarray, out: np.ndarray,
+           count: bool) -> tuple[np.ndarray, int]:
+    """A whole lookup in one call: each key's slot by its bucket's keys, then the seqlock
+    window over every slot (versions, then rows and keys, then versions again, fenced
+    apart), rows into ``out`` (uint8 ``[N, row_bytes]``; a miss's row zeroed), each hit's
+    policy counter bumped when ``count`` (racy across processes by design: approximate
+    frequencies). A hit: found, an even version unchanged across the window, the key
+    still in place inside it. Returns ``(hit, hits)``."""
+    n = keys.shape[0]
+    ways = tkeys2.shape[1]
     nb = out.shape[1]
-    for i in range(slot.shape[0]):
+    nbk = np.uint64(num_buckets)
+    slot = np.empty(n, np.int64)
+    found = np.empty(n, np.bool_)
+    before = np.empty(n, np.int64)
+    inside = np.empty(n, np.int64)
+    for i in range(n):
+        b = _bucket(keys[i], nbk)
+        s = b * ways
+        f = False
+        for w in range(ways):
+            if tkeys2[b, w] == keys[i]:
+                s += w
+                f = True
+                break
+        slot[i] = s
+        found[i] = f
+    _fence()
+    for i in range(n):
+        before[i] = versions[slot[i]]
+    _fence()
+    for i in range(n):
         s = slot[i]
         for j in range(nb):
             out[i, j] = raw[s, j]
-        key_inside[i] = tkeys[s]
-
-
-@_jit
-def finish_lookup(keys: np.ndarray, found: np.ndarray, key_inside: np.ndarray,
-                  ver_before: np.ndarray, ver_after: np.ndarray, out: np.ndarray,
-                  policy: np.ndarray, slot: np.ndarray, count: bool) -> tuple[np.ndarray, int]:
-    """Hit flags (an even version unchanged across the window, the key still in place),
-    misses' rows zeroed, each hit's policy counter bumped (racy across processes by
-    design: approximate frequencies) when ``count``; returns ``(hit, hits)``."""
-    n = keys.shape[0]
-    nb = out.shape[1]
+        inside[i] = tkeys[s]
+    _fence()
     hit = np.empty(n, np.bool_)
     hits = 0
     for i in range(n):
         # NOTE: even before and unchanged after in one comparison (versions only grow)
-        h = found[i] and key_inside[i] == keys[i] and ver_after[i] == (ver_before[i] & -2)
+        h = found[i] and inside[i] == keys[i] and versions[slot[i]] == (before[i] & -2)
         hit[i] = h
         if h:
             hits += 1
@@ -287,14 +312,11 @@ def warm_up() -> None:
         keys = np.arange(1, dtype=np.int64)
         slot = np.zeros(1, np.int64)
         found = np.zeros(1, np.bool_)
-        ver = np.zeros(1, np.int64)
         out = np.zeros((1, 8), np.uint8)
         dedup_last(keys)
         bucket = buckets(keys, 1)
         find(tkeys2, keys, bucket, slot, found)
-        read_versions(versions, slot, ver)
-        read_rows(raw, tkeys, slot, out, ver)
-        finish_lookup(keys, found, ver, ver, ver, out, policy, slot, False)
+        lookup(tkeys, tkeys2, versions, raw, policy, 1, keys, out, False)
         add_policy(policy, slot, found, 1)
         none = np.zeros(0, np.int64)
         plan = plan_new(tkeys2, policy2, none, none, none, none)

@@ -414,3 +414,31 @@ def test_a_slot_mid_write_reads_as_a_miss_until_its_write_commits(table_name: st
             assert hc.lookup(keys)[1].tolist() == [True, True]
         finally:
             HostCache.unlink(table_name)
+
+
+def test_lookup_into_a_given_tensor(table_name: str) -> None:
+    """``out=`` gets exactly what a lookup returns (rows of hits, zeros for misses, odd
+    dims and every dtype); a wrong ``out`` raises before anything is read or counted."""
+    for i, (dim, dtype) in enumerate([(3, torch.float16), (5, torch.bfloat16),
+                                      (7, torch.float32), (1, torch.float64)]):
+        name = f"{table_name}-o{i}"
+        with HostCache.create(name, capacity=64, dim=dim, dtype=dtype) as hc:
+            try:
+                hc.insert(torch.arange(0, 20, 2), torch.randn(10, dim).to(dtype))
+                keys = torch.tensor([0, 1, 2, 18, 19, 2])
+                want, want_hit = hc.lookup(keys, count=False)
+                out = torch.full((6, dim), 7.0, dtype=dtype)
+                got, hit = hc.lookup(keys, out=out)
+                assert got.data_ptr() == out.data_ptr()
+                assert torch.equal(hit, want_hit) and torch.equal(out, want)
+                assert hit.tolist() == [True, False, True, True, False, True]
+                lookups = hc.stats().lookups
+                for bad in (torch.empty(6, dim + 1, dtype=dtype),
+                            torch.empty(5, dim, dtype=dtype),
+                            torch.empty(6, dim, dtype=torch.int32),
+                            torch.empty(dim, 6, dtype=dtype).t()):
+                    with pytest.raises(BadArgumentError, match="out must be"):
+                        hc.lookup(keys, out=bad)
+                assert hc.stats().lookups == lookups
+            finally:
+                HostCache.unlink(name)

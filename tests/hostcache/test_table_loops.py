@@ -78,3 +78,20 @@ def test_dedup_last_agrees_with_the_torch_one(keys: list[int]) -> None:
     want = dedup_last(torch.from_numpy(kn.copy()))
     for g, w in zip(got, want, strict=True):
         assert g.tolist() == w.tolist()
+
+
+def test_lookup_keeps_its_seqlock_passes_fenced() -> None:
+    """The lookup's seqlock window is one compiled loop: without its fences the compiler
+    may merge the two loads of a slot's version (a torn row then reads as a hit). Compile
+    it afresh (the cached build cannot be inspected) and count them in the code."""
+    from numba import njit
+
+    loop = njit(nogil=True, boundscheck=False)(table_loops.lookup.py_func)
+    tkeys2 = np.full((1, 8), EMPTY_KEY, np.int64)
+    out = np.zeros((1, 8), np.uint8)
+    hit, hits = loop(tkeys2.reshape(-1), tkeys2, np.zeros(8, np.int64),
+                     np.zeros((8, 16), np.uint8), np.zeros(8, np.int32), 1,
+                     np.arange(1, dtype=np.int64), out, False)
+    assert hits == 0 and not hit[0]
+    ir = next(iter(loop.inspect_llvm().values()))
+    assert sum("fence seq_cst" in line for line in ir.splitlines()) >= 3
