@@ -26,6 +26,7 @@ stores, in program order (``hostcache.layout`` states the protocol).
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import numpy as np
 from numba import njit, types
@@ -107,7 +108,7 @@ def find(tkeys2: np.ndarray, keys: np.ndarray, bucket: np.ndarray, slot: np.ndar
 
 
 @intrinsic
-def _fence(typingctx):  # type: ignore[no-untyped-def]
+def _fence_ir(typingctx):  # type: ignore[no-untyped-def]
     """A sequentially consistent fence: no load or store of the compiled loop moves
     across it (the compiler treats it as touching all memory; on x86 an ``mfence``)."""
 
@@ -116,6 +117,9 @@ def _fence(typingctx):  # type: ignore[no-untyped-def]
         return context.get_dummy_value()
 
     return types.void(), codegen
+
+
+_fence: Any = _fence_ir  # called without arguments inside the compiled loops
 
 
 @_jit
