@@ -108,11 +108,11 @@ def find(tkeys2: np.ndarray, keys: np.ndarray, bucket: np.ndarray, slot: np.ndar
 
 
 @intrinsic
-def _fence_ir(typingctx):  # type: ignore[no-untyped-def]
+def _fence_ir(typingctx: Any) -> Any:
     """A sequentially consistent fence: no load or store of the compiled loop moves
     across it (the compiler treats it as touching all memory; on x86 an ``mfence``)."""
 
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         builder.fence("seq_cst")
         return context.get_dummy_value()
 
