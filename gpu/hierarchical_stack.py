@@ -32,6 +32,7 @@ from .errors import KeyNotFoundError, StorageUnavailableError, StorageWriteError
 from .host_filler import HostFiller
 from .layer_config import InsertPolicy, LayerStats, PoolingMode, TierStats
 from .miss_list import MissList
+from .miss_loops import dedup_first
 from .staging import PinnedStaging
 from .tier_config import TierConfig
 
@@ -79,6 +80,11 @@ class HierarchicalStack(CachedStack):
                 from .hostreg import register
 
                 self._reg = register(host_cache, device)
+        self._row_bytes = dim * torch.empty(0, dtype=dtype).element_size()
+        #: the default row as raw bytes (rows resolved on the CPU are moved as bytes)
+        self._default_bytes = (np.empty(0, np.uint8) if default_row is None else
+                               default_row.detach().to("cpu", dtype).contiguous()
+                               .view(torch.uint8).numpy().reshape(-1))
         self._host = [0, 0, 0, 0]  # hits, misses, rows it placed, residents they evicted
         self._ps = [0, 0]  # found, missing
 
@@ -109,49 +115,64 @@ class HierarchicalStack(CachedStack):
 
     def _serve_misses(self, values: torch.Tensor, mkeys: np.ndarray, mpos: np.ndarray,
                       since: int, stream: Any) -> torch.Tensor:
-        """Fill a lookup's missed rows (listed on the host) from the lower tiers:
-        deduplicated on the host; placed with a gather and a scatter. On CUDA, misses
-        resolved on the CPU go to the device in one copy with the indices that place them
-        (:mod:`gpu.staging`); from ``host_gpu_read_keys`` distinct misses the indices go
-        first and the GPU reads the host cache itself."""
-        ukeys_np, inverse = np.unique(mkeys, return_inverse=True)
-        u, m = ukeys_np.size, mpos.size
-        # NOTE: the distinct keys, the missed positions and each one's distinct key
-        idx = np.concatenate((ukeys_np, mpos, inverse.reshape(-1)))
-        if not values.is_cuda:
-            dev_idx = torch.from_numpy(idx)
-            urows, found, complete = self._fetch(dev_idx[:u], since)
-        elif self._reg is not None and u >= self.config.host_gpu_read_keys:
-            dev_idx = torch.from_numpy(idx).to(self.device)
-            urows, found, complete = self._fetch(dev_idx[:u], since)
-        else:
-            urows, found, complete = self._fetch(torch.from_numpy(ukeys_np), since)
-            dev_idx, urows, found = self._send(idx, urows, found, complete)
-        ukeys, pos, inv = dev_idx[:u], dev_idx[u:u + m], dev_idx[u + m:]
-        values.index_copy_(0, pos, urows.index_select(0, inv))
-        self._offer(ukeys, urows, found, complete, since, stream)
+        """Fill a lookup's missed rows (listed on the host) from the lower tiers,
+        deduplicated on the host (one compiled call, :mod:`gpu.miss_loops`). From
+        ``host_gpu_read_keys`` distinct misses on CUDA the GPU reads the host cache itself
+        (:meth:`_serve_misses_on_device`); fewer are resolved on the CPU straight into one
+        buffer (on CUDA this thread's pinned one, :mod:`gpu.staging`): each miss's key,
+        position and row, sent in one copy and placed with one scatter."""
+        ukeys, inverse = dedup_first(mkeys)
+        u, m = ukeys.size, mkeys.size
+        cuda = values.is_cuda
+        if cuda and self._reg is not None and u >= self.config.host_gpu_read_keys:
+            return self._serve_misses_on_device(values, ukeys, inverse, mpos, since, stream)
+        rb = self._row_bytes
+        at_rows = 3 * m * 8  # NOTE: keys, positions, the found ones' indices (at most m)
+        nbytes = at_rows + m * rb
+        staging = self._staging() if cuda else None
+        buf = staging.take(nbytes) if staging is not None else np.empty(nbytes, np.uint8)
+        ints = buf[:at_rows].view(np.int64)
+        rows_at = buf[at_rows:].reshape(m, rb)
+        # NOTE: no key repeated (the common case): the distinct keys are the misses in
+        # order, and their rows go straight into place
+        urows = rows_at if u == m else np.empty((u, rb), np.uint8)
+        found = self._resolve(ukeys, urows, since)
+        if u != m:
+            np.take(urows, inverse, axis=0, out=rows_at)
+            found = None if found is None else found[inverse]
+        ints[:m] = mkeys
+        ints[m:2 * m] = mpos
+        hit_at = np.empty(0, np.int64) if found is None else np.flatnonzero(found)
+        ints[2 * m:2 * m + hit_at.size] = hit_at
+        dev = staging.send(nbytes) if staging is not None else torch.from_numpy(buf)
+        dints = dev[:at_rows].view(torch.int64)
+        rows = dev[at_rows:].view(self.dtype).view(m, self.dim)
+        values.index_copy_(0, dints[m:2 * m], rows)
+        # NOTE: offered per miss (a key repeated in the batch is offered as often as it
+        # missed; an insert keeps one of equal rows)
+        self._offer(dints[:m], rows, dints[2 * m:2 * m + hit_at.size], found is None, since,
+                    stream)
         return values
 
-    def _send(self, idx: np.ndarray, urows: torch.Tensor, found: torch.Tensor,
-              complete: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The indices, the rows resolved on the CPU and (unless ``complete``) the
-        positions of the found ones, to the device in one copy out of this thread's pinned
-        buffer: ``(indices, rows, found positions)`` on the device."""
+    def _serve_misses_on_device(self, values: torch.Tensor, ukeys: np.ndarray,
+                                inverse: np.ndarray, mpos: np.ndarray, since: int,
+                                stream: Any) -> torch.Tensor:
+        """Many distinct misses on CUDA: their keys, positions and distinct indices go to
+        the device first, the GPU kernel reads the host cache, the parameter server the
+        rest; placed with a gather and a scatter."""
+        u, m = ukeys.size, mpos.size
+        dev_idx = torch.from_numpy(np.concatenate((ukeys, mpos, inverse))).to(self.device)
+        dkeys, pos, inv = dev_idx[:u], dev_idx[u:u + m], dev_idx[u + m:]
+        urows, found, complete = self._fetch(dkeys, since, ukeys)
+        values.index_copy_(0, pos, urows.index_select(0, inv))
+        self._offer(dkeys, urows, found, complete, since, stream)
+        return values
+
+    def _staging(self) -> PinnedStaging:
         staging = getattr(self._lists, "staging", None)
         if staging is None:
             staging = self._lists.staging = PinnedStaging(self.device)
-        raw_rows = urows.view(torch.uint8).numpy().reshape(-1)
-        hit_at = np.empty(0, np.int64) if complete else np.flatnonzero(found.numpy())
-        at_rows = idx.nbytes + hit_at.nbytes
-        total = at_rows + raw_rows.nbytes
-        buf = staging.take(total)
-        buf[:idx.nbytes] = idx.view(np.uint8)
-        buf[idx.nbytes:at_rows] = hit_at.view(np.uint8)
-        buf[at_rows:] = raw_rows
-        dev = staging.send(total)
-        ints = dev[:at_rows].view(torch.int64)
-        rows = dev[at_rows:].view(self.dtype).view(urows.shape)
-        return ints[:idx.size], rows, ints[idx.size:]
+        return staging
 
     def _offer(self, ukeys: torch.Tensor, urows: torch.Tensor, found: torch.Tensor,
                complete: bool, since: int, stream: Any) -> None:
@@ -191,22 +212,18 @@ class HierarchicalStack(CachedStack):
         self._offer(ukeys, urows, found, complete, since, stream)
         return out.to(self.dtype)
 
-    def _host_lookup(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """``(rows, hit, hits)`` of distinct keys in the shared host cache, read where the
-        keys are: by the GPU kernel over the registered table (its hits reported to the
-        host cache's policy by the filler), or by the table's own lookup on the CPU (which
-        counts them itself)."""
-        if keys.is_cuda:
-            from .host_kernels import hostcache_lookup
+    def _gpu_host_lookup(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """``(rows, hit, hits)`` of distinct CUDA keys in the shared host cache, read by the
+        GPU kernel over the registered table; its hits are reported to the host cache's
+        policy by the filler (a CPU lookup counts them itself)."""
+        from .host_kernels import hostcache_lookup
 
-            values, hit = hostcache_lookup(self._reg, keys)
-            hits = int(hit.sum())
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(keys.device))
-            self.filler.submit(self._report_hits, (keys, hit, hits, ready), keys.numel())
-            return values, hit, hits
-        values, hit = self.host.lookup(keys)
-        return values, hit, int(hit.sum())
+        values, hit = hostcache_lookup(self._reg, keys)
+        hits = int(hit.sum())
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(keys.device))
+        self.filler.submit(self._report_hits, (keys, hit, hits, ready), keys.numel())
+        return values, hit, hits
 
     def _report_hits(self, reports: list[tuple[torch.Tensor, torch.Tensor, int, Any]]
                      ) -> None:
@@ -227,82 +244,131 @@ class HierarchicalStack(CachedStack):
         touch_sample(self.host, keys, hit, sum(n for _, _, n, _ in reports),
                      self.config.host_touch_sample)
 
-    def _fetch(self, ukeys: torch.Tensor, since: int
+    def _fetch(self, ukeys: torch.Tensor, since: int, host_keys: np.ndarray | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """Rows of distinct missed keys from the lower tiers: ``(rows, found, complete)``,
-        ``complete`` when every key was found (the counts are known on the host: no sync).
+        """Rows of distinct missed keys from the lower tiers, where the keys are: ``(rows,
+        found, complete)``, ``complete`` when every key was found (the counts are known on
+        the host: no sync). ``host_keys``: the same keys on the host, if at hand.
 
         ``since`` is the ring cursor taken before anything was read: fills of keys
         announced after it are refused (their rows may predate the change).
 
-        On CUDA, fewer than ``host_gpu_read_keys`` keys are resolved on the CPU (the host
-        cache's own lookup, then the parameter server) and their rows copied to the device
-        once: the GPU's seqlock read of the host cache costs hundreds of microseconds
-        however few the keys, and its hits then need reporting to the host cache's policy
-        (bench/RESULTS.md, "Hierarchical layer at serving sizes")."""
+        On CUDA, fewer than ``host_gpu_read_keys`` keys are resolved on the CPU
+        (:meth:`_resolve`) and their rows copied to the device once: the GPU's seqlock
+        read of the host cache costs hundreds of microseconds however few the keys, and
+        its hits then need reporting to the host cache's policy (bench/RESULTS.md,
+        "Hierarchical layer at serving sizes")."""
         n = ukeys.numel()
-        if ukeys.is_cuda and (self._reg is None or n < self.config.host_gpu_read_keys):
-            rows, found, complete = self._fetch(ukeys.cpu(), since)
-            return rows.to(ukeys.device), found.to(ukeys.device), complete
+        if host_keys is None:
+            host_keys = ukeys.cpu().numpy()
+        if not ukeys.is_cuda or self._reg is None or n < self.config.host_gpu_read_keys:
+            out = np.empty((n, self._row_bytes), np.uint8)
+            found = self._resolve(host_keys, out, since)
+            rows = self._as_rows(out)
+            flags = (torch.from_numpy(found) if found is not None
+                     else torch.ones(n, dtype=torch.bool))
+            return rows.to(ukeys.device), flags.to(ukeys.device), found is None
+        rows, hit, nh = self._gpu_host_lookup(ukeys)
+        self._host[0] += nh
+        self._host[1] += n - nh
+        if nh == n:
+            return rows, hit, True
+        need = (~hit).nonzero().squeeze(1)
+        need_np = need.cpu().numpy()
+        if self.ps is not None:
+            part, part_found, nf = self._read_ps(host_keys[need_np], since)
+        else:
+            part = np.empty((need_np.size, self._row_bytes), np.uint8)
+            part_found, nf = np.zeros(need_np.size, np.bool_), 0
+        left = need_np.size - nf
+        if left:
+            self._missing(left, host_keys[need_np][~part_found], part, part_found)
+        rows.index_copy_(0, need, self._as_rows(part).to(rows.device))
+        flags = hit.clone()  # NOTE: the host lookup's flags went to the hit report
+        flags.index_copy_(0, need, torch.from_numpy(part_found).to(rows.device))
+        return rows, flags, left == 0
+
+    def _resolve(self, keys: np.ndarray, out: np.ndarray, since: int) -> np.ndarray | None:
+        """Rows of distinct keys read on the CPU into ``out`` (uint8 ``[N, row bytes]``):
+        the host cache, then the parameter server, then the default row. Returns which
+        were found (bool ``[N]``), or None when all were."""
+        n = keys.size
         if self.host is not None:
-            rows, found, nh = self._host_lookup(ukeys)
+            _, hit_t = self.host.lookup(torch.from_numpy(keys), out=self._as_rows(out))
+            found = hit_t.numpy()
+            nh = int(np.count_nonzero(found))
             self._host[0] += nh
             self._host[1] += n - nh
+            if nh == n:
+                return None
+            need = np.flatnonzero(~found)
         else:
-            rows = torch.zeros(n, self.dim, dtype=self.dtype, device=ukeys.device)
-            found = torch.zeros(n, dtype=torch.bool, device=ukeys.device)
-            nh = 0
-        left = n - nh
-        if self.ps is not None and left:
-            found = found.clone()  # NOTE: the host lookup's flags went to the hit report
-            left -= self._fetch_ps(ukeys, rows, found, since)
-        if left:
-            missing = ~found
-            if self._default is None:
-                examples = ukeys[missing][:5].tolist()
-                raise KeyNotFoundError(
-                    f"{int(missing.sum())} keys are in no tier of this layer (e.g. {examples}); "
-                    "load them into the parameter server, or pass default_row= to serve a "
-                    "default row for missing keys"
-                )
-            rows[missing] = self._default.to(rows.device)
-            self.default_rows += left
-        return rows, found, left == 0
+            found = np.zeros(n, np.bool_)
+            need = np.arange(n)
+        left = need.size
+        if self.ps is not None:
+            rows, ok, nf = self._read_ps(keys[need], since)
+            if nf:
+                out[need] = rows
+                found[need] = ok
+                left -= nf
+        if left == 0:
+            return None
+        self._missing(left, keys[~found], out, found)
+        return found
 
-    def _fetch_ps(self, ukeys: torch.Tensor, rows: torch.Tensor, found: torch.Tensor,
-                  since: int) -> int:
-        """Read the keys not ``found`` from the parameter server into ``rows`` and
-        ``found``; returns how many it found."""
-        need = (~found).nonzero().squeeze(1)
-        need_keys = ukeys[need].cpu()
+    def _as_rows(self, raw: np.ndarray) -> torch.Tensor:
+        """``[N, dim]`` rows of the table's dtype over uint8 ``[N, row bytes]`` (no copy)."""
+        return torch.from_numpy(raw).view(self.dtype).view(raw.shape[0], self.dim)
+
+    def _missing(self, left: int, keys: np.ndarray, rows: np.ndarray, found: np.ndarray
+                 ) -> None:
+        """``left`` keys (``keys``: they, or some) are in no tier: their rows (where
+        ``found`` is False in ``rows``) become the default row, or KeyNotFoundError."""
+        if self._default is None:
+            raise KeyNotFoundError(
+                f"{left} keys are in no tier of this layer (e.g. {keys[:5].tolist()}); load "
+                "them into the parameter server, or pass default_row= to serve a default "
+                "row for missing keys"
+            )
+        rows[~found] = self._default_bytes
+        self.default_rows += left
+
+    def _read_ps(self, keys: np.ndarray, since: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """``(rows, found, how many)`` of ``keys`` from the parameter server (rows as uint8
+        ``[N, row bytes]``; none found while it is down and a default row is set); what it
+        found is offered to the host cache (on the filler)."""
+        keys_t = torch.from_numpy(keys)
         try:
-            values, ok = self.ps.lookup(need_keys)
+            values, ok = self.ps.lookup(keys_t)
         except PSClientError as e:
             if self._default is None:
                 raise StorageUnavailableError(
-                    f"the parameter server could not answer {need_keys.numel()} missed keys: "
-                    f"{e}; cached rows are still served. Pass default_row= to serve a default "
-                    "row for misses while it is down"
+                    f"the parameter server could not answer {keys.size} missed keys: {e}; "
+                    "cached rows are still served. Pass default_row= to serve a default row "
+                    "for misses while it is down"
                 ) from e
             logger.warning("parameter server unavailable (%s); serving default rows", e)
-            return 0
-        nf = int(ok.sum())
+            return np.empty((keys.size, self._row_bytes), np.uint8), np.zeros(keys.size, bool), 0
+        if values.dtype != self.dtype:
+            values = values.to(self.dtype)
+        ok_np = ok.numpy()
+        nf = int(np.count_nonzero(ok_np))
         self._ps[0] += nf
-        self._ps[1] += need_keys.numel() - nf
-        rows.index_copy_(0, need, values.to(rows.device, self.dtype))
-        found.index_copy_(0, need, ok.to(rows.device))
+        self._ps[1] += keys.size - nf
+        rows = values.contiguous().view(torch.uint8).numpy().reshape(keys.size, -1)
         if self.host is not None and nf and self._policy.host > 0.0:
-            if nf == need_keys.numel() and self._policy.host >= 1.0:
+            if nf == keys.size and self._policy.host >= 1.0:
                 # NOTE: the common case (every key found, every row offered): no masks
-                self.filler.submit(self._fill, (need_keys, values, since), nf)
-                return nf
-            admit = ok.clone()
-            if self._policy.host < 1.0:
-                admit &= torch.rand(admit.numel()) < self._policy.host
-            if bool(admit.any()):
-                fill = need_keys[admit]
-                self.filler.submit(self._fill, (fill, values[admit], since), fill.numel())
-        return nf
+                self.filler.submit(self._fill, (keys_t, values, since), nf)
+            else:
+                admit = ok.clone()
+                if self._policy.host < 1.0:
+                    admit &= torch.rand(admit.numel()) < self._policy.host
+                if bool(admit.any()):
+                    fill = keys_t[admit]
+                    self.filler.submit(self._fill, (fill, values[admit], since), fill.numel())
+        return rows, ok_np, nf
 
     def _fill(self, fills: list[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
         """On the filler: offer rows read from the parameter server to the host cache in

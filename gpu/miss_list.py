@@ -44,6 +44,9 @@ class MissList:
         self._pairs = np.empty((0, 2), dtype=np.int64)
         self._host: torch.Tensor | None = None
         self._open = False  # a lookup was given the list and its misses not yet taken
+        from .miss_loops import take_listed  # NOTE: numba loads with the first list
+
+        self._take = take_listed
 
     def ensure(self, n: int) -> None:
         """Get the list ready for a lookup of ``n`` keys (every one may miss), whose
@@ -73,20 +76,8 @@ class MissList:
         """After the lookup finished (its stream synchronized): ``(keys, positions)`` of
         its misses (copies, in the order listed), and the list emptied for the next."""
         self._open = False
-        pos = self._pairs[:, 1]
-        if self.cap == 0 or pos[0] < 0:
-            empty = np.empty(0, dtype=np.int64)
-            return empty, empty
-        lo, hi = 0, self.cap  # NOTE: pos[lo] is used; pos[hi] is not, or hi is the end
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if pos[mid] < 0:
-                hi = mid
-            else:
-                lo = mid
-        pairs = self._pairs[:hi]
-        keys, where = pairs[:, 0].copy(), pairs[:, 1].copy()
-        pos[:hi] = -1
+        keys, where = self._take(self._pairs)  # NOTE: one compiled call (gpu.miss_loops)
+        hi = keys.size
         self.start += hi
         if self.start > 1 << 30:
             # NOTE: ``start`` goes to the kernel as an int32 (a larger one would compile
