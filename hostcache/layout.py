@@ -60,10 +60,11 @@ its bucket's keys, then reads the slot's version, row and key, then the version 
 changed or odd version, or another key inside that window, is a miss. A reader therefore
 never returns a torn or foreign row. (GPU readers read the bucket's versions before its
 keys instead; both orders are correct against the same writer.) On x86 (TSO) stores are
-seen in program order and loads are not reordered with loads, and each step of the
-protocol is a separate call (a torch op, or one of ``hostcache.table_loops``' compiled
-loops: a compiler barrier), so no extra fence is needed; GPU readers use system-scope
-loads.
+seen in program order and loads are not reordered with loads; the compiler is kept from
+reordering the steps by making each step of a write a separate call (a torch op, or one of
+``hostcache.table_loops``' compiled loops: a compiler barrier) and by fences between the
+passes of the one compiled lookup, so no hardware fence is needed for the order itself;
+GPU readers use system-scope loads.
 
 Invalidation ring: record ``s`` lives at ``s % ring_capacity``. A writer stores
 ``seq = -1``, then the key, then ``seq = s``, then advances ``ring_head``. A reader that
