@@ -20,6 +20,8 @@ from typing import Any, NamedTuple, Self
 import numpy as np
 import torch
 
+from psclient.split import split_run
+
 from . import layout
 from .errors import BadArgumentError
 from .segment import Mapping, check_mode
@@ -206,9 +208,17 @@ class HostCache(SharedTable):
         # key, version) over every slot, fenced apart (hostcache.table_loops.lookup). A hit
         # needs an even version that did not change and the key still in place inside the
         # window, so the row belongs to the key even if writers moved keys meanwhile.
-        hit, n_hits = table_loops.lookup(self._nkeys, self._nkeys2, self._nversions,
-                                         self._nraw, self._npolicy, geo.num_buckets,
-                                         keys.numpy(), _row_bytes(out), count)
+        kn, rows = keys.numpy(), _row_bytes(out)
+        hit = np.empty(n, np.bool_)
+
+        def chunk(lo: int, hi: int) -> int:
+            return int(table_loops.lookup(self._nkeys, self._nkeys2, self._nversions,
+                                          self._nraw, self._npolicy, geo.num_buckets,
+                                          kn[lo:hi], rows[lo:hi], hit[lo:hi], count))
+
+        # NOTE: a large batch on a few threads at once (psclient.split: the loop waits on
+        # memory and releases the GIL)
+        n_hits = sum(split_run(chunk, n))
         if count:
             c = self._counters
             c[C_LOOKUPS] += 1

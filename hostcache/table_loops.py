@@ -125,13 +125,13 @@ _fence: Any = _fence_ir  # called without arguments inside the compiled loops
 @_jit
 def lookup(tkeys: np.ndarray, tkeys2: np.ndarray, versions: np.ndarray, raw: np.ndarray,
            policy: np.ndarray, num_buckets: int, keys: np.ndarray, out: np.ndarray,
-           count: bool) -> tuple[np.ndarray, int]:
+           hit: np.ndarray, count: bool) -> int:
     """A whole lookup in one call: each key's slot by its bucket's keys, then the seqlock
     window over every slot (versions, then rows and keys, then versions again, fenced
     apart), rows into ``out`` (uint8 ``[N, row_bytes]``; a miss's row zeroed), each hit's
     policy counter bumped when ``count`` (racy across processes by design: approximate
-    frequencies). A hit: found, an even version unchanged across the window, the key
-    still in place inside it. Returns ``(hit, hits)``."""
+    frequencies). A hit (``hit``, bool ``[N]``): found, an even version unchanged across
+    the window, the key still in place inside it. Returns how many hit."""
     n = keys.shape[0]
     ways = tkeys2.shape[1]
     nb = out.shape[1]
@@ -161,7 +161,6 @@ def lookup(tkeys: np.ndarray, tkeys2: np.ndarray, versions: np.ndarray, raw: np.
             out[i, j] = raw[s, j]
         inside[i] = tkeys[s]
     _fence()
-    hit = np.empty(n, np.bool_)
     hits = 0
     for i in range(n):
         # NOTE: even before and unchanged after in one comparison (versions only grow)
@@ -174,7 +173,7 @@ def lookup(tkeys: np.ndarray, tkeys2: np.ndarray, versions: np.ndarray, raw: np.
         else:
             for j in range(nb):
                 out[i, j] = 0
-    return hit, hits
+    return hits
 
 
 @_jit
@@ -320,7 +319,7 @@ def warm_up() -> None:
         dedup_last(keys)
         bucket = buckets(keys, 1)
         find(tkeys2, keys, bucket, slot, found)
-        lookup(tkeys, tkeys2, versions, raw, policy, 1, keys, out, False)
+        lookup(tkeys, tkeys2, versions, raw, policy, 1, keys, out, found, False)
         add_policy(policy, slot, found, 1)
         none = np.zeros(0, np.int64)
         plan = plan_new(tkeys2, policy2, none, none, none, none)

@@ -54,6 +54,7 @@ import numpy as np
 
 from . import mirror_loops as loops
 from .codec import be_bytes_to_keys
+from .split import split_run
 
 log = logging.getLogger(__name__)
 
@@ -163,9 +164,17 @@ class RowMirror:
         gen = hdr[loops.GEN]
         if gen & 1:
             return None
-        out = np.empty((keys.shape[0], self._row_bytes), np.uint8)
-        found = np.empty(keys.shape[0], np.bool_)
-        bad = loops.lookup(m.skeys, m.srows, m.rows, keys, out, found)
+        n = keys.shape[0]
+        out = np.empty((n, self._row_bytes), np.uint8)
+        found = np.empty(n, np.bool_)
+
+        def chunk(lo: int, hi: int) -> int:
+            return int(loops.lookup(m.skeys, m.srows, m.rows, keys[lo:hi], out[lo:hi],
+                                    found[lo:hi]))
+
+        # NOTE: a large batch on a few threads at once (psclient.split: the loop waits on
+        # memory and releases the GIL)
+        bad = max(split_run(chunk, n))
         if hdr[loops.GEN] != gen or bad >= 0:
             return None
         return out, found

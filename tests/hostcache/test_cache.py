@@ -442,3 +442,23 @@ def test_lookup_into_a_given_tensor(table_name: str) -> None:
                 assert hc.stats().lookups == lookups
             finally:
                 HostCache.unlink(name)
+
+
+def test_a_large_lookup_read_by_several_threads_equals_small_ones(table_name: str) -> None:
+    """A batch large enough to be split over threads (psclient.split) returns what its
+    pieces return one by one, and counts each hit once."""
+    with HostCache.create(table_name, capacity=32768, dim=DIM) as hc:
+        try:
+            keys = torch.randperm(40000)[:16000]
+            hc.insert(keys, rows_for(keys))
+            probe = torch.cat([keys[:7000], torch.arange(40000, 43000), keys[:2000]])
+            probe = probe[torch.randperm(probe.numel())]
+            want = [hc.lookup(p, count=False) for p in probe.split(100)]
+            before = hc.stats().hits
+            got, hit = hc.lookup(probe)
+            assert torch.equal(hit, torch.cat([h for _, h in want]))
+            assert torch.equal(got, torch.cat([v for v, _ in want]))
+            assert torch.equal(got[hit], rows_for(probe[hit]))
+            assert hc.stats().hits - before == int(hit.sum()) > 8000
+        finally:
+            HostCache.unlink(table_name)

@@ -89,9 +89,10 @@ def test_lookup_keeps_its_seqlock_passes_fenced() -> None:
     loop = njit(nogil=True, boundscheck=False)(table_loops.lookup.py_func)
     tkeys2 = np.full((1, 8), EMPTY_KEY, np.int64)
     out = np.zeros((1, 8), np.uint8)
-    hit, hits = loop(tkeys2.reshape(-1), tkeys2, np.zeros(8, np.int64),
-                     np.zeros((8, 16), np.uint8), np.zeros(8, np.int32), 1,
-                     np.arange(1, dtype=np.int64), out, False)
+    hit = np.ones(1, np.bool_)
+    hits = loop(tkeys2.reshape(-1), tkeys2, np.zeros(8, np.int64),
+                np.zeros((8, 16), np.uint8), np.zeros(8, np.int32), 1,
+                np.arange(1, dtype=np.int64), out, hit, False)
     assert hits == 0 and not hit[0]
     ir = next(iter(loop.inspect_llvm().values()))
     assert sum("fence seq_cst" in line for line in ir.splitlines()) >= 3

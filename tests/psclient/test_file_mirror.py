@@ -155,24 +155,26 @@ def test_a_mirror_from_another_boot_is_rebuilt(store: Path) -> None:
     assert os.stat(path).st_ino != inode and _header(store, "boot")[loops.COUNT] == 2
 
 
+@pytest.mark.parametrize("n", [256, 4 * 2048])
 def test_threads_writing_and_reading_through_one_handle_see_whole_batches(
-        store: Path) -> None:
+        store: Path, n: int) -> None:
     """Writers on several threads (the per-process lock orders them before the flock);
-    every lookup sees each row whole and every batch from one commit."""
+    every lookup sees each row whole and every batch from one commit (also a batch large
+    enough to be read by several threads at once, psclient.split)."""
     with psclient.connect(_url(store), table="thr", dim=8) as ps:
-        ps.insert(torch.arange(256), torch.zeros(256, 8))
+        ps.insert(torch.arange(n), torch.zeros(n, 8))
         stop = threading.Event()
         errors: list[str] = []
 
         def write(first: int) -> None:
             i = first
             while not stop.is_set():
-                ps.insert(torch.arange(256), torch.full((256, 8), float(i)))
+                ps.insert(torch.arange(n), torch.full((n, 8), float(i)))
                 i += 2
 
         def read() -> None:
-            for _ in range(300):
-                got, found = ps.lookup(torch.arange(256))
+            for _ in range(300 if n <= 256 else 60):
+                got, found = ps.lookup(torch.arange(n))
                 if not bool(found.all()) or got.unique().numel() != 1:
                     errors.append("a lookup mixed two writes")
                     return
