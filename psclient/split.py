@@ -19,7 +19,7 @@ from typing import TypeVar
 T = TypeVar("T")
 
 #: the fewest keys a chunk gets: smaller batches run on the caller's thread alone
-MIN_CHUNK = 2048
+MIN_CHUNK = 1024
 #: at most this many threads read one batch (the caller and the pool's)
 MAX_THREADS = max(1, min(4, os.cpu_count() or 1))
 
