@@ -63,11 +63,12 @@ class PendingAdmissions:
         #: (keys, rows, the CUDA stream that produced them, None on the CPU)
         self._pending: list[tuple[torch.Tensor, torch.Tensor, Any]] = []
         self._since: int | None = None
+        self._waiting = 0
 
     @property
     def waiting(self) -> int:
         """Keys waiting for a round."""
-        return sum(int(k.numel()) for k, _, _ in self._pending)
+        return self._waiting
 
     def offer(self, keys: torch.Tensor, rows: torch.Tensor, since: int, prob: float,
               stream: Any = None) -> None:
@@ -85,13 +86,14 @@ class PendingAdmissions:
         cfg = self._config
         with self._guard.lock:
             self._pending.append((keys, rows, stream))
+            self._waiting += keys.shape[0]
             if self._since is None:
                 self._since = since
             enough = min(cfg.admit_keys, max(1, int(cache.capacity * cfg.admit_fraction)))
-            if self.waiting < enough and len(self._pending) < cfg.admit_batches:
+            if self._waiting < enough and len(self._pending) < cfg.admit_batches:
                 return
             pending, since = self._pending, self._since
-            self._pending, self._since = [], None
+            self._pending, self._since, self._waiting = [], None, 0
         self._round(pending, since)
 
     def _round(self, pending: list[tuple[torch.Tensor, torch.Tensor, Any]],
@@ -130,4 +132,4 @@ class PendingAdmissions:
     def drop(self) -> None:
         """Forget every admission not yet made (a write made their rows stale)."""
         with self._guard.lock:
-            self._pending, self._since = [], None
+            self._pending, self._since, self._waiting = [], None, 0

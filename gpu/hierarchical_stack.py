@@ -150,8 +150,8 @@ class HierarchicalStack(CachedStack):
         values.index_copy_(0, dints[m:2 * m], rows)
         # NOTE: offered per miss (a key repeated in the batch is offered as often as it
         # missed; an insert keeps one of equal rows)
-        self._offer(dints[:m], rows, dints[2 * m:2 * m + hit_at.size], found is None, since,
-                    stream)
+        at = None if found is None else dints[2 * m:2 * m + hit_at.size]
+        self._offer(dints[:m], rows, at, found is None, since, stream)
         return values
 
     def _serve_misses_on_device(self, values: torch.Tensor, ukeys: np.ndarray,
@@ -174,11 +174,12 @@ class HierarchicalStack(CachedStack):
             staging = self._lists.staging = PinnedStaging(self.device)
         return staging
 
-    def _offer(self, ukeys: torch.Tensor, urows: torch.Tensor, found: torch.Tensor,
+    def _offer(self, ukeys: torch.Tensor, urows: torch.Tensor, found: torch.Tensor | None,
                complete: bool, since: int, stream: Any) -> None:
-        """Fetched rows wait for their GPU admission (default rows never go in): ``found``
-        flags the found keys, or lists their positions (int64)."""
+        """Fetched rows wait for their GPU admission (default rows never go in): unless
+        ``complete``, ``found`` flags the found keys, or lists their positions (int64)."""
         if not complete:
+            assert found is not None
             if found.dtype == torch.bool:
                 ukeys, urows = ukeys[found], urows[found]
             else:
