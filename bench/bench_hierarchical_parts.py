@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import psclient  # noqa: E402
 from bench.bench_hierarchical import emit, per_call  # noqa: E402
 from bench.workloads import ZipfKeys  # noqa: E402
-from gpu import LayerType, NVEmbedding  # noqa: E402
+from gpu import LayerType, NVEmbedding, host_kernels  # noqa: E402
 from hostcache import HostCache  # noqa: E402
 
 DIM = 128
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                     stack.filler = _Inline(spent)
                     _timed(stack.cache, "serve", "gpu_cache_lookup", spent, sync)
                     _timed(hc, "lookup", "host_cache_read", spent, lambda: None)
-                    _timed(stack, "_gpu_host_lookup", "host_cache_read", spent, sync)
+                    _timed(host_kernels, "hostcache_lookup", "host_cache_read", spent, sync)
                     _timed(stack, "_read_ps", "ps_path", spent, sync)
                     _timed(ps, "lookup", "ps_lookup", spent, lambda: None)
                     _timed(stack.pending, "offer", "admission_offer", spent, sync)

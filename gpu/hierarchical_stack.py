@@ -73,7 +73,6 @@ class HierarchicalStack(CachedStack):
         #: host-cache fills and hit reports, off the lookups' path (gpu.host_filler)
         self.filler = HostFiller("nvecache-host-fill", config.host_batch_keys,
                                  config.host_linger_s)
-        self._side: Any = None  # the filler's CUDA stream (copies of the hit reports)
         self._lists = threading.local()  # each thread's MissList
         if host_cache is not None:
             if device.type == "cuda":
@@ -158,10 +157,12 @@ class HierarchicalStack(CachedStack):
                                 inverse: np.ndarray, mpos: np.ndarray, since: int,
                                 stream: Any) -> torch.Tensor:
         """Many distinct misses on CUDA: their keys, positions and distinct indices go to
-        the device first, the GPU kernel reads the host cache, the parameter server the
-        rest; placed with a gather and a scatter."""
+        the device first (one copy from the pinned buffer), the GPU kernel reads the host
+        cache, the parameter server the rest; placed with a gather and a scatter."""
         u, m = ukeys.size, mpos.size
-        dev_idx = torch.from_numpy(np.concatenate((ukeys, mpos, inverse))).to(self.device)
+        idx = self._staging().take(8 * (u + 2 * m)).view(np.int64)
+        idx[:u], idx[u:u + m], idx[u + m:] = ukeys, mpos, inverse
+        dev_idx = self._staging().send(idx.nbytes).view(torch.int64)
         dkeys, pos, inv = dev_idx[:u], dev_idx[u:u + m], dev_idx[u + m:]
         urows, found, complete = self._fetch(dkeys, since, ukeys)
         values.index_copy_(0, pos, urows.index_select(0, inv))
@@ -213,37 +214,18 @@ class HierarchicalStack(CachedStack):
         self._offer(ukeys, urows, found, complete, since, stream)
         return out.to(self.dtype)
 
-    def _gpu_host_lookup(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """``(rows, hit, hits)`` of distinct CUDA keys in the shared host cache, read by the
-        GPU kernel over the registered table; its hits are reported to the host cache's
-        policy by the filler (a CPU lookup counts them itself)."""
-        from .host_kernels import hostcache_lookup
-
-        values, hit = hostcache_lookup(self._reg, keys)
-        hits = int(hit.sum())
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(keys.device))
-        self.filler.submit(self._report_hits, (keys, hit, hits, ready), keys.numel())
-        return values, hit, hits
-
-    def _report_hits(self, reports: list[tuple[torch.Tensor, torch.Tensor, int, Any]]
-                     ) -> None:
+    def _report_hits(self, reports: list[tuple[np.ndarray, np.ndarray, int]]) -> None:
         """On the filler: count GPU lookups of the host cache and report their hits to its
-        eviction policy, as a CPU lookup does itself (``(keys, hit, hits, ready event)``
-        each)."""
-        for keys, _, hits, ready in reports:
-            self.host.count_lookup(keys.numel(), hits)
-            ready.synchronize()
+        eviction policy, as a CPU lookup does itself (``(keys, hit flags, hits)`` each, on
+        the host)."""
+        for keys, _, hits in reports:
+            self.host.count_lookup(keys.size, hits)
         reports = [r for r in reports if r[2]]
         if not reports:
             return
-        if self._side is None:
-            self._side = torch.cuda.Stream(reports[0][0].device)
-        with torch.cuda.stream(self._side):
-            keys = torch.cat([k for k, _, _, _ in reports]).cpu()
-            hit = torch.cat([h for _, h, _, _ in reports]).cpu()
-        touch_sample(self.host, keys, hit, sum(n for _, _, n, _ in reports),
-                     self.config.host_touch_sample)
+        touch_sample(self.host, torch.from_numpy(np.concatenate([k for k, _, _ in reports])),
+                     torch.from_numpy(np.concatenate([h for _, h, _ in reports])),
+                     sum(n for _, _, n in reports), self.config.host_touch_sample)
 
     def _fetch(self, ukeys: torch.Tensor, since: int, host_keys: np.ndarray | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, bool]:
@@ -269,25 +251,54 @@ class HierarchicalStack(CachedStack):
             flags = (torch.from_numpy(found) if found is not None
                      else torch.ones(n, dtype=torch.bool))
             return rows.to(ukeys.device), flags.to(ukeys.device), found is None
-        rows, hit, nh = self._gpu_host_lookup(ukeys)
+        return self._fetch_gpu_read(ukeys, host_keys, since)
+
+    def _fetch_gpu_read(self, ukeys: torch.Tensor, host_keys: np.ndarray, since: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """:meth:`_fetch` of many CUDA keys: the GPU kernel reads the host cache over the
+        registered table (:mod:`gpu.host_kernels`); its hit flags come back in one copy and
+        sync; the parameter server's rows for the rest, and their positions, go over in one
+        copy from the pinned buffer. The GPU's hits are reported to the host cache's
+        policy by the filler (a CPU lookup counts them itself)."""
+        from .host_kernels import hostcache_lookup
+
+        n = ukeys.numel()
+        rows, hit = hostcache_lookup(self._reg, ukeys)
+        hit_host = torch.empty(n, dtype=torch.bool, pin_memory=True)
+        hit_host.copy_(hit, non_blocking=True)
+        torch.cuda.current_stream(ukeys.device).synchronize()
+        hit_np = hit_host.numpy()
+        nh = int(np.count_nonzero(hit_np))
         self._host[0] += nh
         self._host[1] += n - nh
+        self.filler.submit(self._report_hits, (host_keys, hit_np, nh), n)
         if nh == n:
             return rows, hit, True
-        need = (~hit).nonzero().squeeze(1)
-        need_np = need.cpu().numpy()
+        need = np.flatnonzero(~hit_np)
+        k = need.size
         if self.ps is not None:
-            part, part_found, nf = self._read_ps(host_keys[need_np], since)
+            part, part_found, nf = self._read_ps(host_keys[need], since)
         else:
-            part = np.empty((need_np.size, self._row_bytes), np.uint8)
-            part_found, nf = np.zeros(need_np.size, np.bool_), 0
-        left = need_np.size - nf
+            part = np.empty((k, self._row_bytes), np.uint8)
+            part_found, nf = np.zeros(k, np.bool_), 0
+        left = k - nf
         if left:
-            self._missing(left, host_keys[need_np][~part_found], part, part_found)
-        rows.index_copy_(0, need, self._as_rows(part).to(rows.device))
-        flags = hit.clone()  # NOTE: the host lookup's flags went to the hit report
-        flags.index_copy_(0, need, torch.from_numpy(part_found).to(rows.device))
-        return rows, flags, left == 0
+            self._missing(left, host_keys[need][~part_found], part, part_found)
+        # NOTE: the pinned buffer's copy of this call's indices is done: the sync above
+        at_rows = 8 * k
+        at_found = at_rows + k * self._row_bytes
+        buf = self._staging().take(at_found + k)
+        buf[:at_rows] = need.view(np.uint8)
+        buf[at_rows:at_found] = part.reshape(-1)
+        buf[at_found:] = part_found.view(np.uint8)
+        dev = self._staging().send(at_found + k)
+        need_d = dev[:at_rows].view(torch.int64)
+        rows.index_copy_(0, need_d, dev[at_rows:at_found].view(self.dtype).view(k, self.dim))
+        if left == 0:
+            return rows, hit, True
+        flags = hit.clone()
+        flags.index_copy_(0, need_d, dev[at_found:].view(torch.bool))
+        return rows, flags, False
 
     def _resolve(self, keys: np.ndarray, out: np.ndarray, since: int) -> np.ndarray | None:
         """Rows of distinct keys read on the CPU into ``out`` (uint8 ``[N, row bytes]``):
