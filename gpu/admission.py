@@ -102,6 +102,8 @@ class PendingAdmissions:
             stream = torch.cuda.current_stream(pending[0][1].device)
             waited: set[Any] = {stream}
             for k, r, producer in pending:
+                if producer == stream:
+                    continue  # NOTE: the common case: rows of this very stream, in order
                 if producer not in waited:
                     # NOTE: another thread's rows, queued on its stream (maybe not yet
                     # computed): this stream waits for all that stream has queued by now
