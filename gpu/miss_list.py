@@ -76,6 +76,9 @@ class MissList:
         """After the lookup finished (its stream synchronized): ``(keys, positions)`` of
         its misses (copies, in the order listed), and the list emptied for the next."""
         self._open = False
+        if self.cap == 0 or self._pairs[0, 1] < 0:  # NOTE: every key hit: no call at all
+            empty = np.empty(0, dtype=np.int64)
+            return empty, empty
         keys, where = self._take(self._pairs)  # NOTE: one compiled call (gpu.miss_loops)
         hi = keys.size
         self.start += hi
