@@ -21,6 +21,7 @@ from gpu import (
     NVEmbedding,
     NVEmbeddingBag,
     StorageUnavailableError,
+    TierConfig,
 )
 from gpu._triton import triton_available
 from gpu.cache import FORCE_TRITON_ENV
@@ -482,3 +483,48 @@ def test_hierarchical_host_tier_counts_what_its_fills_evicted(tmp_path) -> None:
         assert (host.inserts, host.evictions) == (node.inserts, node.evictions)
         assert host.inserts - host.evictions == node.size
         layer.close()
+
+
+READ_PATHS = [("cpu", 1 << 20)] + (
+    [("cuda", 1), ("cuda", 1 << 20)] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize(("device", "gpu_read_keys"), READ_PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_hierarchical_misses_equal_torch_on_either_read_path(
+        tmp_path, device: str, gpu_read_keys: int, dtype: torch.dtype) -> None:
+    """Misses read by the GPU from the host cache (``host_gpu_read_keys`` 1) or on the CPU
+    (their rows moved as raw bytes through the pinned buffer): every dtype, an odd dim,
+    repeated keys, keys in no tier (the default row, or KeyNotFoundError)."""
+    rows, dim, known = 200, 7, 150
+    weights = torch.randn(rows, dim).to(dtype)
+    default = torch.arange(dim).to(dtype)
+    ref = torch.cat([weights[:known], default.expand(rows - known, dim)])
+    name = fresh_name()
+    hc = HostCache.create(name, capacity=64, dim=dim, dtype=dtype, ways=4)
+    ps = psclient.connect(f"file://{tmp_path}/{name}", table=name, dim=dim, dtype=dtype)
+    try:
+        ps.load(weights[:known], progress=False)
+        kw: dict[str, Any] = {"host_cache": hc, "storage": ps, "device": device,
+                              "gpu_cache_size": 32 * (dim * 4 + 12),
+                              "tuning": TierConfig(host_gpu_read_keys=gpu_read_keys)}
+        layer = NVEmbedding(rows, dim, dtype, LayerType.Hierarchical, default_row=default, **kw)
+        g = torch.Generator().manual_seed(0)
+        for _ in range(6):  # misses, host-cache hits, GPU-cache hits, admissions
+            keys = torch.randint(0, rows, (300,), generator=g)
+            keys[:40] = keys[40:80]  # repeated keys in one batch
+            assert torch.equal(layer(keys.to(device)).cpu(), ref[keys])
+        layer.flush()
+        s = layer.stats()
+        assert s.host is not None and s.storage is not None and s.default_rows > 0
+        assert s.storage.hits + s.storage.misses == s.host.misses
+        strict = NVEmbedding(rows, dim, dtype, LayerType.Hierarchical, **kw)
+        with pytest.raises(KeyNotFoundError, match="default_row"):
+            strict(torch.tensor([3, rows - 1, 5], device=device))
+        strict.close()
+        layer.close()
+    finally:
+        ps.drop()
+        ps.close()
+        hc.close()
+        HostCache.unlink(name)
