@@ -231,7 +231,7 @@ class HierarchicalStack(CachedStack):
                ) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """Rows of distinct missed keys from the lower tiers, where the keys are: ``(rows,
         found, complete)``, ``complete`` when every key was found (the counts are known on
-        the host: no sync). ``host_keys``: the same keys on the host, if at hand.
+        the host). ``host_keys``: the same keys on the host, if at hand.
 
         ``since`` is the ring cursor taken before anything was read: fills of keys
         announced after it are refused (their rows may predate the change).
