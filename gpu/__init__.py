@@ -14,6 +14,7 @@ from .errors import (
     DestructionOrderError,
     GPUError,
     KeyNotFoundError,
+    LayerClosedError,
     StorageUnavailableError,
     StorageWriteError,
 )
@@ -32,6 +33,7 @@ __all__ = [
     "GPUError",
     "InsertPolicy",
     "KeyNotFoundError",
+    "LayerClosedError",
     "LayerStats",
     "LayerType",
     "NVEmbedding",

@@ -127,11 +127,20 @@ class DeviceTable:
     def clear(self) -> None:
         pass
 
+    def flush(self) -> None:
+        pass  # a lookup leaves no work behind
+
     def stats(self) -> LayerStats:
         return LayerStats(self.layer_type, TierStats(hits=self._lookups), None, None, 0)
 
     def close(self) -> None:
+        """Let go of the table: its registration, its block's user record, the views and
+        launches bound to it (a table this stack copied to the device is freed)."""
         if self._reg is not None:
             self._reg.close()
             self._reg = None
         remove_user(self._block, self)
+        self._block = None
+        self.table = self.table.new_empty((0, self.dim))
+        self._bound.clear()
+        self._pool = None

@@ -42,6 +42,10 @@ class StorageWriteError(GPUError):
     """A write to the layer's backing storage failed; no tier of the layer was changed."""
 
 
+class LayerClosedError(GPUError):
+    """A layer was used after ``close()``; build a new layer to keep serving."""
+
+
 # -- CUDA runtime calls (gpu._cuda) --------------------------------------------------------
 
 

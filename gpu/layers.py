@@ -3,7 +3,8 @@
 Forward semantics are torch's (``F.embedding`` / ``F.embedding_bag``); where the rows
 come from is the :class:`~gpu.layer_config.LayerType`'s business: one stack per type,
 ``gpu.device_table``, ``gpu.linear_stack``, ``gpu.hierarchical_stack``.
-Inference only: outputs carry no autograd history.
+Inference only: outputs carry no autograd history. ``close()`` (or leaving a ``with``
+block) releases a layer's tables at once; a closed layer raises ``LayerClosedError``.
 
 Writes per layer type:
 
@@ -23,7 +24,7 @@ Hierarchical   parameter server first, then the shared     erase: PS, host cache
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Self
 
 import torch
 
@@ -31,6 +32,7 @@ from hostcache import HostCache, SharedMemBlock
 from psclient import ParameterServer, connect
 
 from . import ops
+from .closed_stack import ClosedStack
 from .device_table import DeviceTable
 from .devices import resolve_device
 from .distmem import DistMemBlock
@@ -92,7 +94,10 @@ def _build_tiers(
     num_embeddings: int, dim: int, dtype: torch.dtype, layer_type: LayerType, device: torch.device,
     *, gpu_cache_size: int, host_cache: Any, storage: Any, weight_init: Any, table: str | None,
     default_row: Any, insert_policy: InsertPolicy | None, tuning: TierConfig | None,
+    owned: list[Any],
 ) -> DeviceTable | LinearStack | HierarchicalStack:
+    """The layer's tier stack; the tables it opens itself (a host cache attached by name, a
+    parameter server connected from a URL) are appended to ``owned``: the layer closes them."""
     linear_blocks = (SharedMemBlock, DistMemBlock)
     policy = insert_policy if insert_policy is not None else InsertPolicy()
     if not isinstance(policy, InsertPolicy):
@@ -154,6 +159,7 @@ def _build_tiers(
         raise BadArgumentError(f"layer_type must be a gpu.LayerType; got {layer_type!r}")
     if isinstance(host_cache, str):
         host_cache = HostCache.attach(host_cache)
+        owned.append(host_cache)
     if host_cache is not None:
         if not isinstance(host_cache, HostCache):
             raise BadArgumentError("host_cache must be a hostcache.HostCache or its name")
@@ -165,6 +171,7 @@ def _build_tiers(
             raise BadArgumentError("pass table= (the parameter server's table name) with a "
                                    "storage URL")
         storage = connect(storage, table=name, dim=dim, dtype=dtype)
+        owned.append(storage)
     if storage is not None:
         if not isinstance(storage, ParameterServer):
             raise BadArgumentError("storage of a Hierarchical layer must be a "
@@ -184,6 +191,18 @@ def _build_tiers(
         default = default.to(device)
     return HierarchicalStack(host_cache, storage, dim, dtype, device, gpu_cache_size, policy,
                              default, config)
+
+
+def _close_all(tables: list[Any]) -> None:
+    """Close each table, then raise the first error any close raised."""
+    error: BaseException | None = None
+    for table in tables:
+        try:
+            table.close()
+        except BaseException as e:  # noqa: BLE001 - the others still close
+            error = error or e
+    if error is not None:
+        raise error
 
 
 class _NVBase(torch.nn.Module):
@@ -209,11 +228,18 @@ class _NVBase(torch.nn.Module):
         self.data_type = data_type
         self.layer_type = layer_type
         self.device = resolve_device(device)
-        self._tiers = _build_tiers(
-            num_embeddings, embedding_size, data_type, layer_type, self.device,
-            gpu_cache_size=gpu_cache_size, host_cache=host_cache, storage=storage,
-            weight_init=weight_init, table=table, default_row=default_row,
-            insert_policy=insert_policy, tuning=tuning)
+        #: tables the layer opened itself (by name or URL): close() closes them
+        self._owned: list[Any] = []
+        try:
+            self._tiers: DeviceTable | LinearStack | HierarchicalStack | ClosedStack = (
+                _build_tiers(
+                    num_embeddings, embedding_size, data_type, layer_type, self.device,
+                    gpu_cache_size=gpu_cache_size, host_cache=host_cache, storage=storage,
+                    weight_init=weight_init, table=table, default_row=default_row,
+                    insert_policy=insert_policy, tuning=tuning, owned=self._owned))
+        except BaseException:
+            _close_all(self._owned)  # NOTE: a failed build keeps nothing open
+            raise
         self.validate = bool(validate)
         self._tiers.validate = self.validate
         self._op = ops.register(self._tiers)
@@ -228,9 +254,10 @@ class _NVBase(torch.nn.Module):
         Raises:
             BadArgumentError: an earlier lookup held a key outside the table.
         """
+        # NOTE: first: a closed layer's stand-in raises LayerClosedError here
+        check = getattr(self._tiers, "check", None)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        check = getattr(self._tiers, "check", None)
         if check is not None:
             check.flag.raise_pending()
 
@@ -274,7 +301,7 @@ class _NVBase(torch.nn.Module):
         """bool ``[N]``: which keys this layer's GPU cache holds now (not counted as a
         lookup; a GPULayer has no cache: all False)."""
         keys, _ = self._write_args(keys, None)
-        if isinstance(self._tiers, DeviceTable):
+        if isinstance(self._tiers, DeviceTable):  # NOTE: a closed layer's in_cache raises
             return torch.zeros(keys.numel(), dtype=torch.bool, device=keys.device)
         return self._tiers.in_cache(keys).to(keys.device)
 
@@ -282,20 +309,49 @@ class _NVBase(torch.nn.Module):
         """Finish the work earlier lookups left behind: LinearUVM admits its logged misses
         now; Hierarchical finishes its host-cache fills and hit reports (they run off the
         lookup's path)."""
-        if isinstance(self._tiers, LinearStack | HierarchicalStack):
-            self._tiers.flush()
+        self._tiers.flush()
 
     def stats(self) -> LayerStats:
         """Per-tier counters of this layer (this process), plus node-wide host counters."""
         return self._tiers.stats()
 
     def close(self) -> None:
-        """Release CUDA registrations of shared tables (the tables themselves stay open)."""
-        self._tiers.close()
+        """Release what the layer holds, at once; idempotent.
+
+        Finishes the queued host-cache fills and stops the layer's worker thread, undoes
+        its CUDA registrations, frees its GPU cache (a GPULayer built from ``weight_init``:
+        its table), forgets its custom-op handle, and closes the tables the layer opened
+        itself: a host cache attached by name, a parameter server connected from a URL
+        (then no longer counted as attached by this process, e.g. by ``hostcache rm``).
+        Tables passed in as objects stay open: they are the caller's to close. Any later
+        call raises :class:`~gpu.errors.LayerClosedError`. Close a layer once no other
+        thread is inside one of its calls.
+        """
+        tiers = self._tiers
+        if isinstance(tiers, ClosedStack):
+            return
+        # NOTE: the stand-in first: later calls raise, eager or compiled (gpu.ops)
+        self._tiers = ClosedStack(f"{type(self).__name__} ({self.layer_type.name})", tiers)
+        self._op = ops.unregister(self._op, self._tiers)
+        owned, self._owned = self._owned, []
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # queued lookups may read the tables
+            tiers.close()
+        finally:
+            del tiers  # NOTE: the layer's last reference: the stack and its GPU cache go now
+            _close_all(owned)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def extra_repr(self) -> str:
+        closed = ", closed" if isinstance(self._tiers, ClosedStack) else ""
         return (f"{self.num_embeddings}, {self.embedding_size}, {self.data_type}, "
-                f"{self.layer_type.name}, device={self.device}")
+                f"{self.layer_type.name}, device={self.device}{closed}")
 
 
 class NVEmbedding(_NVBase):

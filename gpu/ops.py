@@ -12,7 +12,8 @@ CUDA graphs: a GPULayer's lookup is one kernel, safe to capture, so
 ``torch.compile(mode="reduce-overhead")`` replays it. The other stacks do host work per
 call (following the shared table's changes, admissions), which a replay would skip: their
 ops carry ``torch.Tag.cudagraph_unsafe`` where torch has it, so the compiler keeps them out
-of its graphs.
+of its graphs. A closed layer takes a new handle (:func:`unregister`): a compiled model
+traces it again instead of replaying a graph of its lookup, and the op raises.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ _UNSAFE = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t 
 
 def register(stack: Any) -> int:
     """A handle for ``stack`` (anything with ``rows``, ``pooled``, ``dim``, ``dtype``);
-    forgotten when the stack is garbage collected."""
+    forgotten when the stack is garbage collected (a closed layer's: :func:`unregister`)."""
     with _lock:
         handle = next(_next)
         _meta[handle] = (stack.dim, stack.dtype, stack.layer_type == "GPULayer")
@@ -47,6 +48,26 @@ def register(stack: Any) -> int:
 
         _stacks[handle] = weakref.ref(stack, forget)
     return handle
+
+
+def unregister(handle: int, closed: Any) -> int:
+    """Forget the stack behind ``handle``: its layer was closed, and ``closed`` is the
+    layer's stand-in, whose ``rows``/``pooled`` raise its closed error.
+
+    ``handle`` names ``closed`` from now on, and so does the handle returned, the layer's
+    new one: a compiled model guards on the layer's handle, so it traces again (a CUDA
+    graph holding the closed layer's lookup is never replayed) and its op raises. Both are
+    forgotten when ``closed`` is garbage collected.
+    """
+    with _lock:
+        if handle in _stacks:
+
+            def forget(_: object, h: int = handle) -> None:
+                _stacks.pop(h, None)
+                _meta.pop(h, None)
+
+            _stacks[handle] = weakref.ref(closed, forget)
+    return register(closed)
 
 
 def _gone(handle: int) -> BadArgumentError:
