@@ -2,21 +2,23 @@
 
 What changed: the imports (pynve -> this project's ``gpu`` package; ``gpu.compat.MPI`` is
 mpi4py's under mpirun, a COMM_WORLD over torch.distributed under torchrun, and a
-one-process COMM_WORLD when run alone), a one-line exit where no CUDA GPU is present (the
-snippet places its table and layer on CUDA devices), the table is scaled from 2**30 rows to 2**22
-(1 TiB -> 4 GiB) so that it fits the GPUs of one small machine, and the snippet's ``...``
-is filled in with a lookup that checks the rows it reads.
+one-process COMM_WORLD when run alone), the device picked on the CPU where no CUDA GPU is
+present (the snippet's two device lines run only with CUDA), the table is scaled from 2**30
+rows to 2**22 (1 TiB -> 4 GiB) so that it fits the GPUs of one small machine, and the
+snippet's ``...`` is filled in with a lookup that checks the rows it reads.
 
 ``MPIMemBlock`` is a ``gpu.DistMemBlock``: each rank's shard lives in its GPU's memory and
 every rank maps all shards into one range (rows on another GPU are read over NVLink).
+Without CUDA the shards are host memory (the block's CPU twin; pages are allocated only
+where rows are written) and the layer runs on the CPU.
 
-Run: ``python examples/seed_linear_uvm.py`` on a CUDA machine, or one process per GPU with
+Run: ``python examples/seed_linear_uvm.py``, or one process per GPU with
 ``torchrun --nproc-per-node N examples/seed_linear_uvm.py`` or
-``mpirun -n N python examples/seed_linear_uvm.py``.
+``mpirun -n N python examples/seed_linear_uvm.py``. Each rank prints
+``rank R: 1024 rows read correctly on DEVICE; GPU cache hit rate H``.
 """
 
 import gc
-import sys
 
 import torch
 
@@ -24,15 +26,14 @@ import gpu as nve_layers
 from gpu import compat as nve
 from gpu.compat import MPI
 
-if not torch.cuda.is_available():
-    sys.exit("seed_linear_uvm.py: the seed's snippet puts its table and layer on CUDA "
-             "devices, and this machine has none (torch.cuda.is_available() is False); "
-             "run it on a GPU machine")
 comm = MPI.COMM_WORLD
 mpi_rank = comm.Get_rank()
-# The 2 lines below assume the code was run with `mpirun -n N python ...` on K nodes with N/K gpus on each. Amend if different params are used  # noqa: E501
-local_device_id = mpi_rank % torch.cuda.device_count()
-local_device = torch.device(f"cuda:{local_device_id}")
+if torch.cuda.is_available():
+    # The 2 lines below assume the code was run with `mpirun -n N python ...` on K nodes with N/K gpus on each. Amend if different params are used  # noqa: E501
+    local_device_id = mpi_rank % torch.cuda.device_count()
+    local_device = torch.device(f"cuda:{local_device_id}")
+else:  # no CUDA GPU: the table's shards and the layer live on the CPU (the CPU twin)
+    local_device = torch.device("cpu")
 embedding_dim = 256
 num_table_rows = 2**22
 nve_dtype = nve.DataType_t.Float32
