@@ -13,16 +13,23 @@ from .errors import BadArgumentError, CUDAUnavailableError
 
 def resolve_device(device: object) -> torch.device:
     """``None`` (the current CUDA device, else the CPU), ``"cpu"``, ``"cuda"``,
-    ``"cuda:N"``, an int or a ``torch.device`` -> a ``torch.device`` with an index on CUDA.
+    ``"cuda:N"``, an int ``N`` (``cuda:N``) or a ``torch.device`` -> a ``torch.device``
+    with an index on CUDA.
 
     Raises:
-        BadArgumentError: not a CPU or CUDA device, or an index this process cannot see.
-        CUDAUnavailableError: a CUDA device without CUDA.
+        BadArgumentError: not a CPU or CUDA device, a negative index, or an index this
+            process cannot see.
+        CUDAUnavailableError: a CUDA device (an int too) without CUDA.
     """
     if device is None:
         if torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+    if isinstance(device, int) and not isinstance(device, bool):
+        # NOTE: torch.device(int) means the current accelerator, and raises without one
+        if device < 0:
+            raise BadArgumentError(f"a CUDA device index must be >= 0; got {device}")
+        device = torch.device("cuda", device)
     try:
         dev = torch.device(device)  # type: ignore[call-overload]
     except (RuntimeError, TypeError) as e:
