@@ -81,6 +81,15 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="validate the config, print it as JSON and exit")
 
 
+def checked_config(cfg: Any) -> dict[str, Any]:
+    """The config as ``--check`` prints it: its fields, a table's ``mode`` spelled as in
+    the file (octal, ``"0600"``)."""
+    printed = asdict(cfg)
+    for table in printed["tables"]:
+        table["mode"] = f"{table['mode']:04o}"
+    return printed
+
+
 def run(args: argparse.Namespace, out: TextIO) -> int:
     """Build the config, start the service, wait for SIGTERM/SIGINT, stop.
 
@@ -96,7 +105,7 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     cfg = build_config(args.config, overrides=overrides, table_specs=args.hostcache,
                        linear_specs=args.linear)
     if args.check:
-        print(json.dumps(asdict(cfg), indent=2, default=str), file=out)
+        print(json.dumps(checked_config(cfg), indent=2, default=str), file=out)
         return EXIT_OK
     if cfg.metrics_port >= 0:
         require("prometheus_client", "the node service's /metrics endpoint (metrics_port -1 "

@@ -91,6 +91,20 @@ def test_console_script_runs_serve_check(tmp_path: Path) -> None:
     assert [t["name"] for t in json.loads(proc.stdout)["tables"]] == ["t-check"]
 
 
+def test_serve_check_prints_each_tables_mode_in_octal(tmp_path: Path) -> None:
+    """``--check`` prints a mode as the config spells it ("0600"), not as an int (384)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "apps.cli", "serve", "--hostcache", "name=t-check,capacity=64,dim=4",
+         "--linear", "name=t-check-lin,rows=8,dim=4,mode=0660",
+         "--state-dir", str(tmp_path / "state"), "--check"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    tables = json.loads(proc.stdout)["tables"]
+    assert [(t["name"], t["mode"]) for t in tables] == [("t-check", "0600"),
+                                                        ("t-check-lin", "0660")]
+    assert not (tmp_path / "state").exists()  # --check starts nothing
+
+
 def test_import_apps_cli_leaves_the_heavy_extras_unimported() -> None:
     code = ("import sys, apps.cli, apps.demo, apps.service; "
             "assert 'matplotlib' not in sys.modules, 'matplotlib imported'; "
