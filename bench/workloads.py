@@ -1,4 +1,4 @@
-"""Key streams of the standard workload (../shared/BENCHMARKS.md): Zipf by inverse CDF over
+"""Key streams of the standard workload: Zipf by inverse CDF over
 the table, then a random permutation so hot keys are spread over the key space.
 
 The generator itself is the demo's (``apps.demo.workload.ZipfKeys``); benchmarks use
