@@ -39,11 +39,16 @@ class ServiceRunningError(AppError):
     """Another ``hostcache serve`` holds this state dir's lock (one service per node)."""
 
 
+class PSTableMissingError(AppError, LookupError):
+    """A table's parameter-server table does not exist and its config does not create it."""
+
+
 __all__ = [
     "AppError",
     "DemoError",
     "DemoInterruptedError",
     "MissingExtraError",
+    "PSTableMissingError",
     "ServiceConfigError",
     "ServiceRunningError",
 ]

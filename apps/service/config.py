@@ -154,6 +154,9 @@ class TableConfig:
     ps_url: str | None = None
     #: the table's name in the parameter server (default: ``name``).
     ps_table: str | None = None
+    #: create the parameter-server table (empty, with this dim and dtype) when it does not
+    #: exist; False: a missing one is an error (load it first with ``psclient load``).
+    ps_create: bool = False
     #: extra ``psclient.connect`` options, e.g. ``{socket_timeout = 0.5}``.
     ps_options: dict[str, Any] = field(default_factory=dict)
     #: rows pre-loaded at start: ``"none"``, ``"all"`` or the N hottest (see warmup_keys).
@@ -179,7 +182,7 @@ class TableConfig:
 
 
 _HC_FIELDS = {"name", "capacity", "dim", "dtype", "ways", "mode", "ring_capacity", "ps_url",
-              "ps_table", "ps_options", "warmup", "warmup_keys"}
+              "ps_table", "ps_create", "ps_options", "warmup", "warmup_keys"}
 _LINEAR_FIELDS = (_HC_FIELDS - {"capacity", "ways"}) | {"rows"}
 
 
@@ -202,6 +205,10 @@ def table_from_dict(kind: str, raw: Mapping[str, Any], where: str) -> TableConfi
     options = raw.get("ps_options", {})
     if not isinstance(options, Mapping):
         raise ServiceConfigError(f"{where}.ps_options", "must be a table of connect options")
+    ps_create = _bool(f"{where}.ps_create", raw.get("ps_create", False))
+    if ps_create and ps_url is None:
+        raise ServiceConfigError(f"{where}.ps_create", "needs ps_url (the parameter server to "
+                                 "create the table in); set ps_url or remove ps_create")
     warmup = _warmup(f"{where}.warmup", raw.get("warmup", "none"))
     if warmup != "none" and ps_url is None:
         raise ServiceConfigError(f"{where}.warmup", "needs ps_url (rows come from the "
@@ -225,6 +232,7 @@ def table_from_dict(kind: str, raw: Mapping[str, Any], where: str) -> TableConfi
         ps_url=ps_url,
         ps_table=None if raw.get("ps_table") is None
         else _name(f"{where}.ps_table", raw["ps_table"]),
+        ps_create=ps_create,
         ps_options=dict(options),
         warmup=warmup,
         warmup_keys=keys_file,

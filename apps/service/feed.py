@@ -43,8 +43,10 @@ from typing import Any
 import torch
 
 from hostcache import HostCache, SharedMemBlock
-from psclient import ChangeFeedGapError, PSClientError, connect
+from psclient import ChangeFeedGapError, PSClientError, TableNotFoundError, connect
+from psclient.redis_conn import redact
 
+from ..errors import PSTableMissingError
 from .config import TableConfig
 from .warmup import reload_linear
 
@@ -61,6 +63,44 @@ LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5
 def ps_identity(cfg: TableConfig) -> str:
     """A digest naming the PS table a cursor belongs to (the URL may hold a password)."""
     return hashlib.sha256(f"{cfg.ps_url}\n{cfg.ps_name}".encode()).hexdigest()[:16]
+
+
+def connect_ps(cfg: TableConfig) -> Any:
+    """Open the parameter-server table behind ``cfg``; create it only if ``ps_create``.
+
+    Without ``ps_create`` the table must exist with the configured dim and dtype: a name
+    mistyped in the config is an error, never a new empty table.
+
+    Args:
+        cfg: a table config with a ``ps_url``.
+
+    Returns:
+        The table's ``ParameterServer``.
+
+    Raises:
+        PSTableMissingError: the table does not exist and ``ps_create`` is false.
+        SchemaMismatchError: the table exists with another dim or dtype.
+        PSClientError: the parameter server cannot be reached or refuses us.
+    """
+    assert cfg.ps_url is not None  # only tables with a ps_url have a parameter server
+    if cfg.ps_create:
+        return connect(cfg.ps_url, table=cfg.ps_name, dim=cfg.dim, dtype=cfg.torch_dtype,
+                       **cfg.ps_options)
+    try:
+        ps = connect(cfg.ps_url, table=cfg.ps_name, **cfg.ps_options)
+    except TableNotFoundError:
+        url = redact(cfg.ps_url)
+        raise PSTableMissingError(
+            f"table {cfg.name!r}: parameter-server table {cfg.ps_name!r} does not exist at "
+            f"{url}; load it first (`psclient load {url} --table {cfg.ps_name} FILE`), fix "
+            "ps_url / ps_table if they are mistyped, or set ps_create = true for this table "
+            "to create it empty") from None
+    try:
+        ps.schema.check(cfg.ps_name, dim=cfg.dim, dtype=cfg.dtype, partitions=None)
+    except BaseException:
+        ps.close()
+        raise
+    return ps
 
 
 class CursorStore:
@@ -153,7 +193,7 @@ class FeedFollower(threading.Thread):
                 self._step(cursor)  # NOTE: blocks up to poll_interval for a change
                 cursor = self.state.cursor
                 failures = 0
-            except PSClientError as e:
+            except (PSClientError, PSTableMissingError) as e:
                 failures += 1
                 self._down(e, failures)
             except Exception:  # noqa: BLE001 - the thread must outlive any one bad poll
@@ -174,9 +214,7 @@ class FeedFollower(threading.Thread):
 
     def _connect(self) -> Any:
         if self._ps is None:
-            assert self.cfg.ps_url is not None  # only tables with a ps_url get a follower
-            self._ps = connect(self.cfg.ps_url, table=self.cfg.ps_name, dim=self.cfg.dim,
-                               dtype=self.cfg.torch_dtype, **self.cfg.ps_options)
+            self._ps = connect_ps(self.cfg)
             logger.info("table %s: connected to parameter server table %s", self.cfg.name,
                         self.cfg.ps_name)
         self.state.connected = True
@@ -255,7 +293,7 @@ class FeedFollower(threading.Thread):
             if idx.numel():
                 values, found = ps.lookup(idx)
                 values[~found] = 0  # erased in the PS: the linear row goes back to zeros
-                self.table.write(idx, values)
+                self.table.write(idx, values, allow_nonfinite=True)  # the PS's rows as they are
         self.state.keys_applied += int(keys.numel())
         logger.debug("table %s: applied %d changed keys", self.cfg.name, keys.numel())
 

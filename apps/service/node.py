@@ -5,6 +5,9 @@ Lifecycle (``start`` then ``stop``; ``serve`` runs both around a wait loop):
 * lock: an exclusive ``flock`` on ``<state_dir>/service.lock`` (the pid written inside);
   the kernel drops it when the process dies, so a crashed service never blocks a restart,
   and a second service for the same state dir is refused with :class:`ServiceRunningError`;
+* parameter servers: each table with a ``ps_url`` connects to its parameter-server table
+  first, before any segment is created; a table that does not exist there is an error
+  (:class:`~apps.errors.PSTableMissingError`) unless the table's ``ps_create`` is set;
 * tables: each configured table is created, or, when a segment of that name exists (the
   service crashed and replicas kept serving), re-adopted if its geometry matches the
   config exactly; any difference raises ``GeometryMismatchError`` and nothing is changed;
@@ -32,14 +35,15 @@ from hostcache import (
     HostCacheError,
     SegmentNotFoundError,
     SharedMemBlock,
+    SharedMemoryFullError,
     layout,
     segment,
 )
-from psclient import PSClientError, connect
+from psclient import PSClientError
 
 from ..errors import ServiceRunningError
 from .config import ServiceConfig, TableConfig
-from .feed import CursorStore, FeedFollower
+from .feed import CursorStore, FeedFollower, connect_ps
 from .metrics import EndpointServer
 from .warmup import warm
 
@@ -77,15 +81,21 @@ class NodeService:
 
         Raises:
             ServiceRunningError: another service holds the lock.
+            PSTableMissingError: a table's parameter-server table does not exist and its
+                ``ps_create`` is not set (checked before any segment is created).
             GeometryMismatchError: an existing segment differs from the config.
+            SharedMemoryFullError: ``/dev/shm`` has no room for a table.
         """
         self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._take_lock()
+        clients: dict[str, Any] = {}
         try:
+            for t in self.cfg.tables:
+                clients[t.name] = self._connect_ps(t)
             starts: dict[str, tuple[Any, str | None]] = {}
             for t in self.cfg.tables:
                 self._open_table(t)
-                starts[t.name] = self._prepare_feed(t)
+                starts[t.name] = self._prepare_feed(t, clients[t.name])
             for t in self.cfg.tables:
                 if t.ps_url is not None:
                     ps, cursor = starts[t.name]
@@ -102,6 +112,9 @@ class NodeService:
             self._write_endpoint()
         except BaseException:
             self._teardown(remove=True, only_created=True)
+            for ps in clients.values():  # NOTE: a follower's own client was closed by it
+                if ps is not None:
+                    ps.close()
             raise
         host, port = self.address or ("-", -1)
         logger.info("serving %d tables (%s); endpoints http://%s:%d; state dir %s",
@@ -129,14 +142,7 @@ class NodeService:
         try:
             mapping, have = segment.attach(t.name)
         except SegmentNotFoundError:
-            if t.kind == "hostcache":
-                table: HostCache | SharedMemBlock = HostCache.create(
-                    t.name, capacity=t.capacity, dim=t.dim, dtype=t.torch_dtype, ways=t.ways,
-                    ring_capacity=t.ring_capacity, mode=t.mode)
-            else:
-                table = SharedMemBlock.create(t.name, num_rows=t.capacity, dim=t.dim,
-                                              dtype=t.torch_dtype,
-                                              ring_capacity=t.ring_capacity, mode=t.mode)
+            table = self._create_table(t)
             CursorStore(self.state_dir, t).remove()  # a new table has nothing stale
             self.tables[t.name], self.adopted[t.name] = table, False
             logger.info("table %s: created (%s, %.1f MiB)", t.name, t.kind,
@@ -154,17 +160,57 @@ class NodeService:
         logger.info("table %s: re-adopted the existing segment (%d live processes attached)",
                     t.name, len(self._replicas(self.tables[t.name])))
 
-    def _prepare_feed(self, t: TableConfig) -> tuple[Any, str | None]:
-        """For a created table: connect, take the feed cursor, then warm up."""
-        if t.ps_url is None or self.adopted[t.name]:
-            return None, None
+    @staticmethod
+    def _create_table(t: TableConfig) -> HostCache | SharedMemBlock:
+        """Create the table's segment; a /dev/shm too small says what to change in the config."""
         try:
-            ps = connect(t.ps_url, table=t.ps_name, dim=t.dim, dtype=t.torch_dtype,
-                         **t.ps_options)
+            if t.kind == "hostcache":
+                return HostCache.create(
+                    t.name, capacity=t.capacity, dim=t.dim, dtype=t.torch_dtype, ways=t.ways,
+                    ring_capacity=t.ring_capacity, mode=t.mode)
+            return SharedMemBlock.create(t.name, num_rows=t.capacity, dim=t.dim,
+                                         dtype=t.torch_dtype, ring_capacity=t.ring_capacity,
+                                         mode=t.mode)
+        except SharedMemoryFullError as e:
+            if e.needed <= e.free:
+                raise  # NOTE: the kernel refused it with room to spare (e.g. ENOMEM): say so
+            size_field = "capacity" if t.kind == "hostcache" else "rows"
+            raise SharedMemoryFullError(
+                f"table {t.name!r} needs {e.needed / 2**30:,.2f} GiB of shared memory but "
+                f"{segment.SHM_DIR} has {e.free / 2**30:,.2f} GiB free: lower its {size_field} "
+                f"in the config, remove tables you no longer need (`hostcache rm`), or give "
+                f"the node more shared memory (a larger {segment.SHM_DIR}; shm_size in "
+                "docker-compose.yml)", needed=e.needed, free=e.free) from e
+
+    @staticmethod
+    def _connect_ps(t: TableConfig) -> Any:
+        """The table's parameter-server client; None without ``ps_url`` or when it fails.
+
+        A parameter server that fails here (down, refusing us, another schema) is logged:
+        the table is served without warm-up and its feed keeps trying to connect.
+
+        Raises:
+            PSTableMissingError: the PS table does not exist and ``ps_create`` is not set.
+        """
+        if t.ps_url is None:
+            return None
+        try:
+            return connect_ps(t)
+        except PSClientError as e:
+            logger.warning("table %s: parameter server not usable at start (%s); no warm-up, "
+                           "the feed keeps trying to connect", t.name, e)
+            return None
+
+    def _prepare_feed(self, t: TableConfig, ps: Any) -> tuple[Any, str | None]:
+        """Take the feed cursor, then warm up (a created table only)."""
+        if ps is None or self.adopted[t.name]:
+            return ps, None
+        try:
             cursor = ps.changes(None)[1]  # NOTE: before warm-up, so no change falls between
         except PSClientError as e:
             logger.warning("table %s: parameter server unavailable at start (%s); no warm-up, "
                            "the feed connects when it returns", t.name, e)
+            ps.close()
             return None, None
         warm(t, self.tables[t.name], ps)
         return ps, cursor

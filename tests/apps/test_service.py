@@ -97,6 +97,8 @@ mode = "0660"
      "hostcache[0] (a).warmup"),
     ('[[hostcache]]\nname = "a"\ncapacity = 8\ndim = 4\nps_url = "nowhere"\n',
      "hostcache[0] (a).ps_url"),
+    ('[[hostcache]]\nname = "a"\ncapacity = 8\ndim = 4\nps_create = true\n',
+     "hostcache[0] (a).ps_create"),
     ('[[linear]]\nname = "a"\nrows = 8\ndim = 4\nmode = "0400"\n', "linear[0] (a).mode"),
     ('metrics_port = 70000\n[[linear]]\nname = "a"\nrows = 8\ndim = 4\n', "metrics_port"),
     ('log_format = "xml"\n[[linear]]\nname = "a"\nrows = 8\ndim = 4\n', "log_format"),
@@ -248,7 +250,7 @@ def test_change_feed_invalidates_host_cache_and_replica_layer(node_cfg: Any) -> 
     try:
         layer = NVEmbedding(1000, DIM, torch.float32, LayerType.Hierarchical,
                             gpu_cache_size=4096, host_cache=t.name, storage=t.ps_url,
-                            table=t.name)
+                            table=t.name, device="cpu")
         keys = torch.tensor([3, 4])
         assert layer(keys)[:, 1].tolist() == [0.0, 0.0]  # now in the layer's GPU cache
         trainer = psclient.connect(t.ps_url, table=t.name)  # another node's writer
@@ -288,7 +290,7 @@ def test_change_feed_from_redis(node_cfg: Any, redis_url: str) -> None:
         try:
             layer = NVEmbedding(1000, DIM, torch.float32, LayerType.Hierarchical,
                                 gpu_cache_size=4096, host_cache=t.name, storage=redis_url,
-                                table=t.name)
+                                table=t.name, device="cpu")
             assert layer(torch.tensor([9]))[0, 1] == 0.0
             ps.update(torch.tensor([9]), rows_of(torch.tensor([9]), 3))
             wait_until(lambda: float(layer(torch.tensor([9]))[0, 1]) == 3.0, 10,

@@ -1,0 +1,135 @@
+"""``hostcache serve`` at start: the parameter-server tables it opens (and creates only when
+its config says so), and a table too large for /dev/shm, each refused with one line that
+says what to change and with nothing left behind."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import psclient
+from apps.errors import PSTableMissingError
+from apps.service import NodeService, ServiceConfig, build_config
+from hostcache import SharedMemoryFullError, segment
+from tests.test_failures import DIM, rows_of, write_config
+
+ROOT = Path(__file__).resolve().parents[2]
+#: rows x dim of a table far larger than any /dev/shm (4 TiB of float32 rows)
+HUGE_ROWS, HUGE_DIM = 1 << 32, 256
+
+
+@pytest.fixture
+def store(tmp_path: Path, table_name: str) -> str:
+    """A file:// parameter server holding one loaded table, named like the test table."""
+    url = f"file://{tmp_path / 'ps'}"
+    ps = psclient.connect(url, table=table_name, dim=DIM, dtype=torch.float32)
+    keys = torch.arange(10)
+    ps.insert(keys, rows_of(keys, 0))
+    ps.close()
+    return url
+
+
+def config_file(tmp_path: Path, tables: list[dict[str, Any]]) -> Path:
+    return write_config(tmp_path / "node.toml", {"state_dir": str(tmp_path / "state"),
+                                                 "metrics_port": -1}, tables)
+
+
+def serve(config: Path) -> subprocess.CompletedProcess[str]:
+    """``hostcache serve --config FILE`` as a user runs it (a subprocess)."""
+    return subprocess.run([sys.executable, "-m", "apps.cli", "serve", "--config", str(config)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def shm_entries(*names: str) -> list[str]:
+    return [p for n in names for p in (segment.shm_path(n), segment.lock_path(n))
+            if Path(p).exists()]
+
+
+def tables_of(cfg: ServiceConfig) -> list[str]:
+    return [t.name for t in cfg.tables]
+
+
+# -- parameter-server tables --------------------------------------------------------------------
+
+
+def test_a_missing_ps_table_is_an_error_and_nothing_is_created(
+        tmp_path: Path, table_name: str, store: str) -> None:
+    typo = table_name + "-typo"
+    cfg = build_config(config_file(tmp_path, [
+        {"kind": "linear", "name": f"{table_name}-lin", "rows": 64, "dim": DIM},
+        {"name": table_name, "capacity": 1024, "dim": DIM, "ps_url": store, "ps_table": typo},
+    ]), env={})
+    with pytest.raises(PSTableMissingError) as err:
+        NodeService(cfg).start()
+    msg = str(err.value)
+    assert f"parameter-server table {typo!r} does not exist" in msg
+    assert f"psclient load {store} --table {typo}" in msg and "ps_create = true" in msg
+    assert typo not in psclient.list_tables(store)  # the typo made no table
+    assert shm_entries(*tables_of(cfg)) == []  # the linear table before it was not created
+    # the lock was let go: a service with the right name starts
+    ok = NodeService(build_config(config_file(tmp_path, [
+        {"name": table_name, "capacity": 1024, "dim": DIM, "ps_url": store}]), env={}))
+    ok.start()
+    ok.stop()
+    assert shm_entries(table_name) == []
+
+
+def test_the_cli_reports_a_missing_ps_table_in_one_line(
+        tmp_path: Path, table_name: str, store: str) -> None:
+    typo = table_name + "-typo"
+    done = serve(config_file(tmp_path, [
+        {"name": table_name, "capacity": 1024, "dim": DIM, "ps_url": store, "ps_table": typo}]))
+    err = done.stderr.strip()
+    assert done.returncode == 2, err
+    assert err.startswith(f"hostcache: error: table {table_name!r}: parameter-server table "
+                          f"{typo!r} does not exist") and "\n" not in err
+    assert typo not in psclient.list_tables(store)
+    assert shm_entries(table_name) == []
+
+
+def test_ps_create_creates_the_missing_table_with_the_configured_schema(
+        tmp_path: Path, table_name: str, store: str) -> None:
+    new = table_name + "-new"
+    cfg = build_config(config_file(tmp_path, [
+        {"name": table_name, "capacity": 1024, "dim": DIM, "dtype": "float16",
+         "ps_url": store, "ps_table": new, "ps_create": True}]), env={})
+    assert cfg.tables[0].ps_create is True
+    service = NodeService(cfg)
+    service.start()
+    try:
+        assert service.health()[0]
+    finally:
+        service.stop()
+    ps = psclient.connect(store, table=new)
+    assert (ps.dim, ps.dtype, ps.size()) == (DIM, torch.float16, 0)
+    ps.close()
+
+
+# -- a table larger than /dev/shm ---------------------------------------------------------------
+
+
+def test_serve_says_to_lower_the_capacity_of_a_table_too_large_for_shm(
+        tmp_path: Path, table_name: str) -> None:
+    done = serve(config_file(tmp_path, [
+        {"name": table_name, "capacity": HUGE_ROWS, "dim": HUGE_DIM}]))
+    err = done.stderr.strip()
+    assert done.returncode == 2, err
+    assert err.startswith(f"hostcache: error: table {table_name!r} needs 4,") and "\n" not in err
+    assert "lower its capacity in the config" in err
+    assert "overcommit" not in err  # no such config field
+    assert shm_entries(table_name) == []
+
+
+def test_a_linear_table_too_large_for_shm_names_its_rows(tmp_path: Path, table_name: str) -> None:
+    cfg = build_config(config_file(tmp_path, [
+        {"kind": "linear", "name": table_name, "rows": HUGE_ROWS, "dim": HUGE_DIM}]), env={})
+    with pytest.raises(SharedMemoryFullError, match="lower its rows in the config") as err:
+        NodeService(cfg).start()
+    assert "overcommit" not in str(err.value)
+    assert err.value.needed > err.value.free
+    assert shm_entries(table_name) == []
