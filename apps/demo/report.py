@@ -12,10 +12,13 @@ import datetime as _dt
 import json
 import os
 import platform
+import tempfile
 from typing import Any, TextIO
 
 import numpy as np
 import torch
+
+from hostcache import BadArgumentError
 
 from ..extras import require
 from .config import TABLES, DemoConfig
@@ -223,15 +226,45 @@ def format_summary(report: dict[str, Any], out: TextIO) -> None:
         print(f"  WARNING: segments left behind: {report['leaked_segments']}", file=out)
 
 
+def _cannot_write(out_dir: str, e: OSError) -> BadArgumentError:
+    where = f" ({e.filename})" if e.filename and e.filename != out_dir else ""
+    return BadArgumentError(f"--out {out_dir}: cannot write the report there: "
+                            f"{e.strerror or e}{where}; give a directory you can write to")
+
+
+def check_out_dir(out_dir: str) -> None:
+    """Create ``out_dir`` if needed and make sure a file can be written there.
+
+    The demo calls it before it starts anything, so an unwritable ``--out`` costs no run.
+
+    Raises:
+        BadArgumentError: the directory cannot be created or written to.
+    """
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=out_dir, prefix=".write-check-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise _cannot_write(out_dir, e) from None
+
+
 def write_outputs(report: dict[str, Any], out_dir: str) -> dict[str, str]:
-    """Write ``demo.json`` and ``demo.png`` into ``out_dir``; returns their paths."""
-    os.makedirs(out_dir, exist_ok=True)
+    """Write ``demo.json`` and ``demo.png`` into ``out_dir``; returns their paths.
+
+    Raises:
+        BadArgumentError: the files cannot be written there.
+    """
     paths = {"json": os.path.join(out_dir, JSON_NAME), "png": os.path.join(out_dir, PNG_NAME)}
     report["outputs"] = paths
-    with open(paths["json"], "w") as f:
-        json.dump(report, f, indent=2)
-        f.write("\n")
-    plot(report, paths["png"])
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(paths["json"], "w") as f:
+            json.dump(report, f, indent=2)
+            f.write("\n")
+        plot(report, paths["png"])
+    except OSError as e:
+        raise _cannot_write(out_dir, e) from None
     return paths
 
 

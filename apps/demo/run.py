@@ -40,7 +40,7 @@ from .node import (
     start_node,
 )
 from .replica import COUNTER_FIELDS, replica_main
-from .report import build_report, write_outputs
+from .report import build_report, check_out_dir, write_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -314,11 +314,14 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         DemoError: a replica failed, a name is taken, or the run was interrupted
             (:class:`DemoInterruptedError`); everything started was cleaned up first.
         MissingExtraError: a package of the ``apps`` extra the run needs is missing.
+        BadArgumentError: ``out_dir`` cannot be created or written to (checked before
+            anything is started).
     """
     check_extras(cfg)
+    if cfg.mode != "load":  # NOTE: --load-only writes no report
+        check_out_dir(cfg.out_dir)
     t0 = time.monotonic()
     timings: dict[str, float] = {}
-    os.makedirs(cfg.out_dir, exist_ok=True)
     interrupted = False
     with _signals_raise(), contextlib.ExitStack() as stack:
         try:

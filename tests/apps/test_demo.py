@@ -109,6 +109,35 @@ def test_bad_flag_is_one_line_and_creates_nothing(
     assert our_segments(table_name) == []
 
 
+def _read_only_dir(tmp_path: Path) -> Path:
+    if os.geteuid() == 0:
+        pytest.skip("root writes into a directory without write permission")
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o555)
+    return ro
+
+
+@pytest.mark.parametrize("where", ["a file in the path", "a read-only directory"])
+def test_unwritable_out_is_one_line_before_anything_starts(
+        capsys: pytest.CaptureFixture[str], table_name: str, tmp_path: Path, where: str) -> None:
+    if where == "a file in the path":
+        (tmp_path / "file").write_text("")
+        out = tmp_path / "file" / "demo-out"
+    else:
+        out = _read_only_dir(tmp_path)
+    state = tmp_path / "state"
+    rc = main(["demo", "--prefix", table_name, "--out", str(out), "--state-dir", str(state),
+               "--rows", "20000", "--seconds", "0.5", "--replicas", "1", "--no-service",
+               "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert err.startswith(f"hostcache: error: --out {out}: cannot write the report there: ")
+    assert "give a directory you can write to" in err and err.count("\n") == 1
+    assert not state.exists()  # refused before the demo made its state or started its node
+    assert our_segments(table_name) == []
+    assert not out.exists() or list(out.iterdir()) == []
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine "
                     "without CUDA; this one has it")
 def test_device_cuda_without_cuda_is_one_line(
