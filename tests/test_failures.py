@@ -158,7 +158,7 @@ def replica(host: str, ps_url: str, key_space: int, stop: Any, out: Any,
     torch.set_num_threads(1)
     layer = NVEmbedding(key_space, DIM, torch.float32, LayerType.Hierarchical,
                         gpu_cache_size=64 * DIM * 4, host_cache=host, storage=ps_url,
-                        table=host, default_row=-1.0)
+                        table=host, default_row=-1.0, device="cpu")
     hc = HostCache.attach(host)  # for the inserts beside the layer's own handle
     gen = torch.Generator().manual_seed(os.getpid())
     versions = None if acked is None else np.frombuffer(acked, dtype=np.int64)
@@ -194,7 +194,8 @@ def updater(host: str, ps_url: str, key_space: int, stop: Any, out: Any, acked: 
 
     torch.set_num_threads(1)
     layer = NVEmbedding(key_space, DIM, torch.float32, LayerType.Hierarchical,
-                        gpu_cache_size=0, host_cache=host, storage=ps_url, table=host)
+                        gpu_cache_size=0, host_cache=host, storage=ps_url, table=host,
+                        device="cpu")
     versions = np.frombuffer(acked, dtype=np.int64)
     gen = torch.Generator().manual_seed(7)
     version = int(versions.max())
@@ -354,7 +355,7 @@ def _lookup_once(host: str, ps_url: str, key: int, out: Any) -> None:
     from gpu import LayerType, NVEmbedding
 
     layer = NVEmbedding(1000, DIM, torch.float32, LayerType.Hierarchical, gpu_cache_size=1024,
-                        host_cache=host, storage=ps_url, table=host)
+                        host_cache=host, storage=ps_url, table=host, device="cpu")
     out.put(float(layer(torch.tensor([key]))[0, 1]))
     layer.close()
 
@@ -384,7 +385,8 @@ def test_redis_down_hits_served_misses_by_policy_no_update_lost(
         def layer(**kw: Any) -> Any:
             store = psclient.connect(redis.url, table=name, **fast)
             emb = NVEmbedding(1000, DIM, torch.float32, LayerType.Hierarchical,
-                              gpu_cache_size=1024, host_cache=name, storage=store, **kw)
+                              gpu_cache_size=1024, host_cache=name, storage=store,
+                              device="cpu", **kw)
             layers.append(emb)
             return emb
 

@@ -17,6 +17,7 @@ import torch
 
 from hostcache import HostCache, SharedMemBlock, SharedMemoryFullError, segment
 from hostcache.cli import COMMANDS, main
+from tests.project import project_version
 
 CTX = mp.get_context("spawn")
 
@@ -297,7 +298,7 @@ def test_version_and_bare_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert rc == 2 and out == "" and err.count("\n") == 1
     assert "required" not in err and "give a command: ls, stat, create, rm" in err
     rc, out, _ = run(capsys, "--version")
-    assert rc == 0 and out.startswith("hostcache 0.")
+    assert rc == 0 and out == f"hostcache {project_version()}\n"
     rc, out, err = run(capsys, "create", "x", "--capacity", "8")
     assert rc == 2 and err.startswith("hostcache: error: ") and err.count("\n") == 1
     assert "usage:" not in err
