@@ -186,7 +186,10 @@ def _table_of(key: str) -> str:
 
 
 def _block_may_create(block: Block, table: str) -> bool:
-    return table in block.text or re.match(r"demo\d+-", table) is not None
+    """Whether the block names the table (a quoted name, ``--table T``), or it is one of
+    the demo's (``demo<pid>-user``): other sessions' tables are never touched."""
+    named = re.search(rf"[\"']{re.escape(table)}[\"']|--table {re.escape(table)}\b", block.text)
+    return named is not None or re.match(r"demo\d+-", table) is not None
 
 
 def _stores_named(block: Block) -> list[Path]:
@@ -219,7 +222,10 @@ def _check_config_printout(block: Block, stdout: str) -> None:
 
 
 @pytest.mark.redis
-@pytest.mark.parametrize("block", RUNNABLE, ids=[b.id for b in RUNNABLE])
+@pytest.mark.parametrize("block", [
+    pytest.param(b, id=b.id, marks=[getattr(pytest.mark, r) for r in b.requires
+                                    if r in ("gpu", "multigpu")])
+    for b in RUNNABLE])
 def test_every_block_runs_as_pasted_and_leaves_nothing(block: Block, tmp_path: Path) -> None:
     for need in block.requires:
         what, present = REQUIREMENTS[need]
@@ -232,10 +238,10 @@ def test_every_block_runs_as_pasted_and_leaves_nothing(block: Block, tmp_path: P
     env = {**os.environ, "TMPDIR": str(work / "tmp"), shmlog.ENV: str(log),
            "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
     cwd = ROOT if block.mark("run-from") == "checkout" else work
-    stores = [p for p in _stores_named(block) if not p.exists()]
+    outside = [p for p in _stores_named(block) if not p.exists()]
     if block.lang == "toml":  # --check creates nothing: not even the state dir
-        stores += [p for p in [Path(tomllib.loads(block.text).get("state_dir", "/"))]
-                   if not p.exists()]
+        outside += [p for p in [Path(tomllib.loads(block.text).get("state_dir", "/"))]
+                    if not p.exists()]
     r = redis.Redis.from_url(REDIS_URL)
     with _machine_wide_lock():
         keys_before = set(r.scan_iter(match="psc:*"))
@@ -251,13 +257,13 @@ def test_every_block_runs_as_pasted_and_leaves_nothing(block: Block, tmp_path: P
             for entry in left_shm:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(segment.SHM_DIR, entry))
-            left_stores = [str(p) for p in stores if p.exists()]
-            for p in stores:
+            left_outside = [str(p) for p in outside if p.exists()]
+            for p in outside:
                 shutil.rmtree(p, ignore_errors=True)
     assert done.returncode == 0, f"{block.id} failed:\n{done.stdout[-2000:]}{done.stderr[-3000:]}"
     assert left_shm == [], f"{block.id} left in /dev/shm: {left_shm}"
     assert left_keys == [], f"{block.id} left Redis keys: {left_keys[:10]}"
-    assert left_stores == [], f"{block.id} created outside its directory: {left_stores}"
+    assert left_outside == [], f"{block.id} created outside its directory: {left_outside}"
     for in_block, in_stdout in PRINTS:
         if in_block in block.text:
             assert in_stdout in done.stdout, done.stdout[-2000:]
