@@ -1,4 +1,4 @@
-"""The seed document's Python snippet (SEED-resource-sharing.txt), run against this project.
+"""The seed document's Python snippet (its resource-sharing example), run against this project.
 
 What changed: the imports (pynve -> this project's ``gpu`` package; ``gpu.compat.MPI`` is
 mpi4py's under mpirun, a COMM_WORLD over torch.distributed under torchrun, and a
