@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .codec import check_keys, check_values
+from .codec import check_keys, check_values, check_written
 from .errors import BadArgumentError, HandleClosedError
 from .feed import FeedBatch
-from .loader import load_into
+from .loader import Loaded, load_into
 from .schema import TableSchema
 
 
@@ -85,26 +85,47 @@ class ParameterServer(ABC):
             return (torch.zeros(0, self.dim, dtype=self.dtype), torch.zeros(0, dtype=torch.bool))
         return self._lookup(k)
 
-    def insert(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def insert(self, keys: torch.Tensor, values: torch.Tensor, *,
+               allow_nonfinite: bool = False) -> None:
         """Write rows, creating or overwriting them (the last of duplicate keys wins).
 
+        Args:
+            keys: int64 CPU tensor ``[N]``; never the reserved key ``INT64_MIN``.
+            values: ``[N, dim]`` CPU tensor of the table's dtype.
+            allow_nonfinite: store rows holding NaN or infinite values too (else refused).
+
         Raises:
-            BadKeysError, BadValuesError: bad arguments; nothing is written.
+            BadKeysError, BadValuesError: bad arguments (a key ``INT64_MIN`` is reserved);
+                nothing is written.
+            NonFiniteValuesError: a row holds NaN or an infinity and not
+                ``allow_nonfinite``; nothing is written.
             PSUnavailableError: the write could not be applied (never silently dropped).
         """
         k = self._enter(keys)
         v = check_values(values, k.size, self._schema)
+        check_written(k, v, allow_nonfinite=allow_nonfinite)
         if k.size:
             self._insert(k, v)
 
-    def update(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    def update(self, keys: torch.Tensor, values: torch.Tensor, *,
+               allow_nonfinite: bool = False) -> torch.Tensor:
         """Overwrite rows of keys that exist; keys that do not exist are not written.
+
+        Args:
+            keys: int64 CPU tensor ``[N]``; never the reserved key ``INT64_MIN``.
+            values: ``[N, dim]`` CPU tensor of the table's dtype.
+            allow_nonfinite: store rows holding NaN or infinite values too (else refused).
 
         Returns:
             bool ``[N]``: which keys existed (and were written).
+
+        Raises:
+            BadKeysError, BadValuesError, NonFiniteValuesError: as for :meth:`insert`;
+                nothing is written.
         """
         k = self._enter(keys)
         v = check_values(values, k.size, self._schema)
+        check_written(k, v, allow_nonfinite=allow_nonfinite)
         if k.size == 0:
             return torch.zeros(0, dtype=torch.bool)
         return self._update(k, v)
@@ -192,8 +213,10 @@ class ParameterServer(ABC):
         format: str | None = None,  # noqa: A002 -- the file format, as in numpy/pandas
         convert: bool = False,
         batch_size: int = 65536,
-        progress: bool = True,
-    ) -> int:
+        progress: bool | None = None,
+        duplicates: str = "refuse",
+        allow_nonfinite: bool = False,
+    ) -> Loaded:
         """Bulk-insert rows from a tensor, a ``.npy`` / ``.safetensors`` / raw file or an iterator.
 
         Args:
@@ -209,22 +232,37 @@ class ParameterServer(ABC):
             convert: cast rows of another dtype to the table's (else a dtype difference
                 raises).
             batch_size: rows per insert.
-            progress: show a tqdm progress bar.
+            progress: show a tqdm progress bar on stderr; default: only when stderr is a
+                terminal (``True`` shows it anyway, ``False`` never).
+            duplicates: what a key given to more than one row does: ``"refuse"`` (the
+                default) raises :class:`DuplicateKeysError`; ``"last"`` stores the row of
+                its last occurrence.
+            allow_nonfinite: store rows holding NaN or infinite values too (else refused).
 
         Returns:
-            The number of rows loaded.
+            The number of rows read, an ``int`` whose ``distinct`` says how many distinct
+            keys were stored and ``duplicates`` how many rows repeated an earlier key
+            (:class:`psclient.loader.Loaded`).
 
         Raises:
             BadArgumentError: no such file, unknown format, bad ``batch_size``.
             BadValuesError: rows of another length, or of another dtype without ``convert``;
                 a raw file that is not a whole number of rows.
-            BadKeysError: keys that are not 1-D integers, one per row.
+            BadKeysError: keys that are not 1-D integers, one per row, or that hold the
+                reserved key ``INT64_MIN``.
+            DuplicateKeysError: keys repeat and ``duplicates="refuse"`` (says how many and
+                the first few).
+            NonFiniteValuesError: rows hold NaN or infinite values (converted to the table's
+                dtype) and not ``allow_nonfinite`` (says how many and the first key).
             Nothing is written when one of these is raised (they are checked before the
-            first insert); an error of the store mid-way leaves the rows inserted so far.
+            first insert: a file's or tensor's keys and rows are all read once before);
+            an iterator is checked chunk by chunk, so the chunks before a refused one stay
+            written, as does every row inserted before an error of the store.
         """
         self._enter(None)
         return load_into(self, source, keys=keys, tensor=tensor, format=format,
-                         convert=convert, batch_size=batch_size, progress=progress)
+                         convert=convert, batch_size=batch_size, progress=progress,
+                         duplicates=duplicates, allow_nonfinite=allow_nonfinite)
 
     def drop(self) -> None:
         """Delete the table: rows, schema and change feed. The client is closed afterwards."""

@@ -4,7 +4,8 @@
 
     psclient ls URL [--json]
     psclient load URL --table T FILE [--tensor NAME] [--format npy|safetensors|raw]
-                  [--keys FILE] [--dim D] [--dtype DTYPE] [--batch-size N] [--no-progress]
+                  [--keys FILE] [--dim D] [--dtype DTYPE] [--batch-size N]
+                  [--duplicates refuse|last] [--allow-nonfinite] [--progress|--no-progress]
     psclient stat URL --table T [--json]
     psclient drop URL --table T
     psclient upgrade URL --table T
@@ -23,6 +24,7 @@ import contextlib
 import datetime as _dt
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -30,7 +32,7 @@ from typing import Any
 
 from .cli_common import EXIT_USAGE, OneLineParser, package_version, positive_int
 from .errors import BadArgumentError, PSClientError, SchemaMismatchError, TableNotFoundError
-from .loader import check_rows, file_format, open_keys, open_rows
+from .loader import check_finite_rows, check_rows, file_format, open_keys, open_rows
 from .names import TABLE_NAME_RULE
 from .redis_conn import redact
 from .registry import connect, list_tables
@@ -38,6 +40,8 @@ from .schema import DTYPES, dtype_name
 
 PROG = "psclient"
 EXIT_ERROR = 1
+#: exit status of an interrupted command (128 + SIGINT, as a shell reports it)
+EXIT_INTERRUPTED = 130
 
 _URLS = f"""\
 store URLs:
@@ -84,6 +88,13 @@ def _parser() -> argparse.ArgumentParser:
                     "file's rows are converted to it (default: the file's, or the table's)")
     ld.add_argument("--batch-size", type=positive_int, default=65536, metavar="N",
                     help="rows per insert (65536)")
+    ld.add_argument("--duplicates", choices=["refuse", "last"], default="refuse",
+                    help="a key given to more than one row: refuse the load (the default), "
+                    "or store the last row of each such key")
+    ld.add_argument("--allow-nonfinite", action="store_true",
+                    help="load rows holding NaN or infinite values (refused by default)")
+    ld.add_argument("--progress", action="store_true",
+                    help="show the progress bar even when stderr is not a terminal")
     ld.add_argument("--no-progress", action="store_true", help="no progress bar")
     st = sub.add_parser("stat", help="schema, row count and backend details of a table",
                         epilog=_URLS, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -166,21 +177,29 @@ def _load(args: argparse.Namespace) -> int:
     rows = open_rows(args.file, args.tensor, format=fmt, dim=dim, dtype=DTYPES[dtype], cli=True)
     check_rows(rows, dim, DTYPES[dtype], table=args.table, convert=args.dtype is not None,
                cli=True)
-    if args.keys is not None:
-        open_keys(args.keys, rows.n, cli=True)
+    ks = None if args.keys is None else open_keys(args.keys, rows.n, cli=True,
+                                                  duplicates=args.duplicates)
+    if not args.allow_nonfinite:  # NOTE: every row read once, before the table is created
+        check_finite_rows(rows, DTYPES[dtype], ks, batch_size=args.batch_size, cli=True)
     with connect(args.url, table=args.table, dim=dim, dtype=dtype) as ps:
         t0 = time.perf_counter()
         try:
             n = ps.load(args.file, keys=args.keys, tensor=args.tensor, format=fmt,
                         convert=args.dtype is not None, batch_size=args.batch_size,
-                        progress=not args.no_progress)
+                        progress=False if args.no_progress else True if args.progress else None,
+                        duplicates=args.duplicates, allow_nonfinite=True)  # NOTE: rows checked
         except BaseException:
             if stored is None:  # NOTE: this load created the table: leave the store as it was
                 with contextlib.suppress(PSClientError):
                     ps.drop()
             raise
         dt = time.perf_counter() - t0
-    print(f"loaded {n} rows into {args.table} in {dt:.2f} s ({n / max(dt, 1e-9):,.0f} rows/s)")
+    rate = f"in {dt:.2f} s ({n / max(dt, 1e-9):,.0f} rows/s)"
+    if n.duplicates:
+        print(f"loaded {args.table}: {n} rows read, {n.distinct} distinct keys stored, "
+              f"{n.duplicates} duplicates (last wins) {rate}")
+    else:
+        print(f"loaded {n} rows into {args.table} {rate}")
     return 0
 
 
@@ -248,8 +267,25 @@ def _upgrade(args: argparse.Namespace) -> int:
     return 0
 
 
+def _exit_now(status: int) -> None:
+    """End the process with ``status`` now: flush what was printed, ignore further Ctrl-C,
+    skip the interpreter's teardown (stores are closed by then; the kernel frees the rest)."""
+    with contextlib.suppress(ValueError):  # NOTE: not the main thread: no handler to change
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(status)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; returns the exit status (0 ok, 1 error, 2 bad command line)."""
+    """Run the CLI; returns the exit status (0 ok, 1 error, 2 bad command line, 130
+    interrupted).
+
+    Called with no ``argv`` (the ``psclient`` program, ``python -m psclient.cli``), an
+    interrupt (Ctrl-C) ends the process at once once its one line is printed: the
+    interpreter's teardown of torch and numba would take seconds.
+    """
     parser = _parser()
     try:
         args = parser.parse_args(argv)
@@ -267,7 +303,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_ERROR
     except KeyboardInterrupt:
         print(f"{PROG}: error: interrupted", file=sys.stderr)
-        return 130
+        if argv is None:  # NOTE: the program's own process: nothing is left to tear down
+            _exit_now(EXIT_INTERRUPTED)
+        return EXIT_INTERRUPTED
     except BrokenPipeError:  # e.g. `psclient ls URL | head`
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())

@@ -17,8 +17,9 @@ from operator import is_not
 import numpy as np
 import torch
 
-from .errors import BadKeysError, BadValuesError, CorruptValueError
-from .keys import key_problem
+from .errors import BadKeysError, BadValuesError, CorruptValueError, NonFiniteValuesError
+from .finite import nonfinite_message, nonfinite_rows
+from .keys import RESERVED_KEY, RESERVED_KEY_RULE, key_problem
 from .schema import TableSchema
 
 _SIGN = np.uint64(1 << 63)
@@ -60,6 +61,30 @@ def check_values(values: object, n: int, schema: TableSchema) -> torch.Tensor:
             f"got {list(values.shape)}"
         )
     return values.contiguous()
+
+
+def check_written(keys: np.ndarray, values: torch.Tensor, *, allow_nonfinite: bool,
+                  allow: str = "allow_nonfinite=True") -> None:
+    """What a write may store: never the reserved key; finite rows unless allowed.
+
+    Args:
+        keys: the write's keys (numpy int64, checked by :func:`check_keys`).
+        values: its rows (checked by :func:`check_values`).
+        allow_nonfinite: the caller lets NaN and infinite values be stored.
+        allow: how the caller spells that opt-in, for the message.
+
+    Raises:
+        BadKeysError: a key is :data:`~psclient.keys.RESERVED_KEY`.
+        NonFiniteValuesError: a row holds a NaN or an infinity (says how many rows and the
+            first one's key).
+    """
+    if keys.size and int(keys.min()) == RESERVED_KEY:
+        raise BadKeysError(RESERVED_KEY_RULE)
+    if not allow_nonfinite:
+        bad = nonfinite_rows(values)
+        if bad is not None:
+            raise NonFiniteValuesError(nonfinite_message(bad, torch.from_numpy(keys),
+                                                         allow=allow))
 
 
 def row_bytes_list(values: torch.Tensor, order: np.ndarray | None = None) -> list[bytes]:

@@ -25,6 +25,16 @@ class BadValuesError(BadArgumentError, TypeError):
     """Values are not a ``[N, dim]`` CPU tensor of the table's dtype; nothing was written."""
 
 
+class NonFiniteValuesError(BadValuesError):
+    """Values hold NaN or infinite elements; nothing was written. Pass
+    ``allow_nonfinite=True`` to store them anyway."""
+
+
+class DuplicateKeysError(BadKeysError):
+    """The keys of a load repeat; nothing was written. Load with ``duplicates="last"`` to let
+    the last row of each key win."""
+
+
 class UnsupportedURLError(BadArgumentError):
     """The URL scheme has no registered backend, or the URL cannot be parsed."""
 

@@ -288,10 +288,10 @@ class RowMirror:
             change(m)
         except BaseException as e:
             m.hdr[loops.STATE] = STALE  # NOTE: odd and stale: readers use LMDB until a rebuild
+            if not isinstance(e, Exception):  # NOTE: an interrupt is the caller's to report
+                raise
             log.warning("the row mirror %s could not follow a write; lookups read LMDB "
                         "until the next write rebuilds it", self.path, exc_info=True)
-            if not isinstance(e, Exception):
-                raise
             # NOTE: the write itself is committed: the caller's call succeeded
 
     def _room_for(self, m: _Mapped, n: int) -> _Mapped:

@@ -13,6 +13,15 @@ import torch
 
 _CPU = torch.device("cpu")
 
+#: The one int64 no table stores: ``INT64_MIN`` marks an empty slot of the host cache
+#: (``hostcache.layout.EMPTY_KEY`` is this value), so every tier refuses to write it.
+RESERVED_KEY = -(1 << 63)
+
+#: What to tell a caller who passed :data:`RESERVED_KEY`.
+RESERVED_KEY_RULE = (f"key {RESERVED_KEY} (INT64_MIN) is reserved to mark empty slots; "
+                     "map it to another key")
+
+
 
 def key_problem(keys: object, *, device: torch.device = _CPU,
                 any_shape: bool = False) -> str | None:

@@ -6,6 +6,13 @@ machine's (little-endian) byte order, with no header: its size must be a whole n
 rows. Keys default to ``0..N-1``; a keys source (a tensor, an int ``.npy`` or a raw file of
 little-endian int64) gives one key per row instead.
 
+A file is read as the format it is given (or its suffix names) only if its first bytes say
+it is one: an ``.npz`` archive, a torch ``.pt`` file or anything else is refused with a line
+that says what the file is and what is read. A load refuses, before its first insert, keys
+given to more than one row (unless ``duplicates="last"``), the reserved key ``INT64_MIN``,
+and rows holding NaN or infinite values (unless ``allow_nonfinite``); :mod:`psclient.load_checks`
+holds those checks.
+
 Messages name the arguments the way the caller spells them: ``tensor=NAME`` for the Python
 API, ``--tensor NAME`` for the ``psclient`` command (``cli=True``).
 """
@@ -22,7 +29,16 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
+from .codec import check_keys
 from .errors import BadArgumentError, BadKeysError, BadValuesError
+from .load_checks import (
+    StreamCensus,
+    census,
+    check_duplicates_arg,
+    not_a,
+    scan_finite,
+    sniff,
+)
 from .schema import DTYPES
 
 if TYPE_CHECKING:  # NOTE: for annotations only: base imports this module
@@ -62,8 +78,24 @@ class RowSource:
 class KeySource:
     """Random access to the int64 keys of a load, one per row."""
 
-    def __init__(self, n: int, get: _Get) -> None:
+    def __init__(self, n: int, get: _Get, distinct: int) -> None:
         self.n, self.get = n, get
+        #: how many distinct keys there are (``n`` less the repeats)
+        self.distinct = distinct
+
+
+class Loaded(int):
+    """What a load did: the rows it read (the ``int`` itself), :attr:`distinct`: the distinct
+    keys it stored, and :attr:`duplicates`: the rows that repeated an earlier row's key (the
+    last row of a key is the one stored)."""
+
+    distinct: int
+    duplicates: int
+
+    def __new__(cls, rows: int, distinct: int) -> Loaded:
+        self = super().__new__(cls, rows)
+        self.distinct, self.duplicates = distinct, rows - distinct
+        return self
 
 
 def _torch_dtype(np_dtype: np.dtype, what: str) -> torch.dtype:
@@ -96,6 +128,9 @@ def file_format(path: str | Path, fmt: str | None, *, cli: bool = False) -> str:
         return suffix[1:]
     if suffix in RAW_SUFFIXES:
         return "raw"
+    found = sniff(Path(path)) if Path(path).is_file() else None
+    if found in ("zip", "pickle"):  # NOTE: an .npz or a torch .pt: say so, not "no format"
+        raise not_a(Path(path), "npy", found, cli=cli)
     raise BadArgumentError(
         f"cannot tell the format of {str(path)!r}: use a .npy, .safetensors, .bin or .raw file, "
         f"or say it with {_arg(cli, 'format=', '--format')} (npy, safetensors or raw)"
@@ -129,10 +164,15 @@ def open_rows(source: object, tensor: str | None = None, *, format: str | None =
     if isinstance(source, (str, Path)):
         path = _file(source)
         fmt = file_format(path, format, cli=cli)
+        found = sniff(path)
         if fmt == "npy":
-            return _open_npy(path)
+            return _open_npy(path, found, cli)
         if fmt == "safetensors":
+            if found != "safetensors":
+                raise not_a(path, fmt, found, cli=cli)
             return _open_safetensors(path, tensor, cli)
+        if found in ("npy", "zip", "safetensors"):  # NOTE: raw rows may start like a pickle
+            raise not_a(path, "raw", found, cli=cli)
         if dim is None or dtype is None:
             raise BadArgumentError(
                 f"{str(path)!r} is raw rows: say their geometry with "
@@ -142,11 +182,23 @@ def open_rows(source: object, tensor: str | None = None, *, format: str | None =
     raise BadArgumentError(f"unsupported load source of type {type(source).__name__}")
 
 
-def _open_npy(path: Path) -> RowSource:
+def _load_npy(path: Path, found: str | None, what: str, cli: bool) -> np.ndarray:
+    """A ``.npy`` file memory-mapped, or why it cannot be (never numpy's pickle advice)."""
+    if found != "npy":
+        raise not_a(path, "npy", found, what=what, cli=cli)
     try:
         arr = np.load(path, mmap_mode="r", allow_pickle=False)
     except (ValueError, OSError) as e:
-        raise BadArgumentError(f"{str(path)!r} is not a plain .npy array: {e}") from e
+        if "allow_pickle" in str(e) or "Python objects" in str(e):  # NOTE: an object array
+            raise BadArgumentError(
+                f"{what} holds Python objects, not numbers: save a numeric array (e.g. "
+                "numpy.save(path, rows.astype('float32'))) and load that file") from None
+        raise BadArgumentError(f"{what} is a damaged .npy file ({e}): write it again") from e
+    return arr
+
+
+def _open_npy(path: Path, found: str | None, cli: bool) -> RowSource:
+    arr = _load_npy(path, found, repr(str(path)), cli)
     if arr.ndim != 2:
         raise BadValuesError(f"{str(path)!r} holds shape {list(arr.shape)}, need [N, dim]")
     dt = _torch_dtype(arr.dtype, repr(str(path)))
@@ -198,14 +250,18 @@ def _open_safetensors(path: Path, tensor: str | None, cli: bool) -> RowSource:
                      f"tensor {tensor!r} of {str(path)!r}")
 
 
-def open_keys(source: object, n: int, *, cli: bool = False) -> KeySource:
+def open_keys(source: object, n: int, *, cli: bool = False,
+              duplicates: str = "refuse") -> KeySource:
     """Open the keys of ``n`` rows: a tensor or array, an integer ``.npy`` file, or a raw file
-    of little-endian int64.
+    of little-endian int64; every key is read once (sorted in a copy) to count them.
 
     Raises:
-        BadKeysError: not 1-D integers, or not exactly ``n`` of them.
-        BadArgumentError: no such file, or an unreadable ``.npy``.
+        BadKeysError: not 1-D integers, not exactly ``n`` of them, or the reserved
+            ``INT64_MIN`` among them.
+        DuplicateKeysError: keys repeat and ``duplicates`` is ``"refuse"``.
+        BadArgumentError: no such file, or a file that is not what its name says.
     """
+    check_duplicates_arg(duplicates)
     what = "keys"
     arr: Any
     if isinstance(source, torch.Tensor):
@@ -213,11 +269,11 @@ def open_keys(source: object, n: int, *, cli: bool = False) -> KeySource:
     if isinstance(source, (str, Path)):
         path = _file(source)
         what = f"keys file {str(path)!r}"
+        found = sniff(path)
         if path.suffix.lower() == ".npy":
-            try:
-                arr = np.load(path, mmap_mode="r", allow_pickle=False)
-            except (ValueError, OSError) as e:
-                raise BadArgumentError(f"{what} is not a plain .npy array: {e}") from e
+            arr = _load_npy(path, found, what, cli)
+        elif found in ("npy", "zip", "safetensors"):
+            raise not_a(path, "raw", found, what=what, cli=cli)
         else:
             size = path.stat().st_size
             if size % 8:
@@ -237,7 +293,9 @@ def open_keys(source: object, n: int, *, cli: bool = False) -> KeySource:
     if arr.shape[0] != n:
         raise BadKeysError(f"{what} holds {arr.shape[0]} keys for {n} rows: give one key per row"
                            + ("" if cli else " (keys=)"))
-    return KeySource(n, lambda a, b: torch.from_numpy(np.array(arr[a:b], dtype=np.int64)))
+    distinct = census(arr, duplicates=duplicates, what=what, cli=cli)
+    return KeySource(n, lambda a, b: torch.from_numpy(np.array(arr[a:b], dtype=np.int64)),
+                     distinct)
 
 
 def check_rows(rows: RowSource, dim: int, dtype: torch.dtype, *, table: str, convert: bool,
@@ -266,14 +324,33 @@ def check_rows(rows: RowSource, dim: int, dtype: torch.dtype, *, table: str, con
         )
 
 
+def check_finite_rows(rows: RowSource, dtype: torch.dtype, keys: KeySource | None, *,
+                      batch_size: int = 65536, cli: bool = False) -> None:
+    """Read every row of ``rows`` once, as ``dtype`` (what a load stores), and refuse NaN
+    and infinite values.
+
+    Raises:
+        NonFiniteValuesError: how many rows hold one, and the first one's key.
+    """
+    scan_finite(rows.n, lambda a, b: rows.get(a, b).to(dtype),
+                (lambda i: i) if keys is None else (lambda i: int(keys.get(i, i + 1)[0])),
+                what=rows.what, converted=None if rows.dtype == dtype else _name(dtype),
+                batch_size=batch_size, cli=cli)
+
+
 def _chunks(ps: ParameterServer, source: object, keys: object, tensor: str | None,
-            fmt: str | None, convert: bool, batch_size: int
-            ) -> tuple[int | None, Iterator[tuple[Any, Any]]]:
+            fmt: str | None, convert: bool, batch_size: int, duplicates: str,
+            allow_nonfinite: bool
+            ) -> tuple[int | None, Iterator[tuple[Any, Any]], Callable[[], int]]:
+    """(rows or None for an iterator, the chunks to insert, the distinct keys inserted once
+    the chunks are spent); a file's or tensor's keys and rows are checked before."""
     if isinstance(source, (torch.Tensor, np.ndarray, str, Path)):
         rows = open_rows(source, tensor, format=fmt, dim=ps.dim, dtype=ps.dtype)
         check_rows(rows, ps.dim, ps.dtype, table=ps.table, convert=convert)
-        ks = None if keys is None else open_keys(keys, rows.n)
+        ks = None if keys is None else open_keys(keys, rows.n, duplicates=duplicates)
         dtype = ps.dtype
+        if not allow_nonfinite:
+            check_finite_rows(rows, dtype, ks, batch_size=batch_size)
 
         def gen() -> Iterator[tuple[Any, Any]]:
             for a in range(0, rows.n, batch_size):
@@ -281,10 +358,11 @@ def _chunks(ps: ParameterServer, source: object, keys: object, tensor: str | Non
                 k = torch.arange(a, b, dtype=torch.int64) if ks is None else ks.get(a, b)
                 yield k, rows.get(a, b).to(dtype)
 
-        return rows.n, gen()
+        return rows.n, gen(), lambda: rows.n if ks is None else ks.distinct
     if isinstance(source, Iterable):
         if keys is not None:
             raise BadArgumentError("keys= is not used with an iterator: yield (keys, values)")
+        seen = StreamCensus(duplicates)
 
         def split() -> Iterator[tuple[Any, Any]]:
             for item in source:
@@ -295,27 +373,36 @@ def _chunks(ps: ParameterServer, source: object, keys: object, tensor: str | Non
                 if convert and isinstance(v, torch.Tensor):
                     v = v.to(ps.dtype)
                 for a in range(0, len(k), batch_size):
-                    yield k[a:a + batch_size], v[a:a + batch_size]
+                    ck = k[a:a + batch_size]
+                    seen.add(check_keys(ck))  # NOTE: before the chunk is written
+                    yield ck, v[a:a + batch_size]
 
-        return None, split()
+        return None, split(), lambda: seen.distinct
     raise BadArgumentError(f"unsupported load source of type {type(source).__name__}")
 
 
 def load_into(ps: ParameterServer, source: object, *, keys: object, tensor: str | None,
               format: str | None, convert: bool, batch_size: int,  # noqa: A002
-              progress: bool) -> int:
+              progress: bool | None, duplicates: str = "refuse",
+              allow_nonfinite: bool = False) -> Loaded:
     """Insert every row of ``source`` into ``ps``; see :meth:`ParameterServer.load`."""
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
         raise BadArgumentError(f"batch_size must be a positive int, got {batch_size!r}")
-    total, chunks = _chunks(ps, source, keys, tensor, format, convert, batch_size)
+    check_duplicates_arg(duplicates)
+    total, chunks, distinct = _chunks(ps, source, keys, tensor, format, convert, batch_size,
+                                      duplicates, allow_nonfinite)
+    # NOTE: a file's or tensor's rows were read and checked above; an iterator's are checked
+    # by each insert
+    checked = allow_nonfinite or total is not None
     loaded = 0
     if total:
         ps._reserve(total)
-    with tqdm(total=total, unit="rows", unit_scale=True, disable=not progress,
-              desc=f"load {ps.table}") as bar:
+    # NOTE: progress=None: a bar only where stderr is a terminal (tqdm's disable=None)
+    with tqdm(total=total, unit="rows", unit_scale=True, desc=f"load {ps.table}",
+              disable=None if progress is None else not progress) as bar:
         for k, v in chunks:
-            ps.insert(k, v)
+            ps.insert(k, v, allow_nonfinite=checked)
             loaded += len(k)
             bar.update(len(k))
     log.info("loaded %d rows into table %r", loaded, ps.table)
-    return loaded
+    return Loaded(loaded, distinct())

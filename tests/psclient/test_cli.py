@@ -63,10 +63,10 @@ def test_load_stat_ls_drop(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     save_file({"a": data, "b": torch.zeros(1)}, str(tmp_path / "emb.safetensors"))
     before = dt.datetime.now(dt.UTC).replace(microsecond=0)
     assert main(["load", url, "--table", "emb", str(tmp_path / "emb.safetensors"),
-                 "--tensor", "a", "--batch-size", "128"]) == 0
+                 "--tensor", "a", "--batch-size", "128", "--progress"]) == 0
     out = capsys.readouterr()
     assert "loaded 500 rows into emb" in out.out and "rows/s" in out.out
-    assert "500" in out.err  # the tqdm bar
+    assert "500" in out.err  # the tqdm bar, asked for (stderr is not a terminal here)
     assert main(["stat", url, "--table", "emb", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert (info["rows"], info["dim"], info["dtype"], info["backend"]) == (500, 8, "float16",
