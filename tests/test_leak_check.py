@@ -3,6 +3,11 @@
 Each inner session uses this suite's conftest (star-imported), a session token of its own,
 and an environment without the outer session's log, like a second pytest run beside this
 one. Its tests write the names they create to ``names.txt`` beside them.
+
+Every inner session, and the test that inspects what it left, runs in a node namespace of
+its own (``NVEC_NODE``, docs/hostcache.md): what they create and look for is out of reach
+of every other process on the machine (other test sessions, their leak checks, a journal
+reaper, ``hostcache rm``), and does not depend on the namespace the suite runs in.
 """
 
 from __future__ import annotations
@@ -53,7 +58,9 @@ def test_leaves_a_table_and_a_lock_file_without_the_session_prefix():
 
 def test_another_session_creates_a_table_meanwhile():
     name = "foreign-" + os.urandom(5).hex()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NVEC_")}
+    # another session on this node: none of this session's variables, the same NVEC_NODE
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("NVEC_SHM_LOG", "NVEC_TEST_SESSION")}
     subprocess.run([sys.executable, "-c", "import sys; from hostcache import SharedMemBlock; "
                     "SharedMemBlock.create(sys.argv[1], num_rows=1, dim=1).close()", name],
                    env=env, check=True)
@@ -67,13 +74,22 @@ def test_clean():
 '''
 
 
-def run_session(tmp_path: Path, select: str, *args: str
+@pytest.fixture
+def node(monkeypatch: pytest.MonkeyPatch) -> str:
+    """A node namespace of this test's own, for this process and the inner session."""
+    name = f"leakcheck-{uuid.uuid4().hex[:12]}"
+    monkeypatch.setenv(segment.NODE_ENV, name)
+    return name
+
+
+def run_session(tmp_path: Path, node: str, select: str, *args: str
                 ) -> tuple[subprocess.CompletedProcess[str], dict[str, list[str]]]:
     (tmp_path / "conftest.py").write_text("from tests.conftest import *  # noqa: F403\n")
     (tmp_path / "test_inner.py").write_text(INNER)
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("NVEC_", "PYTEST_XDIST", "PYTEST_CURRENT"))}
     env["NVEC_TEST_SESSION"] = uuid.uuid4().hex[:6]
+    env[segment.NODE_ENV] = node
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", select, *args,
@@ -87,6 +103,7 @@ def run_session(tmp_path: Path, select: str, *args: str
 
 
 def present(name: str) -> list[str]:
+    """The entries of ``name`` in /dev/shm, in this process's (the test's) namespace."""
     return [os.path.basename(p) for p in (segment.shm_path(name), segment.lock_path(name))
             if os.path.exists(p)]
 
@@ -99,28 +116,30 @@ def cleanup(names: dict[str, list[str]]) -> None:
 
 
 @pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["alone", "xdist"])
-def test_the_check_fails_the_session_on_any_leftover_and_removes_it(tmp_path: Path,
-                                                                     workers) -> None:
-    out, names = run_session(tmp_path, "not clean", *workers)
+def test_the_check_fails_the_session_on_any_leftover_and_removes_it(
+        tmp_path: Path, node: str, workers: list[str]) -> None:
+    out, names = run_session(tmp_path, node, "not clean", *workers)
     try:
         report = out.stdout + out.stderr
         assert out.returncode == 1, report[-3000:]
         assert "3 passed" in report  # every test passed: the check alone failed it
         leaked = names["leak"] + names["lock"]
         assert len(leaked) == 3
+        shm, lock = segment.prefix(), segment.lock_prefix()  # the test's namespace
         for name in leaked:
-            assert "nvec-lock." + name in report and present(name) == []
+            assert lock + name in report and present(name) == []
         for name in names["leak"]:
-            assert "nvec." + name in report
+            assert shm + name in report
         foreign = names["foreign"][0]  # not this session's: neither flagged nor removed
         assert foreign not in report
-        assert present(foreign) == ["nvec." + foreign, "nvec-lock." + foreign]
+        assert present(foreign) == [shm + foreign, lock + foreign]
     finally:
         cleanup(names)
 
 
-def test_a_clean_session_passes_beside_another_sessions_tables(tmp_path: Path) -> None:
-    out, names = run_session(tmp_path, "clean or another")
+def test_a_clean_session_passes_beside_another_sessions_tables(tmp_path: Path,
+                                                               node: str) -> None:
+    out, names = run_session(tmp_path, node, "clean or another")
     try:
         assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
         assert "shared-memory entries" not in out.stdout + out.stderr
