@@ -35,7 +35,7 @@ from .table import (
     C_UPDATES,
     SharedTable,
 )
-from .validate import check_cache_keys, check_values
+from .validate import check_cache_keys, check_finite, check_values
 
 _COUNTER_CAP = 1 << 30
 
@@ -289,6 +289,7 @@ class HostCache(SharedTable):
         *,
         overwrite: bool = True,
         since: int | None = None,
+        allow_nonfinite: bool = False,
     ) -> Inserted:
         """Insert rows, best effort: evicts by policy; returns what it wrote and evicted.
 
@@ -304,12 +305,21 @@ class HostCache(SharedTable):
                 the change), and nothing is if the ring overflowed since. Together with
                 ``overwrite=False`` this makes a fill from the parameter server safe
                 against any concurrent update, here or on another node.
+            allow_nonfinite: write rows holding NaN or infinite values too (a fill passes
+                the rows a parameter server holds as they are).
 
         When more new keys than ``ways`` fall in one bucket in one batch, the extra ones
         are not inserted.
+
+        Raises:
+            BadArgumentError: bad keys (the reserved ``INT64_MIN``) or values.
+            NonFiniteValuesError: a row holds NaN or an infinity and not
+                ``allow_nonfinite``.
+            Nothing is written when one of these is raised.
         """
         _, written, evicted = self._upsert(keys, values, overwrite=overwrite,
-                                           announce_new=False, since=since)
+                                           announce_new=False, since=since,
+                                           allow_nonfinite=allow_nonfinite)
         return Inserted(written, evicted)
 
     def announce(self, keys: torch.Tensor) -> None:
@@ -330,11 +340,13 @@ class HostCache(SharedTable):
         overwrite: bool,
         announce_new: bool,
         since: int | None = None,
+        allow_nonfinite: bool = False,
     ) -> tuple[torch.Tensor, int, int]:
         """Write present keys (if ``overwrite``) and place absent ones: (bool [N] present,
         keys written, keys evicted)."""
         keys = check_cache_keys(keys)
         values = check_values(values, keys.numel(), self.geometry.dim, self.geometry.dtype)
+        check_finite(values, keys, allow_nonfinite=allow_nonfinite)
         if keys.numel() == 0:
             return torch.zeros(0, dtype=torch.bool), 0, 0
         kn = keys.numpy()
@@ -388,21 +400,25 @@ class HostCache(SharedTable):
         return int(slot.size), int(slot.size) - filled
 
     def update(
-        self, keys: torch.Tensor, values: torch.Tensor, *, insert_missing: bool = False
+        self, keys: torch.Tensor, values: torch.Tensor, *, insert_missing: bool = False,
+        allow_nonfinite: bool = False,
     ) -> torch.Tensor:
         """Overwrite rows of cached keys; returns bool [N] of keys that were cached.
 
         Every process's next lookup sees the new rows (their GPU caches drop the keys).
         With ``insert_missing`` the other keys are inserted too and announced as well (the
         write-through of a layer's ``update``: a replica that read the old row from the
-        parameter server just before is told to drop it).
+        parameter server just before is told to drop it). Rows holding NaN or an infinity
+        raise :class:`NonFiniteValuesError` (nothing written) unless ``allow_nonfinite``.
         """
         if insert_missing:
-            present, _, _ = self._upsert(keys, values, overwrite=True, announce_new=True)
+            present, _, _ = self._upsert(keys, values, overwrite=True, announce_new=True,
+                                         allow_nonfinite=allow_nonfinite)
             self._counters[C_UPDATES] += int(present.sum())
             return present
         keys = check_cache_keys(keys)
         values = check_values(values, keys.numel(), self.geometry.dim, self.geometry.dtype)
+        check_finite(values, keys, allow_nonfinite=allow_nonfinite)
         if keys.numel() == 0:
             return torch.zeros(0, dtype=torch.bool)
         with self._writing():

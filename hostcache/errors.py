@@ -16,6 +16,11 @@ class BadArgumentError(HostCacheError, ValueError):
     """An argument has the wrong value, shape, dtype or device."""
 
 
+class NonFiniteValuesError(BadArgumentError):
+    """Rows to write hold NaN or infinite values; nothing was written. Pass
+    ``allow_nonfinite=True`` to write them anyway."""
+
+
 class BadNameError(BadArgumentError):
     """A segment name is not ``[A-Za-z0-9_.-]{1,100}``."""
 

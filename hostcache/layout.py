@@ -80,6 +80,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from psclient.keys import RESERVED_KEY
+
 from .errors import (
     BadArgumentError,
     CorruptedHeaderError,
@@ -98,8 +100,9 @@ KIND_HOST_CACHE = 1
 KIND_LINEAR = 2
 KIND_NAMES = {KIND_HOST_CACHE: "hostcache", KIND_LINEAR: "linear"}
 
-#: reserved key marking an empty host-cache slot; users may use every other int64.
-EMPTY_KEY = -(1 << 63)
+#: reserved key marking an empty host-cache slot; users may use every other int64. The one
+#: definition is ``psclient.keys.RESERVED_KEY``: every tier refuses to write it.
+EMPTY_KEY = RESERVED_KEY
 
 PROC_SLOTS = 256
 PROC_WORDS = 16

@@ -18,7 +18,7 @@ from . import layout
 from .gate import TableGate, gate_for
 from .segment import Mapping, check_mode
 from .table import C_HITS, C_LOOKUPS, C_UPDATES, SharedTable
-from .validate import check_indices, check_keys, check_values, dedup_last
+from .validate import check_finite, check_indices, check_keys, check_values, dedup_last
 
 
 class SharedMemBlock(SharedTable):
@@ -110,13 +110,21 @@ class SharedMemBlock(SharedTable):
         with self.gate:
             return self._rows.index_select(0, idx)
 
-    def write(self, indices: torch.Tensor, values: torch.Tensor) -> None:
+    def write(self, indices: torch.Tensor, values: torch.Tensor, *,
+              allow_nonfinite: bool = False) -> None:
         """Write rows and tell every process's GPU cache to drop them (last duplicate wins).
 
         In this process the write waits for lookups in flight (:attr:`gate`), so none
-        returns a row half old, half new; writes from other processes are not gated."""
+        returns a row half old, half new; writes from other processes are not gated.
+
+        Raises:
+            BadArgumentError: bad indices or values; nothing is written.
+            NonFiniteValuesError: a row holds NaN or an infinity and not
+                ``allow_nonfinite``; nothing is written.
+        """
         idx = check_indices(indices, self.num_rows)
         values = check_values(values, idx.numel(), self.dim, self.dtype)
+        check_finite(values, idx, allow_nonfinite=allow_nonfinite, key_word="index")
         if idx.numel() == 0:
             return
         with self.gate.writing(), self._writing():

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from psclient.keys import key_problem
+from psclient.finite import nonfinite_message, nonfinite_rows
+from psclient.keys import RESERVED_KEY_RULE, key_problem
 
-from .errors import BadArgumentError
+from .errors import BadArgumentError, NonFiniteValuesError
 from .layout import EMPTY_KEY
 
 
@@ -26,10 +27,23 @@ def check_cache_keys(keys: object) -> torch.Tensor:
     # NOTE: the reserved key is INT64_MIN: a minimum tells, and numpy's costs a tenth of a
     # torch comparison and reduction on a lookup's few hundred keys
     if keys.numel() and int(keys.numpy().min()) == EMPTY_KEY:
-        raise BadArgumentError(
-            f"key {EMPTY_KEY} (INT64_MIN) is reserved to mark empty slots; map it to another key"
-        )
+        raise BadArgumentError(RESERVED_KEY_RULE)
     return keys
+
+
+def check_finite(values: torch.Tensor, keys: torch.Tensor, *, allow_nonfinite: bool,
+                 key_word: str = "key") -> None:
+    """Rows a write stores hold no NaN or infinity, unless the caller allows them.
+
+    Raises:
+        NonFiniteValuesError: how many rows hold one, and the first one's key (``index``
+            of a linear table); nothing was written.
+    """
+    if allow_nonfinite:
+        return
+    bad = nonfinite_rows(values)
+    if bad is not None:
+        raise NonFiniteValuesError(nonfinite_message(bad, keys, key_word=key_word))
 
 
 def check_values(
