@@ -15,6 +15,7 @@ from .errors import (
     GPUError,
     KeyNotFoundError,
     LayerClosedError,
+    NonFiniteValuesError,
     StorageUnavailableError,
     StorageWriteError,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "LayerType",
     "NVEmbedding",
     "NVEmbeddingBag",
+    "NonFiniteValuesError",
     "StorageUnavailableError",
     "StorageWriteError",
     "TierConfig",

@@ -17,6 +17,11 @@ class BadArgumentError(GPUError, ValueError):
     """An argument has the wrong value, shape, dtype or device."""
 
 
+class NonFiniteValuesError(BadArgumentError):
+    """Rows to write hold NaN or infinite values; nothing was written. Pass
+    ``allow_nonfinite=True`` to write them anyway."""
+
+
 class CUDAUnavailableError(GPUError):
     """A CUDA device was asked for but torch.cuda is not available in this process."""
 

@@ -389,7 +389,9 @@ class HierarchicalStack(CachedStack):
         keys = torch.cat([k for k, _, _ in fills])
         values = torch.cat([v for _, v, _ in fills])
         since = min(c for _, _, c in fills)
-        done = self.host.insert(keys, values, overwrite=False, since=since)
+        # NOTE: the rows as the parameter server holds them: not checked again
+        done = self.host.insert(keys, values, overwrite=False, since=since,
+                                allow_nonfinite=True)
         self._host[2] += done.written
         self._host[3] += done.evicted
 
@@ -407,9 +409,9 @@ class HierarchicalStack(CachedStack):
         if self.ps is not None:
             try:
                 if op == "update":
-                    found = self.ps.update(ck, cv)
+                    found = self.ps.update(ck, cv, allow_nonfinite=True)  # layer-checked
                 elif op == "insert":
-                    self.ps.insert(ck, cv)
+                    self.ps.insert(ck, cv, allow_nonfinite=True)
                 else:
                     self.ps.erase(ck)
             except PSClientError as e:
@@ -421,10 +423,11 @@ class HierarchicalStack(CachedStack):
             if op == "erase":
                 self.host.erase(ck)
             elif self.ps is None and op == "update":
-                found = self.host.update(ck, cv)
+                found = self.host.update(ck, cv, allow_nonfinite=True)
             else:  # write-through that announces every key to every process
                 assert cv is not None
-                self.host.update(ck[found], cv[found], insert_missing=True)
+                self.host.update(ck[found], cv[found], insert_missing=True,
+                                 allow_nonfinite=True)
         with self.guard:
             self.pending.drop()
             self.follower.sync()

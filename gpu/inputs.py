@@ -6,10 +6,11 @@ import functools
 
 import torch
 
+from psclient.finite import nonfinite_message, nonfinite_rows
 from psclient.keys import key_problem
 
 from .devices import same_device
-from .errors import BadArgumentError
+from .errors import BadArgumentError, NonFiniteValuesError
 from .layer_config import PoolingMode
 
 
@@ -124,12 +125,26 @@ def bags(
     return flat.contiguous(), full.contiguous(), per_sample_weights
 
 
-def check_values(values: object, n: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
-    """Rows for a write: [n, dim] of the layer's dtype (any device; moved by the caller)."""
+def check_values(values: object, n: int, dim: int, dtype: torch.dtype, *,
+                 keys: torch.Tensor | None = None, allow_nonfinite: bool = False
+                 ) -> torch.Tensor:
+    """Rows for a write: [n, dim] of the layer's dtype (any device; moved by the caller),
+    holding no NaN or infinity unless ``allow_nonfinite`` (on a CUDA tensor that check is
+    one host sync: writes only, never lookups).
+
+    Raises:
+        BadArgumentError: not such a tensor.
+        NonFiniteValuesError: a row holds NaN or an infinity (how many rows, the first one's
+            key from ``keys``).
+    """
     if not isinstance(values, torch.Tensor):
         raise BadArgumentError(f"values must be a torch.Tensor; got {type(values).__name__}")
     if values.dtype != dtype:
         raise BadArgumentError(f"values must have the layer's dtype {dtype}; got {values.dtype}")
     if tuple(values.shape) != (n, dim):
         raise BadArgumentError(f"values must have shape [{n}, {dim}]; got {tuple(values.shape)}")
+    if not allow_nonfinite:
+        bad = nonfinite_rows(values)
+        if bad is not None:
+            raise NonFiniteValuesError(nonfinite_message(bad, keys))
     return values

@@ -30,6 +30,7 @@ import torch
 
 from hostcache import HostCache, SharedMemBlock
 from psclient import ParameterServer, connect
+from psclient.keys import RESERVED_KEY, RESERVED_KEY_RULE
 
 from . import ops
 from .closed_stack import ClosedStack
@@ -261,30 +262,45 @@ class _NVBase(torch.nn.Module):
         if check is not None:
             check.flag.raise_pending()
 
-    def _write_args(self, keys: object, values: object | None) -> tuple[torch.Tensor, Any]:
+    def _write_args(self, keys: object, values: object | None, allow_nonfinite: bool = False
+                    ) -> tuple[torch.Tensor, Any]:
         if not isinstance(keys, torch.Tensor) or keys.dtype != torch.int64 or keys.dim() != 1:
             raise BadArgumentError("keys must be a 1-D int64 tensor")
         if values is not None:
-            values = check_values(values, keys.numel(), self.embedding_size, self.data_type)
+            if keys.numel() and int(keys.min()) == RESERVED_KEY:  # NOTE: before any tier
+                raise BadArgumentError(RESERVED_KEY_RULE)
+            # NOTE: the one finiteness check of a layer's write: its tiers are told the rows
+            # were checked (allow_nonfinite=True), so none reads them again
+            values = check_values(values, keys.numel(), self.embedding_size, self.data_type,
+                                  keys=keys, allow_nonfinite=allow_nonfinite)
         return keys, values
 
     @torch.no_grad()
-    def update(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    def update(self, keys: torch.Tensor, values: torch.Tensor, *,
+               allow_nonfinite: bool = False) -> torch.Tensor:
         """Overwrite the rows of keys that exist; returns bool ``[N]``: which were written.
 
         A key the table does not hold (for a Hierarchical layer: not in the parameter
         server, or, without one, not in the host cache) is not written and reads False:
         :meth:`insert` creates rows. Linear tables hold every row in range: all True.
         After it returns, no lookup in any process of the node returns the old rows.
+
+        Raises:
+            NonFiniteValuesError: a row holds NaN or an infinity and not
+                ``allow_nonfinite``; no tier is written (on CUDA the check is one host
+                sync).
         """
-        keys, values = self._write_args(keys, values)
+        keys, values = self._write_args(keys, values, allow_nonfinite)
         return self._tiers.update(keys, values)
 
     @torch.no_grad()
-    def insert(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def insert(self, keys: torch.Tensor, values: torch.Tensor, *,
+               allow_nonfinite: bool = False) -> None:
         """Write rows, creating those that do not exist (for a Hierarchical layer: in the
-        parameter server, then the host cache); announced to every process like update."""
-        keys, values = self._write_args(keys, values)
+        parameter server, then the host cache); announced to every process like update.
+        Rows holding NaN or an infinity raise ``NonFiniteValuesError`` (no tier written)
+        unless ``allow_nonfinite``."""
+        keys, values = self._write_args(keys, values, allow_nonfinite)
         self._tiers.insert(keys, values)
 
     @torch.no_grad()
