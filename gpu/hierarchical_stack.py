@@ -32,7 +32,7 @@ from .errors import KeyNotFoundError, StorageUnavailableError, StorageWriteError
 from .host_filler import HostFiller
 from .layer_config import InsertPolicy, LayerStats, PoolingMode, TierStats
 from .miss_list import MissList
-from .miss_loops import dedup_first
+from .miss_twin import GATE as MISS_LOOPS
 from .staging import PinnedStaging
 from .tier_config import TierConfig
 
@@ -120,7 +120,7 @@ class HierarchicalStack(CachedStack):
         (:meth:`_serve_misses_on_device`); fewer are resolved on the CPU straight into one
         buffer (on CUDA this thread's pinned one, :mod:`gpu.staging`): each miss's key,
         position and row, sent in one copy and placed with one scatter."""
-        ukeys, inverse = dedup_first(mkeys)
+        ukeys, inverse = MISS_LOOPS.pick().dedup_first(mkeys)  # NOTE: compiled once ready
         u, m = ukeys.size, mkeys.size
         cuda = values.is_cuda
         if cuda and self._reg is not None and u >= self.config.host_gpu_read_keys:

@@ -25,6 +25,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .miss_twin import GATE as MISS_LOOPS
+
 
 class MissList:
     """One thread's list of a lookup's misses (grown, never shrunk).
@@ -44,9 +46,6 @@ class MissList:
         self._pairs = np.empty((0, 2), dtype=np.int64)
         self._host: torch.Tensor | None = None
         self._open = False  # a lookup was given the list and its misses not yet taken
-        from .miss_loops import take_listed  # NOTE: numba loads with the first list
-
-        self._take = take_listed
 
     def ensure(self, n: int) -> None:
         """Get the list ready for a lookup of ``n`` keys (every one may miss), whose
@@ -79,7 +78,8 @@ class MissList:
         if self.cap == 0 or self._pairs[0, 1] < 0:  # NOTE: every key hit: no call at all
             empty = np.empty(0, dtype=np.int64)
             return empty, empty
-        keys, where = self._take(self._pairs)  # NOTE: one compiled call (gpu.miss_loops)
+        # NOTE: one compiled call (gpu.miss_loops), or its numpy twin until that is ready
+        keys, where = MISS_LOOPS.pick().take_listed(self._pairs)
         hi = keys.size
         self.start += hi
         if self.start > 1 << 30:

@@ -70,3 +70,13 @@ def dedup_first(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
                 break
             h = (h + 1) & mask
     return ukeys[:u], inverse
+
+
+def warm_up() -> None:
+    """Compile both loops (or load them from numba's cache) in the argument types a
+    lookup's miss path calls them with; :mod:`psclient.loop_gate` runs this in a child
+    process, then here."""
+    pairs = np.full((2, 2), -1, np.int64)
+    pairs[0] = (7, 0)
+    keys, _ = take_listed(pairs)
+    dedup_first(keys)

@@ -15,7 +15,7 @@ counters pass 2**30 has them halved.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Self
+from typing import NamedTuple, Self
 
 import numpy as np
 import torch
@@ -35,24 +35,17 @@ from .table import (
     C_UPDATES,
     SharedTable,
 )
+from .table_twin import GATE as LOOPS
 from .validate import check_cache_keys, check_finite, check_values
 
 _COUNTER_CAP = 1 << 30
 
 
-class _LoadLoops:
-    """Stands for :mod:`hostcache.table_loops` until a host cache is first mapped: then it
-    imports it (and numba with it, half a second) and puts the module in its place, so
-    ``import hostcache`` alone, and processes that use no host cache, never load numba."""
-
-    def __getattr__(self, name: str) -> Any:
-        from . import table_loops as loops
-
-        globals()["table_loops"] = loops
-        return getattr(loops, name)
-
-
-table_loops: Any = _LoadLoops()
+#: the per-key loops for this call: compiled (:mod:`hostcache.table_loops`) once they are
+#: ready, their numpy twin (:mod:`hostcache.table_twin`) until then; the first call asks
+#: for them (psclient.loop_gate: compiled in a child process, then loaded here), so a
+#: process never waits for numba
+_loops = LOOPS.pick
 
 
 class Inserted(NamedTuple):
@@ -170,7 +163,6 @@ class HostCache(SharedTable):
         self._npolicy = self._policy.numpy()
         self._npolicy2 = self._policy2.numpy()
         self._nraw = raw.view(slots, geo.row_stride).numpy()
-        table_loops.warm_up()
 
     def _drop_views(self) -> None:
         empty = torch.empty(0)
@@ -212,9 +204,9 @@ class HostCache(SharedTable):
         hit = np.empty(n, np.bool_)
 
         def chunk(lo: int, hi: int) -> int:
-            return int(table_loops.lookup(self._nkeys, self._nkeys2, self._nversions,
-                                          self._nraw, self._npolicy, geo.num_buckets,
-                                          kn[lo:hi], rows[lo:hi], hit[lo:hi], count))
+            return int(_loops().lookup(self._nkeys, self._nkeys2, self._nversions,
+                                       self._nraw, self._npolicy, geo.num_buckets,
+                                       kn[lo:hi], rows[lo:hi], hit[lo:hi], count))
 
         # NOTE: a large batch on a few threads at once (psclient.split: the loop waits on
         # memory and releases the GIL)
@@ -235,7 +227,7 @@ class HostCache(SharedTable):
             raise BadArgumentError(f"weight must be an int >= 1; got {weight!r}")
         self._live()
         slot, found = self._probe(keys.numpy())
-        table_loops.add_policy(self._npolicy, slot, found, weight)
+        _loops().add_policy(self._npolicy, slot, found, weight)
 
     def contains(self, keys: torch.Tensor) -> torch.Tensor:
         """bool [N]: whether each key is cached now (no counters touched)."""
@@ -266,8 +258,8 @@ class HostCache(SharedTable):
         writer lock."""
         slot = np.empty(keys.shape[0], np.int64)
         found = np.empty(keys.shape[0], np.bool_)
-        bucket = table_loops.buckets(keys, self.geometry.num_buckets)
-        table_loops.find(self._nkeys2, keys, bucket, slot, found)
+        bucket = _loops().buckets(keys, self.geometry.num_buckets)
+        _loops().find(self._nkeys2, keys, bucket, slot, found)
         return slot, found
 
     # -- writes --------------------------------------------------------------------------
@@ -277,10 +269,10 @@ class HostCache(SharedTable):
                          with_policy: bool) -> None:
         """The seqlock write: versions odd (readers treat the slots as misses), the new
         contents, versions even again (committed); each a compiled call of its own."""
-        table_loops.bump_versions(self._nversions, slots)
-        table_loops.write_slots(self._nkeys, self._nraw, self._npolicy, slots, keys, rows,
-                                src, policy, with_rows, with_policy)
-        table_loops.bump_versions(self._nversions, slots)
+        _loops().bump_versions(self._nversions, slots)
+        _loops().write_slots(self._nkeys, self._nraw, self._npolicy, slots, keys, rows,
+                             src, policy, with_rows, with_policy)
+        _loops().bump_versions(self._nversions, slots)
 
     def insert(
         self,
@@ -351,7 +343,7 @@ class HostCache(SharedTable):
             return torch.zeros(0, dtype=torch.bool), 0, 0
         kn = keys.numpy()
         with self._writing():
-            ukeys, last, inverse = table_loops.dedup_last(kn)
+            ukeys, last, inverse = _loops().dedup_last(kn)
             refused = False
             if since is not None:
                 changed, _, overflowed = self.ring.changes_since(since)
@@ -391,12 +383,12 @@ class HostCache(SharedTable):
         """Place keys that are not cached (key ``i``'s row is ``rows[src[i]]``, raw bytes;
         the ways of ``protected_slots`` are not taken); returns (written, evicted). Under
         the lock."""
-        slot, nkeys, nsrc, npol, touched, filled = table_loops.plan_new(
+        slot, nkeys, nsrc, npol, touched, filled = _loops().plan_new(
             self._nkeys2, self._npolicy2, keys, src, bucket, np.sort(protected_slots))
         if slot.size:
             self._write_seqlocked(slot, nkeys, rows, nsrc, npol, True, True)
         self._header[layout.W_SIZE] += filled
-        table_loops.decay(self._npolicy2, touched, _COUNTER_CAP)
+        _loops().decay(self._npolicy2, touched, _COUNTER_CAP)
         return int(slot.size), int(slot.size) - filled
 
     def update(
@@ -422,7 +414,7 @@ class HostCache(SharedTable):
         if keys.numel() == 0:
             return torch.zeros(0, dtype=torch.bool)
         with self._writing():
-            ukeys, last, inverse = table_loops.dedup_last(keys.numpy())
+            ukeys, last, inverse = _loops().dedup_last(keys.numpy())
             slot, found = self._probe(ukeys)
             if found.any():
                 self._write_seqlocked(slot[found], ukeys[found], _row_bytes(values),
@@ -441,7 +433,7 @@ class HostCache(SharedTable):
         if keys.numel() == 0:
             return torch.zeros(0, dtype=torch.bool)
         with self._writing():
-            ukeys, _, inverse = table_loops.dedup_last(keys.numpy())
+            ukeys, _, inverse = _loops().dedup_last(keys.numpy())
             slot, found = self._probe(ukeys)
             gone = slot[found]
             n = int(gone.size)

@@ -32,13 +32,12 @@ import numpy as np
 from numba import njit, types
 from numba.extending import intrinsic
 
-from .layout import EMPTY_KEY
-
 _M1 = np.uint64(0xFF51AFD7ED558CCD)
 _M2 = np.uint64(0xC4CEB9FE1A85EC53)
 _S33 = np.uint64(33)
 _POS = np.uint64(0x7FFFFFFFFFFFFFFF)
-_EMPTY = np.int64(EMPTY_KEY)
+#: ``hostcache.layout.EMPTY_KEY`` (not imported: the compiling child process loads no torch)
+_EMPTY = np.int64(-(1 << 63))
 #: a way that must not be taken (its key is being written by the same insert)
 PROTECTED = np.int64(np.iinfo(np.int32).max)
 
@@ -296,9 +295,9 @@ _warm_lock = threading.Lock()
 
 def warm_up() -> None:
     """Compile every loop (or load it from numba's cache beside this module) once per
-    process, in the argument types the host cache calls them with: a table's first lookup
-    or insert then costs what the next ones do (a compilation takes seconds, a cached load
-    tens of milliseconds a loop)."""
+    process, in the argument types the host cache calls them with (a compilation takes
+    seconds, a cached load milliseconds a loop); :mod:`psclient.loop_gate` runs this in a
+    child process, then here, while :mod:`hostcache.table_twin` serves."""
     global _warm
     if _warm:
         return
