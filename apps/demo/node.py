@@ -86,7 +86,7 @@ def load_tables(cfg: DemoConfig, ps_url: str, created: list[str], *,
                 created.append(name)
                 loaded += 1
                 rows = build_rows(cfg.rows, cfg.dim, seed=cfg.seed * 1000 + i)
-                ps.load(rows, progress=cfg.progress, batch_size=1 << 16)
+                ps.load(rows, progress=None if cfg.progress else False, batch_size=1 << 16)
             finally:
                 ps.close()
     except PSClientError as e:

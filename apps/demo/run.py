@@ -175,7 +175,7 @@ class Fleet:
         total = round(self.cfg.seconds, 1)
         for rid, r in enumerate(self.replicas):
             r.bar = tqdm(total=total, desc=f"replica {rid}", position=rid, unit="s",
-                         disable=not self.cfg.progress, leave=True,
+                         disable=None if self.cfg.progress else True, leave=True,
                          bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.1f}/{total:.1f} s"
                                     "{postfix}")
 

@@ -72,10 +72,11 @@ def load_rows(cfg: TableConfig, table: HostCache | SharedMemBlock, ps: Any,
             k = keys[start : start + BATCH]
             values, found = ps.lookup(k)
             if isinstance(table, HostCache):
-                table.insert(k[found], values[found], overwrite=False)
+                # NOTE: the parameter server's rows as it holds them: not checked again
+                table.insert(k[found], values[found], overwrite=False, allow_nonfinite=True)
             else:
                 values[~found] = 0
-                table.write(k, values)
+                table.write(k, values, allow_nonfinite=True)
             loaded += int(found.sum())
             bar.update(k.numel())
     return loaded
