@@ -6,7 +6,8 @@
 
 from __future__ import annotations
 
-from .base import ParameterServer
+from typing import TYPE_CHECKING
+
 from .errors import (
     BadArgumentError,
     BadKeysError,
@@ -25,9 +26,26 @@ from .errors import (
     TableNotFoundError,
     UnsupportedURLError,
 )
-from .feed import FeedBatch
-from .registry import connect, list_tables, register_backend, schemes
-from .schema import LAYOUT_VERSION, TableSchema
+from .lazy import lazy_names
+
+if TYPE_CHECKING:
+    from .base import ParameterServer
+    from .feed import FeedBatch
+    from .registry import connect, list_tables, register_backend, schemes
+    from .schema import LAYOUT_VERSION, TableSchema
+
+# NOTE: the names below are imported on first use (PEP 562), so `import psclient` (and every
+# command line under it) loads torch only when something needs it.
+__getattr__, __dir__ = lazy_names(__name__, globals(), {
+    "ParameterServer": ".base",
+    "FeedBatch": ".feed",
+    "connect": ".registry",
+    "list_tables": ".registry",
+    "register_backend": ".registry",
+    "schemes": ".registry",
+    "LAYOUT_VERSION": ".schema",
+    "TableSchema": ".schema",
+})
 
 __all__ = [
     "LAYOUT_VERSION",

@@ -10,16 +10,23 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from .codec import check_keys, check_values, check_written
 from .errors import BadArgumentError, HandleClosedError
 from .feed import FeedBatch
-from .loader import Loaded, load_into
+from .lazy import deferred, lazy_import
 from .schema import TableSchema
+
+if TYPE_CHECKING:
+    import torch
+
+    from .loader import Loaded, load_into
+else:  # NOTE: torch (and the file readers of load()) load when rows are first handled
+    torch = lazy_import("torch", globals())
+    load_into = deferred("psclient.loader", "load_into")
 
 
 class ParameterServer(ABC):

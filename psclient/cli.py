@@ -28,15 +28,23 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .cli_common import EXIT_USAGE, OneLineParser, package_version, positive_int
+from .cli_common import EXIT_USAGE, OneLineParser, add_version, positive_int
 from .errors import BadArgumentError, PSClientError, SchemaMismatchError, TableNotFoundError
-from .loader import check_finite_rows, check_rows, file_format, open_keys, open_rows
+from .lazy import deferred
 from .names import TABLE_NAME_RULE
-from .redis_conn import redact
 from .registry import connect, list_tables
 from .schema import DTYPES, dtype_name
+
+if TYPE_CHECKING:
+    from .loader import check_finite_rows, check_rows, file_format, open_keys, open_rows
+    from .redis_conn import redact
+else:  # NOTE: torch, the file readers and redis-py load when a command needs them
+    check_finite_rows, check_rows, file_format, open_keys, open_rows = (
+        deferred("psclient.loader", f)
+        for f in ("check_finite_rows", "check_rows", "file_format", "open_keys", "open_rows"))
+    redact = deferred("psclient.redis_conn", "redact")
 
 PROG = "psclient"
 EXIT_ERROR = 1
@@ -61,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog=PROG,
                       description="Create, fill, inspect and drop parameter-server tables.",
                       epilog=_URLS, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
+    add_version(p)
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
     ls = sub.add_parser("ls", help="list the tables of a store", epilog=_URLS,
                         formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -13,14 +13,20 @@ from __future__ import annotations
 
 from itertools import repeat
 from operator import is_not
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from .errors import BadKeysError, BadValuesError, CorruptValueError, NonFiniteValuesError
 from .finite import nonfinite_message, nonfinite_rows
 from .keys import RESERVED_KEY, RESERVED_KEY_RULE, key_problem
+from .lazy import lazy_import
 from .schema import TableSchema
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_import("torch", globals())
 
 _SIGN = np.uint64(1 << 63)
 _M1 = np.uint64(0xFF51AFD7ED558CCD)

@@ -11,9 +11,16 @@ table and resumes from ``err.cursor``. docs/psclient.md, "Change feed", states t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+from .lazy import lazy_import
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_import("torch", globals())
 
 
 @dataclass(frozen=True)

@@ -33,12 +33,11 @@ import time
 from collections.abc import Iterator
 from itertools import compress, repeat
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import lmdb
 import numpy as np
-import torch
 
 from .base import ParameterServer
 from .codec import (
@@ -60,7 +59,13 @@ from .errors import (
 )
 from .feed import FeedBatch, make_batch
 from .file_mirror import RowMirror, scan_rows
+from .lazy import lazy_import
 from .schema import TableSchema
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_import("torch", globals())
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ path through its API reaches 5 M rows/s; the mirror's probe is one hashed slot a
 copy, whose misses overlap (bench/RESULTS.md, "Parameter server clients").
 
 One file per table beside the LMDB files, ``rows.<table>.nvidx``: a header of int64 words
-(:mod:`psclient.mirror_loops` names them), then the slots' keys and row indices, a stack of
+(:mod:`psclient.mirror_layout` names them), then the slots' keys and row indices, a stack of
 free rows, and the rows. Protocol:
 
 * **Writers** (every psclient write of rows, under one ``flock`` per store directory,
@@ -48,13 +48,19 @@ import time
 from collections.abc import Callable, Iterator
 from itertools import compress, islice
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import mirror_loops as loops
+from . import mirror_layout
 from .codec import be_bytes_to_keys
+from .lazy import lazy_import
 from .split import split_run
+
+if TYPE_CHECKING:
+    from . import mirror_loops as loops
+else:  # NOTE: numba loads with the first compiled loop; the file's words need none
+    loops = lazy_import("psclient.mirror_loops", globals(), "loops", preset=mirror_layout)
 
 log = logging.getLogger(__name__)
 

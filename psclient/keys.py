@@ -9,9 +9,15 @@ act on; each package raises it as its own typed error (``BadKeysError``, ``hostc
 
 from __future__ import annotations
 
-import torch
+from functools import cache
+from typing import TYPE_CHECKING
 
-_CPU = torch.device("cpu")
+from .lazy import lazy_import
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_import("torch", globals())
 
 #: The one int64 no table stores: ``INT64_MIN`` marks an empty slot of the host cache
 #: (``hostcache.layout.EMPTY_KEY`` is this value), so every tier refuses to write it.
@@ -22,14 +28,14 @@ RESERVED_KEY_RULE = (f"key {RESERVED_KEY} (INT64_MIN) is reserved to mark empty 
                      "map it to another key")
 
 
-
-def key_problem(keys: object, *, device: torch.device = _CPU,
+def key_problem(keys: object, *, device: torch.device | None = None,
                 any_shape: bool = False) -> str | None:
     """What is wrong with ``keys`` as a batch of keys (None: nothing).
 
     Args:
         keys: what the caller passed.
-        device: where the keys must be (a CUDA device without an index means any GPU).
+        device: where the keys must be (default the CPU; a CUDA device without an index
+            means any GPU).
         any_shape: any shape is fine (a layer's input); else 1-D.
 
     Returns:
@@ -43,8 +49,16 @@ def key_problem(keys: object, *, device: torch.device = _CPU,
         return f"must have dtype torch.int64; got {keys.dtype} (convert with .long())"
     if not any_shape and keys.dim() != 1:
         return f"must be 1-D [N]; got shape {tuple(keys.shape)} (flatten with .reshape(-1))"
+    if device is None:
+        device = _cpu()
     kd = keys.device  # NOTE: once: each read builds a torch.device (layers call this per lookup)
     if kd != device and (kd.type != device.type or device.index is not None):
         return (f"must be on {device}; got {kd} (move them with "
                 f".to({str(device)!r}))")
     return None
+
+
+@cache
+def _cpu() -> torch.device:
+    """``torch.device("cpu")``, made once, by the first check (not at import: no torch)."""
+    return torch.device("cpu")

@@ -6,7 +6,7 @@ int64 ``[slots]`` (``slots`` a power of two): a slot's key and its row's index i
 (uint8 ``[row_cap, row_bytes]``), or :data:`EMPTY` / :data:`TOMB` / :data:`CORRUPT` (the
 store holds a value of the wrong length for that key: a lookup of it asks the store, which
 raises); ``free`` int64 ``[row_cap]``: a stack of freed row indices; ``hdr``: the file's
-header words (indices below).
+header words (indices in :mod:`psclient.mirror_layout`).
 
 Writers keep at least a quarter of the slots :data:`EMPTY` (the caller grows the file
 before a write that would fill more), so every probe ends. A reader may run while a writer
@@ -20,15 +20,33 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-#: ``srows`` sentinels
-EMPTY = -1
-TOMB = -2
-CORRUPT = -3
+# NOTE: the file's words live apart, so that reading a header loads no numba; re-exported
+from .mirror_layout import (
+    BOOT0,
+    BOOT1,
+    CORRUPT,
+    COUNT,
+    EMPTY,
+    FREE_TOP,
+    GEN,
+    HEADER_WORDS,
+    MAGIC,
+    NEXT_ROW,
+    ROW_BYTES,
+    ROW_CAP,
+    SLOTS,
+    STATE,
+    TOMB,
+    TXNID,
+    USED,
+    VERSION,
+)
 
-#: header words
-MAGIC, VERSION, GEN, STATE, SLOTS, ROW_CAP, ROW_BYTES, COUNT, USED, NEXT_ROW, FREE_TOP, \
-    BOOT0, BOOT1, TXNID = range(14)
-HEADER_WORDS = 16
+__all__ = [
+    "BOOT0", "BOOT1", "CORRUPT", "COUNT", "EMPTY", "FREE_TOP", "GEN", "HEADER_WORDS", "MAGIC",
+    "NEXT_ROW", "ROW_BYTES", "ROW_CAP", "SLOTS", "STATE", "TOMB", "TXNID", "USED", "VERSION",
+    "copy_live", "erase", "lookup", "put",
+]
 
 _M1 = np.uint64(0xFF51AFD7ED558CCD)
 _M2 = np.uint64(0xC4CEB9FE1A85EC53)

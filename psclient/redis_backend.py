@@ -25,11 +25,10 @@ module keeps the table: layout, encoding, operations.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import redis.exceptions as rex
-import torch
 
 from . import redis_scripts as scripts
 from . import resp
@@ -42,11 +41,17 @@ from .errors import (
     TableNotFoundError,
 )
 from .feed import FeedBatch
+from .lazy import lazy_import
 from .redis_conn import cluster_factory, redact, redis_errors, split_options, standalone_factory
 from .redis_dispatch import REDIRECTS, Cmd, Dispatcher
 from .redis_feed import RedisFeed
 from .redis_wire import reply_error, stream_row_pipeline
 from .schema import LAYOUT_VERSION, TableSchema
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_import("torch", globals())
 
 log = logging.getLogger(__name__)
 

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-import torch
-
-from .base import ParameterServer
 from .errors import BadArgumentError, UnsupportedURLError
 from .schema import check_table_name, dtype_name
 
+if TYPE_CHECKING:
+    import torch
+
+    from .base import ParameterServer
+
 #: A backend factory: ``(url, table, dim, dtype_name, options) -> ParameterServer``.
-Factory = Callable[[str, str, "int | None", "str | None", dict[str, Any]], ParameterServer]
+Factory = Callable[[str, str, "int | None", "str | None", dict[str, Any]], "ParameterServer"]
 
 # NOTE: values are "module:function" strings so a backend's dependencies load on first use.
 _REGISTRY: dict[str, Factory | str] = {

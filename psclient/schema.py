@@ -13,28 +13,59 @@ difference is a :class:`SchemaMismatchError`, never a silent reinterpretation.
 from __future__ import annotations
 
 import struct
+import sys
 import time
 import zlib
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import msgpack
-import torch
 
 from .errors import BadArgumentError, CorruptValueError, SchemaMismatchError
 from .names import TABLE_NAME_RULE, is_table_name
+
+if TYPE_CHECKING:
+    import torch
 
 #: Bump when the stored byte layout of rows, keys, partitions or the change feed changes.
 #: 2: Redis writes rows and their change-feed record in one Lua step, one stream per
 #: partition (layout-1 tables need `psclient upgrade`); file:// records commit times.
 LAYOUT_VERSION = 2
 
-#: Supported row dtypes by their stored name.
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-}
+#: Supported row dtypes: stored name -> bytes per element. The one list of them: the torch
+#: map :data:`DTYPES` is made from it, and so are the host tier's dtype codes
+#: (``hostcache.layout``: a name's position, from 1), so a new dtype goes at the end.
+DTYPE_ITEMSIZES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+class _TorchDtypes(Mapping[str, "torch.dtype"]):
+    """:data:`DTYPE_ITEMSIZES`'s names -> torch dtypes; torch is imported on the first value
+    read, so the names (``--dtype`` choices, a check of a stored name) cost no torch."""
+
+    def __getitem__(self, name: str) -> torch.dtype:
+        if name not in DTYPE_ITEMSIZES:
+            raise KeyError(name)
+        import torch
+
+        dtype: torch.dtype = getattr(torch, name)
+        return dtype
+
+    def __contains__(self, name: object) -> bool:
+        return name in DTYPE_ITEMSIZES
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(DTYPE_ITEMSIZES)
+
+    def __len__(self) -> int:
+        return len(DTYPE_ITEMSIZES)
+
+    def __repr__(self) -> str:
+        return f"DTYPES({', '.join(DTYPE_ITEMSIZES)})"
+
+
+#: Supported row dtypes by their stored name (torch dtypes).
+DTYPES: Mapping[str, torch.dtype] = _TorchDtypes()
 _ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16",
             "fp64": "float64", "double": "float64", "float": "float32"}
 
@@ -46,10 +77,11 @@ def dtype_name(dtype: torch.dtype | str) -> str:
     Raises:
         BadArgumentError: the dtype is not one of float32, float16, bfloat16, float64.
     """
-    if isinstance(dtype, torch.dtype):
-        for name, dt in DTYPES.items():
-            if dt == dtype:
-                return name
+    tm = sys.modules.get("torch")  # NOTE: torch not loaded: no value can be a torch.dtype
+    if tm is not None and isinstance(dtype, tm.dtype):
+        name = str(dtype).removeprefix("torch.")
+        if name in DTYPE_ITEMSIZES:
+            return name
     elif isinstance(dtype, str):
         name = dtype.removeprefix("torch.").lower()
         name = _ALIASES.get(name, name)
@@ -107,7 +139,7 @@ class TableSchema:
     @property
     def row_bytes(self) -> int:
         """Bytes of one stored row."""
-        return self.dim * self.torch_dtype.itemsize
+        return self.dim * DTYPE_ITEMSIZES[self.dtype]
 
     def encode(self) -> bytes:
         """The msgpack record stored with the table."""
