@@ -5,7 +5,10 @@ No CUDA is touched at import time; the ``gpu`` package registers these segments 
 
 from __future__ import annotations
 
-from .cache import CacheAudit, HostCache, Inserted
+from typing import TYPE_CHECKING
+
+from psclient.lazy import lazy_names
+
 from .errors import (
     BadArgumentError,
     BadNameError,
@@ -22,9 +25,24 @@ from .errors import (
     SharedMemoryFullError,
     TableInUseError,
 )
-from .memblock import SharedMemBlock
-from .ring import ChangeFeed
-from .table import FeedStatus, TableStats
+
+if TYPE_CHECKING:
+    from .cache import CacheAudit, HostCache, Inserted
+    from .memblock import SharedMemBlock
+    from .ring import ChangeFeed
+    from .table import FeedStatus, TableStats
+
+# NOTE: the table classes are imported on first use (PEP 562): `import hostcache` (and the
+# `hostcache` command's table commands) load no torch and no numba.
+__getattr__, __dir__ = lazy_names(__name__, globals(), {
+    "CacheAudit": ".cache",
+    "HostCache": ".cache",
+    "Inserted": ".cache",
+    "SharedMemBlock": ".memblock",
+    "ChangeFeed": ".ring",
+    "FeedStatus": ".table",
+    "TableStats": ".table",
+})
 
 __all__ = [
     "BadArgumentError",

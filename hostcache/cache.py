@@ -129,12 +129,6 @@ class HostCache(SharedTable):
         )
         return cls._create_segment(name, geo, mode, overcommit)
 
-    @staticmethod
-    def _init_segment(mapping: Mapping, geo: layout.Geometry) -> None:
-        # NOTE: a new segment is zeros, i.e. key 0 everywhere; mark every slot empty before
-        # the header is published, so no reader ever sees key 0 with a zero row.
-        mapping.tensor(geo.keys_off, geo.slots, torch.int64).fill_(layout.EMPTY_KEY)
-
     @classmethod
     def attach(
         cls, name: str, *, dim: int | None = None, dtype: torch.dtype | None = None

@@ -10,7 +10,10 @@ and exits 2, as argparse does for bad arguments; nothing prints a traceback.
 
 Inspecting a table attaches it like any other process does: the command holds a process
 counter slot for the moment it runs (its own slot is left out of what it prints) and, as
-any attacher, repairs a write section left by a dead writer.
+any attacher, repairs a write section left by a dead writer. It reads a table through a
+:class:`~hostcache.cli_view.TableView` (its header and counters, no rows), so the table
+commands load neither torch nor numba and answer at once; only a repair loads the table's
+own class.
 """
 
 from __future__ import annotations
@@ -23,24 +26,12 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
-import torch
+from psclient.cli_common import EXIT_USAGE, OneLineParser, add_version, positive_int
+from psclient.lazy import deferred, lazy_import
+from psclient.schema import DTYPE_ITEMSIZES
 
-from psclient.cli_common import EXIT_USAGE, OneLineParser, package_version, positive_int
-
-from . import layout, segment
-from .cache import HostCache
-from .cli_view import DTYPES, MIB, open_table
-from .cli_view import LS_HEADER as _LS_HEADER
-from .cli_view import dtype_name as _dtype_name
-from .cli_view import fmt as _fmt
-from .cli_view import geometry as _geometry
-from .cli_view import ls_line as _ls_line
-from .cli_view import others as _others
-from .cli_view import print_table as _print_table
-from .cli_view import process_slots as _process_slots
-from .cli_view import summary as _summary
 from .errors import (
     BadArgumentError,
     HostCacheError,
@@ -49,7 +40,16 @@ from .errors import (
     SharedMemoryFullError,
     TableInUseError,
 )
-from .memblock import SharedMemBlock
+
+if TYPE_CHECKING:
+    from . import cli_view as view
+    from . import layout, segment
+    from .table import init_segment
+else:  # NOTE: numpy and the segment code load with a command that reads a table (not --help)
+    view = lazy_import("hostcache.cli_view", globals(), "view")
+    layout = lazy_import("hostcache.layout", globals())
+    segment = lazy_import("hostcache.segment", globals())
+    init_segment = deferred("hostcache.table", "init_segment")
 
 PROG = "hostcache"
 EXIT_OK = 0
@@ -89,7 +89,7 @@ def _ls(args: argparse.Namespace, out: TextIO) -> int:
         for name in segment.list_names()
         if not args.patterns or any(fnmatch.fnmatchcase(name, p) for p in args.patterns)
     ]
-    summaries = [s for s in map(_summary, names) if s is not None]
+    summaries = [s for s in map(view.summary, names) if s is not None]
     if args.json:
         print(json.dumps(summaries, indent=2), file=out)
         return EXIT_OK
@@ -97,10 +97,10 @@ def _ls(args: argparse.Namespace, out: TextIO) -> int:
         what = " matching " + " ".join(args.patterns) if args.patterns else ""
         print(f"no hostcache tables{what} on this node", file=out)
         return EXIT_OK
-    good = [_ls_line(s) for s in summaries if "error" not in s]
-    bad = [_ls_line(s) for s in summaries if "error" in s]
+    good = [view.ls_line(s) for s in summaries if "error" not in s]
+    bad = [view.ls_line(s) for s in summaries if "error" in s]
     if good:
-        _print_table([_LS_HEADER, *good], out, right={2, 3, 5, 6, 7, 8, 9, 10})
+        view.print_table([view.LS_HEADER, *good], out, right={2, 3, 5, 6, 7, 8, 9, 10})
     for line in bad:  # NOTE: broken tables get their own lines so the columns stay aligned
         print("  ".join(line), file=out)
     return EXIT_OK
@@ -114,31 +114,30 @@ def _stat_args(p: argparse.ArgumentParser) -> None:
 def _feed_lines(feed: dict[str, Any]) -> list[tuple[str, str]]:
     """``stat``'s lines about the change feed a node service follows into the table."""
     if feed["applied_ns"] is None:
-        return [("followed", "no change applied yet"), ("gaps", _fmt(feed["gaps"]))]
+        return [("followed", "no change applied yet"), ("gaps", view.fmt(feed["gaps"]))]
     when = _dt.datetime.fromtimestamp(feed["applied_ns"] / 1e9, _dt.UTC)
     return [("last_lag", f"{feed['last_lag_s'] * 1e3:.1f} ms"),
             ("max_lag", f"{feed['max_lag_s'] * 1e3:.1f} ms"),
             ("last_applied", when.isoformat(timespec="seconds")),
-            ("gaps", _fmt(feed["gaps"]))]
+            ("gaps", view.fmt(feed["gaps"]))]
 
 
 def _stat(args: argparse.Namespace, out: TextIO) -> int:
-    table = open_table(args.name)
+    table = view.open_table(args.name)
     try:
-        header = table.buffer[: layout.HEADER_BYTES].view(torch.int64)
         st = table.stats("node")
         counters = {k: v for k, v in st.as_dict().items() if k not in ("name", "kind", "scope")}
         # NOTE: no hit rate before a key was looked up (null in JSON, "-" in text, as in ls)
         counters["hit_rate"] = st.measured_hit_rate
-        counters["processes"] = len(_others(table))
+        counters["processes"] = len(view.others(table))
         info = {
             "name": args.name,
-            "geometry": _geometry(table),
+            "geometry": view.geometry(table),
             "node": counters,
-            "ring_head": int(header[layout.W_RING_HEAD]),
-            "repairs": int(header[layout.W_REPAIRS]),
+            "ring_head": table.word(layout.W_RING_HEAD),
+            "repairs": table.word(layout.W_REPAIRS),
             "feed": asdict(table.feed_status()),
-            "processes": _process_slots(table),
+            "processes": view.process_slots(table),
         }
     finally:
         table.close()
@@ -147,12 +146,12 @@ def _stat(args: argparse.Namespace, out: TextIO) -> int:
         return EXIT_OK
     node = info["node"]
     sections = {
-        "geometry": [(k, _fmt(v)) for k, v in info["geometry"].items() if v is not None],
+        "geometry": [(k, view.fmt(v)) for k, v in info["geometry"].items() if v is not None],
         "node-wide counters": [
-            *((k, _fmt(v)) for k, v in node.items() if k != "hit_rate"),
-            ("hit_rate", _fmt(node["hit_rate"], pct=True)),
-            ("ring_head", _fmt(info["ring_head"])),
-            ("repairs", _fmt(info["repairs"])),
+            *((k, view.fmt(v)) for k, v in node.items() if k != "hit_rate"),
+            ("hit_rate", view.fmt(node["hit_rate"], pct=True)),
+            ("ring_head", view.fmt(info["ring_head"])),
+            ("repairs", view.fmt(info["repairs"])),
         ],
         "change feed (node service)": _feed_lines(info["feed"]),
     }
@@ -166,10 +165,10 @@ def _stat(args: argparse.Namespace, out: TextIO) -> int:
         print("processes attached:", file=out)
         header_row = ["SLOT", "PID", *(c.upper() for c in layout.COUNTER_NAMES)]
         rows = [
-            [str(p["slot"]), str(p["pid"]), *(_fmt(p[k]) for k in layout.COUNTER_NAMES)]
+            [str(p["slot"]), str(p["pid"]), *(view.fmt(p[k]) for k in layout.COUNTER_NAMES)]
             for p in info["processes"]
         ]
-        _print_table([header_row, *rows], out, right=set(range(len(header_row))))
+        view.print_table([header_row, *rows], out, right=set(range(len(header_row))))
     else:
         print("processes attached: none", file=out)
     return EXIT_OK
@@ -198,7 +197,7 @@ def _create_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--capacity", type=positive_int, help="rows the host cache holds")
     p.add_argument("--rows", type=positive_int, help="rows of a linear table (with --linear)")
     p.add_argument("--dim", type=positive_int, required=True, help="elements per row")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--dtype", choices=sorted(DTYPE_ITEMSIZES), default="float32")
     p.add_argument("--ways", type=int, choices=(4, 8, 16, 32),
                    help="slots per bucket of a host cache (default 8)")
     p.add_argument(
@@ -210,8 +209,7 @@ def _create_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--ring-capacity",
         type=positive_int,
-        default=layout.DEFAULT_RING_CAPACITY,
-        help="records in the invalidation ring",
+        help="records in the invalidation ring (default: HostCache.create's)",
     )
     p.add_argument(
         "--force",
@@ -236,34 +234,22 @@ def _create(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _create_table(args: argparse.Namespace, out: TextIO) -> int:
-    dtype = DTYPES[args.dtype]
+    ring = layout.DEFAULT_RING_CAPACITY if args.ring_capacity is None else args.ring_capacity
     if args.linear:
         if args.rows is None or args.capacity is not None or args.ways is not None:
             raise BadArgumentError("create --linear takes --rows N (not --capacity or --ways)")
-        table: HostCache | SharedMemBlock = SharedMemBlock.create(
-            args.name,
-            num_rows=args.rows,
-            dim=args.dim,
-            dtype=dtype,
-            ring_capacity=args.ring_capacity,
-            mode=args.mode,
-            overcommit=args.force,
-        )
+        g = layout.plan(layout.KIND_LINEAR, capacity=args.rows, dim=args.dim,
+                        dtype=args.dtype, ring_capacity=ring)
     else:
         if args.capacity is None or args.rows is not None:
             raise BadArgumentError("create takes --capacity N (or --linear --rows N)")
-        table = HostCache.create(
-            args.name,
-            capacity=args.capacity,
-            dim=args.dim,
-            dtype=dtype,
-            ways=8 if args.ways is None else args.ways,
-            ring_capacity=args.ring_capacity,
-            mode=args.mode,
-            overcommit=args.force,
-        )
-    g = table.geometry
-    table.close()  # NOTE: close, never unlink: the table stays for the node's processes
+        g = layout.plan(layout.KIND_HOST_CACHE, capacity=args.capacity, dim=args.dim,
+                        dtype=args.dtype, ways=8 if args.ways is None else args.ways,
+                        ring_capacity=ring)
+    # NOTE: the segment as HostCache.create / SharedMemBlock.create make it, without a handle
+    # (which would map the rows with torch); closed, never unlinked: the table stays
+    segment.create(args.name, g, mode=args.mode, init=init_segment,
+                   overcommit=args.force).close()
     shape = (
         f"capacity {g.capacity:,} ({g.num_buckets:,} buckets x {g.ways} ways)"
         if g.kind == layout.KIND_HOST_CACHE
@@ -271,7 +257,7 @@ def _create_table(args: argparse.Namespace, out: TextIO) -> int:
     )
     print(
         f"created {layout.KIND_NAMES[g.kind]} table {args.name}: {shape}, dim {g.dim}, "
-        f"{_dtype_name(g.dtype)}, {g.total_size / MIB:.2f} MiB, mode {args.mode:04o}",
+        f"{g.dtype_name}, {g.total_size / view.MIB:.2f} MiB, mode {args.mode:04o}",
         file=out,
     )
     return EXIT_OK
@@ -290,14 +276,14 @@ def _rm(args: argparse.Namespace, out: TextIO) -> int:
     segment.check_name(args.name)
     if not args.force:
         try:
-            table = open_table(args.name)
+            table = view.open_table(args.name)
         except (SegmentNotFoundError, SegmentPermissionError):
             raise
         except HostCacheError:
             table = None  # a broken header: no process can attach it, remove it anyway
         if table is not None:
             try:
-                pids = _others(table)
+                pids = view.others(table)
             finally:
                 table.close()
             if pids:
@@ -324,7 +310,7 @@ def build_parser(commands: Sequence[Command] = COMMANDS) -> argparse.ArgumentPar
     parser = OneLineParser(
         prog=PROG, description="Inspect and manage this node's shared embedding tables."
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
+    add_version(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for cmd in commands:
         p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)

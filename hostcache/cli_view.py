@@ -1,7 +1,9 @@
 """What the ``hostcache`` command shows: tables attached by kind, summarised and formatted.
 
 Attaching a table to inspect it holds a process counter slot for the moment; this
-command's own slot is left out of what it shows (:func:`others`).
+command's own slot is left out of what it shows (:func:`others`). The command attaches a
+table as a :class:`TableView`, which maps no rows: it reads the header and the process
+counter slots with numpy, so it loads neither torch nor numba.
 """
 
 from __future__ import annotations
@@ -10,34 +12,68 @@ import datetime as _dt
 import os
 from typing import Any, TextIO
 
-import torch
+import numpy as np
 
 from . import layout, segment
-from .cache import HostCache
 from .errors import HostCacheError, SegmentNotFoundError
-from .memblock import SharedMemBlock
 from .table import SharedTable
 
 MIB = 1 << 20
 
-#: table dtypes by the name the command takes and prints
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-}
-_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
-_CLASSES: dict[int, type[HostCache] | type[SharedMemBlock]] = {
-    layout.KIND_HOST_CACHE: HostCache,
-    layout.KIND_LINEAR: SharedMemBlock,
-}
-
 # -- opening tables of any kind ----------------------------------------------------------
 
 
-def open_table(name: str) -> HostCache | SharedMemBlock:
-    """Attach the named table with the class that matches the kind in its header."""
+class _RepairNeededError(HostCacheError):
+    """A writer died inside its write section: the table's own class must repair it."""
+
+
+class TableView(SharedTable):
+    """A handle on a table of either kind that maps none of its rows: its geometry, header,
+    counters and attached processes (what ``ls``, ``stat`` and ``rm`` read)."""
+
+    def _map_views(self, mapping: segment.Mapping, geo: layout.Geometry) -> None:
+        pass
+
+    def _repair(self) -> None:
+        # NOTE: raised under the lock, before anything is written: nothing changes
+        raise _RepairNeededError(
+            f"table {self.name!r}: a writer died inside its write section again while the "
+            "command repaired it; run the command again")
+
+    def word(self, index: int) -> int:
+        """Header word ``index`` (a ``layout.W_*``) now."""
+        return int(self._header[index])
+
+    def slots(self) -> np.ndarray:
+        """A copy of the process counter slots: ``[PROC_SLOTS, PROC_WORDS]`` int64, each a
+        pid (0: free) and then the counters ``layout.COUNTER_NAMES``."""
+        self._live()
+        return self._procs.copy()
+
+
+class _CacheView(TableView):
+    KIND = layout.KIND_HOST_CACHE
+
+
+class _LinearView(TableView):
+    KIND = layout.KIND_LINEAR
+
+    def _size(self) -> int:
+        return self.geometry.capacity  # NOTE: as SharedMemBlock: every row is there
+
+
+_VIEWS: dict[int, type[TableView]] = {
+    layout.KIND_HOST_CACHE: _CacheView,
+    layout.KIND_LINEAR: _LinearView,
+}
+
+
+def open_table(name: str) -> TableView:
+    """Attach the named table as a :class:`TableView` of the kind in its header.
+
+    A write section left by a dead writer is repaired first, as any attacher does: by the
+    table's own class (which loads torch, only then).
+    """
     try:
         mapping, geo = segment.attach(name)  # validates the header
     except SegmentNotFoundError as e:
@@ -45,7 +81,21 @@ def open_table(name: str) -> HostCache | SharedMemBlock:
             f"no table named {name!r} on this node: `hostcache ls` lists them"
         ) from e
     mapping.close()
-    return _CLASSES[geo.kind].attach(name)
+    try:
+        return _VIEWS[geo.kind]._attach_segment(name)
+    except _RepairNeededError:
+        _repair(name, geo.kind)
+    return _VIEWS[geo.kind]._attach_segment(name)
+
+
+def _repair(name: str, kind: int) -> None:
+    """Attach and close the table with its own class: attaching repairs it."""
+    from .cache import HostCache
+    from .memblock import SharedMemBlock
+
+    cls: type[HostCache] | type[SharedMemBlock] = (
+        HostCache if kind == layout.KIND_HOST_CACHE else SharedMemBlock)
+    cls.attach(name).close()
 
 
 def segment_bytes(name: str) -> int | None:
@@ -56,18 +106,13 @@ def segment_bytes(name: str) -> int | None:
         return None
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """The name the command prints for a table dtype."""
-    return _DTYPE_NAMES.get(dtype, str(dtype))
-
-
 def others(table: SharedTable) -> list[int]:
     """Live pids attached to ``table``, without this command's own handle."""
     me = os.getpid()
     return sorted({pid for pid in table.attached_pids() if pid != me})
 
 
-def geometry(table: HostCache | SharedMemBlock) -> dict[str, Any]:
+def geometry(table: TableView) -> dict[str, Any]:
     """A table's geometry as ``stat`` prints it (JSON-ready)."""
     g = table.geometry
     is_cache = g.kind == layout.KIND_HOST_CACHE
@@ -78,7 +123,7 @@ def geometry(table: HostCache | SharedMemBlock) -> dict[str, Any]:
         "num_buckets": g.num_buckets if is_cache else None,
         "ways": g.ways if is_cache else None,
         "dim": g.dim,
-        "dtype": dtype_name(g.dtype),
+        "dtype": g.dtype_name,
         "policy": g.policy if is_cache else None,
         "row_bytes": g.row_bytes,
         "row_stride": g.row_stride,
@@ -187,13 +232,12 @@ def ls_line(s: dict[str, Any]) -> list[str]:
 
 
 
-def process_slots(table: SharedTable) -> list[dict[str, Any]]:
+def process_slots(table: TableView) -> list[dict[str, Any]]:
     """Per-process counter slots of live attachers (this command's own slot left out)."""
-    words = table.buffer[layout.PROC_OFF : layout.PROC_OFF + layout.PROC_BYTES].view(torch.int64)
-    procs = words.view(layout.PROC_SLOTS, layout.PROC_WORDS).clone()
+    procs = table.slots()
     live = set(others(table))
     slots = []
-    for i in procs[:, 0].nonzero().flatten().tolist():  # a loop over process slots
+    for i in np.flatnonzero(procs[:, 0]).tolist():  # a loop over process slots
         pid = int(procs[i, 0])
         if pid in live:
             counts = procs[i, 1 : 1 + len(layout.COUNTER_NAMES)].tolist()

@@ -76,11 +76,14 @@ from __future__ import annotations
 import time
 import zlib
 from dataclasses import dataclass, replace
+from functools import cached_property
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
+from psclient.errors import BadArgumentError as _DtypeError
 from psclient.keys import RESERVED_KEY
+from psclient.schema import DTYPE_ITEMSIZES, DTYPES, dtype_name
 
 from .errors import (
     BadArgumentError,
@@ -88,6 +91,9 @@ from .errors import (
     GeometryMismatchError,
     LayoutVersionError,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 MAGIC = int.from_bytes(b"NVECACHE", "little")
 LAYOUT_VERSION = 1
@@ -112,13 +118,10 @@ COUNTER_NAMES = ("lookups", "hits", "misses", "inserts", "evictions", "updates",
 
 DEFAULT_RING_CAPACITY = 1 << 16
 
-DTYPE_CODES: dict[torch.dtype, int] = {
-    torch.float32: 1,
-    torch.float16: 2,
-    torch.bfloat16: 3,
-    torch.float64: 4,
-}
-CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+#: the header's code of each row dtype, by name: its position in the one list of them
+#: (``psclient.schema.DTYPE_ITEMSIZES``; float32 1, float16 2, bfloat16 3, float64 4)
+DTYPE_CODES: dict[str, int] = {name: code for code, name in enumerate(DTYPE_ITEMSIZES, 1)}
+CODE_DTYPES = {code: name for name, code in DTYPE_CODES.items()}
 
 POLICY_CODES = {"lfu-da": 1}
 CODE_POLICIES = {code: name for name, code in POLICY_CODES.items()}
@@ -138,12 +141,14 @@ def _page_up(n: int) -> int:
     return (n + PAGE - 1) // PAGE * PAGE
 
 
-def checked_dtype(dtype: object) -> torch.dtype:
-    """The dtype if the tables can hold it, else a :class:`BadArgumentError`."""
-    if isinstance(dtype, torch.dtype) and dtype in DTYPE_CODES:
-        return dtype
-    allowed = ", ".join(str(d) for d in DTYPE_CODES)
-    raise BadArgumentError(f"dtype must be one of {allowed}; got {dtype!r}")
+def checked_dtype(dtype: object) -> str:
+    """The name of ``dtype`` (a torch dtype or its name) if the tables can hold it, else a
+    :class:`BadArgumentError`."""
+    try:
+        return dtype_name(dtype)  # type: ignore[arg-type]
+    except _DtypeError:
+        allowed = ", ".join(f"torch.{d}" for d in DTYPE_CODES)
+        raise BadArgumentError(f"dtype must be one of {allowed}; got {dtype!r}") from None
 
 
 @dataclass(frozen=True)
@@ -155,7 +160,8 @@ class Geometry:
     num_buckets: int
     ways: int
     dim: int
-    dtype: torch.dtype
+    #: the row dtype's name (``"float32"``); :attr:`dtype` is the torch dtype
+    dtype_name: str
     policy: str
     ring_capacity: int
     keys_off: int
@@ -168,9 +174,14 @@ class Geometry:
     creator_uid: int = 0
     created_ns: int = 0
 
+    @cached_property
+    def dtype(self) -> torch.dtype:
+        """The row dtype (the first read imports torch)."""
+        return DTYPES[self.dtype_name]
+
     @property
     def elem_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return DTYPE_ITEMSIZES[self.dtype_name]
 
     @property
     def row_bytes(self) -> int:
@@ -233,7 +244,7 @@ def plan(
         num_buckets=num_buckets,
         ways=ways,
         dim=dim,
-        dtype=dtype,
+        dtype_name=dtype,
         policy=policy,
         ring_capacity=ring_capacity,
         keys_off=keys_off,
@@ -261,7 +272,7 @@ def write(header: np.ndarray, geo: Geometry, *, uid: int) -> None:
     h[W_BUCKETS] = geo.num_buckets
     h[W_WAYS] = geo.ways
     h[W_DIM] = geo.dim
-    h[W_DTYPE] = DTYPE_CODES[geo.dtype]
+    h[W_DTYPE] = DTYPE_CODES[geo.dtype_name]
     h[W_ELEM] = geo.elem_size
     h[W_ROW_BYTES] = geo.row_bytes
     h[W_ROW_STRIDE] = geo.row_stride

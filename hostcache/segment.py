@@ -14,12 +14,13 @@ import re
 import stat
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import posix_ipc
-import torch
 
+from psclient.lazy import lazy_import
 from psclient.names import TABLE_NAME_RULE, is_table_name
 
 from . import layout, shmlog
@@ -32,6 +33,11 @@ from .errors import (
     SegmentPermissionError,
     SharedMemoryFullError,
 )
+
+if TYPE_CHECKING:
+    import torch
+else:  # NOTE: a mapping's header is numpy; torch loads with its first tensor view
+    torch = lazy_import("torch", globals())
 
 #: this process's node namespace: tables of node ``X`` are ``nvec@X.<name>`` in /dev/shm
 #: (lock files ``nvec-lock@X.<name>``), so several simulated nodes share one machine without
@@ -106,8 +112,23 @@ class Mapping:
 
     name: str
     mm: mmap.mmap
-    buffer: torch.Tensor  # uint8 view of the whole segment
     header: np.ndarray  # int64[HEADER_WORDS] view of the header
+    _buffer: torch.Tensor | None = field(default=None, repr=False)
+    _closed: bool = field(default=False, repr=False)
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """uint8 view of the whole segment (made on first use: the header needs no torch)."""
+        if self._buffer is None:
+            if self._closed:
+                return torch.empty(0, dtype=torch.uint8)
+            # NOTE: through a memoryview, which holds an export of the mmap for as long as
+            # the tensor (or any view of it) lives: torch.frombuffer keeps a reference to
+            # the object it is given but releases its buffer at once, so over the bare mmap
+            # a close() would unmap pages that torch views (and CUDA registrations of them)
+            # still point into.
+            self._buffer = torch.frombuffer(memoryview(self.mm), dtype=torch.uint8)
+        return self._buffer
 
     def words(self, offset: int, count: int) -> np.ndarray:
         """An int64 numpy view of ``count`` words at byte ``offset``."""
@@ -121,7 +142,7 @@ class Mapping:
     def close(self) -> None:
         """Drop this process's mapping; deferred while tensor views of it still live."""
         self.header = np.empty(0, dtype=np.int64)
-        self.buffer = torch.empty(0, dtype=torch.uint8)
+        self._buffer, self._closed = None, True
         try:
             self.mm.close()
         except BufferError:
@@ -143,13 +164,8 @@ def _map(name: str, memory: posix_ipc.SharedMemory, size: int) -> Mapping:
             mm.madvise(mmap.MADV_HUGEPAGE)
         except OSError:
             pass
-    # NOTE: through a memoryview, which holds an export of the mmap for as long as the
-    # tensor (or any view of it) lives: torch.frombuffer keeps a reference to the object it
-    # is given but releases its buffer at once, so over the bare mmap a close() would unmap
-    # pages that torch views (and CUDA registrations of them) still point into.
-    buffer = torch.frombuffer(memoryview(mm), dtype=torch.uint8)
     header = np.frombuffer(mm, dtype=np.int64, count=layout.HEADER_WORDS)
-    return Mapping(name=name, mm=mm, buffer=buffer, header=header)
+    return Mapping(name=name, mm=mm, header=header)
 
 
 def free_bytes() -> int:

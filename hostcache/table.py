@@ -11,15 +11,18 @@ import logging
 import os
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, ClassVar, Literal, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
 
 import numpy as np
-import torch
 
 from . import layout, segment
 from .errors import BadArgumentError, HandleClosedError
 from .lock import WriterLock
-from .ring import InvalidationRing
+
+if TYPE_CHECKING:
+    import torch
+
+    from .ring import InvalidationRing
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +105,16 @@ def process_alive(pid: int) -> bool:
     return not state or state[0] not in ("Z", "X")
 
 
+def init_segment(mapping: segment.Mapping, geo: layout.Geometry) -> None:
+    """Initialise a new, zeroed segment of either kind before its header is published.
+
+    A new segment is zeros, i.e. key 0 everywhere: a host cache's slots are all marked
+    empty first, so no reader ever sees key 0 with a zero row. A linear table needs nothing.
+    """
+    if geo.kind == layout.KIND_HOST_CACHE:
+        mapping.words(geo.keys_off, geo.slots)[:] = layout.EMPTY_KEY
+
+
 class SharedTable:
     """Base of :class:`~hostcache.HostCache` and :class:`~hostcache.SharedMemBlock`."""
 
@@ -111,13 +124,13 @@ class SharedTable:
     _lock: WriterLock | None = None
     _slot: int = -1
     _counters: np.ndarray = np.zeros(_N_COUNTERS, dtype=np.int64)
+    _ring: InvalidationRing | None = None
 
     def __init__(self, name: str, mapping: segment.Mapping, geo: layout.Geometry) -> None:
         self.name = name
         self.geometry = geo
         self._mapping = mapping
         self._pid = os.getpid()
-        self.ring = InvalidationRing(mapping, geo)
         self._procs = mapping.words(
             layout.PROC_OFF, layout.PROC_SLOTS * layout.PROC_WORDS
         ).reshape(layout.PROC_SLOTS, layout.PROC_WORDS)
@@ -132,7 +145,7 @@ class SharedTable:
         cls, name: str, geo: layout.Geometry, mode: int, overcommit: bool = False
     ) -> Self:
         mapping = segment.create(
-            name, geo, mode=mode, init=cls._init_segment, overcommit=overcommit
+            name, geo, mode=mode, init=init_segment, overcommit=overcommit
         )
         try:
             return cls(name, mapping, geo)
@@ -153,10 +166,6 @@ class SharedTable:
 
     def _map_views(self, mapping: segment.Mapping, geo: layout.Geometry) -> None:
         raise NotImplementedError
-
-    @staticmethod
-    def _init_segment(mapping: segment.Mapping, geo: layout.Geometry) -> None:
-        """Initialise a new, zeroed segment before its header is published."""
 
     def _repair(self) -> None:
         """Undo what a writer that died inside its section left (under the lock)."""
@@ -247,6 +256,16 @@ class SharedTable:
         self._live()
         assert self._lock is not None
         return self._lock.held(timeout)
+
+    @property
+    def ring(self) -> InvalidationRing:
+        """The table's invalidation ring (its torch views made on first use)."""
+        ring = self._ring
+        if ring is None:
+            from .ring import InvalidationRing
+
+            ring = self._ring = InvalidationRing(self._live(), self.geometry)
+        return ring
 
     @property
     def buffer(self) -> torch.Tensor:
