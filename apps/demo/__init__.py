@@ -12,10 +12,20 @@ process), ``workload`` (the request stream), ``memory`` (``/proc`` figures), ``r
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from psclient.lazy import lazy_names
+
 from ..errors import DemoError, DemoInterruptedError
 from .command import HELP, config_from_args, configure, run_command
 from .config import DemoConfig
-from .run import run_demo
+
+if TYPE_CHECKING:
+    from .run import run_demo
+
+# NOTE: imported on first use (PEP 562): the ``hostcache`` command builds its parser from
+# this package's command module without loading the run (torch, the replicas).
+__getattr__, __dir__ = lazy_names(__name__, globals(), {"run_demo": ".run"})
 
 __all__ = [
     "HELP",

@@ -10,15 +10,25 @@ import argparse
 import importlib.util
 import json
 import sys
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
-import torch
-
-from hostcache import BadArgumentError, segment
+from hostcache import BadArgumentError
+from psclient.lazy import deferred, lazy_import
 
 from .config import DemoConfig
-from .report import format_summary
-from .run import run_demo
+
+if TYPE_CHECKING:
+    import torch
+
+    from hostcache import segment
+
+    from .report import format_summary
+    from .run import run_demo
+else:  # NOTE: `hostcache --help` and the table commands build this parser: no torch for them
+    torch = lazy_import("torch", globals())
+    segment = lazy_import("hostcache.segment", globals())
+    format_summary = deferred("apps.demo.report", "format_summary")
+    run_demo = deferred("apps.demo.run", "run_demo")
 
 __all__ = ["HELP", "config_from_args", "configure", "run_command"]
 

@@ -6,9 +6,24 @@ See docs/service.md for the config reference, endpoints, signals and failure beh
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from psclient.lazy import lazy_names
+
 from ..errors import ServiceConfigError, ServiceRunningError
-from .config import ServiceConfig, TableConfig, build_config
-from .node import NodeService
+
+if TYPE_CHECKING:
+    from .config import ServiceConfig, TableConfig, build_config
+    from .node import NodeService
+
+# NOTE: imported on first use (PEP 562): the ``hostcache`` command builds its parser from
+# this package's command module without loading the service (torch, the feeds).
+__getattr__, __dir__ = lazy_names(__name__, globals(), {
+    "ServiceConfig": ".config",
+    "TableConfig": ".config",
+    "build_config": ".config",
+    "NodeService": ".node",
+})
 
 __all__ = [
     "NodeService",

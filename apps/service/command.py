@@ -17,11 +17,18 @@ import sys
 import threading
 import time
 from dataclasses import asdict
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
+
+from psclient.lazy import deferred
 
 from ..extras import require
-from .config import build_config
-from .node import NodeService
+
+if TYPE_CHECKING:
+    from .config import build_config
+    from .node import NodeService
+else:  # NOTE: `hostcache --help` and the table commands build this parser: no torch for them
+    build_config = deferred("apps.service.config", "build_config")
+    NodeService = deferred("apps.service.node", "NodeService")
 
 EXIT_OK = 0
 HELP = "run the node service (docs/service.md)"
