@@ -57,8 +57,11 @@ REQUIREMENTS = {
     "gpu": ("a CUDA GPU", lambda: torch.cuda.is_available()),
     "multigpu": ("two CUDA GPUs", lambda: torch.cuda.device_count() >= 2),
     "torchrun": ("torchrun (comes with torch)", lambda: True),
-    "mpirun": ("mpirun and mpi4py", lambda: shutil.which("mpirun") is not None
-               and _importable("mpi4py")),
+    "mpirun": ("mpirun and mpi4py (as root: OMPI_ALLOW_RUN_AS_ROOT=1 and "
+               "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1, which Open MPI asks for)",
+               lambda: shutil.which("mpirun") is not None and _importable("mpi4py")
+               and (os.geteuid() != 0 or os.environ.get("OMPI_ALLOW_RUN_AS_ROOT") == "1"
+                    == os.environ.get("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"))),
     # NOTE: opt-in: these blocks build images and start containers that outlive the test
     "docker": ("docker, and NVEC_DOCS_DOCKER=1 (the blocks start containers)",
                lambda: shutil.which("docker") is not None
