@@ -55,6 +55,7 @@ import numpy as np
 from . import mirror_layout
 from .codec import be_bytes_to_keys
 from .lazy import lazy_import
+from .mirror_twin import GATE as MIRROR_LOOPS
 from .split import split_run
 
 if TYPE_CHECKING:
@@ -175,8 +176,10 @@ class RowMirror:
         found = np.empty(n, np.bool_)
 
         def chunk(lo: int, hi: int) -> int:
-            return int(loops.lookup(m.skeys, m.srows, m.rows, keys[lo:hi], out[lo:hi],
-                                    found[lo:hi]))
+            # NOTE: the compiled lookup once ready, its numpy twin until then (the writes
+            # below compile theirs on first use)
+            return int(MIRROR_LOOPS.pick().lookup(m.skeys, m.srows, m.rows, keys[lo:hi],
+                                                  out[lo:hi], found[lo:hi]))
 
         # NOTE: a large batch on a few threads at once (psclient.split: the loop waits on
         # memory and releases the GIL)

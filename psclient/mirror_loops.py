@@ -204,3 +204,25 @@ def copy_live(skeys: np.ndarray, srows: np.ndarray, rows: np.ndarray, hdr2: np.n
             srows2[j] = r2
         hdr2[COUNT] += 1
         hdr2[USED] += 1
+
+
+def warm_up() -> None:
+    """Compile every loop (or load it from numba's cache) in the argument types the row
+    mirror calls them with, rows read-only too (a rebuild's rows come from LMDB's bytes);
+    :mod:`psclient.loop_gate` runs this in a child process, then here."""
+    slots, cap, rb = 16, 4, 8
+    hdr = np.zeros(HEADER_WORDS, np.int64)
+    skeys = np.zeros(slots, np.int64)
+    srows = np.full(slots, EMPTY, np.int64)
+    free = np.zeros(cap, np.int64)
+    rows = np.zeros((cap, rb), np.uint8)
+    keys = np.arange(1, dtype=np.int64)
+    vals = np.zeros((1, rb), np.uint8)
+    frozen = vals.copy()
+    frozen.flags.writeable = False
+    lookup(skeys, srows, rows, keys, vals.copy(), np.zeros(1, np.bool_))
+    put(hdr, skeys, srows, free, rows, keys, vals, False)
+    put(hdr, skeys, srows, free, rows, keys, frozen, False)
+    erase(hdr, skeys, srows, free, keys)
+    copy_live(skeys, srows, rows, np.zeros(HEADER_WORDS, np.int64), skeys.copy(),
+              np.full(slots, EMPTY, np.int64), rows.copy())
