@@ -295,9 +295,9 @@ _warm_lock = threading.Lock()
 
 def warm_up() -> None:
     """Compile every loop (or load it from numba's cache beside this module) once per
-    process, in the argument types the host cache calls them with (a compilation takes
-    seconds, a cached load milliseconds a loop); :mod:`psclient.loop_gate` runs this in a
-    child process, then here, while :mod:`hostcache.table_twin` serves."""
+    process, in the argument types the host cache calls them with;
+    :mod:`psclient.loop_gate` runs this in a child process, then here, while
+    :mod:`hostcache.table_twin` serves."""
     global _warm
     if _warm:
         return

@@ -2,10 +2,10 @@
 
 The per-key loops (:mod:`psclient.mirror_loops`, ``hostcache.table_loops``,
 ``gpu.miss_loops``) are compiled by numba and cached on disk (beside their source, or under
-``NUMBA_CACHE_DIR``). With that cache cold, as on a fresh install, compiling them takes a
-core tens of seconds; even with it warm, a process spends about a second importing numba
-and starting its compiler before the first loop runs. A layer's construction and first
-lookup must not wait for either, so:
+``NUMBA_CACHE_DIR``). With that cache cold, as on a fresh install, compiling them takes
+many times what a layer's construction and first lookup should; even with it warm, a
+process imports numba and starts its compiler before the first loop runs, which alone
+takes longer (bench/RESULTS.md, "Cold start"). No call waits for either:
 
 * every loop module has a twin: the same functions written as vectorized numpy, with
   identical results (the ``*_twin`` modules; tests hold each twin to its compiled loop);
