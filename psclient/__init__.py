@@ -23,6 +23,8 @@ from .errors import (
     PSTimeoutError,
     PSUnavailableError,
     SchemaMismatchError,
+    TableDroppedError,
+    TableLoadingError,
     TableNotFoundError,
     UnsupportedURLError,
 )
@@ -31,7 +33,14 @@ from .lazy import lazy_names
 if TYPE_CHECKING:
     from .base import ParameterServer
     from .feed import FeedBatch
-    from .registry import connect, list_tables, register_backend, schemes
+    from .registry import (
+        connect,
+        drop_orphans,
+        list_orphans,
+        list_tables,
+        register_backend,
+        schemes,
+    )
     from .schema import LAYOUT_VERSION, TableSchema
 
 # NOTE: the names below are imported on first use (PEP 562), so `import psclient` (and every
@@ -41,6 +50,8 @@ __getattr__, __dir__ = lazy_names(__name__, globals(), {
     "FeedBatch": ".feed",
     "connect": ".registry",
     "list_tables": ".registry",
+    "list_orphans": ".registry",
+    "drop_orphans": ".registry",
     "register_backend": ".registry",
     "schemes": ".registry",
     "LAYOUT_VERSION": ".schema",
@@ -65,10 +76,14 @@ __all__ = [
     "PSUnavailableError",
     "ParameterServer",
     "SchemaMismatchError",
+    "TableDroppedError",
+    "TableLoadingError",
     "TableNotFoundError",
     "TableSchema",
     "UnsupportedURLError",
     "connect",
+    "drop_orphans",
+    "list_orphans",
     "list_tables",
     "register_backend",
     "schemes",

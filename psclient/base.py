@@ -6,6 +6,8 @@ numpy int64 keys and contiguous value tensors to the backend's ``_`` methods.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
@@ -15,9 +17,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .codec import check_keys, check_values, check_written
-from .errors import BadArgumentError, HandleClosedError
+from .errors import BadArgumentError, HandleClosedError, PSClientError, TableDroppedError
 from .feed import FeedBatch
 from .lazy import deferred, lazy_import
+from .loads import Load, TableState
 from .schema import TableSchema
 
 if TYPE_CHECKING:
@@ -27,6 +30,8 @@ if TYPE_CHECKING:
 else:  # NOTE: torch (and the file readers of load()) load when rows are first handled
     torch = lazy_import("torch", globals())
     load_into = deferred("psclient.loader", "load_into")
+
+log = logging.getLogger(__name__)
 
 
 class ParameterServer(ABC):
@@ -40,6 +45,9 @@ class ParameterServer(ABC):
     _closed = True  # class-level defaults so close()/repr work after a failed __init__
     _table = "<unopened>"
     _schema: TableSchema
+    #: this handle's registration with a ``loading`` table (``connect(loading=True)``),
+    #: until its load ends
+    _load: Load | None = None
 
     def __init__(self, table: str, schema: TableSchema) -> None:
         self._table = table
@@ -261,35 +269,96 @@ class ParameterServer(ABC):
                 the first few).
             NonFiniteValuesError: rows hold NaN or infinite values (converted to the table's
                 dtype) and not ``allow_nonfinite`` (says how many and the first key).
+            TableDroppedError: the table was dropped (or created anew) while the load
+                wrote it: its rows are not in the table.
             Nothing is written when one of these is raised (they are checked before the
             first insert: a file's or tensor's keys and rows are all read once before);
             an iterator is checked chunk by chunk, so the chunks before a refused one stay
             written, as does every row inserted before an error of the store.
+
+        On a handle of ``connect(..., loading=True)`` that created or joined a ``loading``
+        table, the load ends its registration: a load that succeeds and is the last one
+        registered makes the table ready; one that fails (or is interrupted) while other
+        loads are registered leaves the table to them; the last one out drops the table if
+        no load into it succeeded (docs/psclient.md, "Loading a new table").
         """
         self._enter(None)
-        return load_into(self, source, keys=keys, tensor=tensor, format=format,
-                         convert=convert, batch_size=batch_size, progress=progress,
-                         duplicates=duplicates, allow_nonfinite=allow_nonfinite)
+        try:
+            n = load_into(self, source, keys=keys, tensor=tensor, format=format,
+                          convert=convert, batch_size=batch_size, progress=progress,
+                          duplicates=duplicates, allow_nonfinite=allow_nonfinite)
+        except BaseException:
+            self._end_load(ok=False)
+            raise
+        self._end_load(ok=True, rows=n)
+        return n
+
+    def _end_load(self, *, ok: bool, rows: int = 0) -> None:
+        """End this handle's load: withdraw its registration (a failed load's last step
+        never raises over the load's own error), and check that a successful load's rows
+        are in the table still."""
+        entry = self._load
+        if entry is not None and entry.pid != os.getpid():
+            entry = None  # NOTE: a forked child: the registration is its parent's
+        else:
+            self._load = None
+        if not ok:
+            if entry is not None:
+                try:
+                    if self._withdraw(entry, ok=False) == "drop":
+                        self._drop()
+                except PSClientError:
+                    log.warning("%r: the failed load could not withdraw from the table; "
+                                "psclient ls shows it", self, exc_info=True)
+            return
+        outcome = self._withdraw(entry, ok=True) if entry is not None else (
+            "ready" if self._same_table() else "gone")
+        if outcome == "gone":
+            raise TableDroppedError(
+                f"table {self.table!r} was dropped (or created anew) while this load wrote "
+                f"it: its {rows} rows are not in a table; load them again")
 
     def drop(self) -> None:
-        """Delete the table: rows, schema and change feed. The client is closed afterwards."""
+        """Delete the table, whatever its state: rows, schema, state and change feed. The
+        client is closed afterwards. Loads still writing it fail with
+        :class:`TableDroppedError`.
+
+        Raises:
+            TableDroppedError: the table was dropped (or created anew) since this handle
+                opened it; nothing was deleted.
+        """
         self._enter(None)
+        self._load = None  # NOTE: the registration goes with the table
         self._drop()
         self.close()
 
+    def state(self) -> dict[str, Any]:
+        """The table's state: ``{"state": "ready" | "loading" | ..., "loads": [{"pid",
+        "host", "since", "running"}, ...], "committed": int}`` (docs/psclient.md,
+        "Loading a new table")."""
+        self._enter(None)
+        return self._state().as_dict()
+
     def stat(self) -> dict[str, Any]:
-        """Schema, row count and backend details, as a JSON-able dict."""
+        """Schema, row count, state and backend details, as a JSON-able dict."""
         self._enter(None)
         info = {"table": self.table, "dim": self.dim, "dtype": self._schema.dtype,
                 "partitions": self._schema.partitions, "layout": self._schema.layout,
                 "created": self._schema.created, "rows": self._size()}
+        state = self._state()
+        info.update(state=state.state, loads=[load.as_dict() for load in state.loads])
         info.update(self._stat())
         return info
 
     def close(self) -> None:
-        """Let go of connections / file handles. Idempotent."""
+        """Let go of connections / file handles. Idempotent. A handle of
+        ``connect(..., loading=True)`` whose load never ended withdraws from the table as a
+        failed load would."""
         if self._closed:
             return
+        if self._load is not None and self._load.pid == os.getpid():
+            with contextlib.suppress(PSClientError):
+                self._end_load(ok=False)
         self._closed = True
         self._close()
 
@@ -348,6 +417,18 @@ class ParameterServer(ABC):
 
     @abstractmethod
     def _drop(self) -> None: ...
+
+    def _state(self) -> TableState:
+        """The table's state now (ready unless a backend keeps states)."""
+        return TableState()
+
+    def _withdraw(self, load: Load, *, ok: bool) -> str:
+        """End ``load``'s registration; one of :data:`psclient.loads.WITHDRAW_OUTCOMES`."""
+        return "ready"
+
+    def _same_table(self) -> bool:
+        """Whether the table this handle opened is still there (not dropped or replaced)."""
+        return True
 
     @abstractmethod
     def _close(self) -> None: ...

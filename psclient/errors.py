@@ -43,6 +43,26 @@ class TableNotFoundError(PSClientError, LookupError):
     """The table does not exist and no ``dim`` was given to create it."""
 
 
+class TableDroppedError(TableNotFoundError):
+    """The table was dropped (or dropped and created anew) while this client used it.
+
+    Nothing more was written: a write refused this way never re-creates the rows of the
+    dropped table. Connect again to use the table of that name now.
+    """
+
+
+class TableLoadingError(PSClientError):
+    """The table is still being created by a bulk load (its state is ``loading``).
+
+    It opens once that load finishes; :attr:`loads` names the loads writing it.
+    """
+
+    def __init__(self, message: str, loads: list[dict[str, object]]) -> None:
+        super().__init__(message)
+        #: the loads registered with the table: ``{"pid", "host", "since"}`` each
+        self.loads = loads
+
+
 class SchemaMismatchError(PSClientError):
     """The stored table schema (dim, dtype, layout version, partitions) differs from the one
     asked for."""

@@ -9,6 +9,7 @@ Layout of one environment directory (any number of tables, two named databases e
 
     main db   b"psc:schema:<T>"    msgpack TableSchema
               b"psc:trimmed:<T>"   8-byte big-endian: highest change-feed seq trimmed
+              b"psc:state:<T>"     only while the table is loading (psclient.file_store)
     b"rows:<T>"   key: 8 big-endian bytes of key ^ 2**63 (byte order = signed order)
                   value: raw row bytes
     b"feed:<T>"   key: 8-byte big-endian seq; value: b"K" + 8-byte little-endian commit
@@ -17,24 +18,25 @@ Layout of one environment directory (any number of tables, two named databases e
                   entries.
 
 The change feed is written in the same transaction as the rows, so it is exact and atomic:
-it lists exactly the keys that existed before an insert/update/erase touched them.
+it lists exactly the keys that existed before an insert/update/erase touched them. Every
+write transaction first compares the schema record with the one this client opened, so a
+write racing a drop (or a drop and a new table of the name) is refused with
+:class:`TableDroppedError` and writes nothing; creating, joining, withdrawing from and
+dropping a table are one transaction each (:mod:`psclient.file_store`, :mod:`psclient.loads`).
 
 NOTE: LMDB forbids opening one environment twice in a process and using it after fork:
-environments are shared per (pid, path) through ``_ENVS`` and reopened in a child.
+environments are shared per (pid, path) (:func:`psclient.file_store.acquire_env`) and
+reopened in a child.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import threading
-import time
 from collections.abc import Iterator
 from itertools import compress, repeat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import parse_qsl, unquote, urlsplit
 
 import lmdb
 import numpy as np
@@ -48,18 +50,18 @@ from .codec import (
     first_of_runs,
     row_bytes_list,
 )
-from .errors import (
-    BadArgumentError,
-    ChangeFeedGapError,
-    PSClientError,
-    PSServerError,
-    PSUnavailableError,
-    TableNotFoundError,
-    UnsupportedURLError,
-)
-from .feed import FeedBatch, make_batch
+from .errors import BadArgumentError, PSUnavailableError, TableDroppedError, TableNotFoundError
+from .file_feed import FileFeed
 from .file_mirror import RowMirror, scan_rows
+from .file_store import DEFAULTS as _DEFAULTS
+from .file_store import FEED, ROWS, STATE, decode_state, encode_state, holds_env, parse_url
+from .file_store import acquire_env as _acquire_env
+from .file_store import list_file_tables as list_file_tables
+from .file_store import lmdb_errors as _lmdb_errors
+from .file_store import release_env as _release_env
 from .lazy import lazy_import
+from .loads import LOADING, READY, Load, TableState, loading_error
+from .mirror_files import remove_mirror, store_lock
 from .schema import TableSchema
 
 if TYPE_CHECKING:
@@ -69,88 +71,15 @@ else:
 
 log = logging.getLogger(__name__)
 
-_OPTIONS: dict[str, type] = {"map_size": int, "max_dbs": int, "sync": bool,
-                             "changes_maxlen": int, "feed_entry_keys": int,
-                             "mirror": bool,
-                             "upgrade": bool}  # NOTE: accepted; file:// upgrades on open
-_DEFAULTS: dict[str, Any] = {"map_size": 1 << 40, "max_dbs": 128, "sync": True,
-                             "changes_maxlen": 1000, "feed_entry_keys": 4096,
-                             "mirror": True}
 
-_ENVS: dict[tuple[int, str], list[Any]] = {}  # (pid, path) -> [env, refcount]
-_ENVS_LOCK = threading.Lock()
-#: how often a blocking follow() looks at the (node-local) store again
-_POLL_S = 0.002
-
-
-def _forget_inherited_envs() -> None:
-    """In a forked child: close the environments inherited from the parent.
-
-    NOTE: safe for the parent: LMDB's close clears only reader slots of the *calling* pid and
-    fcntl locks are not inherited; py-lmdb refuses a second open of the same files until the
-    inherited handle is closed.
-    """
-    pid = os.getpid()
-    for key in [k for k in _ENVS if k[0] != pid]:
-        env = _ENVS.pop(key)[0]
-        with contextlib.suppress(lmdb.Error):
-            env.close()
-
-
-def _acquire_env(path: str, opts: dict[str, Any]) -> lmdb.Environment:
-    with _ENVS_LOCK:
-        _forget_inherited_envs()
-        entry = _ENVS.get((os.getpid(), path))
-        if entry is None:
-            env = lmdb.open(path, map_size=opts["map_size"], max_dbs=opts["max_dbs"],
-                            sync=opts["sync"], readahead=False, subdir=True, create=True)
-            entry = _ENVS[(os.getpid(), path)] = [env, 0]
-        entry[1] += 1
-        return entry[0]
-
-
-def _release_env(path: str) -> None:
-    with _ENVS_LOCK:
-        entry = _ENVS.get((os.getpid(), path))
-        if entry is None:
-            return
-        entry[1] -= 1
-        if entry[1] <= 0:
-            del _ENVS[(os.getpid(), path)]
-            entry[0].close()
-
-
-def _seq(n: int) -> bytes:
-    return n.to_bytes(8, "big")
-
-
-@contextlib.contextmanager
-def _lmdb_errors(where: str) -> Iterator[None]:
-    try:
-        yield
-    except PSClientError:
-        raise
-    except lmdb.MapFullError as e:
-        raise PSServerError(f"{where}: the store is full: open it with a larger map_size "
-                            "(the URL option ?map_size=BYTES; the file grows only as data is "
-                            "written)") from e
-    except (lmdb.ReadersFullError, lmdb.TlsFullError) as e:
-        raise PSUnavailableError(f"{where}: too many concurrent readers ({e})") from e
-    except lmdb.Error as e:
-        raise PSUnavailableError(f"{where}: LMDB error: {e}") from e
-    except OSError as e:  # e.g. a path under /proc, or a directory we may not write
-        raise PSUnavailableError(f"{where}: cannot open or create the store there "
-                                 f"({e.strerror or e}): use a directory you can write") from e
-
-
-class FileParameterServer(ParameterServer):
+class FileParameterServer(FileFeed, ParameterServer):
     """A table in a local LMDB environment. Create with :func:`psclient.connect`."""
 
     _env: Any = None
     _mirror: RowMirror | None = None
 
     def __init__(self, path: str, table: str, dim: int | None, dtype: str | None,
-                 opts: dict[str, Any]) -> None:
+                 opts: dict[str, Any], mode: str = "open") -> None:
         self._path = path
         self._opts = {**_DEFAULTS, **opts}
         for name in ("changes_maxlen", "feed_entry_keys", "max_dbs", "map_size"):
@@ -159,12 +88,13 @@ class FileParameterServer(ParameterServer):
         self._where = f"table {table!r} at file://{path}"
         self._schema_key = f"psc:schema:{table}".encode()
         self._trim_key = f"psc:trimmed:{table}".encode()
+        self._state_key = STATE + table.encode()
         if dim is None and not (Path(path) / "data.mdb").exists():
             raise TableNotFoundError(f"{self._where} does not exist: pass dim= to create it")
         with _lmdb_errors(self._where):
             self._env = _acquire_env(path, self._opts)
             try:
-                schema = self._open_schema(table, dim, dtype, opts.get("partitions"))
+                schema = self._open_schema(table, dim, dtype, opts.get("partitions"), mode)
                 if self._opts["mirror"]:
                     self._mirror = self._open_mirror(table, schema.row_bytes)
             except BaseException:
@@ -181,51 +111,103 @@ class FileParameterServer(ParameterServer):
                 yield int(txn.stat(self._rows)["entries"]), scan_rows(txn, self._rows)
         try:
             return RowMirror(self._path, table, row_bytes, scan,
-                             lambda: int(self._env.info()["last_txnid"]))
+                             lambda: int(self._env.info()["last_txnid"]), self._check_same)
         except OSError as e:
             log.warning("%s: no row mirror (%s); lookups search LMDB", self._where, e)
             return None
 
     def _writing(self) -> Any:
         """Around a write of rows: the mirror's writer protocol (file_mirror), or nothing."""
-        return self._mirror.writing() if self._mirror is not None else \
+        return self._mirror.writing(self._check_same) if self._mirror is not None else \
             contextlib.nullcontext(None)
 
-    def _open_schema(self, table: str, dim: int | None, dtype: str | None,
-                     partitions: int | None) -> TableSchema:
-        with self._env.begin() as txn:
-            raw = txn.get(self._schema_key)
-        if raw is None:
-            if dim is None:
-                raise TableNotFoundError(f"{self._where} does not exist: pass dim= to create it")
-            with self._env.begin(write=True) as txn:
-                raw = txn.get(self._schema_key)  # NOTE: re-read under the writer lock
-                if raw is None:
-                    schema = TableSchema(dim=dim, dtype=dtype or "float32",
-                                         partitions=partitions or 1)
-                    txn.put(self._schema_key, schema.encode())
-                    self._open_dbs(txn)
-                    log.info("created %s: %s", self._where, schema)
-                    return schema
-        schema = TableSchema.decode(raw, table)
-        if schema.layout == 1:
-            # NOTE: layout 1 -> 2 is transparent here: rows are unchanged, and a layout-1
-            # client still attached reads the new feed records as a superset (b"K" + time).
-            schema = TableSchema(dim=schema.dim, dtype=schema.dtype,
-                                 partitions=schema.partitions, created=schema.created)
-            with self._env.begin(write=True) as txn:
-                txn.put(self._schema_key, schema.encode())
-            log.info("upgraded %s to layout %d", self._where, schema.layout)
-        schema.check(table, dim=dim, dtype=dtype, partitions=partitions)
-        with self._env.begin(write=True) as txn:
-            self._open_dbs(txn)
-        return schema
+    def _dropping(self) -> Any:
+        """Around a drop: the mirror's writer lock (whether this client keeps a mirror or
+        not: another one may); a table gone meanwhile raises first (no mirror is rebuilt)."""
+        return self._mirror.writing(self._check_same) if self._mirror is not None else \
+            store_lock(self._path)
 
-    def _open_dbs(self, txn: Any) -> None:
+    def _dropped(self, what: str) -> TableDroppedError:
+        return TableDroppedError(f"{self._where} {what}: connect again (`psclient ls URL` "
+                                 "lists the tables there)")
+
+    @contextlib.contextmanager
+    def _guard(self) -> Iterator[None]:
+        """LMDB's errors as psclient's; one that comes of the table's databases dropped
+        under this client (another handle or process dropped the table) as
+        :class:`TableDroppedError`."""
+        try:
+            with _lmdb_errors(self._where):
+                yield
+        except PSUnavailableError as e:
+            if isinstance(e.__cause__, lmdb.Error) and not self._same_table():
+                raise self._dropped("was dropped (or created anew) while this client used "
+                                    "it") from e.__cause__
+            raise
+
+    def _live(self, txn: Any) -> None:
+        """In a write transaction: refuse when the table is not the one this client opened."""
+        if txn.get(self._schema_key, db=self._main) != self._schema_raw:
+            raise self._dropped("was dropped (or created anew) while this client wrote it; "
+                                "this write was refused")
+
+    def _check_same(self) -> None:
+        with _lmdb_errors(self._where):
+            if not self._same_table():
+                raise self._dropped("was dropped (or created anew) while this client wrote "
+                                    "it; this write was refused")
+
+    def _open_schema(self, table: str, dim: int | None, dtype: str | None,
+                     partitions: int | None, mode: str) -> TableSchema:
+        """Read, create or join the table: one write transaction (``mode``: ``open``, a
+        ready table only; ``load``, create it ``loading`` or join it; ``partial``, any)."""
+        with self._env.begin(write=True) as txn:
+            raw = txn.get(self._schema_key)
+            if raw is None:
+                if dim is None:
+                    raise TableNotFoundError(
+                        f"{self._where} does not exist: pass dim= to create it")
+                schema = TableSchema(dim=dim, dtype=dtype or "float32",
+                                     partitions=partitions or 1)
+                raw = schema.encode()
+                txn.put(self._schema_key, raw)
+                self._open_dbs(txn, fresh=True)
+                if mode == "load":
+                    self._load = Load.here()
+                    txn.put(self._state_key, encode_state([self._load], 0))
+                log.info("created %s: %s", self._where, schema)
+                self._schema_raw = raw
+                return schema
+            schema = TableSchema.decode(raw, table)
+            if schema.layout == 1:
+                # NOTE: layout 1 -> 2 is transparent here: rows are unchanged, and a layout-1
+                # client still attached reads the new feed records as a superset (b"K" + time).
+                schema = TableSchema(dim=schema.dim, dtype=schema.dtype,
+                                     partitions=schema.partitions, created=schema.created)
+                raw = schema.encode()
+                txn.put(self._schema_key, raw)
+                log.info("upgraded %s to layout %d", self._where, schema.layout)
+            schema.check(table, dim=dim, dtype=dtype, partitions=partitions)
+            state = decode_state(txn.get(self._state_key))
+            if state.state != READY and mode != "partial":
+                if mode != "load":
+                    raise loading_error(self._where, table, state)
+                self._load = Load.here()
+                loads = [x for x in state.loads if x.running() is not False]
+                txn.put(self._state_key, encode_state([*loads, self._load], state.committed))
+            self._open_dbs(txn, fresh=False)
+            self._schema_raw = raw
+            return schema
+
+    def _open_dbs(self, txn: Any, *, fresh: bool) -> None:
         name = self._schema_key[len(b"psc:schema:"):]
         self._main = self._env.open_db(None, txn=txn)
-        self._rows = self._env.open_db(b"rows:" + name, txn=txn, create=True)
-        self._feed_db = self._env.open_db(b"feed:" + name, txn=txn, create=True)
+        self._rows = self._env.open_db(ROWS + name, txn=txn, create=True)
+        self._feed_db = self._env.open_db(FEED + name, txn=txn, create=True)
+        if fresh:  # NOTE: what an older psclient may have left under the name is not ours
+            txn.drop(self._rows, delete=False)
+            txn.drop(self._feed_db, delete=False)
+            txn.delete(self._trim_key, db=self._main)
 
     def _sorted(self, keys: np.ndarray, encode: bool = True
                 ) -> tuple[np.ndarray, np.ndarray, list[bytes]]:
@@ -261,7 +243,7 @@ class FileParameterServer(ParameterServer):
         first = first_of_runs(ks)
         distinct = ks[first]
         zero = bytes(self._schema.row_bytes)  # NOTE: a new object: identity marks a miss
-        with _lmdb_errors(self._where), self._env.begin(db=self._rows) as txn:
+        with self._guard(), self._env.begin(db=self._rows) as txn:
             replies = list(map(txn.get, be_key_bytes(distinct), repeat(zero)))
         return assemble_distinct_rows(replies, zero, order, first, distinct, self._schema,
                                       self._table)
@@ -271,15 +253,16 @@ class FileParameterServer(ParameterServer):
         :meth:`_lookup` with: one ``txn.get`` per key, duplicates included, assembled by
         :func:`psclient.codec.assemble_rows`."""
         order, _, kb = self._sorted(keys)
-        with _lmdb_errors(self._where), self._env.begin(db=self._rows) as txn:
+        with self._guard(), self._env.begin(db=self._rows) as txn:
             replies = list(map(txn.get, kb))
         return assemble_rows(replies, order, keys, self._schema, self._table)
 
     def _insert(self, keys: np.ndarray, values: torch.Tensor) -> None:
         order, ks, kb = self._sorted(keys)
         vb = row_bytes_list(values, order)
-        with _lmdb_errors(self._where), self._writing() as mirror:
+        with self._guard(), self._writing() as mirror:
             with self._env.begin(write=True, db=self._rows) as txn:
+                self._live(txn)
                 cur = txn.cursor()
                 # NOTE: which keys exist already (exact change feed), then one putmulti.
                 existed = np.fromiter(map(cur.set_key, kb), dtype=bool, count=ks.size)
@@ -292,8 +275,9 @@ class FileParameterServer(ParameterServer):
     def _update(self, keys: np.ndarray, values: torch.Tensor) -> torch.Tensor:
         order, ks, kb = self._sorted(keys)
         vb = row_bytes_list(values, order)
-        with _lmdb_errors(self._where), self._writing() as mirror:
+        with self._guard(), self._writing() as mirror:
             with self._env.begin(write=True, db=self._rows) as txn:
+                self._live(txn)
                 cur = txn.cursor()
                 existed_sorted = np.fromiter(map(cur.set_key, kb), dtype=bool, count=ks.size)
                 if existed_sorted.any():
@@ -308,8 +292,9 @@ class FileParameterServer(ParameterServer):
 
     def _erase(self, keys: np.ndarray) -> None:
         _, ks, kb = self._sorted(keys)
-        with _lmdb_errors(self._where), self._writing() as mirror:
+        with self._guard(), self._writing() as mirror:
             with self._env.begin(write=True, db=self._rows) as txn:
+                self._live(txn)
                 deleted = np.fromiter(map(txn.delete, kb), dtype=bool, count=ks.size)
                 if deleted.any():
                     self._append_feed(txn, ks[deleted])
@@ -317,8 +302,9 @@ class FileParameterServer(ParameterServer):
                 mirror.erase(ks[deleted])
 
     def _clear(self) -> None:
-        with _lmdb_errors(self._where), self._writing() as mirror:
+        with self._guard(), self._writing() as mirror:
             with self._env.begin(write=True) as txn:
+                self._live(txn)
                 txn.drop(self._rows, delete=False)
                 self._append_feed(txn, None)
             if mirror is not None:
@@ -329,121 +315,73 @@ class FileParameterServer(ParameterServer):
             self._mirror.reserve(rows)
 
     def _size(self) -> int:
-        with _lmdb_errors(self._where), self._env.begin() as txn:
+        with self._guard(), self._env.begin() as txn:
             return int(txn.stat(self._rows)["entries"])
 
     def _drop(self) -> None:
-        with _lmdb_errors(self._where), self._writing() as mirror:
+        with self._guard(), self._dropping() as mirror:
             with self._env.begin(write=True) as txn:
-                txn.drop(self._rows, delete=True)
-                txn.drop(self._feed_db, delete=True)
-                txn.delete(self._schema_key, db=self._main)
-                txn.delete(self._trim_key, db=self._main)
-            if mirror is not None:
-                mirror.retire()
+                if txn.get(self._schema_key, db=self._main) != self._schema_raw:
+                    raise self._dropped("was dropped (or created anew) since this client "
+                                        "opened it; nothing was deleted")
+                self._drop_in(txn)
+            self._retire(mirror)
         log.info("dropped %s", self._where)
 
-    # -- change feed ---------------------------------------------------------------------
+    def _drop_in(self, txn: Any) -> None:
+        txn.drop(self._rows, delete=True)
+        txn.drop(self._feed_db, delete=True)
+        for key in (self._schema_key, self._trim_key, self._state_key):
+            txn.delete(key, db=self._main)
 
-    def _append_feed(self, txn: Any, keys: np.ndarray | None) -> None:
-        cur = txn.cursor(db=self._feed_db)
-        seq = int.from_bytes(cur.key(), "big") if cur.last() else 0
-        per = self._opts["feed_entry_keys"]
-        if keys is None:
-            recs = [b"c"]
+    def _retire(self, mirror: RowMirror | None) -> None:
+        """After a drop, under :meth:`_dropping`: the table's mirror goes."""
+        if mirror is not None:
+            mirror.retire()
         else:
-            keys = np.unique(keys)
-            # NOTE: b"K" + commit time: a layout-1 reader takes the time for one more key
-            # (a superset, harmless), so an upgraded table stays safe for it.
-            now = time.time_ns().to_bytes(8, "little")
-            recs = [b"K" + now + keys[a:a + per].astype("<i8").tobytes()
-                    for a in range(0, keys.size, per)]
-        for rec in recs:
-            seq += 1
-            txn.put(_seq(seq), rec, db=self._feed_db)
-        excess = int(txn.stat(self._feed_db)["entries"]) - self._opts["changes_maxlen"]
-        trimmed = 0
-        while excess > 0 and cur.first():  # bounded by the entries just added
-            trimmed = int.from_bytes(cur.key(), "big")
-            cur.delete()
-            excess -= 1
-        if trimmed:
-            txn.put(self._trim_key, _seq(trimmed), db=self._main)
+            remove_mirror(self._path, self._table)
 
-    def _cursor(self, seq: int) -> str:
-        return f"{seq}:{self._schema.incarnation}"
+    def _state(self) -> TableState:
+        with _lmdb_errors(self._where), self._env.begin() as txn:
+            return decode_state(txn.get(self._state_key, db=self._main))
 
-    def _parse_cursor(self, since: str) -> tuple[int, bool]:
-        """``(seq, same table)`` of a cursor; a plain number is a layout-1 cursor."""
-        seq, sep, inc = since.partition(":")
+    def _same_table(self) -> bool:
+        with _lmdb_errors(self._where), self._env.begin() as txn:
+            return bool(txn.get(self._schema_key, db=self._main) == self._schema_raw)
+
+    def _withdraw(self, load: Load, *, ok: bool) -> str:
+        """One transaction: the last load out drops the table if no load committed."""
         try:
-            start = int(seq)
-        except ValueError as e:
-            raise BadArgumentError(
-                f"bad change-feed cursor {since!r}: pass one returned by follow()") from e
-        if start < 0:
-            raise BadArgumentError(
-                f"bad change-feed cursor {since!r}: pass one returned by follow()")
-        return start, (not sep or inc == self._schema.incarnation)
+            return self._withdraw_in(load, ok)
+        except TableDroppedError:
+            return "gone"
 
-    def _follow(self, since: str | None, limit: int, block_ms: int) -> FeedBatch:
-        # NOTE: file:// is node-local: a blocking follow polls the store every
-        # _POLL_S (a read transaction on the memory map, no syscall when nothing changed).
-        deadline = time.monotonic() + block_ms / 1000
-        while True:
-            batch = self._read_feed(since, limit)
-            if since is None or batch.cursor != since or time.monotonic() >= deadline:
-                return batch
-            time.sleep(min(_POLL_S, max(0.0, deadline - time.monotonic())))
-
-    def _read_feed(self, since: str | None, limit: int) -> FeedBatch:
-        with _lmdb_errors(self._where), self._env.begin(db=self._feed_db) as txn:
-            cur = txn.cursor()
-            last = int.from_bytes(cur.key(), "big") if cur.last() else 0
-            if since is None:
-                return make_batch([], self._cursor(last), [])
-            start, same = self._parse_cursor(since)
-            if not same:
-                raise ChangeFeedGapError(
-                    f"{self._where}: cursor {since} belongs to an earlier table of this name "
-                    "(dropped and created again): drop every cached row of the table and "
-                    "resume from err.cursor", cursor=self._cursor(last))
-            if start > last:
-                raise ChangeFeedGapError(
-                    f"{self._where}: cursor {since} is ahead of the change feed (at {last}): "
-                    "the store lost entries the cursor had read (restored from an older copy?); "
-                    "drop every cached row of the table and resume from err.cursor",
-                    cursor=self._cursor(last))
-            trimmed = txn.get(self._trim_key, db=self._main)
-            if trimmed is not None and start < int.from_bytes(trimmed, "big"):
-                raise ChangeFeedGapError(
-                    f"{self._where}: change-feed entries after cursor {since} were trimmed: drop "
-                    "every cached row of the table and resume from err.cursor",
-                    cursor=self._cursor(last))
-            parts: list[np.ndarray] = []
-            times: list[int] = []
-            seq = start
-            if cur.set_range(_seq(start + 1)):
-                for key, rec in cur:
-                    seq = int.from_bytes(key, "big")
-                    kind = rec[:1]
-                    if kind == b"c":
-                        raise ChangeFeedGapError(
-                            f"{self._where} was cleared at {seq}: drop every cached row of "
-                            "the table and resume from err.cursor", cursor=self._cursor(seq))
-                    if kind == b"K":  # layout 2: commit time, then the keys
-                        times.append(int.from_bytes(rec[1:9], "little"))
-                        parts.append(np.frombuffer(rec, dtype="<i8", offset=9))
-                    else:              # layout 1: the keys alone
-                        parts.append(np.frombuffer(rec, dtype="<i8", offset=1))
-                    if len(parts) >= limit:
-                        break
-        return make_batch(parts, self._cursor(seq), times)
+    def _withdraw_in(self, load: Load, ok: bool) -> str:
+        with self._guard(), self._dropping() as mirror:
+            with self._env.begin(write=True) as txn:
+                if txn.get(self._schema_key, db=self._main) != self._schema_raw:
+                    return "gone"
+                state = decode_state(txn.get(self._state_key, db=self._main))
+                if state.state == READY:
+                    return READY
+                left = [x for x in state.loads
+                        if x.token != load.token and x.running() is not False]
+                committed = state.committed + int(ok)
+                if left:
+                    txn.put(self._state_key, encode_state(left, committed), db=self._main)
+                    return LOADING
+                if committed:
+                    txn.delete(self._state_key, db=self._main)
+                    return READY
+                self._drop_in(txn)
+            self._retire(mirror)
+        log.info("dropped %s: the loads that created it failed", self._where)
+        return "dropped"
 
     # -- lifecycle -----------------------------------------------------------------------
 
     def _stat(self) -> dict[str, Any]:
-        with self._env.begin() as txn:
+        with self._guard(), self._env.begin() as txn:
             feed = int(txn.stat(self._feed_db)["entries"])
         info = self._env.info()
         return {"backend": "lmdb", "path": self._path, "feed_entries": feed,
@@ -455,15 +393,21 @@ class FileParameterServer(ParameterServer):
         self._env = _acquire_env(self._path, self._opts)
         if self._mirror is not None:
             self._mirror.after_fork()
-        with self._env.begin(write=True) as txn:
-            self._open_dbs(txn)
+        with _lmdb_errors(self._where), self._env.begin(write=True) as txn:
+            if txn.get(self._schema_key) != self._schema_raw:
+                txn.abort()
+                _release_env(self._path)  # NOTE: the next call tries again, and fails again
+                self._env = None
+                raise self._dropped("was dropped (or created anew) since this client opened "
+                                    "it")
+            self._open_dbs(txn, fresh=False)
 
     def _close(self) -> None:
         if self._mirror is not None:
             self._mirror.close()
             self._mirror = None
         if self._env is not None:
-            if (os.getpid(), self._path) in _ENVS:
+            if holds_env(self._path):
                 _release_env(self._path)
             self._env = None
 
@@ -473,80 +417,14 @@ def _raw_rows(values: torch.Tensor) -> np.ndarray:
     return values.view(torch.uint8).numpy().reshape(values.shape[0], -1)
 
 
-def _flag(value: object) -> bool:
-    """A boolean URL option; ValueError for anything but the usual spellings."""
-    if isinstance(value, bool):
-        return value
-    word = str(value).lower()
-    if word in ("1", "true", "yes", "on"):
-        return True
-    if word in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(word)
-
-
-def _parse_url(url: str, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """The store directory (real path) and the options of a ``file://`` URL."""
-    parts = urlsplit(url)
-    if parts.netloc not in ("", "localhost"):
-        raise UnsupportedURLError(
-            f"bad file URL {url!r}: use file:///absolute/path (three slashes)")
-    path = unquote(parts.path)
-    if not path:
-        raise UnsupportedURLError(f"bad file URL {url!r}: no path")
-    merged: dict[str, Any] = dict(parse_qsl(parts.query))
-    merged.update(options)
-    opts: dict[str, Any] = {}
-    for name, value in merged.items():
-        if name == "partitions":
-            opts[name] = int(value)
-            continue
-        typ = _OPTIONS.get(name)
-        if typ is None:
-            raise BadArgumentError(
-                f"unknown file:// option {name!r}: use one of {sorted(_OPTIONS)}")
-        try:
-            opts[name] = _flag(value) if typ is bool else typ(value)
-        except (TypeError, ValueError) as e:
-            raise BadArgumentError(f"option {name}={value!r} must be {typ.__name__}"
-                                   + (" (true/false, yes/no, on/off or 1/0)"
-                                      if typ is bool else "")) from e
-    return os.path.realpath(path), opts
-
-
 def open_file(url: str, table: str, dim: int | None, dtype: str | None,
               options: dict[str, Any]) -> FileParameterServer:
     """Factory for ``file:///path`` URLs (the directory is created with the first table)."""
-    path, opts = _parse_url(url, options)
-    return FileParameterServer(path, table, dim, dtype, opts)
-
-
-def list_file_tables(url: str, options: dict[str, Any]) -> list[str]:
-    """Table names in the store at a ``file:///path`` URL, sorted; creates nothing.
-
-    Raises:
-        PSUnavailableError: there is no store at that path.
-    """
-    path, opts = _parse_url(url, options)
-    where = f"file://{path}"
-    if not (Path(path) / "data.mdb").is_file():
-        raise PSUnavailableError(f"no store at {where} (no data.mdb there): check the path")
-    opts = {**_DEFAULTS, **{k: v for k, v in opts.items() if k != "partitions"}}
-    head = b"psc:schema:"
-    with _lmdb_errors(where):
-        env = _acquire_env(path, opts)
-        try:
-            with env.begin() as txn:
-                cur = txn.cursor()
-                names = []
-                if cur.set_range(head):
-                    for key in cur.iternext(values=False):
-                        if not key.startswith(head):
-                            break
-                        names.append(key[len(head):].decode())
-        finally:
-            _release_env(path)
-    return sorted(names)
+    rest = dict(options)
+    loading, partial = bool(rest.pop("loading", False)), bool(rest.pop("partial", False))
+    path, opts = parse_url(url, rest)
+    return FileParameterServer(path, table, dim, dtype, opts,
+                               "load" if loading else "partial" if partial else "open")
 
 
 __all__ = ["FileParameterServer", "be_bytes_to_keys", "list_file_tables", "open_file"]

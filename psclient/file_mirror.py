@@ -55,6 +55,8 @@ import numpy as np
 from . import mirror_layout
 from .codec import be_bytes_to_keys
 from .lazy import lazy_import
+from .mirror_files import HEADER_BYTES, OK, RETIRED, STALE, mirror_path
+from .mirror_files import thread_lock as _thread_lock
 from .mirror_twin import GATE as MIRROR_LOOPS
 from .split import split_run
 
@@ -67,24 +69,10 @@ log = logging.getLogger(__name__)
 
 _MAGIC = 0x4E56524F57494458  # b"NVROWIDX"
 _FORMAT = 1
-OK, STALE, RETIRED = 0, 1, 2
-_HEADER_BYTES = 4096
+_HEADER_BYTES = HEADER_BYTES
 _MIN_SLOTS = 1024
 #: rows read from LMDB per step of a rebuild
 _REBUILD_CHUNK = 1 << 16
-
-#: (pid, lock path) -> the lock that orders this process's threads before the flock
-_THREAD_LOCKS: dict[tuple[int, str], threading.Lock] = {}
-_THREAD_LOCKS_GUARD = threading.Lock()
-
-
-def _thread_lock(path: str) -> threading.Lock:
-    with _THREAD_LOCKS_GUARD:
-        key = (os.getpid(), path)  # NOTE: a forked child never inherits a held one
-        lock = _THREAD_LOCKS.get(key)
-        if lock is None:
-            lock = _THREAD_LOCKS[key] = threading.Lock()
-        return lock
 
 
 def _boot_id() -> tuple[int, int]:
@@ -139,13 +127,15 @@ class RowMirror:
             count and an iterator of ``(keys, values)`` chunks of its stored rows (raw
             LMDB bytes), for a rebuild.
         last_txnid: LMDB's last committed transaction id, now.
+        check: raises if the table is gone (run under the lock before the mirror is built).
     """
 
     def __init__(self, directory: str, table: str, row_bytes: int,
                  scan: Callable[[], contextlib.AbstractContextManager[
                      tuple[int, Iterator[tuple[list[bytes], list[bytes]]]]]],
-                 last_txnid: Callable[[], int]) -> None:
-        self.path = os.path.join(directory, f"rows.{table}.nvidx")
+                 last_txnid: Callable[[], int], check: Callable[[], None] | None = None
+                 ) -> None:
+        self.path = mirror_path(directory, table)
         self._lock_path = os.path.join(directory, "mirror.lock")
         self._row_bytes = row_bytes
         self._scan, self._last_txnid = scan, last_txnid
@@ -155,6 +145,8 @@ class RowMirror:
         self._lock_fd = -1
         self._writing = False
         with self.writer_lock():
+            if check is not None:
+                check()
             self._ensure_fresh(at_open=True)
 
     # -- reading -------------------------------------------------------------------------
@@ -216,10 +208,13 @@ class RowMirror:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
 
     @contextlib.contextmanager
-    def writing(self) -> Iterator[RowMirror]:
+    def writing(self, check: Callable[[], None] | None = None) -> Iterator[RowMirror]:
         """Around one write of rows: the LMDB commit inside, then :meth:`put` /
-        :meth:`erase` / :meth:`clear` with what it committed."""
+        :meth:`erase` / :meth:`clear` with what it committed. ``check()`` runs first under
+        the lock (it raises when the table is gone: no mirror is rebuilt for it then)."""
         with self.writer_lock():
+            if check is not None:
+                check()
             self._ensure_fresh(at_open=False)
             m = self._map
             if m is None:  # NOTE: no mirror to keep (it could not be built): LMDB alone

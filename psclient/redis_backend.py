@@ -3,9 +3,11 @@
 Layout 2 of table ``T`` (prefix ``psc``, ``P`` partitions fixed at creation)::
 
     psc:{T}:schema          string   msgpack TableSchema (layout 2)
+    psc:{T}:state           hash     only while the table is not ready (psclient.redis_tables)
     psc:{T:p}               hash     field = key as 8 little-endian bytes, value = raw row bytes
     psc:{T:p}:changes       stream   partition p's change feed (psclient.redis_scripts)
     psc:{T:p}:last          string   the ID of that stream's newest entry
+    psc:{T:p}:live          string   the table's existence marker in p's slot (writes check it)
     psc:{T}:bell            channel  (cluster) the writers' doorbell for blocked followers
 
 Key ``k`` lives in partition ``fmix64(k) % P``. The hash tag ``{T:p}`` puts a partition, its
@@ -18,8 +20,9 @@ size/clear.
 A batch is grouped by partition and cut into commands of at most ``chunk_keys`` keys:
 ``HMGET`` for lookups, one ``EVAL`` of a script for every write.
 :class:`psclient.redis_dispatch.Dispatcher` packs them into pipelines per node and follows
-cluster redirections; :mod:`psclient.redis_feed` reads and waits on the change feed. This
-module keeps the table: layout, encoding, operations.
+cluster redirections; :mod:`psclient.redis_feed` reads and waits on the change feed;
+:mod:`psclient.redis_tables` creates, publishes and drops the table. This module keeps the
+table: layout, encoding, operations.
 """
 
 from __future__ import annotations
@@ -34,19 +37,15 @@ from . import redis_scripts as scripts
 from . import resp
 from .base import ParameterServer
 from .codec import group_by_partition
-from .errors import (
-    BadArgumentError,
-    CorruptValueError,
-    SchemaMismatchError,
-    TableNotFoundError,
-)
+from .errors import BadArgumentError, CorruptValueError, SchemaMismatchError, TableDroppedError
 from .feed import FeedBatch
 from .lazy import lazy_import
 from .redis_conn import cluster_factory, redact, redis_errors, split_options, standalone_factory
 from .redis_dispatch import REDIRECTS, Cmd, Dispatcher
 from .redis_feed import RedisFeed
+from .redis_tables import RedisTableLife
 from .redis_wire import reply_error, stream_row_pipeline
-from .schema import LAYOUT_VERSION, TableSchema
+from .schema import TableSchema
 
 if TYPE_CHECKING:
     import torch
@@ -64,7 +63,7 @@ _MULTI, _EXEC = resp.pack("MULTI"), resp.pack("EXEC")
 _FIELD = resp.field_records(np.zeros(1, dtype=np.int64)).dtype.itemsize  # 14 bytes per key
 
 
-class RedisParameterServer(ParameterServer):
+class RedisParameterServer(RedisTableLife, ParameterServer):
     """A table on one Redis server or a Redis Cluster. Create with :func:`psclient.connect`."""
 
     _client: Any = None
@@ -73,7 +72,8 @@ class RedisParameterServer(ParameterServer):
     _feed: RedisFeed | None = None
 
     def __init__(self, make_client: Any, url: str, table: str, dim: int | None,
-                 dtype: str | None, opts: dict[str, Any], cluster: bool) -> None:
+                 dtype: str | None, opts: dict[str, Any], cluster: bool,
+                 mode: str = "open") -> None:
         self._make_client = make_client
         self._url = redact(url)
         self._cluster = cluster
@@ -91,19 +91,34 @@ class RedisParameterServer(ParameterServer):
         self._where = f"table {table!r} at {self._url}"
         pre = self._opts["prefix"]
         self._schema_key = f"{pre}:{{{table}}}:schema"
+        self._state_key = f"{pre}:{{{table}}}:state"
         self._client = make_client()
-        schema = self._open_schema(table, dim, dtype, opts.get("partitions"))
+        schema, creator = self._open_schema(table, dim, dtype, opts.get("partitions"))
         super().__init__(table, schema)
         self._part_keys = [f"{pre}:{{{table}:{p}}}".encode() for p in range(schema.partitions)]
-        # NOTE: per partition, the bulk strings of its 3 keys and the stream's MAXLEN
-        maxlen = resp.bulk(str(self._opts["changes_maxlen"]).encode())
-        self._part_tails = [resp.bulk(k) + resp.bulk(k + b":changes") + resp.bulk(k + b":last")
-                            + maxlen for k in self._part_keys]
+        self._tails()
         self._part_bulks = [resp.bulk(k) for k in self._part_keys]
         bell = f"{pre}:{{{table}}}:bell".encode()
         self._dispatch = Dispatcher(self._client, cluster, self._part_keys, self._opts,
                                     self._where, bell if cluster else None)
         self._feed = RedisFeed(self, bell, self._opts["feed_sweep_ms"])
+        try:
+            self._settle(creator, mode)
+        except BaseException:
+            self.close()
+            raise
+
+    def _tails(self) -> None:
+        """Per partition, what follows a write script's name: its keys, the stream's MAXLEN
+        and the table's token (psclient.redis_scripts); and its insert's closing FENCE."""
+        maxlen = resp.bulk(str(self._opts["changes_maxlen"]).encode())
+        token = resp.bulk(self._schema.token.encode())
+        self._marked = self._schema.marked
+        self._part_tails = [resp.bulk(k) + resp.bulk(k + b":changes") + resp.bulk(k + b":last")
+                            + resp.bulk(k + b":live") + resp.bulk(k + b":held") + maxlen + token
+                            for k in self._part_keys]
+        self._fences = [resp.pack("EVAL", scripts.FENCE, 2, k, k + b":held")
+                        for k in self._part_keys]
 
     # -- what redis_feed uses ------------------------------------------------------------
 
@@ -146,12 +161,6 @@ class RedisParameterServer(ParameterServer):
         """The schema record this handle opened the table with."""
         return self._schema_raw
 
-    def stored_schema(self) -> bytes | None:
-        """The schema record stored now (``None``: the table is gone)."""
-        with redis_errors(self._where):
-            raw: bytes | None = self._client.get(self._schema_key)
-            return raw
-
     def adopt_schema(self, raw: bytes | None) -> str:
         """After the table was created anew: take its schema if the geometry is the same.
 
@@ -166,65 +175,12 @@ class RedisParameterServer(ParameterServer):
             raise SchemaMismatchError(
                 f"{self._where} was created anew with another schema ({new}): connect again")
         self._schema, self._schema_raw = new, raw
+        self._tails()
         return "the table was created anew (dropped, or lost in a restart, and written again)"
 
     def run_commands(self, cmds: list[tuple[int, bytes]]) -> list[Any]:
         """Run small encoded commands, each on the node of its partition; replies in order."""
         return self._run([Cmd(p, 0, 1, [c]) for p, c in cmds])
-
-    # -- schema --------------------------------------------------------------------------
-
-    def _open_schema(self, table: str, dim: int | None, dtype: str | None,
-                     partitions: int | None) -> TableSchema:
-        with redis_errors(self._where):
-            raw = self._client.get(self._schema_key)
-            if raw is None:
-                if dim is None:
-                    raise TableNotFoundError(
-                        f"{self._where} does not exist: pass dim= (and dtype=) to create it"
-                    )
-                if partitions is None:
-                    masters = len(self._client.get_primaries()) if self._cluster else 1
-                    partitions = max(64, 8 * masters)
-                schema = TableSchema(dim=dim, dtype=dtype or "float32", partitions=partitions)
-                self._schema_raw = schema.encode()
-                if self._client.set(self._schema_key, self._schema_raw, nx=True):
-                    log.info("created %s: %s", self._where, schema)
-                    return schema
-                raw = self._client.get(self._schema_key)  # lost a creation race: use theirs
-                if raw is None:
-                    raise SchemaMismatchError(f"{self._where} was dropped while being created")
-            schema = TableSchema.decode(raw, table)
-            self._schema_raw = raw
-            if schema.layout == 1:
-                schema = self._upgrade(table, schema, raw)
-            schema.check(table, dim=dim, dtype=dtype, partitions=partitions)
-            return schema
-
-    def _upgrade(self, table: str, old: TableSchema, raw: bytes) -> TableSchema:
-        """Layout 1 (one stream per table, written after the rows) to layout 2, if asked."""
-        if not self._opts["upgrade"]:
-            raise SchemaMismatchError(
-                f"{self._where} has layout 1 (one change stream per table, appended after the "
-                "rows: a writer killed in between left changes unannounced); this psclient "
-                f"reads and writes layout {LAYOUT_VERSION}. Stop every client of the older "
-                "psclient, then run `psclient upgrade URL --table NAME` (or connect with "
-                "upgrade=True) once: the rows stay, the old feed is dropped, followers re-sync")
-        new = TableSchema(dim=old.dim, dtype=old.dtype, partitions=old.partitions,
-                          created=old.created)
-        pre = self._opts["prefix"]
-        rec = new.encode()
-        # NOTE: compare-and-set: only the process that still finds the old record upgrades
-        done = self._client.eval(
-            "if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('SET', KEYS[1], ARGV[2]) "
-            "redis.call('DEL', KEYS[2]) return 1 end return 0", 2, self._schema_key,
-            f"{pre}:{{{table}}}:changes", raw, rec)
-        if done:
-            log.warning("upgraded %s from layout 1 to %d", self._where, LAYOUT_VERSION)
-            self._schema_raw = rec
-            return new
-        self._schema_raw = self._client.get(self._schema_key)
-        return TableSchema.decode(self._schema_raw, table)
 
     # -- dispatch ------------------------------------------------------------------------
 
@@ -233,7 +189,43 @@ class RedisParameterServer(ParameterServer):
         """Execute commands on the partitions' nodes; replies in order (see Dispatcher.run)."""
         assert self._dispatch is not None
         with redis_errors(self._where):
-            return self._dispatch.run(cmds, job, finish, bell=bell)
+            try:
+                return self._dispatch.run(cmds, job, finish, bell=bell)
+            except rex.ResponseError as e:
+                if str(e).startswith(scripts.GONE):
+                    raise self._dropped("was dropped (or created anew) while this client "
+                                        "wrote it; this write was refused") from e
+                raise
+
+    def _write(self, cmds: list[Cmd], transactions: bool = False) -> list[Any]:
+        """Run write commands (a table created before markers gets them first). Refused,
+        while the schema is still the one this client opened, the store lost markers (a
+        restart without persistence, a flush): the partitions are marked again, and the
+        commands run once more (every write step is safe to repeat)."""
+        if not self._marked:
+            self._adopt()
+        try:
+            return self._checked(self._run(cmds, bell=self._cluster), transactions)
+        except TableDroppedError:
+            if self.stored_schema() != self._schema_raw:
+                raise
+            log.warning("%s: partition markers were missing (the store lost keys: a restart "
+                        "without persistence?); marking them again", self._where)
+            self._adopt()
+            return self._checked(self._run(cmds, bell=self._cluster), transactions)
+
+    def _checked(self, replies: list[Any], transactions: bool) -> list[Any]:
+        """Raise the first error inside an ``EXEC`` reply (insert's script, HSET, FENCE)."""
+        for reply in replies if transactions else ():
+            err = next((r for r in reply if isinstance(r, Exception)), None) \
+                if isinstance(reply, list) else None
+            if err is not None:
+                with redis_errors(self._where):
+                    if str(err).startswith(scripts.GONE):
+                        raise self._dropped("was dropped (or created anew) while this client "
+                                            "wrote it; this write was refused") from err
+                    raise err
+        return replies
 
     def _batch(self, script: bytes | None, keys: np.ndarray, values: torch.Tensor | None
                ) -> tuple[np.ndarray, np.ndarray, list[Cmd]]:
@@ -255,13 +247,13 @@ class RedisParameterServer(ParameterServer):
         insert = script == b"INSERT"
         if insert:
             fields = resp.as_buffer(resp.field_records(ks))
-            notice = resp.bulk(b"EVAL") + resp.bulk(scripts.INSERT_NOTICE) + resp.bulk(b"3")
+            notice = resp.bulk(b"EVAL") + resp.bulk(scripts.INSERT_NOTICE) + resp.bulk(b"5")
         if script is None or insert:
             lead, nlead, tails = resp.bulk(b"HMGET" if script is None else b"HSET"), 2, \
                 self._part_bulks
         else:
-            lead = resp.bulk(b"EVAL") + resp.bulk(_SCRIPTS[script]) + resp.bulk(b"3")
-            nlead, tails = 7, self._part_tails
+            lead = resp.bulk(b"EVAL") + resp.bulk(_SCRIPTS[script]) + resp.bulk(b"5")
+            nlead, tails = 10, self._part_tails
         cmds: list[Cmd] = []
         bl = bounds.tolist()
         for p in np.flatnonzero(bounds[1:] > bounds[:-1]).tolist():
@@ -271,19 +263,21 @@ class RedisParameterServer(ParameterServer):
                 e = min(b, s + ck)
                 head = b"*%d\r\n%b%b" % (nlead + per_key * (e - s), lead, tail)
                 if insert:
-                    check = b"*%d\r\n%b%b" % (7 + e - s, notice, self._part_tails[p])
+                    check = b"*%d\r\n%b%b" % (10 + e - s, notice, self._part_tails[p])
                     cmds.append(Cmd(p, s, e, [_MULTI, check, fields[s * _FIELD:e * _FIELD], head,
-                                              raw[s * size:e * size], _EXEC], 4))
+                                              raw[s * size:e * size], self._fences[p], _EXEC],
+                                    5))
                 else:
                     cmds.append(Cmd(p, s, e, [head, raw[s * size:e * size]]))
         return order, ks, cmds
 
     def _per_partition(self, script: bytes, *args: bytes | str) -> list[Cmd]:
-        """One small command per partition: ``script`` on its 3 keys, or ``args`` + its key."""
+        """One small command per partition: ``script`` on its keys, or ``args`` + its key."""
         if script:
-            maxlen = self._opts["changes_maxlen"]
-            return [Cmd(p, 0, 1, [resp.pack("EVAL", script, 3, k, k + b":changes",
-                                             k + b":last", maxlen)])
+            maxlen, token = self._opts["changes_maxlen"], self._schema.token
+            return [Cmd(p, 0, 1, [resp.pack("EVAL", script, 5, k, k + b":changes",
+                                             k + b":last", k + b":live", k + b":held", maxlen,
+                                             token)])
                     for p, k in enumerate(self._part_keys)]
         return [Cmd(p, 0, 1, [resp.pack(*args, k)]) for p, k in enumerate(self._part_keys)]
 
@@ -376,31 +370,24 @@ class RedisParameterServer(ParameterServer):
     def _insert(self, keys: np.ndarray, values: torch.Tensor) -> None:
         # NOTE: one transaction per chunk notices the keys that existed and writes the rows.
         _, _, cmds = self._batch(b"INSERT", keys, values)
-        self._run(cmds, bell=self._cluster)
+        self._write(cmds, transactions=True)
 
     def _update(self, keys: np.ndarray, values: torch.Tensor) -> torch.Tensor:
         order, _, cmds = self._batch(b"UPDATE", keys, values)
-        flags = b"".join(self._run(cmds, bell=self._cluster))
+        flags = b"".join(self._write(cmds))
         existed = np.zeros(keys.size, dtype=bool)
         existed[order] = np.frombuffer(flags, dtype=np.uint8) == ord("1")
         return torch.from_numpy(existed)
 
     def _erase(self, keys: np.ndarray) -> None:
         _, _, cmds = self._batch(b"ERASE", keys, None)
-        self._run(cmds, bell=self._cluster)
+        self._write(cmds)
 
     def _clear(self) -> None:
-        self._run(self._per_partition(scripts.CLEAR), bell=self._cluster)
+        self._write(self._per_partition(scripts.CLEAR))
 
     def _size(self) -> int:
         return sum(int(n) for n in self._run(self._per_partition(b"", "HLEN")))
-
-    def _drop(self) -> None:
-        self._run([Cmd(p, 0, 1, [resp.pack("UNLINK", k, k + b":changes", k + b":last")])
-                   for p, k in enumerate(self._part_keys)])
-        with redis_errors(self._where):
-            self._client.delete(self._schema_key)
-        log.info("dropped %s", self._where)
 
     # -- change feed ---------------------------------------------------------------------
 
@@ -442,18 +429,29 @@ class RedisParameterServer(ParameterServer):
             self._client = None
 
 
+def open_mode(options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """``connect``'s ``loading=``/``partial=`` as an open mode (``load``, ``partial`` or
+    ``open``), and the other options."""
+    rest = dict(options)
+    loading, partial = bool(rest.pop("loading", False)), bool(rest.pop("partial", False))
+    return ("load" if loading else "partial" if partial else "open"), rest
+
+
 def open_standalone(url: str, table: str, dim: int | None, dtype: str | None,
                     options: dict[str, Any]) -> RedisParameterServer:
     """Factory for ``redis://``, ``rediss://`` and ``unix://`` URLs."""
+    mode, options = open_mode(options)
     base, topts, conn = split_options(url, options)
     return RedisParameterServer(standalone_factory(base, conn), base, table, dim, dtype, topts,
-                                cluster=False)
+                                cluster=False, mode=mode)
 
 
 def open_cluster(url: str, table: str, dim: int | None, dtype: str | None,
                  options: dict[str, Any]) -> RedisParameterServer:
     """Factory for ``redis+cluster://host:port[,host:port]`` URLs."""
+    mode, options = open_mode(options)
     base, topts, conn = split_options(url, options)
     with redis_errors(f"table {table!r} at {redact(base)}"):
         make = cluster_factory(base, conn)
-        return RedisParameterServer(make, base, table, dim, dtype, topts, cluster=True)
+        return RedisParameterServer(make, base, table, dim, dtype, topts, cluster=True,
+                                    mode=mode)

@@ -7,13 +7,27 @@ the chunk's keys, a plain ``HSET`` of its rows, ``EXEC``. The scripts' keys::
     KEYS[1] = psc:{T:p}            hash    the partition's rows
     KEYS[2] = psc:{T:p}:changes    stream  the partition's change feed
     KEYS[3] = psc:{T:p}:last       string  the ID of the stream's newest entry
+    KEYS[4] = psc:{T:p}:live       string  the table's existence marker in this slot
+    KEYS[5] = psc:{T:p}:held       hash    (insert only, for an instant) see below
     ARGV[1] = MAXLEN of the stream (approximate trim, ``changes_maxlen``)
-    ARGV[2..] = key fields (8 little-endian bytes), each followed by its row for writes
+    ARGV[2] = the table's token (its creation time, ``TableSchema.token``)
+    ARGV[3..] = key fields (8 little-endian bytes), each followed by its row for writes
 
-The three keys share the hash tag ``{T:p}``, so they live in one cluster slot and the step
-runs on one node: Redis runs a script, or a ``MULTI``/``EXEC`` block, to its end before any
-other command (and replicates and persists it as one unit), so a writer killed at any point
-leaves either the rows and their notice or neither. A stream entry is::
+The keys share the hash tag ``{T:p}``, so they live in one cluster slot and the step runs on
+one node: Redis runs a script, or a ``MULTI``/``EXEC`` block, to its end before any other
+command (and replicates and persists it as one unit), so a writer killed at any point leaves
+either the rows and their notice or neither.
+
+Every write step first compares the partition's marker with the writer's token and refuses
+(an error reply starting with :data:`GONE`, nothing written) when it differs: the table was
+dropped (the drop deletes each partition's keys and marker together) or dropped and created
+anew. So a write racing a drop never re-creates a partition of the dropped table. Insert's
+rows are a plain ``HSET`` after its script inside ``MULTI``, and Redis runs the rest of a
+transaction after a failed command; so a refusing insert script moves the partition's hash
+(another table's, if any) aside to ``:held`` and leaves a string in its place, on which the
+``HSET`` fails, and :data:`FENCE`, the transaction's last command, puts the hash back.
+
+A stream entry is::
 
     k  packed little-endian int64 keys whose rows changed   (or  c  "" : the partition was
     t  the server's TIME in microseconds since the epoch          cleared)
@@ -33,6 +47,9 @@ A key repeated within one command may be listed although it did not exist before
 
 from __future__ import annotations
 
+#: the start of the error reply of a write refused because the table is gone
+GONE = "PSCGONE"
+
 _NOTICE = b"""
 local function notice(field, value)
   local t = redis.call('TIME')
@@ -41,27 +58,49 @@ local function notice(field, value)
                         't', t[1] .. string.format('%06d', t[2]), 'p', prev)
   redis.call('SET', KEYS[3], id)
 end
+local GONE = 'PSCGONE the table was dropped (or created anew) while this client wrote it'
 """
 
-#: insert, with only the keys as ARGV[2..]: notice the keys whose field exists now. The
+_REFUSE = b"""
+if redis.call('GET', KEYS[4]) ~= ARGV[2] then return redis.error_reply(GONE) end
+"""
+
+#: insert, with only the keys as ARGV[3..]: notice the keys whose field exists now. The
 #: backend sends it inside ``MULTI`` before the chunk's plain ``HSET`` of the rows, then
-#: ``EXEC``: one transaction (nothing runs between them; a client gone before ``EXEC`` runs
-#: none of it), and the rows never pass through Lua (copying them in and out of Lua strings
-#: made a Lua-only insert run at 0.4x of a plain HSET; this runs at about 0.7x: see
-#: bench/RESULTS.md, "The atomic change feed").
+#: :data:`FENCE`, then ``EXEC``: one transaction (nothing runs between them; a client gone
+#: before ``EXEC`` runs none of it), and the rows never pass through Lua (copying them in and
+#: out of Lua strings made a Lua-only insert run at 0.4x of a plain HSET; this runs at about
+#: 0.7x: see bench/RESULTS.md, "The atomic change feed"). Refused (the table is gone): the
+#: partition's hash is set aside so that the ``HSET`` fails (module docstring).
 INSERT_NOTICE = _NOTICE + b"""
+if redis.call('GET', KEYS[4]) ~= ARGV[2] then
+  if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('RENAME', KEYS[1], KEYS[5]) end
+  redis.call('SET', KEYS[1], 'gone')
+  return redis.error_reply(GONE)
+end
 local h, hit = KEYS[1], {}
-for i = 2, #ARGV do
+for i = 3, #ARGV do
   if redis.call('HEXISTS', h, ARGV[i]) == 1 then hit[#hit + 1] = ARGV[i] end
 end
 if #hit > 0 then notice('k', table.concat(hit)) end
 return #hit
 """
 
+#: the end of an insert transaction (KEYS: the partition's hash and its ``:held``): after a
+#: refused insert, the string left in the hash's place goes and the hash comes back.
+FENCE = b"""
+if redis.call('TYPE', KEYS[1]).ok == 'string' then
+  redis.call('DEL', KEYS[1])
+  if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('RENAME', KEYS[2], KEYS[1]) end
+  return redis.error_reply('PSCGONE the table was dropped (or created anew) meanwhile')
+end
+return 0
+"""
+
 #: update: write only rows that exist; notice them. Returns one '0'/'1' per key.
-UPDATE = _NOTICE + b"""
+UPDATE = _NOTICE + _REFUSE + b"""
 local h, out, hit = KEYS[1], {}, {}
-for i = 2, #ARGV, 2 do
+for i = 3, #ARGV, 2 do
   if redis.call('HEXISTS', h, ARGV[i]) == 1 then
     redis.call('HSET', h, ARGV[i], ARGV[i + 1])
     out[#out + 1] = '1'
@@ -75,9 +114,9 @@ return table.concat(out)
 """
 
 #: erase: delete the keys; notice those that existed. Returns how many were deleted.
-ERASE = _NOTICE + b"""
+ERASE = _NOTICE + _REFUSE + b"""
 local h, hit = KEYS[1], {}
-for i = 2, #ARGV do
+for i = 3, #ARGV do
   if redis.call('HDEL', h, ARGV[i]) == 1 then hit[#hit + 1] = ARGV[i] end
 end
 if #hit > 0 then notice('k', table.concat(hit)) end
@@ -85,8 +124,22 @@ return #hit
 """
 
 #: clear: delete the partition's rows; notice the clear (followers get a gap).
-CLEAR = _NOTICE + b"""
+CLEAR = _NOTICE + _REFUSE + b"""
 redis.call('UNLINK', KEYS[1])
 notice('c', '')
 return 1
 """
+
+#: drop one partition (KEYS: hash, changes, last, live, held; ARGV: the token, or '' for a
+#: partition found without a marker): only where the marker is that token or missing
+DROP_PART = """
+local cur = redis.call('GET', KEYS[4])
+if cur and cur ~= ARGV[1] then return 0 end
+return redis.call('UNLINK', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5])
+"""
+
+
+def partition_keys(part_key: bytes) -> list[bytes]:
+    """A partition's keys, as :data:`DROP_PART` takes them."""
+    return [part_key, part_key + b":changes", part_key + b":last", part_key + b":live",
+            part_key + b":held"]

@@ -38,7 +38,20 @@ _LISTERS: dict[str, Lister | str] = {
     "unix": "psclient.redis_admin:list_standalone",
     "redis+cluster": "psclient.redis_admin:list_cluster",
     "rediss+cluster": "psclient.redis_admin:list_cluster",
-    "file": "psclient.file_backend:list_file_tables",
+    "file": "psclient.file_store:list_file_tables",
+}
+
+#: What a store holds that belongs to no table (left by an interrupted drop, or by an older
+#: psclient): ``(url, options) -> {name: {"keys": n, "rows": n}}``, and its removal:
+#: ``(url, table, options) -> {"keys": n, "rows": n}``. Backends without them have none.
+_ORPHANS: dict[str, tuple[str, str]] = {
+    **dict.fromkeys(("redis", "rediss", "unix"),
+                    ("psclient.redis_admin:orphans_standalone",
+                     "psclient.redis_admin:drop_orphans_standalone")),
+    **dict.fromkeys(("redis+cluster", "rediss+cluster"),
+                    ("psclient.redis_admin:orphans_cluster",
+                     "psclient.redis_admin:drop_orphans_cluster")),
+    "file": ("psclient.file_store:file_orphans", "psclient.file_store:drop_file_orphans"),
 }
 
 
@@ -98,8 +111,47 @@ def list_tables(url: str, **options: Any) -> list[str]:
     return names
 
 
+def _orphan_fn(url: str, which: int) -> Any:
+    scheme = _scheme(url)
+    _factory(scheme)  # NOTE: an unknown scheme says which schemes exist
+    if scheme not in _ORPHANS:
+        return None
+    mod, fn = _ORPHANS[scheme][which].split(":")
+    return getattr(importlib.import_module(mod), fn)
+
+
+def list_orphans(url: str, **options: Any) -> dict[str, dict[str, int]]:
+    """Data a store holds under a table name that has no table (no schema): left by a drop
+    that was interrupted, or by an older psclient. ``psclient ls`` lists it.
+
+    Returns:
+        ``{name: {"keys": store keys or records, "rows": rows}}``, sorted by name.
+
+    Raises:
+        UnsupportedURLError, PSUnavailableError, PSAuthError: as for :func:`list_tables`.
+    """
+    fn = _orphan_fn(url, 0)
+    found: dict[str, dict[str, int]] = {} if fn is None else fn(url, dict(options))
+    return dict(sorted(found.items()))
+
+
+def drop_orphans(url: str, table: str, **options: Any) -> dict[str, int]:
+    """Remove the data :func:`list_orphans` lists under ``table`` (nothing when ``table``
+    is a table: drop it instead).
+
+    Returns:
+        ``{"keys": n, "rows": n}`` removed (zeros: there was none).
+    """
+    table = check_table_name(table)
+    fn = _orphan_fn(url, 1)
+    gone: dict[str, int] = {"keys": 0, "rows": 0} if fn is None else \
+        fn(url, table, dict(options))
+    return gone
+
+
 def connect(url: str, *, table: str, dim: int | None = None,
-            dtype: torch.dtype | str | None = None, **options: Any) -> ParameterServer:
+            dtype: torch.dtype | str | None = None, loading: bool = False,
+            partial: bool = False, **options: Any) -> ParameterServer:
     """Open (or create) a parameter-server table.
 
     Args:
@@ -111,6 +163,12 @@ def connect(url: str, *, table: str, dim: int | None = None,
         dim: row length; required to create a table, checked against an existing one.
         dtype: float32 (default for new tables), float16, bfloat16 or float64; checked
             against an existing table.
+        loading: open for a bulk load (:meth:`ParameterServer.load`): a missing table is
+            created ``loading`` (readers get :class:`TableLoadingError` until a load
+            publishes it), a ``loading`` one is joined (docs/psclient.md, "Loading a new
+            table").
+        partial: open the table whatever its state (``loading``, or being created or
+            dropped): to inspect or drop it.
         **options: backend options (see docs/psclient.md), e.g. ``password``,
             ``socket_timeout``, ``partitions``, ``map_size``. Unknown options raise.
 
@@ -120,6 +178,8 @@ def connect(url: str, *, table: str, dim: int | None = None,
     Raises:
         UnsupportedURLError: unknown scheme or unparsable URL.
         TableNotFoundError: the table does not exist and ``dim`` was not given.
+        TableLoadingError: the table is ``loading`` (without ``loading``/``partial``).
+        TableDroppedError: the table was dropped while this call opened it.
         SchemaMismatchError: the table exists with another dim/dtype/partition count.
         PSUnavailableError, PSAuthError: the store cannot be reached or refuses us.
     """
@@ -128,4 +188,7 @@ def connect(url: str, *, table: str, dim: int | None = None,
     dt = None if dtype is None else dtype_name(dtype)
     if dim is not None and (not isinstance(dim, int) or isinstance(dim, bool) or dim <= 0):
         raise BadArgumentError(f"dim must be a positive int, got {dim!r}")
-    return _factory(scheme)(url, table, dim, dt, dict(options))
+    if loading and partial:
+        raise BadArgumentError("pass loading=True or partial=True, not both")
+    mode = {"loading": True} if loading else {"partial": True} if partial else {}
+    return _factory(scheme)(url, table, dim, dt, {**options, **mode})

@@ -4,7 +4,11 @@ The schema is one msgpack map stored beside the table (a Redis string key, or a 
 the LMDB main database)::
 
     {"layout": LAYOUT_VERSION, "dim": int, "dtype": "float32", "partitions": int,
-     "created": float unix time}
+     "created": float unix time, "marked": true (Redis tables with existence markers)}
+
+The record never changes while the table lives (a layout-1 upgrade aside; its state,
+``loading`` or ready, is kept beside it), so a reader that compares it with the one it
+opened tells the same table from another one of the name.
 
 Opening an existing table compares what the caller asked for with what is stored; a
 difference is a :class:`SchemaMismatchError`, never a silent reinterpretation.
@@ -113,6 +117,9 @@ class TableSchema:
     layout: int = LAYOUT_VERSION
     #: creation time, seconds since the epoch
     created: float = field(default_factory=time.time, compare=False)
+    #: Redis: the table was created with an existence marker in every partition's slot
+    #: (writes check it); a table created before markers gets them on its first write
+    marked: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.dim, int) or isinstance(self.dim, bool) or self.dim <= 0:
@@ -137,16 +144,23 @@ class TableSchema:
         return format(zlib.crc32(struct.pack("<d", self.created)), "08x")
 
     @property
+    def token(self) -> str:
+        """This table's creation time, exactly (``repr``): the value of its existence markers,
+        which writes compare, and which orders two tables of one name by age."""
+        return repr(float(self.created))
+
+    @property
     def row_bytes(self) -> int:
         """Bytes of one stored row."""
         return self.dim * DTYPE_ITEMSIZES[self.dtype]
 
     def encode(self) -> bytes:
         """The msgpack record stored with the table."""
-        return msgpack.packb(
-            {"layout": self.layout, "dim": self.dim, "dtype": self.dtype,
-             "partitions": self.partitions, "created": self.created}
-        )
+        rec = {"layout": self.layout, "dim": self.dim, "dtype": self.dtype,
+               "partitions": self.partitions, "created": self.created}
+        if self.marked:  # NOTE: only then: an unmarked table's record stays as it was
+            rec["marked"] = True
+        return msgpack.packb(rec)
 
     @classmethod
     def decode(cls, raw: bytes, table: str) -> TableSchema:
@@ -158,7 +172,8 @@ class TableSchema:
         try:
             rec = msgpack.unpackb(raw)
             return cls(dim=rec["dim"], dtype=rec["dtype"], partitions=rec["partitions"],
-                       layout=rec["layout"], created=rec.get("created", 0.0))
+                       layout=rec["layout"], created=rec.get("created", 0.0),
+                       marked=rec.get("marked", False) is True)
         except (ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
             raise CorruptValueError(
                 f"table {table!r}: the stored schema record is unreadable ({e}); "
