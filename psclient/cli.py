@@ -11,17 +11,18 @@
     psclient upgrade URL --table T
 
 Every error prints one line ``psclient: error: ...`` to stderr and exits 1 (2 for a bad
-command line); nothing prints a traceback. A load that fails leaves the store as it was:
-its input is checked before the table is created, and a table the load created is dropped
-again if the load fails later (a table that existed keeps the rows inserted before the
-failure).
+command line); nothing prints a traceback. A load's input is checked before the table is
+created. A load into a new table creates it ``loading``: readers wait for it, other loads
+join it; the last load to end publishes it, or drops it if no load succeeded, so a failed
+or interrupted load never destroys rows another load is writing (a table that existed
+keeps the rows inserted before a failure). ``ls``, ``stat`` and ``drop`` work on tables in
+any state, and on data left without a table (psclient.loads).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as _dt
 import json
 import os
 import signal
@@ -33,8 +34,9 @@ from typing import TYPE_CHECKING, Any
 from .cli_common import EXIT_USAGE, OneLineParser, add_version, positive_int
 from .errors import BadArgumentError, PSClientError, SchemaMismatchError, TableNotFoundError
 from .lazy import deferred
+from .loads import LOADING, iso
 from .names import TABLE_NAME_RULE
-from .registry import connect, list_tables
+from .registry import connect, drop_orphans, list_orphans, list_tables
 from .schema import DTYPES, dtype_name
 
 if TYPE_CHECKING:
@@ -71,7 +73,8 @@ def _parser() -> argparse.ArgumentParser:
                       epilog=_URLS, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_version(p)
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
-    ls = sub.add_parser("ls", help="list the tables of a store", epilog=_URLS,
+    ls = sub.add_parser("ls", help="list the tables of a store, in any state (ready, "
+                        "loading), and data left without a table", epilog=_URLS,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     ls.add_argument("url", metavar="URL", help="the store (see store URLs below)")
     ls.add_argument("--json", action="store_true", help="print a JSON list")
@@ -109,7 +112,8 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("url", metavar="URL", help="the store (see store URLs below)")
     st.add_argument("--table", required=True, metavar="T")
     st.add_argument("--json", action="store_true", help="print one JSON object")
-    dr = sub.add_parser("drop", help="delete a table: rows, schema and change feed",
+    dr = sub.add_parser("drop", help="delete a table in any state (rows, schema, change "
+                        "feed), or the data left under a name with no table",
                         epilog=_URLS, formatter_class=argparse.RawDescriptionHelpFormatter)
     dr.add_argument("url", metavar="URL", help="the store (see store URLs below)")
     dr.add_argument("--table", required=True, metavar="T")
@@ -124,18 +128,11 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _iso(created: object) -> str | None:
-    """A stored creation time (seconds since the epoch) as an ISO 8601 UTC date."""
-    if not isinstance(created, (int, float)) or created <= 0:
-        return None
-    when = _dt.datetime.fromtimestamp(created, _dt.UTC)
-    return when.isoformat(timespec="seconds").replace("+00:00", "Z")
-
-
 def _open(url: str, table: str) -> Any:
-    """Open an existing table; a missing one is an error that says how to find tables."""
+    """Open an existing table in any state; a missing one is an error that says how to find
+    tables."""
     try:
-        return connect(url, table=table)
+        return connect(url, table=table, partial=True)
     except TableNotFoundError as e:
         raise TableNotFoundError(
             f"no table {table!r} at {redact(url)}: `psclient ls URL` lists the tables there, "
@@ -144,9 +141,10 @@ def _open(url: str, table: str) -> Any:
 
 
 def _existing(url: str, table: str) -> tuple[int, str] | None:
-    """(dim, dtype name) of the table if it exists, else None; creates nothing."""
+    """(dim, dtype name) of the table if it exists, in any state, else None; creates
+    nothing."""
     try:
-        with connect(url, table=table) as ps:
+        with connect(url, table=table, partial=True) as ps:
             return ps.dim, ps.schema.dtype
     except TableNotFoundError:
         return None
@@ -189,31 +187,41 @@ def _load(args: argparse.Namespace) -> int:
                                                   duplicates=args.duplicates)
     if not args.allow_nonfinite:  # NOTE: every row read once, before the table is created
         check_finite_rows(rows, DTYPES[dtype], ks, batch_size=args.batch_size, cli=True)
-    with connect(args.url, table=args.table, dim=dim, dtype=dtype) as ps:
+    # NOTE: a new table is created `loading`, a loading one joined; the load's end publishes
+    # it, leaves it to the loads still writing, or (last out, nothing loaded) drops it.
+    with connect(args.url, table=args.table, dim=dim, dtype=dtype, loading=True) as ps:
         t0 = time.perf_counter()
-        try:
-            n = ps.load(args.file, keys=args.keys, tensor=args.tensor, format=fmt,
-                        convert=args.dtype is not None, batch_size=args.batch_size,
-                        progress=False if args.no_progress else True if args.progress else None,
-                        duplicates=args.duplicates, allow_nonfinite=True)  # NOTE: rows checked
-        except BaseException:
-            if stored is None:  # NOTE: this load created the table: leave the store as it was
-                with contextlib.suppress(PSClientError):
-                    ps.drop()
-            raise
+        n = ps.load(args.file, keys=args.keys, tensor=args.tensor, format=fmt,
+                    convert=args.dtype is not None, batch_size=args.batch_size,
+                    progress=False if args.no_progress else True if args.progress else None,
+                    duplicates=args.duplicates, allow_nonfinite=True)  # NOTE: rows checked
         dt = time.perf_counter() - t0
+        state = ps.state()
     rate = f"in {dt:.2f} s ({n / max(dt, 1e-9):,.0f} rows/s)"
     if n.duplicates:
         print(f"loaded {args.table}: {n} rows read, {n.distinct} distinct keys stored, "
               f"{n.duplicates} duplicates (last wins) {rate}")
     else:
         print(f"loaded {n} rows into {args.table} {rate}")
+    if state["state"] == LOADING:
+        others = "; ".join(f"pid {x['pid']} on {x['host']}" for x in state["loads"])
+        print(f"table {args.table} stays loading until the other loads end ({others})")
     return 0
+
+
+def _state_text(info: dict[str, Any]) -> str:
+    """``ready``, or ``loading (pid 1234 on host since ...)``."""
+    loads = info.get("loads") or []
+    if not loads:
+        return str(info.get("state", "ready"))
+    return f"{info['state']} (" + "; ".join(
+        f"pid {x['pid']} on {x['host']} since {x['since'] or '?'}"
+        + (", not running" if x.get("running") is False else "") for x in loads) + ")"
 
 
 def _stat_info(ps: Any) -> dict[str, Any]:
     info: dict[str, Any] = ps.stat()
-    info["created"] = _iso(info.get("created"))
+    info["created"] = iso(info.get("created"))
     return info
 
 
@@ -223,32 +231,49 @@ def _stat(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info, sort_keys=True))
     else:
+        info["state"] = _state_text(info)
         for k, v in info.items():
-            print(f"{k:14} {'-' if v is None else v}")
+            if k != "loads":
+                print(f"{k:14} {'-' if v is None else v}")
     return 0
+
+
+_LS_KEYS = ("table", "dim", "dtype", "rows", "created", "state", "loads")
 
 
 def _ls(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     for name in list_tables(args.url):
         try:
-            with connect(args.url, table=name) as ps:
+            with connect(args.url, table=name, partial=True) as ps:
                 info = _stat_info(ps)
-            rows.append({k: info[k] for k in ("table", "dim", "dtype", "rows", "created")})
+            rows.append({k: info[k] for k in _LS_KEYS})
         except TableNotFoundError:
             continue  # dropped between listing and opening
         except PSClientError as e:
             rows.append({"table": name, "error": str(e)})
+    for name, found in list_orphans(args.url).items():
+        rows.append({"table": name, "state": "orphaned", "keys": found["keys"],
+                     "rows": found["rows"]})
+    rows.sort(key=lambda r: str(r["table"]))
     if args.json:
         print(json.dumps(rows))
         return 0
     if not rows:
         print(f"no tables at {redact(args.url)}")
         return 0
-    head = ["TABLE", "DIM", "DTYPE", "ROWS", "CREATED"]
-    cells = [[r["table"], str(r["dim"]), r["dtype"], f"{r['rows']:,}", r["created"] or "-"]
-             if "error" not in r else [r["table"], "?", "?", "?", f"cannot open: {r['error']}"]
-             for r in rows]
+    head = ["TABLE", "DIM", "DTYPE", "ROWS", "CREATED", "STATE"]
+    cells = []
+    for r in rows:
+        if "error" in r:
+            cells.append([r["table"], "?", "?", "?", "-", f"cannot open: {r['error']}"])
+        elif r["state"] == "orphaned":
+            cells.append([r["table"], "?", "?", f"{r['rows']:,}", "-",
+                          f"orphaned: {r['keys']} keys with no schema (psclient drop URL "
+                          f"--table {r['table']} removes them)"])
+        else:
+            cells.append([r["table"], str(r["dim"]), r["dtype"], f"{r['rows']:,}",
+                          r["created"] or "-", _state_text(r)])
     widths = [max(len(c[i]) for c in [head, *cells]) for i in range(len(head))]
     for line in [head, *cells]:
         print("  ".join(c.rjust(w) if i in (1, 3) else c.ljust(w)
@@ -257,10 +282,21 @@ def _ls(args: argparse.Namespace) -> int:
 
 
 def _drop(args: argparse.Namespace) -> int:
-    with _open(args.url, args.table) as ps:
+    try:
+        ps = _open(args.url, args.table)
+    except TableNotFoundError:
+        gone = drop_orphans(args.url, args.table)
+        if not gone["keys"]:
+            raise
+        print(f"dropped the orphaned data of table {args.table} ({gone['rows']} rows in "
+              f"{gone['keys']} keys with no schema)")
+        return 0
+    with ps:
         rows = ps.size()
+        state = ps.state()
         ps.drop()
-    print(f"dropped table {args.table} ({rows} rows)")
+    was = "" if state["state"] == "ready" else f", {_state_text(state)}"
+    print(f"dropped table {args.table} ({rows} rows{was})")
     return 0
 
 
