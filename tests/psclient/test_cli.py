@@ -81,10 +81,11 @@ def test_load_stat_ls_drop(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     rc, out, _ = run(capsys, "ls", url)
     assert rc == 0
     head, line = out.splitlines()
-    assert head.split() == ["TABLE", "DIM", "DTYPE", "ROWS", "CREATED"]
-    assert line.split() == ["emb", "8", "float16", "500", info["created"]]
+    assert head.split() == ["TABLE", "DIM", "DTYPE", "ROWS", "CREATED", "STATE"]
+    assert line.split() == ["emb", "8", "float16", "500", info["created"], "ready"]
     assert json.loads(run(capsys, "ls", url, "--json")[1]) == [
-        {k: info[k] for k in ("dim", "dtype", "rows", "created")} | {"table": "emb"}]
+        {k: info[k] for k in ("dim", "dtype", "rows", "created")}
+        | {"table": "emb", "state": "ready", "loads": []}]
     assert main(["drop", url, "--table", "emb"]) == 0
     assert "dropped table emb (500 rows)" in capsys.readouterr().out
     rc, out, err = run(capsys, "stat", url, "--table", "emb")
