@@ -45,7 +45,7 @@ from .mirror_layout import (
 __all__ = [
     "BOOT0", "BOOT1", "CORRUPT", "COUNT", "EMPTY", "FREE_TOP", "GEN", "HEADER_WORDS", "MAGIC",
     "NEXT_ROW", "ROW_BYTES", "ROW_CAP", "SLOTS", "STATE", "TOMB", "TXNID", "USED", "VERSION",
-    "copy_live", "erase", "lookup", "put",
+    "copy_live", "erase", "lookup", "put", "warm_up",
 ]
 
 _M1 = np.uint64(0xFF51AFD7ED558CCD)
