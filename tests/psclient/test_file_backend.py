@@ -63,12 +63,13 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def test_lookup_misses_duplicates_and_bits(file_url: str, dtype: torch.dtype) -> None:
     """Every dtype: misses read as zeros with found False, every copy of a repeated key gets
     its row, extreme keys work, a stored row of zeros is found, values are bit-exact."""
-    keys = torch.tensor([-(2**63), 2**63 - 1, 0, 5, -7, 2**40, 11], dtype=torch.int64)
-    vals = _random_rows(keys.numel(), 6, dtype, seed=1)
+    keys = torch.tensor([-(2**63) + 1, 2**63 - 1, 0, 5, -7, 2**40, 11], dtype=torch.int64)
+    vals = _random_rows(keys.numel(), 6, dtype, seed=1)  # random bits: NaNs too
     vals[6] = 0  # key 11 stores zeros: still found
     with psclient.connect(file_url, table="bits", dim=6, dtype=dtype) as ps:
-        ps.insert(keys, vals)
-        ask = torch.tensor([5, 99, 2**63 - 1, 5, -(2**63), -8, 5, 11, 99, 0], dtype=torch.int64)
+        ps.insert(keys, vals, allow_nonfinite=True)
+        ask = torch.tensor([5, 99, 2**63 - 1, 5, -(2**63) + 1, -(2**63), -8, 5, 11, 99, 0],
+                           dtype=torch.int64)
         got, found = ps.lookup(ask)
         stored = dict(zip(keys.tolist(), vals, strict=True))
         assert found.tolist() == [k in stored for k in ask.tolist()]
@@ -91,7 +92,7 @@ def test_lookup_large_batch_against_per_key_path(file_url: str) -> None:
     keys = rng.choice(2**50, size=100_000, replace=False).astype(np.int64)
     vals = _random_rows(keys.size, 32, torch.float32, seed=2)
     with psclient.connect(file_url, table="big", dim=32) as ps:
-        ps.load(vals, keys=torch.from_numpy(keys), progress=False)
+        ps.load(vals, keys=torch.from_numpy(keys), progress=False, allow_nonfinite=True)
         absent = rng.choice(2**50, size=50_000).astype(np.int64) | (1 << 51)
         ask = np.concatenate([keys[rng.integers(0, keys.size, 100_000)], absent])
         rng.shuffle(ask)
@@ -115,7 +116,8 @@ def test_lookup_differential_against_per_key_path(file_url: str, stored: list[in
     with psclient.connect(file_url, table="pk", dim=3, dtype=torch.float16) as ps:
         ps.clear()
         k = torch.tensor(stored, dtype=torch.int64)
-        ps.insert(k, _random_rows(len(stored), 3, torch.float16, seed=len(stored)))
+        ps.insert(k, _random_rows(len(stored), 3, torch.float16, seed=len(stored)),
+                  allow_nonfinite=True)
         q = torch.tensor(ask, dtype=torch.int64)
         got, found = ps.lookup(q)
         ref, ref_found = ps._lookup_per_key(q.numpy())

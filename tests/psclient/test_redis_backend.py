@@ -78,7 +78,7 @@ def test_large_batch_round_trip_across_partitions_and_pipelines(ps_factory,  # n
     ps = ps_factory(dim=32, dtype=torch.float16, chunk_keys=100, pipeline_keys=700,
                     inline_keys=inline_keys)
     keys = torch.from_numpy(np.random.default_rng(0).choice(2**62, 5000, replace=False))
-    keys[:3] = torch.tensor([-(2**63), 2**63 - 1, 0])
+    keys[:3] = torch.tensor([-(2**63) + 1, 2**63 - 1, 0])
     vals = torch.randn(5000, 32).half()
     ps.insert(keys, vals)
     assert ps.size() == 5000
