@@ -121,6 +121,11 @@ def writer(node: str, table: str, ps_url: str, key_space: int, rate: float, seco
     per_tick = max(watched + 1, round(rate * tick))
     acks: list[np.ndarray] = []
     rows = 0
+    # NOTE: warm up before the clock starts: a process's first write to a file:// store
+    # loads the row mirror's compiled write loops (docs/psclient.md), which on a loaded
+    # machine takes a good part of a short run; version 0 is what the table holds already
+    warm = torch.arange(watched)
+    layer.update(warm, rows_of(warm, 0))
     start.wait()
     t0 = time.monotonic()
     version = 0
