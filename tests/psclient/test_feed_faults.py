@@ -16,6 +16,7 @@ import psclient
 from psclient.cli import main
 from psclient.codec import partition_of
 from psclient.schema import TableSchema
+from tests.servers import needs_redis_server
 
 from .conftest import RedisProc
 
@@ -48,6 +49,7 @@ def test_layout_1_table_is_refused_then_upgraded(shared_redis: str, table_name: 
         r.close()
 
 
+@needs_redis_server
 def test_restart_without_persistence_is_a_gap(tmp_path: Path, table_name: str) -> None:
     srv = RedisProc(tmp_path / "volatile").start()             # no AOF, no RDB
     try:
@@ -85,6 +87,7 @@ def test_restart_without_persistence_is_a_gap(tmp_path: Path, table_name: str) -
         srv.kill()
 
 
+@needs_redis_server
 def test_restart_before_any_notice_is_a_gap(tmp_path: Path, table_name: str) -> None:
     """Only new keys were written (no feed entry: every cursor is at 0-0), then a restart
     lost everything and another client wrote the table anew: the feed is empty again, yet a
