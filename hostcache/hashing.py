@@ -17,17 +17,16 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from psclient.fmix import M1, M2, fmix64
+
 #: murmur3 fmix64 multipliers as signed int64 (two's complement of the unsigned constants).
-FMIX_M1 = 0xFF51AFD7ED558CCD - (1 << 64)
-FMIX_M2 = 0xC4CEB9FE1A85EC53 - (1 << 64)
+FMIX_M1 = M1 - (1 << 64)
+FMIX_M2 = M2 - (1 << 64)
 #: (x >> 33) logical == (x >> 33 arithmetic) & MASK31
 MASK31 = (1 << 31) - 1
 INT64_MAX = (1 << 63) - 1
 
 
-_U_M1 = np.uint64(FMIX_M1 + (1 << 64))
-_U_M2 = np.uint64(FMIX_M2 + (1 << 64))
-_U_33 = np.uint64(33)
 _U_POS = np.uint64(INT64_MAX)
 
 
@@ -42,12 +41,7 @@ def _fmix_torch(keys: torch.Tensor) -> torch.Tensor:
 
 def _fmix_numpy(keys: torch.Tensor) -> np.ndarray:
     """fmix64 in numpy's wrapping uint64 arithmetic (logical shifts), cleared sign bit."""
-    k = keys.numpy().view(np.uint64)
-    x = k ^ (k >> _U_33)
-    x *= _U_M1
-    x ^= x >> _U_33
-    x *= _U_M2
-    x ^= x >> _U_33
+    x = fmix64(keys.numpy())
     x &= _U_POS
     return x
 

@@ -27,13 +27,11 @@ import threading
 
 import numpy as np
 
+from psclient.fmix import fmix64
 from psclient.loop_gate import LoopGate
 
 from .layout import EMPTY_KEY
 
-_M1 = np.uint64(0xFF51AFD7ED558CCD)
-_M2 = np.uint64(0xC4CEB9FE1A85EC53)
-_S33 = np.uint64(33)
 _POS = np.uint64(0x7FFFFFFFFFFFFFFF)
 _EMPTY = np.int64(EMPTY_KEY)
 #: a way that must not be taken (its key is being written by the same insert)
@@ -51,13 +49,7 @@ def fence() -> None:
 
 def buckets(keys: np.ndarray, num_buckets: int) -> np.ndarray:
     """The bucket of every key (``hostcache.hashing.bucket_of``)."""
-    x = keys.view(np.uint64)
-    x = x ^ (x >> _S33)
-    x *= _M1
-    x ^= x >> _S33
-    x *= _M2
-    x ^= x >> _S33
-    x &= _POS
+    x = fmix64(keys) & _POS
     return (x % np.uint64(num_buckets)).view(np.int64)
 
 

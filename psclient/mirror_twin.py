@@ -18,23 +18,14 @@ import sys
 
 import numpy as np
 
+from .fmix import fmix64
 from .loop_gate import LoopGate
 from .mirror_layout import EMPTY, TOMB
-
-_M1 = np.uint64(0xFF51AFD7ED558CCD)
-_M2 = np.uint64(0xC4CEB9FE1A85EC53)
-_S33 = np.uint64(33)
 
 
 def _home(keys: np.ndarray, mask: int) -> np.ndarray:
     """Each key's first slot: murmur3's fmix64 of the key, masked."""
-    x = keys.view(np.uint64)
-    x = x ^ (x >> _S33)
-    x *= _M1
-    x ^= x >> _S33
-    x *= _M2
-    x ^= x >> _S33
-    return (x & np.uint64(mask)).view(np.int64)
+    return (fmix64(keys) & np.uint64(mask)).view(np.int64)
 
 
 def find(skeys: np.ndarray, srows: np.ndarray, keys: np.ndarray) -> np.ndarray:
