@@ -19,10 +19,11 @@ through redis-py's public ``read_response`` instead: the same results, slower.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import redis.exceptions as rex
@@ -71,6 +72,22 @@ def read_replies(conn: Any, ncmds: int, keep: tuple[type[Exception], ...] = ()) 
     return replies
 
 
+@contextlib.contextmanager
+def _released(pool: Any, conn: Any) -> Iterator[None]:
+    """Hand ``conn`` back to ``pool`` after a pipeline; one whose replies were not all read
+    (an error, or a KeyboardInterrupt between send and read) is disconnected first.
+
+    NOTE: its unread replies would otherwise answer the next command sent on it.
+    """
+    try:
+        yield
+    except BaseException:
+        conn.disconnect()
+        raise
+    finally:
+        pool.release(conn)
+
+
 def run_pipeline(client: Any, payload: list[bytes | memoryview], ncmds: int,
                  keep: tuple[type[Exception], ...] = ()) -> list[Any]:
     """Send pre-encoded commands on one connection and read ``ncmds`` replies (no MULTI).
@@ -88,10 +105,8 @@ def run_pipeline(client: Any, payload: list[bytes | memoryview], ncmds: int,
         conn.send_packed_command(payload, check_health=True)
         return read_replies(conn, ncmds, keep)
 
-    try:
+    with _released(pool, conn):
         return conn.retry.call_with_retry(attempt, lambda _err: conn.disconnect())
-    finally:
-        pool.release(conn)
 
 
 def run_row_pipeline(client: Any, payload: list[bytes | memoryview], ncmds: int,
@@ -190,10 +205,8 @@ def _row_pipeline(client: Any, payload: list[bytes | memoryview], ncmds: int, ex
             else:
                 sink(done + i, reply)
 
-    try:
+    with _released(pool, conn):
         conn.retry.call_with_retry(attempt, lambda _err: conn.disconnect())
-    finally:
-        pool.release(conn)
 
 
 def reply_error(err: Exception) -> rex.RedisError:

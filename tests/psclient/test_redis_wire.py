@@ -173,6 +173,31 @@ def test_a_sink_that_raises_leaves_the_connection_in_sync(client: redis.Redis,
         client.delete(key)
 
 
+def test_an_interrupt_mid_read_drops_the_connection(client: redis.Redis,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A KeyboardInterrupt (Ctrl-C) while a pipeline's replies are read leaves replies
+    unread: that connection is dropped, so the next command reads its own reply, not one
+    of these (as a load interrupted mid-write withdraws from its table next)."""
+    real = redis.connection.AbstractConnection.read_response
+    calls = 0
+
+    def interrupted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 2:  # NOTE: the fault: Ctrl-C arrives after the first reply was read
+            raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+
+    payload = [resp.pack("ECHO", b"reply-%d" % i) for i in range(20)]
+    assert client.ping()  # NOTE: the pool's connection is made (its handshake read) first
+    monkeypatch.setattr(redis.connection.AbstractConnection, "read_response", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_pipeline(client, payload, len(payload))
+    monkeypatch.undo()
+    assert run_pipeline(client, [resp.pack("ECHO", b"in-sync")], 1) == [b"in-sync"]
+    assert client.echo(b"mine") == b"mine"
+
+
 def test_error_reply_on_both_paths(client: redis.Redis, table_name: str) -> None:
     """A command that fails: the bulk read returns the error reply, the parser raises it;
     the connection stays in sync either way (the next pipeline reads its own replies)."""
