@@ -26,20 +26,16 @@ import pytest
 import torch
 
 import psclient
-from psclient.cli import main
 from psclient.keys import RESERVED_KEY
 
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    rc = main(list(argv))
-    cap = capsys.readouterr()
-    return rc, cap.out, cap.err
+from .test_cli import one_line_error as cli_error
+from .test_cli import run
 
 
 def one_line_error(err: str) -> str:
-    assert err.startswith("psclient: error: ") and err.count("\n") == 1, err
-    assert "Traceback" not in err and "allow_pickle" not in err
-    return err
+    """One ``psclient: error:`` line, with none of numpy's pickle advice."""
+    assert "allow_pickle" not in err
+    return cli_error(err)
 
 
 def tables(url: str) -> list[str]:
