@@ -27,8 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from apps.demo.workload import ZipfKeys  # noqa: E402
 from gpu import InsertPolicy, LayerType, NVEmbedding, TierConfig  # noqa: E402
+from nvecache.apps.demo.workload import ZipfKeys  # noqa: E402
 
 DIM = 4
 

@@ -1,4 +1,4 @@
-"""The GPU cache's CPU twin (``gpu.cache_twin``): what a CPU layer's cache lookup costs.
+"""The GPU cache's CPU twin (``gpu.cache.twin``): what a CPU layer's cache lookup costs.
 
 A ``GPUCache`` on the CPU (64k slots of fp32 dim 128, every slot filled), looked up with
 batches of 1k, 16k and 64k keys, half of them cached; median of 100 calls, wall clock.
@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu.cache import GPUCache  # noqa: E402
+from gpu.cache.gpu_cache import GPUCache  # noqa: E402
 
 
 def main() -> int:

@@ -78,9 +78,9 @@ try:
     if not os.path.exists(os.path.join(sys.argv[1], "psclient", "loop_gate.py")):
         ready_s = 0.0  # NOTE: a tree without loop gates: compiled before the first lookup
     else:
-        from gpu.miss_twin import GATE as MISS
+        from gpu.stacks.miss_twin import GATE as MISS
         from hostcache.table_twin import GATE as TABLE
-        from psclient.mirror_twin import GATE as MIRROR
+        from psclient.file.mirror_twin import GATE as MIRROR
         ready = all(g.wait(600) for g in (TABLE, MIRROR, MISS) if g.twin_picks)
         ready_s = time.perf_counter() - t if ready else None
     g = torch.Generator().manual_seed(3)

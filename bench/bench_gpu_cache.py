@@ -35,9 +35,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu._triton import kernel_module  # noqa: E402
-from gpu.cache import GPUCache  # noqa: E402
-from gpu.cache_twin import COUNTER_MAX  # noqa: E402
+from gpu.cache.gpu_cache import GPUCache  # noqa: E402
+from gpu.cache.twin import COUNTER_MAX  # noqa: E402
+from gpu.kernels.triton_access import kernel_module  # noqa: E402
 from hostcache.layout import EMPTY_KEY  # noqa: E402
 
 DIM = 128
@@ -170,7 +170,7 @@ def sweep(args: argparse.Namespace, cache: GPUCache, keys: torch.Tensor, slot_of
     ``sat``: the policy counters set to ``COUNTER_MAX`` first (every slot saturated: no
     counter atomic at all); otherwise they hold what the run counted.
     """
-    kernels = kernel_module("cache_kernels", interpret=False)
+    kernels = kernel_module("cache_lookup", interpret=False)
     saved = kernels.TILES
     c = cache
     counted = c._counters.clone()
@@ -289,7 +289,7 @@ def run_linear(args: argparse.Namespace, gen: torch.Generator) -> None:
         tb = bench(lambda q=q: torch.index_select(table, 0, q), args.quick)
         # the same lookups with every batch visited in batch order, or in host-page order;
         # the default picks by batch size (TILES.linear_page_order)
-        kernels = kernel_module("cache_kernels", interpret=False)
+        kernels = kernel_module("cache_lookup", interpret=False)
         saved = kernels.TILES
         variants = {}
         for label, from_n in (("batch_order", 0), ("page_order", 1)):

@@ -39,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import psclient  # noqa: E402
 from bench.bench_hierarchical import emit, per_call  # noqa: E402
 from bench.workloads import ZipfKeys  # noqa: E402
-from gpu import LayerType, NVEmbedding, host_kernels  # noqa: E402
+from gpu import LayerType, NVEmbedding  # noqa: E402
+from gpu.kernels import host_reads as host_kernels  # noqa: E402
 from hostcache import HostCache  # noqa: E402
 
 DIM = 128

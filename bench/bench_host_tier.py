@@ -3,7 +3,7 @@
 Prints one JSON line per result:
 
 1. ``copy_ceiling``: pinned host-to-device copy bandwidth (256 MiB), measured in this run;
-2. ``lookup``: ``gpu.host_kernels.hostcache_lookup`` on a 2 GiB HostCache (fp32, dim 128,
+2. ``lookup``: ``gpu.kernels.host_reads.hostcache_lookup`` on a 2 GiB HostCache (fp32, dim 128,
    every queried key present) at 64k/256k/1M-key batches, Zipf 1.05 and uniform keys:
    keys/s, effective row bandwidth (keys/s x 512 B), its ratio to the copy ceiling, and
    the baselines in the same run: zero-copy ``index_select`` over the same registered rows
@@ -31,9 +31,9 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gpu import host_kernels as hk  # noqa: E402
-from gpu._triton import kernel_module  # noqa: E402
-from gpu.hostreg import register  # noqa: E402
+from gpu.cuda.registration import register  # noqa: E402
+from gpu.kernels import host_reads as hk  # noqa: E402
+from gpu.kernels.triton_access import kernel_module  # noqa: E402
 from hostcache import HostCache, hashing, layout  # noqa: E402
 
 DIM = 128
@@ -112,7 +112,7 @@ def bench_lookups(capacity: int, batches: list[int], reps: int, ceiling: float) 
                  GiB=hc.geometry.total_size / 2**30, fill_s=fill_s)
             rows = reg.rows()
             g = reg.geometry
-            kern = kernel_module("host_tier_kernels", interpret=False)
+            kern = kernel_module("host_tier", interpret=False)
             gen = torch.Generator(device="cuda").manual_seed(0)
             for alpha in (1.05, 0.0):
                 for batch in batches:
@@ -173,7 +173,7 @@ def bench_lookups(capacity: int, batches: list[int], reps: int, ceiling: float) 
 def _first_lookup(name: str, batch: int, out) -> None:
     torch.cuda.init()
     torch.zeros(1, device="cuda")  # CUDA context up before the clock starts
-    kernel_module("host_tier_kernels", interpret=False)
+    kernel_module("host_tier", interpret=False)
     keys = torch.randint(0, 1 << 30, (batch,), device="cuda")
     t0 = time.perf_counter()
     hc = HostCache.attach(name)

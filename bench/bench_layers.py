@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import psclient  # noqa: E402
 from bench.workloads import ZipfKeys  # noqa: E402
 from gpu import InsertPolicy, LayerType, NVEmbedding, NVEmbeddingBag  # noqa: E402
-from gpu.linear_tables import registered_rows  # noqa: E402
+from gpu.stacks.linear_tables import registered_rows  # noqa: E402
 from hostcache import HostCache, SharedMemBlock  # noqa: E402
 
 DIM = 128
@@ -162,9 +162,9 @@ def linear_uvm(device: torch.device, rows: int, batches: list[int], reps: int) -
             if emb._tiers.cache.backend == "triton":
                 # the same layer with every batch visited in batch order, or in host-page
                 # order; the default picks by batch size (TILES.linear_page_order)
-                from gpu._triton import kernel_module
+                from gpu.kernels.triton_access import kernel_module
 
-                kernels = kernel_module("cache_kernels", interpret=device.type != "cuda")
+                kernels = kernel_module("cache_lookup", interpret=device.type != "cuda")
                 saved = kernels.TILES
                 for label, from_n in (("batch_order", 0), ("page_order", 1)):
                     kernels.TILES = dataclasses.replace(saved, linear_page_order=from_n)

@@ -102,8 +102,8 @@ def measure(layers: dict[str, Any], view: torch.Tensor, full: torch.Tensor | Non
 def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
     import torch.distributed as dist
 
-    from apps.demo.workload import ZipfKeys
     from gpu import DistMemBlock, InsertPolicy, LayerType, NVEmbedding
+    from nvecache.apps.demo.workload import ZipfKeys
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)

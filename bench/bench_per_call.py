@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.workloads import ZipfKeys  # noqa: E402
 from gpu import LayerType, NVEmbedding, NVEmbeddingBag  # noqa: E402
-from gpu.hostreg import register  # noqa: E402
+from gpu.cuda.registration import register  # noqa: E402
 from hostcache import SharedMemBlock  # noqa: E402
 
 DIM = 128

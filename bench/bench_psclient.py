@@ -6,10 +6,10 @@ rounds; then 64k-key batches (``--batch``) of dim-128 fp32 rows against ``redis-
 (pipelined GET/SET of 512-byte values, same server: the server's ceiling) and a naive
 redis-py pipeline of GET/SET per key. Also the raw layout choice: HMGET/HSET over hash
 partitions against MGET/MSET over plain keys, and HMGET replies read off the socket in bulk
-(psclient.redis_wire) against redis-py's parser.
+(psclient.redis.wire) against redis-py's parser.
 
 file:// : lookups of 8k distinct keys of a 1M-row table (``--file-rows``), read from the
-row mirror (psclient.file_mirror), against the LMDB read it falls back to
+row mirror (psclient.file.mirror), against the LMDB read it falls back to
 (``FileParameterServer._lookup_lmdb``), the per-key reference path
 (``FileParameterServer._lookup_per_key``), py-lmdb's native batched read
 (``Cursor.getmulti``) and LMDB's search alone, alternated in rounds; a batch with
@@ -47,7 +47,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import psclient  # noqa: E402
-from psclient import resp  # noqa: E402
 from psclient.codec import (  # noqa: E402
     be_bytes_to_keys,
     be_key_bytes,
@@ -55,7 +54,8 @@ from psclient.codec import (  # noqa: E402
     le_key_bytes,
     row_bytes_list,
 )
-from psclient.redis_wire import run_row_pipeline  # noqa: E402
+from psclient.redis import resp  # noqa: E402
+from psclient.redis.wire import run_row_pipeline  # noqa: E402
 
 
 def emit(**rec: object) -> None:
@@ -310,7 +310,7 @@ def bench_read_paths(r: redis.Redis, table: str, keys: np.ndarray, bounds: np.nd
 
     The rows are the layout bench's hashes (``{table}:h:{p}``, one pipeline per partition,
     run one after another), copied into one array as a lookup does: what
-    psclient.redis_wire's bulk read saves per batch, in rows/s and in client CPU.
+    psclient.redis.wire's bulk read saves per batch, in rows/s and in client CPU.
     """
     pipes = []
     for part in range(64):

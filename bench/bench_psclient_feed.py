@@ -1,7 +1,7 @@
 """The atomic change feed's price and speed: write paths before/after, follow wake-up latency.
 
 Write paths (one Redis, ``--url``): psclient's layout-2 writes (one Lua step per partition
-chunk: rows and the feed record together, :mod:`psclient.redis_scripts`) against the layout-1
+chunk: rows and the feed record together, :mod:`psclient.redis.scripts`) against the layout-1
 path they replaced, kept here only to be measured: the same pre-encoded commands through the
 same dispatcher (``HSET`` / the ``HEXISTS`` update script / ``HDEL`` per chunk), then a
 separate ``XADD`` pipeline of the changed keys (insert: every key of a chunk where ``HSET``
@@ -38,10 +38,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import psclient  # noqa: E402
-from psclient import resp  # noqa: E402
 from psclient.codec import group_by_partition  # noqa: E402
-from psclient.redis_dispatch import Cmd  # noqa: E402
-from psclient.redis_scripts import _NOTICE  # noqa: E402
+from psclient.redis import resp  # noqa: E402
+from psclient.redis.dispatch import Cmd  # noqa: E402
+from psclient.redis.scripts import _NOTICE  # noqa: E402
 from tests.servers import start_cluster  # noqa: E402
 
 _OLD_UPDATE = b"""

@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from apps.demo.memory import process_memory, segment_resident_bytes
 from hostcache import HostCache
+from nvecache.apps.demo.memory import process_memory, segment_resident_bytes
 
 CTX = mp.get_context("spawn")
 results: list[dict[str, Any]] = []
@@ -54,8 +54,8 @@ def emit(rec: dict[str, Any]) -> None:
 
 def replica(rank: int, ps_url: str, table: str, commands: Any, replies: Any) -> None:
     """Replica body: runs configurations sent on ``commands`` until ``None`` arrives."""
-    from apps.demo.workload import ZipfKeys
     from gpu import LayerType, NVEmbedding
+    from nvecache.apps.demo.workload import ZipfKeys
     from psclient import connect
 
     torch.set_num_threads(1)

@@ -2,9 +2,9 @@
 reaches the replicas of node B (the harness of ``bench/bench_cross_node.py`` and of
 ``tests/apps/test_cross_node.py``).
 
-Each node is a node service (``python -m apps.cli serve``) and its processes, all with their
-own ``NVEC_NODE`` (hostcache's node namespaces: each node its own shared tables, as with its
-own ``/dev/shm``). On node A a writer updates rows through a Hierarchical layer at a target
+Each node is a node service (``python -m nvecache.apps.cli serve``) and its processes, all
+with their own ``NVEC_NODE`` (hostcache's node namespaces: each node its own shared tables,
+as with its own ``/dev/shm``). On node A a writer updates rows through a Hierarchical layer at a target
 rate and records when each update of a *watched* key returned; on node B a prober looks the
 watched keys up through a Hierarchical layer in a loop and records when it first served
 each new version, while a replica looks random keys up (the lookup load B serves).
@@ -72,7 +72,7 @@ class Node:
             f'ps_url = "{self.ps_url}"\nps_table = "{self.table}"\n')
         with open(self.root / "service.log", "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "apps.cli", "serve", "--config", str(config)],
+                [sys.executable, "-m", "nvecache.apps.cli", "serve", "--config", str(config)],
                 stdout=log, stderr=subprocess.STDOUT, env=self.env)
         deadline = time.monotonic() + timeout
         while self.metrics() is None:

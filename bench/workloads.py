@@ -1,13 +1,13 @@
 """Key streams of the standard workload: Zipf by inverse CDF over
 the table, then a random permutation so hot keys are spread over the key space.
 
-The generator itself is the demo's (``apps.demo.workload.ZipfKeys``); benchmarks use
+The generator itself is the demo's (``nvecache.apps.demo.workload.ZipfKeys``); benchmarks use
 one seed for both the popularity permutation and the draws.
 """
 
 from __future__ import annotations
 
-from apps.demo.workload import ZipfKeys as _ZipfKeys
+from nvecache.apps.demo.workload import ZipfKeys as _ZipfKeys
 
 
 class ZipfKeys(_ZipfKeys):

@@ -6,9 +6,9 @@ Every path has a CPU twin with identical results: ``device="cpu"`` makes no CUDA
 
 from __future__ import annotations
 
-from .cache import GPUCache, GPUCacheStats, MissCandidates
-from .distmem import DistMemBlock
-from .errors import (
+from gpu.cache.gpu_cache import GPUCache, GPUCacheStats, MissCandidates
+from gpu.dist.distmem import DistMemBlock
+from gpu.errors import (
     BadArgumentError,
     CUDAUnavailableError,
     DestructionOrderError,
@@ -19,9 +19,9 @@ from .errors import (
     StorageUnavailableError,
     StorageWriteError,
 )
-from .layer_config import InsertPolicy, LayerStats, LayerType, TierStats
-from .layers import NVEmbedding, NVEmbeddingBag
-from .tier_config import TierConfig
+from gpu.layer_config import InsertPolicy, LayerStats, LayerType, TierStats
+from gpu.layers import NVEmbedding, NVEmbeddingBag
+from gpu.tier_config import TierConfig
 
 __all__ = [
     "BadArgumentError",

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from .distmem import DistMemBlock
-from .errors import BadArgumentError
-from .groups import TorchGroup
+from gpu.dist.distmem import DistMemBlock
+from gpu.dist.groups import TorchGroup
+from gpu.errors import BadArgumentError
 
 
 class DataType_t(enum.Enum):  # noqa: N801 - the seed's name

@@ -2,8 +2,8 @@
 
 Every error a user can cause raises one of these, with a message that says what to do.
 Argument errors also subclass :class:`ValueError` so generic handlers keep working. The
-modules that raise them re-export their own (``gpu.hostreg.RegistrationClosedError``,
-``gpu.groups.GroupError``, ...), so either name works.
+modules that raise them re-export their own (``gpu.cuda.registration.RegistrationClosedError``,
+``gpu.dist.groups.GroupError``, ...), so either name works.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class TritonUnavailableError(GPUError):
 
 
 class TritonNotInstalledError(TritonUnavailableError):
-    """The host-tier kernels were asked for (``gpu.host_kernels``, ``backend="triton"``) but
+    """The host-tier kernels were asked for (``gpu.kernels.host_reads``, ``backend="triton"``) but
     ``triton`` cannot be imported."""
 
 
@@ -51,7 +51,7 @@ class LayerClosedError(GPUError):
     """A layer was used after ``close()``; build a new layer to keep serving."""
 
 
-# -- CUDA runtime calls (gpu._cuda) --------------------------------------------------------
+# -- CUDA runtime calls (gpu.cuda.runtime) --------------------------------------------------------
 
 
 class CUDACallError(GPUError):
@@ -71,7 +71,7 @@ class CUDACallError(GPUError):
         super().__init__(f"{msg}: {detail}" if detail else msg)
 
 
-# -- host registration (gpu.hostreg) ---------------------------------------------------------
+# -- host registration (gpu.cuda.registration) ----------------------------------------
 
 
 class HostRegError(GPUError):
@@ -94,7 +94,7 @@ class ViewNotAvailableError(HostRegError, ValueError):
     """The table has no such region (e.g. ``keys`` of a linear table)."""
 
 
-# -- multi-GPU tables (gpu.distmem, gpu.groups, gpu.vmm) ---------------------------------------
+# -- multi-GPU tables (gpu.dist.distmem, gpu.dist.groups, gpu.dist.vmm) --------------------
 
 
 class DestructionOrderError(GPUError):

@@ -6,12 +6,11 @@ import functools
 
 import torch
 
-from psclient.finite import nonfinite_message, nonfinite_rows
-from psclient.keys import key_problem
-
-from .devices import same_device
-from .errors import BadArgumentError, NonFiniteValuesError
-from .layer_config import PoolingMode
+from gpu.cuda.devices import same_device
+from gpu.errors import BadArgumentError, NonFiniteValuesError
+from gpu.layer_config import PoolingMode
+from nvecache.common.finite import nonfinite_message, nonfinite_rows
+from nvecache.common.keys import key_problem
 
 
 def check_keys(keys: object, device: torch.device, *, name: str = "input") -> torch.Tensor:

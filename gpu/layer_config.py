@@ -6,9 +6,8 @@ import enum
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from gpu.errors import BadArgumentError
 from hostcache.table import HitRate
-
-from .errors import BadArgumentError
 
 PoolingMode = Literal["sum", "mean", "max"]
 

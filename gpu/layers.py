@@ -2,7 +2,7 @@
 
 Forward semantics are torch's (``F.embedding`` / ``F.embedding_bag``); where the rows
 come from is the :class:`~gpu.layer_config.LayerType`'s business: one stack per type,
-``gpu.device_table``, ``gpu.linear_stack``, ``gpu.hierarchical_stack``.
+``gpu.stacks.gpu_layer``, ``gpu.stacks.linear_uvm``, ``gpu.stacks.hierarchical``.
 Inference only: outputs carry no autograd history. ``close()`` (or leaving a ``with``
 block) releases a layer's tables at once; a closed layer raises ``LayerClosedError``.
 
@@ -28,22 +28,21 @@ from typing import Any, Self
 
 import torch
 
+from gpu import ops
+from gpu.cuda.devices import resolve_device
+from gpu.dist.distmem import DistMemBlock
+from gpu.errors import BadArgumentError
+from gpu.inputs import bags, check_keys, check_values
+from gpu.layer_config import InsertPolicy, LayerStats, LayerType, PoolingMode
+from gpu.stacks.closed import ClosedStack
+from gpu.stacks.gpu_layer import DeviceTable
+from gpu.stacks.hierarchical import HierarchicalStack
+from gpu.stacks.linear_tables import table_gate, write_linear, write_tensor
+from gpu.stacks.linear_uvm import LinearStack
+from gpu.tier_config import DEFAULT, TierConfig
 from hostcache import HostCache, SharedMemBlock
+from nvecache.common.keys import RESERVED_KEY, RESERVED_KEY_RULE
 from psclient import ParameterServer, connect
-from psclient.keys import RESERVED_KEY, RESERVED_KEY_RULE
-
-from . import ops
-from .closed_stack import ClosedStack
-from .device_table import DeviceTable
-from .devices import resolve_device
-from .distmem import DistMemBlock
-from .errors import BadArgumentError
-from .hierarchical_stack import HierarchicalStack
-from .inputs import bags, check_keys, check_values
-from .layer_config import InsertPolicy, LayerStats, LayerType, PoolingMode
-from .linear_stack import LinearStack
-from .linear_tables import table_gate, write_linear, write_tensor
-from .tier_config import DEFAULT, TierConfig
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .errors import BadArgumentError
+from gpu.errors import BadArgumentError
 
 _lock = threading.Lock()
 _next = itertools.count(1)

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from psclient.lazy import lazy_names
-
-from .errors import (
+from hostcache.errors import (
     BadArgumentError,
     BadNameError,
     CorruptedHeaderError,
@@ -25,23 +23,24 @@ from .errors import (
     SharedMemoryFullError,
     TableInUseError,
 )
+from nvecache.common.lazy import lazy_names
 
 if TYPE_CHECKING:
-    from .cache import CacheAudit, HostCache, Inserted
-    from .memblock import SharedMemBlock
-    from .ring import ChangeFeed
-    from .table import FeedStatus, TableStats
+    from hostcache.cache import CacheAudit, HostCache, Inserted
+    from hostcache.memblock import SharedMemBlock
+    from hostcache.ring import ChangeFeed
+    from hostcache.table import FeedStatus, TableStats
 
 # NOTE: the table classes are imported on first use (PEP 562): `import hostcache` (and the
 # `hostcache` command's table commands) load no torch and no numba.
 __getattr__, __dir__ = lazy_names(__name__, globals(), {
-    "CacheAudit": ".cache",
-    "HostCache": ".cache",
-    "Inserted": ".cache",
-    "SharedMemBlock": ".memblock",
-    "ChangeFeed": ".ring",
-    "FeedStatus": ".table",
-    "TableStats": ".table",
+    "CacheAudit": "hostcache.cache",
+    "HostCache": "hostcache.cache",
+    "Inserted": "hostcache.cache",
+    "SharedMemBlock": "hostcache.memblock",
+    "ChangeFeed": "hostcache.ring",
+    "FeedStatus": "hostcache.table",
+    "TableStats": "hostcache.table",
 })
 
 __all__ = [

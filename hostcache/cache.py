@@ -20,12 +20,10 @@ from typing import NamedTuple, Self
 import numpy as np
 import torch
 
-from psclient.split import split_run
-
-from . import layout
-from .errors import BadArgumentError
-from .segment import Mapping, check_mode
-from .table import (
+from hostcache import layout
+from hostcache.errors import BadArgumentError
+from hostcache.segment import Mapping, check_mode
+from hostcache.table import (
     C_ERASES,
     C_EVICTIONS,
     C_HITS,
@@ -35,15 +33,16 @@ from .table import (
     C_UPDATES,
     SharedTable,
 )
-from .table_twin import GATE as LOOPS
-from .validate import check_cache_keys, check_finite, check_values
+from hostcache.table_twin import GATE as LOOPS
+from hostcache.validate import check_cache_keys, check_finite, check_values
+from nvecache.common.fanout import split_run
 
 _COUNTER_CAP = 1 << 30
 
 
 #: the per-key loops for this call: compiled (:mod:`hostcache.table_loops`) once they are
 #: ready, their numpy twin (:mod:`hostcache.table_twin`) until then; the first call asks
-#: for them (psclient.loop_gate: compiled in a child process, then loaded here), so a
+#: for them (nvecache.common.loop_gate: compiled in a child process, then loaded here), so a
 #: process never waits for numba
 _loops = LOOPS.pick
 
@@ -202,7 +201,7 @@ class HostCache(SharedTable):
                                        self._nraw, self._npolicy, geo.num_buckets,
                                        kn[lo:hi], rows[lo:hi], hit[lo:hi], count))
 
-        # NOTE: a large batch on a few threads at once (psclient.split: the loop waits on
+        # NOTE: a large batch on a few threads at once (nvecache.common.fanout: the loop waits on
         # memory and releases the GIL)
         n_hits = sum(split_run(chunk, n))
         if count:

@@ -1,7 +1,7 @@
 """The ``hostcache`` command: list, inspect, create and remove this node's shared tables.
 
 Subcommands are :class:`Command` values registered in :data:`COMMANDS` (one place). The
-``hostcache`` console script is ``apps.cli``, which builds the same parser from these
+``hostcache`` console script is ``nvecache.apps.cli``, which builds the same parser from these
 commands plus the applications' ``serve`` and ``demo`` (:func:`build_parser` and
 :func:`main` take the command list); ``python -m hostcache.cli`` runs the table commands
 alone, and nothing here imports the applications. Every error a user can cause
@@ -28,11 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, TextIO
 
-from psclient.cli_common import EXIT_USAGE, OneLineParser, add_version, positive_int
-from psclient.lazy import deferred, lazy_import
-from psclient.schema import DTYPE_ITEMSIZES
-
-from .errors import (
+from hostcache.errors import (
     BadArgumentError,
     HostCacheError,
     SegmentNotFoundError,
@@ -40,11 +36,14 @@ from .errors import (
     SharedMemoryFullError,
     TableInUseError,
 )
+from nvecache.common.cli import EXIT_USAGE, OneLineParser, add_version, positive_int
+from nvecache.common.lazy import deferred, lazy_import
+from psclient.schema import DTYPE_ITEMSIZES
 
 if TYPE_CHECKING:
-    from . import cli_view as view
-    from . import layout, segment
-    from .table import init_segment
+    from hostcache import cli_view as view
+    from hostcache import layout, segment
+    from hostcache.table import init_segment
 else:  # NOTE: numpy and the segment code load with a command that reads a table (not --help)
     view = lazy_import("hostcache.cli_view", globals(), "view")
     layout = lazy_import("hostcache.layout", globals())
@@ -296,7 +295,7 @@ def _rm(args: argparse.Namespace, out: TextIO) -> int:
     return EXIT_OK
 
 
-#: the table commands, in the order ``--help`` lists them (apps.cli adds serve and demo).
+#: the table commands, in the order ``--help`` lists them (nvecache.apps.cli adds serve and demo).
 COMMANDS: tuple[Command, ...] = (
     Command("ls", "list this node's tables", _ls_args, _ls),
     Command("stat", "one table's geometry, node-wide counters and processes", _stat_args, _stat),

@@ -14,9 +14,9 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from . import layout, segment
-from .errors import HostCacheError, SegmentNotFoundError
-from .table import SharedTable
+from hostcache import layout, segment
+from hostcache.errors import HostCacheError, SegmentNotFoundError
+from hostcache.table import SharedTable
 
 MIB = 1 << 20
 
@@ -90,8 +90,8 @@ def open_table(name: str) -> TableView:
 
 def _repair(name: str, kind: int) -> None:
     """Attach and close the table with its own class: attaching repairs it."""
-    from .cache import HostCache
-    from .memblock import SharedMemBlock
+    from hostcache.cache import HostCache
+    from hostcache.memblock import SharedMemBlock
 
     cls: type[HostCache] | type[SharedMemBlock] = (
         HostCache if kind == layout.KIND_HOST_CACHE else SharedMemBlock)

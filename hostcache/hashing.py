@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from psclient.fmix import M1, M2, fmix64
+from nvecache.common.fmix import M1, M2, fmix64
 
 #: murmur3 fmix64 multipliers as signed int64 (two's complement of the unsigned constants).
 FMIX_M1 = M1 - (1 << 64)

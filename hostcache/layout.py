@@ -81,16 +81,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from psclient.errors import BadArgumentError as _DtypeError
-from psclient.keys import RESERVED_KEY
-from psclient.schema import DTYPE_ITEMSIZES, DTYPES, dtype_name
-
-from .errors import (
+from hostcache.errors import (
     BadArgumentError,
     CorruptedHeaderError,
     GeometryMismatchError,
     LayoutVersionError,
 )
+from nvecache.common.keys import RESERVED_KEY
+from psclient.errors import BadArgumentError as _DtypeError
+from psclient.schema import DTYPE_ITEMSIZES, DTYPES, dtype_name
 
 if TYPE_CHECKING:
     import torch
@@ -107,7 +106,7 @@ KIND_LINEAR = 2
 KIND_NAMES = {KIND_HOST_CACHE: "hostcache", KIND_LINEAR: "linear"}
 
 #: reserved key marking an empty host-cache slot; users may use every other int64. The one
-#: definition is ``psclient.keys.RESERVED_KEY``: every tier refuses to write it.
+#: definition is ``nvecache.common.keys.RESERVED_KEY``: every tier refuses to write it.
 EMPTY_KEY = RESERVED_KEY
 
 PROC_SLOTS = 256

@@ -26,8 +26,8 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from . import layout, segment
-from .errors import LockTimeoutError, SegmentNotFoundError, SegmentPermissionError
+from hostcache import layout, segment
+from hostcache.errors import LockTimeoutError, SegmentNotFoundError, SegmentPermissionError
 
 
 class WriterLock:

@@ -14,11 +14,11 @@ from typing import Self
 
 import torch
 
-from . import layout
-from .gate import TableGate, gate_for
-from .segment import Mapping, check_mode
-from .table import C_HITS, C_LOOKUPS, C_UPDATES, SharedTable
-from .validate import check_finite, check_indices, check_keys, check_values, dedup_last
+from hostcache import layout
+from hostcache.gate import TableGate, gate_for
+from hostcache.segment import Mapping, check_mode
+from hostcache.table import C_HITS, C_LOOKUPS, C_UPDATES, SharedTable
+from hostcache.validate import check_finite, check_indices, check_keys, check_values, dedup_last
 
 
 class SharedMemBlock(SharedTable):

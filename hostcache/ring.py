@@ -17,8 +17,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from . import layout
-from .segment import Mapping
+from hostcache import layout
+from hostcache.segment import Mapping
 
 
 @runtime_checkable

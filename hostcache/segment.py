@@ -20,11 +20,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import posix_ipc
 
-from psclient.lazy import lazy_import
-from psclient.names import TABLE_NAME_RULE, is_table_name
-
-from . import layout, shmlog
-from .errors import (
+from hostcache import layout, shmlog
+from hostcache.errors import (
     BadArgumentError,
     BadNameError,
     CorruptedHeaderError,
@@ -33,6 +30,8 @@ from .errors import (
     SegmentPermissionError,
     SharedMemoryFullError,
 )
+from nvecache.common.lazy import lazy_import
+from nvecache.common.names import TABLE_NAME_RULE, is_table_name
 
 if TYPE_CHECKING:
     import torch
@@ -53,7 +52,7 @@ GIB = 1 << 30
 def check_name(name: object) -> str:
     """Return ``name`` if it is a valid table name, else raise :class:`BadNameError`.
 
-    The rule is :func:`psclient.names.is_table_name`, the one rule of every tier.
+    The rule is :func:`nvecache.common.names.is_table_name`, the one rule of every tier.
     """
     if not is_table_name(name):
         raise BadNameError(f"bad table name {name!r}: use {TABLE_NAME_RULE}")

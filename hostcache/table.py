@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
 
 import numpy as np
 
-from . import layout, segment
-from .errors import BadArgumentError, HandleClosedError
-from .lock import WriterLock
+from hostcache import layout, segment
+from hostcache.errors import BadArgumentError, HandleClosedError
+from hostcache.lock import WriterLock
 
 if TYPE_CHECKING:
     import torch
 
-    from .ring import InvalidationRing
+    from hostcache.ring import InvalidationRing
 
 logger = logging.getLogger(__name__)
 
@@ -262,7 +262,7 @@ class SharedTable:
         """The table's invalidation ring (its torch views made on first use)."""
         ring = self._ring
         if ring is None:
-            from .ring import InvalidationRing
+            from hostcache.ring import InvalidationRing
 
             ring = self._ring = InvalidationRing(self._live(), self.geometry)
         return ring

@@ -296,7 +296,7 @@ _warm_lock = threading.Lock()
 def warm_up() -> None:
     """Compile every loop (or load it from numba's cache beside this module) once per
     process, in the argument types the host cache calls them with;
-    :mod:`psclient.loop_gate` runs this in a child process, then here, while
+    :mod:`nvecache.common.loop_gate` runs this in a child process, then here, while
     :mod:`hostcache.table_twin` serves."""
     global _warm
     if _warm:

@@ -1,7 +1,7 @@
 """The host cache's per-key loops as vectorized numpy: :mod:`hostcache.table_loops`' twin.
 
 The same functions, arguments and results as the compiled loops (tests hold them equal),
-serving a process's calls until its compiled loops are ready (:mod:`psclient.loop_gate`;
+serving a process's calls until its compiled loops are ready (:mod:`nvecache.common.loop_gate`;
 :data:`GATE` hands out one or the other). Each pass of a compiled loop over the batch is
 a numpy operation over it here: the same probe (a key's bucket by the same hash, its ways
 in order, the first way holding it), the same placement and the same seqlock protocol.
@@ -27,10 +27,9 @@ import threading
 
 import numpy as np
 
-from psclient.fmix import fmix64
-from psclient.loop_gate import LoopGate
-
-from .layout import EMPTY_KEY
+from hostcache.layout import EMPTY_KEY
+from nvecache.common.fmix import fmix64
+from nvecache.common.loop_gate import LoopGate
 
 _POS = np.uint64(0x7FFFFFFFFFFFFFFF)
 _EMPTY = np.int64(EMPTY_KEY)

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from psclient.finite import nonfinite_message, nonfinite_rows
-from psclient.keys import RESERVED_KEY_RULE, key_problem
-
-from .errors import BadArgumentError, NonFiniteValuesError
-from .layout import EMPTY_KEY
+from hostcache.errors import BadArgumentError, NonFiniteValuesError
+from hostcache.layout import EMPTY_KEY
+from nvecache.common.finite import nonfinite_message, nonfinite_rows
+from nvecache.common.keys import RESERVED_KEY_RULE, key_problem
 
 
 def check_keys(keys: object, *, what: str = "keys") -> torch.Tensor:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .errors import (
+from nvecache.common.lazy import lazy_names
+from psclient.errors import (
     BadArgumentError,
     BadKeysError,
     BadValuesError,
@@ -28,12 +29,11 @@ from .errors import (
     TableNotFoundError,
     UnsupportedURLError,
 )
-from .lazy import lazy_names
 
 if TYPE_CHECKING:
-    from .base import ParameterServer
-    from .feed import FeedBatch
-    from .registry import (
+    from psclient.base import ParameterServer
+    from psclient.feed import FeedBatch
+    from psclient.registry import (
         connect,
         drop_orphans,
         list_orphans,
@@ -41,21 +41,21 @@ if TYPE_CHECKING:
         register_backend,
         schemes,
     )
-    from .schema import LAYOUT_VERSION, TableSchema
+    from psclient.schema import LAYOUT_VERSION, TableSchema
 
 # NOTE: the names below are imported on first use (PEP 562), so `import psclient` (and every
 # command line under it) loads torch only when something needs it.
 __getattr__, __dir__ = lazy_names(__name__, globals(), {
-    "ParameterServer": ".base",
-    "FeedBatch": ".feed",
-    "connect": ".registry",
-    "list_tables": ".registry",
-    "list_orphans": ".registry",
-    "drop_orphans": ".registry",
-    "register_backend": ".registry",
-    "schemes": ".registry",
-    "LAYOUT_VERSION": ".schema",
-    "TableSchema": ".schema",
+    "ParameterServer": "psclient.base",
+    "FeedBatch": "psclient.feed",
+    "connect": "psclient.registry",
+    "list_tables": "psclient.registry",
+    "list_orphans": "psclient.registry",
+    "drop_orphans": "psclient.registry",
+    "register_backend": "psclient.registry",
+    "schemes": "psclient.registry",
+    "LAYOUT_VERSION": "psclient.schema",
+    "TableSchema": "psclient.schema",
 })
 
 __all__ = [

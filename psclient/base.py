@@ -16,17 +16,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .codec import check_keys, check_values, check_written
-from .errors import BadArgumentError, HandleClosedError, PSClientError, TableDroppedError
-from .feed import FeedBatch
-from .lazy import deferred, lazy_import
-from .loads import Load, TableState
-from .schema import TableSchema
+from nvecache.common.lazy import deferred, lazy_import
+from psclient.codec import check_keys, check_values, check_written
+from psclient.errors import BadArgumentError, HandleClosedError, PSClientError, TableDroppedError
+from psclient.feed import FeedBatch
+from psclient.loads import Load, TableState
+from psclient.schema import TableSchema
 
 if TYPE_CHECKING:
     import torch
 
-    from .loader import Loaded, load_into
+    from psclient.loader import Loaded, load_into
 else:  # NOTE: torch (and the file readers of load()) load when rows are first handled
     torch = lazy_import("torch", globals())
     load_into = deferred("psclient.loader", "load_into")

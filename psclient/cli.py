@@ -31,22 +31,22 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from .cli_common import EXIT_USAGE, OneLineParser, add_version, positive_int
-from .errors import BadArgumentError, PSClientError, SchemaMismatchError, TableNotFoundError
-from .lazy import deferred
-from .loads import LOADING, iso
-from .names import TABLE_NAME_RULE
-from .registry import connect, drop_orphans, list_orphans, list_tables
-from .schema import DTYPES, dtype_name
+from nvecache.common.cli import EXIT_USAGE, OneLineParser, add_version, positive_int
+from nvecache.common.lazy import deferred
+from nvecache.common.names import TABLE_NAME_RULE
+from psclient.errors import BadArgumentError, PSClientError, SchemaMismatchError, TableNotFoundError
+from psclient.loads import LOADING, iso
+from psclient.registry import connect, drop_orphans, list_orphans, list_tables
+from psclient.schema import DTYPES, dtype_name
 
 if TYPE_CHECKING:
-    from .loader import check_finite_rows, check_rows, file_format, open_keys, open_rows
-    from .redis_conn import redact
+    from psclient.loader import check_finite_rows, check_rows, file_format, open_keys, open_rows
+    from psclient.redis.conn import redact
 else:  # NOTE: torch, the file readers and redis-py load when a command needs them
     check_finite_rows, check_rows, file_format, open_keys, open_rows = (
         deferred("psclient.loader", f)
         for f in ("check_finite_rows", "check_rows", "file_format", "open_keys", "open_rows"))
-    redact = deferred("psclient.redis_conn", "redact")
+    redact = deferred("psclient.redis.conn", "redact")
 
 PROG = "psclient"
 EXIT_ERROR = 1

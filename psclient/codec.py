@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .errors import BadKeysError, BadValuesError, CorruptValueError, NonFiniteValuesError
-from .finite import nonfinite_message, nonfinite_rows
-from .keys import RESERVED_KEY, RESERVED_KEY_RULE, key_problem
-from .lazy import lazy_import
-from .schema import TableSchema
+from nvecache.common.finite import nonfinite_message, nonfinite_rows
+from nvecache.common.keys import RESERVED_KEY, RESERVED_KEY_RULE, key_problem
+from nvecache.common.lazy import lazy_import
+from psclient.errors import BadKeysError, BadValuesError, CorruptValueError, NonFiniteValuesError
+from psclient.schema import TableSchema
 
 if TYPE_CHECKING:
     import torch
@@ -80,7 +80,7 @@ def check_written(keys: np.ndarray, values: torch.Tensor, *, allow_nonfinite: bo
         allow: how the caller spells that opt-in, for the message.
 
     Raises:
-        BadKeysError: a key is :data:`~psclient.keys.RESERVED_KEY`.
+        BadKeysError: a key is :data:`~nvecache.common.keys.RESERVED_KEY`.
         NonFiniteValuesError: a row holds a NaN or an infinity (says how many rows and the
             first one's key).
     """

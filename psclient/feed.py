@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .lazy import lazy_import
+from nvecache.common.lazy import lazy_import
 
 if TYPE_CHECKING:
     import torch

@@ -23,10 +23,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .codec import first_of_runs
-from .errors import BadArgumentError, BadKeysError, DuplicateKeysError, NonFiniteValuesError
-from .finite import nonfinite_rows
-from .keys import RESERVED_KEY, RESERVED_KEY_RULE
+from nvecache.common.finite import nonfinite_rows
+from nvecache.common.keys import RESERVED_KEY, RESERVED_KEY_RULE
+from psclient.codec import first_of_runs
+from psclient.errors import BadArgumentError, BadKeysError, DuplicateKeysError, NonFiniteValuesError
 
 #: what ``duplicates=`` accepts: refuse repeated keys, or let the last row of a key win
 DUPLICATES = ("refuse", "last")

@@ -29,9 +29,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from .codec import check_keys
-from .errors import BadArgumentError, BadKeysError, BadValuesError
-from .load_checks import (
+from psclient.codec import check_keys
+from psclient.errors import BadArgumentError, BadKeysError, BadValuesError
+from psclient.load_checks import (
     StreamCensus,
     census,
     check_duplicates_arg,
@@ -39,10 +39,10 @@ from .load_checks import (
     scan_finite,
     sniff,
 )
-from .schema import DTYPES
+from psclient.schema import DTYPES
 
 if TYPE_CHECKING:  # NOTE: for annotations only: base imports this module
-    from .base import ParameterServer
+    from psclient.base import ParameterServer
 
 log = logging.getLogger(__name__)
 

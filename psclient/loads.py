@@ -26,7 +26,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import TableLoadingError
+from psclient.errors import TableLoadingError
 
 #: what a table is, as ``stat()["state"]`` and ``psclient ls`` say it
 READY, LOADING, CREATING, DROPPING = "ready", "loading", "creating", "dropping"

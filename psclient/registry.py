@@ -7,25 +7,25 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from .errors import BadArgumentError, UnsupportedURLError
-from .schema import check_table_name, dtype_name
+from psclient.errors import BadArgumentError, UnsupportedURLError
+from psclient.schema import check_table_name, dtype_name
 
 if TYPE_CHECKING:
     import torch
 
-    from .base import ParameterServer
+    from psclient.base import ParameterServer
 
 #: A backend factory: ``(url, table, dim, dtype_name, options) -> ParameterServer``.
 Factory = Callable[[str, str, "int | None", "str | None", dict[str, Any]], "ParameterServer"]
 
 # NOTE: values are "module:function" strings so a backend's dependencies load on first use.
 _REGISTRY: dict[str, Factory | str] = {
-    "redis": "psclient.redis_backend:open_standalone",
-    "rediss": "psclient.redis_backend:open_standalone",
-    "unix": "psclient.redis_backend:open_standalone",
-    "redis+cluster": "psclient.redis_backend:open_cluster",
-    "rediss+cluster": "psclient.redis_backend:open_cluster",
-    "file": "psclient.file_backend:open_file",
+    "redis": "psclient.redis.backend:open_standalone",
+    "rediss": "psclient.redis.backend:open_standalone",
+    "unix": "psclient.redis.backend:open_standalone",
+    "redis+cluster": "psclient.redis.backend:open_cluster",
+    "rediss+cluster": "psclient.redis.backend:open_cluster",
+    "file": "psclient.file.backend:open_file",
 }
 
 
@@ -33,12 +33,12 @@ _REGISTRY: dict[str, Factory | str] = {
 Lister = Callable[[str, dict[str, Any]], list[str]]
 
 _LISTERS: dict[str, Lister | str] = {
-    "redis": "psclient.redis_admin:list_standalone",
-    "rediss": "psclient.redis_admin:list_standalone",
-    "unix": "psclient.redis_admin:list_standalone",
-    "redis+cluster": "psclient.redis_admin:list_cluster",
-    "rediss+cluster": "psclient.redis_admin:list_cluster",
-    "file": "psclient.file_store:list_file_tables",
+    "redis": "psclient.redis.admin:list_standalone",
+    "rediss": "psclient.redis.admin:list_standalone",
+    "unix": "psclient.redis.admin:list_standalone",
+    "redis+cluster": "psclient.redis.admin:list_cluster",
+    "rediss+cluster": "psclient.redis.admin:list_cluster",
+    "file": "psclient.file.store:list_file_tables",
 }
 
 #: What a store holds that belongs to no table (left by an interrupted drop, or by an older
@@ -46,12 +46,12 @@ _LISTERS: dict[str, Lister | str] = {
 #: ``(url, table, options) -> {"keys": n, "rows": n}``. Backends without them have none.
 _ORPHANS: dict[str, tuple[str, str]] = {
     **dict.fromkeys(("redis", "rediss", "unix"),
-                    ("psclient.redis_admin:orphans_standalone",
-                     "psclient.redis_admin:drop_orphans_standalone")),
+                    ("psclient.redis.admin:orphans_standalone",
+                     "psclient.redis.admin:drop_orphans_standalone")),
     **dict.fromkeys(("redis+cluster", "rediss+cluster"),
-                    ("psclient.redis_admin:orphans_cluster",
-                     "psclient.redis_admin:drop_orphans_cluster")),
-    "file": ("psclient.file_store:file_orphans", "psclient.file_store:drop_file_orphans"),
+                    ("psclient.redis.admin:orphans_cluster",
+                     "psclient.redis.admin:drop_orphans_cluster")),
+    "file": ("psclient.file.store:file_orphans", "psclient.file.store:drop_file_orphans"),
 }
 
 
@@ -159,7 +159,7 @@ def connect(url: str, *, table: str, dim: int | None = None,
             ``unix:///path/redis.sock``, ``redis+cluster://host:port[,host:port]``,
             or ``file:///path/to/dir`` (embedded LMDB store, no server).
         table: table name: 1-100 characters from ``[A-Za-z0-9_.-]``, not ``.`` or ``..``
-            (:mod:`psclient.names`, the rule of every tier).
+            (:mod:`nvecache.common.names`, the rule of every tier).
         dim: row length; required to create a table, checked against an existing one.
         dtype: float32 (default for new tables), float16, bfloat16 or float64; checked
             against an existing table.

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING
 
 import msgpack
 
-from .errors import BadArgumentError, CorruptValueError, SchemaMismatchError
-from .names import TABLE_NAME_RULE, is_table_name
+from nvecache.common.names import TABLE_NAME_RULE, is_table_name
+from psclient.errors import BadArgumentError, CorruptValueError, SchemaMismatchError
 
 if TYPE_CHECKING:
     import torch
@@ -97,7 +97,7 @@ def dtype_name(dtype: torch.dtype | str) -> str:
 
 
 def check_table_name(table: object) -> str:
-    """Validate a table name (the rule of :mod:`psclient.names`) and return it."""
+    """Validate a table name (the rule of :mod:`nvecache.common.names`) and return it."""
     if not is_table_name(table):
         raise BadArgumentError(f"bad table name {table!r}: use {TABLE_NAME_RULE}")
     return table

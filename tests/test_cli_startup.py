@@ -45,7 +45,7 @@ print(json.dumps({{"rc": rc, "out": out.getvalue(), "err": err.getvalue(), "load
 
 
 def run_fresh(module: str, *argv: str, setup: str = "") -> dict[str, Any]:
-    """``main(argv)`` of ``module`` (``apps.cli``: the ``hostcache`` console script) in a
+    """``main(argv)`` of ``module`` (``nvecache.apps.cli``: the ``hostcache`` console script) in a
     new interpreter, after ``setup`` (Python source run first)."""
     script = setup + _SCRIPT.format(module=module, heavy=HEAVY)
     proc = subprocess.run([sys.executable, "-c", script, *argv], cwd=REPO,
@@ -56,7 +56,7 @@ def run_fresh(module: str, *argv: str, setup: str = "") -> dict[str, Any]:
 
 
 def hostcache_cmd(*argv: str) -> dict[str, Any]:
-    return run_fresh("apps.cli", *argv)
+    return run_fresh("nvecache.apps.cli", *argv)
 
 
 def psclient_cmd(*argv: str) -> dict[str, Any]:
@@ -194,23 +194,23 @@ def test_psclient_ls_stat_drop_load_nothing_heavy(
 
 
 def test_version_of_a_source_tree_never_installed_is_its_pyprojects() -> None:
-    from psclient.cli_common import source_version
+    from nvecache.common.cli import source_version
 
     version = project_version()
     assert source_version(str(REPO / "pyproject.toml")) == version == metadata.version("nvecache")
     # NOTE: the distribution looked up under a name nothing is installed as: what a checkout
     # that was never pip-installed meets
     result = run_fresh("psclient.cli", "--version", setup=(
-        "import psclient.cli_common as c; c.DISTRIBUTION = 'nvecache-never-installed'\n"))
+        "import nvecache.common.cli as c; c.DISTRIBUTION = 'nvecache-never-installed'\n"))
     assert light(result)["out"] == f"psclient {version}\n"
 
 
 def test_packages_resolve_their_names_on_first_use() -> None:
     """``import hostcache`` / ``psclient`` load no torch; their names still resolve, once."""
     script = (
-        "import sys, hostcache, psclient, apps.demo, apps.service\n"
+        "import sys, hostcache, psclient, nvecache.apps.demo, nvecache.apps.service\n"
         "assert 'torch' not in sys.modules, 'imported torch'\n"
-        "for pkg in (hostcache, psclient, apps.demo, apps.service):\n"
+        "for pkg in (hostcache, psclient, nvecache.apps.demo, nvecache.apps.service):\n"
         "    assert set(pkg.__all__) <= set(dir(pkg)), pkg\n"
         "from hostcache import HostCache\n"
         "assert hostcache.HostCache is HostCache and 'HostCache' in vars(hostcache)\n"

@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from apps.cli import build_parser
-from apps.demo import DemoConfig, config_from_args
+from nvecache.apps.cli import build_parser
+from nvecache.apps.demo import DemoConfig, config_from_args
 
 yaml = pytest.importorskip("yaml", reason="needs pyyaml to parse docker-compose.yml")
 
@@ -81,7 +81,7 @@ def test_node_command_line_is_a_valid_service_config(
         services: dict[str, Any], tmp_path: Path) -> None:
     cmd = list(services["node"]["command"])
     cmd[cmd.index("--state-dir") + 1] = str(tmp_path / "state")
-    proc = subprocess.run([sys.executable, "-m", "apps.cli", *cmd[1:], "--check"],
+    proc = subprocess.run([sys.executable, "-m", "nvecache.apps.cli", *cmd[1:], "--check"],
                           capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     cfg = json.loads(proc.stdout)
@@ -135,7 +135,7 @@ def test_image_installs_the_project(services: dict[str, Any]) -> None:
         build = services[name]["build"]
         assert build["context"] == "."
         dockerfile = build["dockerfile_inline"]
-        for pkg in ("hostcache", "psclient", "gpu", "apps"):
+        for pkg in ("hostcache", "psclient", "gpu", "nvecache"):
             assert f"COPY {pkg} {pkg}" in dockerfile
         assert "apps" in build["args"]["EXTRAS"]  # the service's and the demo's extra
         assert "pip install" in dockerfile and "torch==" in dockerfile

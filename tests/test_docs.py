@@ -155,7 +155,7 @@ def test_nothing_refers_to_files_outside_the_repository() -> None:
     """What a user gets is the repository: no doc, test, example or module names a path
     beside the checkout."""
     outside = re.compile(r"\.\./shared\b|\bshared/[A-Z][A-Z-]+\.(md|txt)")
-    roots = ["README.md", "docs", "tests", "examples", "bench", "apps", "gpu", "hostcache",
+    roots = ["README.md", "docs", "tests", "examples", "bench", "nvecache", "gpu", "hostcache",
              "psclient", ".ci", "pyproject.toml"]
     found = []
     for name in roots:
@@ -211,7 +211,7 @@ def _command(block: Block, tmp_path: Path) -> list[str]:
         return ["bash", "-e", "-o", "pipefail", "-c", block.text]
     config = tmp_path / "node.toml"
     config.write_text(block.text)
-    return [sys.executable, "-m", "apps.cli", "serve", "--config", str(config), "--check"]
+    return [sys.executable, "-m", "nvecache.apps.cli", "serve", "--config", str(config), "--check"]
 
 
 def _check_config_printout(block: Block, stdout: str) -> None:

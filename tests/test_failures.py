@@ -1,6 +1,6 @@
 """System tests with real processes: replicas, the node service and Redis failing.
 
-The node service runs as a subprocess (``python -m apps.cli serve --config FILE``);
+The node service runs as a subprocess (``python -m nvecache.apps.cli serve --config FILE``);
 replicas, the updater and the inserter are spawned processes (bodies below, importable by
 spawned children). Rows encode key and version as ``[key, version, key, version]`` (exact
 in float32), so a torn or foreign row is detectable. Every wait is a poll with a deadline.
@@ -89,7 +89,7 @@ class ServiceProc:
         (self.state_dir / "endpoint.json").unlink(missing_ok=True)
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "apps.cli", "serve", "--config", str(self.config)],
+                [sys.executable, "-m", "nvecache.apps.cli", "serve", "--config", str(self.config)],
                 stdout=log, stderr=subprocess.STDOUT)
         wait_until(lambda: self.healthy() or self._exited(), timeout, "service health")
         assert self.proc.poll() is None, self.log.read_text()

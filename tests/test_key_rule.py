@@ -1,4 +1,4 @@
-"""One rule for a batch of keys (psclient.keys), raised as each tier's own typed error."""
+"""One rule for a batch of keys (nvecache.common.keys), raised as each tier's own typed error."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 import gpu
 import hostcache
 import psclient
-from gpu.cache import GPUCache
-from psclient.keys import key_problem
+from gpu.cache.gpu_cache import GPUCache
+from nvecache.common.keys import key_problem
 from tests.conftest import fresh_name
 
 BAD = [

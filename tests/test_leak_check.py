@@ -30,7 +30,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gpu.journal import new_name
+from gpu.dist.journal import new_name
 from hostcache import SharedMemBlock, segment
 
 NAMES = Path(__file__).with_name("names.txt")

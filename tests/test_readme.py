@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from apps.cli import build_parser
+from nvecache.apps.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""The ``hostcache`` console script (apps.cli): the table commands plus serve and demo, and
+"""The ``hostcache`` console script (nvecache.apps.cli): the table commands plus serve and demo, and
 what ``serve`` and ``demo`` say when the ``apps`` extra is not installed.
 
 A missing package is simulated for real: the command runs in a fresh interpreter whose
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from apps import cli as apps_cli
 from hostcache import HostCache, segment
 from hostcache import cli as table_cli
+from nvecache.apps import cli as apps_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 INSTALL = 'pip install -e ".[apps]"'
@@ -31,7 +31,7 @@ def run_without(blocked: list[str], argv: list[str], cwd: Path,
     code = ("import sys\n"
             f"for name in {blocked!r}:\n"
             "    sys.modules[name] = None\n"
-            "from apps.cli import main\n"
+            "from nvecache.apps.cli import main\n"
             f"sys.exit(main({argv!r}))\n")
     return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True,
                           text=True, timeout=timeout)
@@ -94,7 +94,8 @@ def test_console_script_runs_serve_check(tmp_path: Path) -> None:
 def test_serve_check_prints_each_tables_mode_in_octal(tmp_path: Path) -> None:
     """``--check`` prints a mode as the config spells it ("0600"), not as an int (384)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "apps.cli", "serve", "--hostcache", "name=t-check,capacity=64,dim=4",
+        [sys.executable, "-m", "nvecache.apps.cli", "serve",
+         "--hostcache", "name=t-check,capacity=64,dim=4",
          "--linear", "name=t-check-lin,rows=8,dim=4,mode=0660",
          "--state-dir", str(tmp_path / "state"), "--check"],
         capture_output=True, text=True, timeout=120, cwd=tmp_path)
@@ -106,7 +107,7 @@ def test_serve_check_prints_each_tables_mode_in_octal(tmp_path: Path) -> None:
 
 
 def test_import_apps_cli_leaves_the_heavy_extras_unimported() -> None:
-    code = ("import sys, apps.cli, apps.demo, apps.service; "
+    code = ("import sys, nvecache.apps.cli, nvecache.apps.demo, nvecache.apps.service; "
             "assert 'matplotlib' not in sys.modules, 'matplotlib imported'; "
             "assert 'prometheus_client' not in sys.modules, 'prometheus_client imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)

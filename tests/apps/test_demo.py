@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from apps.cli import build_parser, main
-from apps.demo import DemoConfig, DemoError, run_demo
-from apps.demo.memory import process_memory, segment_file_bytes, segment_resident_bytes
-from apps.demo.workload import RequestStream, ZipfKeys
 from hostcache import BadArgumentError, HostCache, segment
+from nvecache.apps.cli import build_parser, main
+from nvecache.apps.demo import DemoConfig, DemoError, run_demo
+from nvecache.apps.demo.memory import process_memory, segment_file_bytes, segment_resident_bytes
+from nvecache.apps.demo.workload import RequestStream, ZipfKeys
 from psclient import TableNotFoundError, connect
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,7 +32,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def demo_cmd(prefix: str, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "apps.cli", "demo", "--prefix", prefix, "--out",
+    return [sys.executable, "-m", "nvecache.apps.cli", "demo", "--prefix", prefix, "--out",
             str(out), "--rows", "20000", "--no-progress", *extra]
 
 
@@ -168,7 +168,7 @@ def test_taken_name_is_refused_and_left_alone(
 def test_import_hostcache_does_not_import_gpu_or_the_apps() -> None:
     code = ("import sys, hostcache, hostcache.cli; "
             "assert 'gpu' not in sys.modules, 'gpu imported'; "
-            "assert 'apps' not in sys.modules, 'apps imported'; "
+            "assert 'nvecache.apps' not in sys.modules, 'apps imported'; "
             "assert 'matplotlib' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import psclient
-from apps.service import build_config
 from hostcache import HostCache, segment
+from nvecache.apps.service import build_config
 from tests.apps.test_service import Running
 from tests.servers import REDIS_SERVER, RedisProc, free_port, wait_until
 from tests.test_failures import DIM, http_get, rows_of, write_config

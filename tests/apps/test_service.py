@@ -19,16 +19,16 @@ import pytest
 import torch
 
 import psclient
-from apps.cli import main as cli_main
-from apps.service import (
+from gpu import LayerType, NVEmbedding
+from hostcache import GeometryMismatchError, HostCache, HostCacheError, segment
+from nvecache.apps.cli import main as cli_main
+from nvecache.apps.service import (
     NodeService,
     ServiceConfigError,
     ServiceRunningError,
     build_config,
 )
-from apps.service.config import with_overrides
-from gpu import LayerType, NVEmbedding
-from hostcache import GeometryMismatchError, HostCache, HostCacheError, segment
+from nvecache.apps.service.config import with_overrides
 from tests.servers import wait_until
 from tests.test_failures import (
     CTX,

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import psclient
-from apps.errors import PSTableMissingError
-from apps.service import NodeService, ServiceConfig, build_config
 from hostcache import SharedMemoryFullError, segment
+from nvecache.apps.errors import PSTableMissingError
+from nvecache.apps.service import NodeService, ServiceConfig, build_config
 from tests.test_failures import DIM, rows_of, write_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,8 +41,8 @@ def config_file(tmp_path: Path, tables: list[dict[str, Any]]) -> Path:
 
 def serve(config: Path) -> subprocess.CompletedProcess[str]:
     """``hostcache serve --config FILE`` as a user runs it (a subprocess)."""
-    return subprocess.run([sys.executable, "-m", "apps.cli", "serve", "--config", str(config)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "nvecache.apps.cli", "serve", "--config",
+                           str(config)], cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
 def shm_entries(*names: str) -> list[str]:

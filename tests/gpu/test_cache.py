@@ -8,8 +8,8 @@ import torch.nn.functional as F  # noqa: N812
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpu import cache_twin as twin
-from gpu.cache import GPUCache, MissCandidates
+from gpu.cache import twin
+from gpu.cache.gpu_cache import GPUCache, MissCandidates
 from gpu.errors import BadArgumentError, CUDAUnavailableError, GPUError
 from hostcache.hashing import bucket_of
 from hostcache.layout import EMPTY_KEY
@@ -341,7 +341,7 @@ def test_the_twins_first_matching_way_is_the_lowest(ways: int) -> None:
     """The twin's probe finds the lowest matching way of every row (8 ways: through the
     row read as one int64) exactly as a masked minimum does, rows with several matches
     and none included."""
-    from gpu.cache_twin import _first_way
+    from gpu.cache.twin import _first_way
 
     gen = torch.Generator().manual_seed(ways)
     match = torch.rand(4096, ways, generator=gen) < 0.15  # 0, 1 or several per row

@@ -11,11 +11,11 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from gpu import cache_twin as twin
-from gpu._triton import triton_available
-from gpu.cache import GPUCache, MissCandidates
-from gpu.cache_types import PreparedInsert
+from gpu.cache import twin
+from gpu.cache.gpu_cache import GPUCache, MissCandidates
+from gpu.cache.records import PreparedInsert
 from gpu.errors import BadArgumentError
+from gpu.kernels.triton_access import triton_available
 from hostcache.layout import EMPTY_KEY
 
 needs_triton = pytest.mark.skipif(
@@ -138,7 +138,7 @@ def test_interpreter_half_rows() -> None:
 
 @needs_triton
 def test_page_order_visits_rows_from_the_rotation_on() -> None:
-    from gpu.cache_kernels import page_order
+    from gpu.kernels.cache_lookup import page_order
 
     keys = torch.tensor([7, 2, 9, 0, 3, 2, 12, -4, 5])
     for rotate in (0, 3, 10 + 6):
@@ -157,9 +157,9 @@ def test_interpreter_page_ordered_linear_lookups(monkeypatch: pytest.MonkeyPatch
                                                  buckets: int) -> None:
     """Batches visited in host-page order: the same rows, hits, counters, stats and
     listed misses as the twin (and as batch order)."""
-    from gpu._triton import kernel_module
+    from gpu.kernels.triton_access import kernel_module
 
-    kernels = kernel_module("cache_kernels", interpret=True)
+    kernels = kernel_module("cache_lookup", interpret=True)
     monkeypatch.setattr(kernels, "TILES", replace(kernels.TILES, linear_page_order=1))
     a = make("cpu", "torch", buckets=buckets)
     b = make("cpu", "triton", buckets=buckets)
@@ -221,9 +221,9 @@ def test_page_ordered_lookups_list_the_twins_misses_when_the_list_fills(
     """A batch visited in host-page order lists its misses in batch order, as the twin
     does: with more misses than room, the same first keys, positions and rows, in the same
     order, over lookups appending to one buffer (not every miss of a window of rows)."""
-    from gpu._triton import kernel_module
+    from gpu.kernels.triton_access import kernel_module
 
-    kernels = kernel_module("cache_kernels", interpret=device == "cpu")
+    kernels = kernel_module("cache_lookup", interpret=device == "cpu")
     monkeypatch.setattr(kernels, "TILES", replace(kernels.TILES, linear_page_order=1))
     gen = torch.Generator().manual_seed(dim)
     table = torch.randn(300, dim, generator=gen)
@@ -257,7 +257,7 @@ def test_serve_lists_every_miss_and_its_position(device: str, backend: str) -> N
     the start, the middle or the end, repeated keys and the reserved empty marker (a key
     like any other here), batch after batch as the list's counter grows, and after the
     list grew."""
-    from gpu.miss_list import MissList
+    from gpu.stacks.miss_list import MissList
 
     a = make(device, backend if device == "cpu" else "auto", buckets=16)
     b = make(device, backend if device == "cpu" else "auto", buckets=16)
@@ -373,9 +373,9 @@ def test_interpreter_skips_saturated_counters_exactly(monkeypatch: pytest.Monkey
 def test_interpreter_split_bags(monkeypatch: pytest.MonkeyPatch, cache_buckets: int) -> None:
     """Bags split over several programs (partial rows summed by a second launch) pool like
     the twin: sum, mean, weighted, miss rows, linear misses, an empty bag, a long bag."""
-    from gpu._triton import kernel_module
+    from gpu.kernels.triton_access import kernel_module
 
-    kernels = kernel_module("cache_kernels", interpret=True)
+    kernels = kernel_module("cache_lookup", interpret=True)
     monkeypatch.setattr(kernels, "TILES", replace(kernels.TILES, pooled_block_k=4,
                                                   pooled_programs=64))
     assert kernels.pooled_split(200, 5) == 8
@@ -408,7 +408,7 @@ def test_interpreter_split_bags(monkeypatch: pytest.MonkeyPatch, cache_buckets: 
 def test_interpreter_lazy_counter_clamp(monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernels add hits unsaturated; the cache clamps on read and before an int32
     overflow could happen: the state stays the twin's, stored counters stay in range."""
-    import gpu.cache as cache_mod
+    import gpu.cache.gpu_cache as cache_mod
 
     monkeypatch.setattr(twin, "COUNTER_MAX", 5)
     monkeypatch.setattr(cache_mod, "_INT32_MAX", 12)  # 7 unclamped adds allowed
@@ -462,9 +462,9 @@ def test_cuda_reads_linear_tables_with_padded_rows() -> None:
 @needs_cuda
 def test_cuda_page_ordered_linear_lookups_match_cpu_twin(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from gpu._triton import kernel_module
+    from gpu.kernels.triton_access import kernel_module
 
-    kernels = kernel_module("cache_kernels", interpret=False)
+    kernels = kernel_module("cache_lookup", interpret=False)
     monkeypatch.setattr(kernels, "TILES", replace(kernels.TILES, linear_page_order=1))
     for buckets, dim in [(6, 128), (0, 12)]:
         a = make("cpu", "torch", buckets=buckets, dim=dim)

@@ -27,10 +27,10 @@ import numpy as np
 import torch
 import psclient
 from gpu import LayerType, NVEmbedding
-from gpu.miss_twin import GATE as MISS
+from gpu.stacks.miss_twin import GATE as MISS
 from hostcache import HostCache
 from hostcache.table_twin import GATE as TABLE
-from psclient.mirror_twin import GATE as MIRROR
+from psclient.file.mirror_twin import GATE as MIRROR
 
 url, table, first_cache, second_cache, work = sys.argv[1:6]
 dim = int(sys.argv[6])
@@ -56,9 +56,9 @@ def serve(name, out):
 
 serve(first_cache, "first")
 report["ready"] = all(g.wait(500) for g in gates)
-from gpu import miss_loops
+from gpu.stacks import miss_loops
 from hostcache import table_loops
-from psclient import mirror_loops
+from psclient.file import mirror_loops
 loops = {f"{m.__name__}.{n}": f for m in (table_loops, mirror_loops, miss_loops)
          for n, f in vars(m).items() if hasattr(f, "signatures") and not n.startswith("_")}
 before = {n: len(f.signatures) for n, f in loops.items()}

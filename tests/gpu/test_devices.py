@@ -1,4 +1,4 @@
-"""Device arguments (``gpu.devices.resolve_device``): an int ``i`` is ``cuda:i``, for the
+"""Device arguments (``gpu.cuda.devices.resolve_device``): an int ``i`` is ``cuda:i``, for the
 layers as for every other module of the package."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gpu import LayerType, NVEmbedding
-from gpu.devices import resolve_device
+from gpu.cuda.devices import resolve_device
 from gpu.errors import BadArgumentError, CUDAUnavailableError
 
 CUDA = torch.cuda.is_available()

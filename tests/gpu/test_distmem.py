@@ -25,10 +25,9 @@ from gpu import (
     NVEmbeddingBag,
 )
 from hostcache import SharedMemBlock, segment
-
-from ..conftest import fresh_name
-from ..servers import free_port
-from . import distmem_ranks
+from tests.conftest import fresh_name
+from tests.gpu import distmem_ranks
+from tests.servers import free_port
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 MULTI = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two or more CUDA GPUs")
@@ -221,14 +220,14 @@ class _HalfGroup:
 
 
 def test_exchange_times_out_with_a_typed_error_naming_the_missing_rank() -> None:
-    from gpu.groups import GroupError, exchange_fds
+    from gpu.dist.groups import GroupError, exchange_fds
 
     with pytest.raises(GroupError, match=r"ranks \[1\] did not connect"):
         exchange_fds(_HalfGroup(0), {}, [], timeout=0.2)  # type: ignore[arg-type]
 
 
 def test_exchange_with_an_unreachable_rank_0_raises_a_typed_error(tmp_path) -> None:
-    from gpu.groups import GroupError, exchange_fds
+    from gpu.dist.groups import GroupError, exchange_fds
 
     group = _HalfGroup(1, bcast_value=(str(tmp_path / "nobody-listens"), "token"))
     with pytest.raises(GroupError, match="cannot reach rank 0"):

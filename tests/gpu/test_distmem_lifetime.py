@@ -1,4 +1,4 @@
-"""Nothing of a DistMemBlock stays in /dev/shm, however its processes end (gpu.journal).
+"""Nothing of a DistMemBlock stays in /dev/shm, however its processes end (gpu.dist.journal).
 
 Each test runs the block in a child process where the way it ends matters (an exit with
 the block alive, SIGKILL, SIGTERM, a fork), on the CPU twin.
@@ -16,12 +16,11 @@ import pytest
 import torch
 
 from gpu import BadArgumentError, DistMemBlock, LayerType, NVEmbedding
-from gpu.groups import GroupError
-from gpu.journal import GENERATED, reap_orphaned_journals
+from gpu.dist.groups import GroupError
+from gpu.dist.journal import GENERATED, reap_orphaned_journals
 from hostcache import segment
-
-from ..servers import free_port
-from . import distmem_holder
+from tests.gpu import distmem_holder
+from tests.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -16,22 +16,22 @@ OLD_HOMES = [
     ("gpu", "DestructionOrderError"),
     ("gpu", "GPUError"),
     ("gpu", "BadArgumentError"),
-    ("gpu.distmem", "DestructionOrderError"),
-    ("gpu.groups", "GroupError"),
-    ("gpu.vmm", "VMMError"),
-    ("gpu.vmm", "PeerAccessError"),
-    ("gpu._cuda", "CUDACallError"),
-    ("gpu.hostreg", "HostRegError"),
-    ("gpu.hostreg", "RegistrationClosedError"),
-    ("gpu.hostreg", "HostRegisterUnsupportedError"),
-    ("gpu.hostreg", "ForkedProcessError"),
-    ("gpu.hostreg", "ViewNotAvailableError"),
-    ("gpu.host_kernels", "TritonNotInstalledError"),
+    ("gpu.dist.distmem", "DestructionOrderError"),
+    ("gpu.dist.groups", "GroupError"),
+    ("gpu.dist.vmm", "VMMError"),
+    ("gpu.dist.vmm", "PeerAccessError"),
+    ("gpu.cuda.runtime", "CUDACallError"),
+    ("gpu.cuda.registration", "HostRegError"),
+    ("gpu.cuda.registration", "RegistrationClosedError"),
+    ("gpu.cuda.registration", "HostRegisterUnsupportedError"),
+    ("gpu.cuda.registration", "ForkedProcessError"),
+    ("gpu.cuda.registration", "ViewNotAvailableError"),
+    ("gpu.kernels.host_reads", "TritonNotInstalledError"),
 ]
 
-#: loaded only through gpu._triton.kernel_module (they import triton at their top)
-KERNEL_MODULES = {"cache_kernels", "cache_insert_kernels", "cache_probe_kernels",
-                  "hash_kernels", "host_tier_kernels"}
+#: loaded only through gpu.kernels.triton_access.kernel_module (they import triton at their top)
+KERNEL_MODULES = {"cache_lookup", "cache_insert", "cache_probe",
+                  "key_hash", "host_tier"}
 
 
 @pytest.mark.parametrize(("module", "name"), OLD_HOMES)

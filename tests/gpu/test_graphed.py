@@ -1,4 +1,4 @@
-"""Work replayed from a CUDA graph (gpu.graphed), and the LinearUVM admission rounds that
+"""Work replayed from a CUDA graph (gpu.cuda.graphed), and the LinearUVM admission rounds that
 use it: the same results as eager work, with new contents in the same buffers every call,
 eager inside someone else's capture, eager for good when a capture fails."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gpu import LayerType, NVEmbedding, TierConfig
-from gpu.graphed import GraphedCall
+from gpu.cuda.graphed import GraphedCall
 from hostcache import SharedMemBlock
 
 pytestmark = [pytest.mark.gpu,
@@ -75,7 +75,7 @@ def test_a_capture_that_fails_leaves_the_work_eager_and_random_numbers_working(
 
     call = GraphedCall(syncs, DEV)
     call()
-    with caplog.at_level(logging.WARNING, logger="gpu.graphed"):
+    with caplog.at_level(logging.WARNING, logger="gpu.cuda.graphed"):
         assert not call.capture()
     assert any("runs eagerly" in r.getMessage() for r in caplog.records)
     assert not call.graphed

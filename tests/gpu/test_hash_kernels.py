@@ -1,4 +1,4 @@
-"""gpu/hash_kernels.py: the one Triton copy of the host tier's key hash, and how every
+"""gpu/kernels/key_hash.py: the one Triton copy of the host tier's key hash, and how every
 kernel module gets it (the same variant, compiled or interpreted, as its own kernels)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu._triton import kernel_module, triton_available
+from gpu.kernels.triton_access import kernel_module, triton_available
 from hostcache import hashing
 
 needs_triton = pytest.mark.skipif(
@@ -15,12 +15,12 @@ needs_triton = pytest.mark.skipif(
 
 #: (kernel module, its name for a helper, the helper's module, the helper's name)
 HELPERS = [
-    ("host_tier_kernels", "bucket_of", "hash_kernels", "bucket_of"),
-    ("host_tier_kernels", "hash_keys", "hash_kernels", "hash_keys"),
-    ("cache_probe_kernels", "bucket_of", "hash_kernels", "bucket_of"),
-    ("cache_insert_kernels", "bucket_of", "hash_kernels", "bucket_of"),
-    ("cache_insert_kernels", "probe", "cache_probe_kernels", "probe"),
-    ("cache_kernels", "probe", "cache_probe_kernels", "probe"),
+    ("host_tier", "bucket_of", "key_hash", "bucket_of"),
+    ("host_tier", "hash_keys", "key_hash", "hash_keys"),
+    ("cache_probe", "bucket_of", "key_hash", "bucket_of"),
+    ("cache_insert", "bucket_of", "key_hash", "bucket_of"),
+    ("cache_insert", "probe", "cache_probe", "probe"),
+    ("cache_lookup", "probe", "cache_probe", "probe"),
 ]
 
 
@@ -43,7 +43,7 @@ def test_interpreted_hash_is_hostcache_hashing_bit_for_bit() -> None:
         torch.randint(-(2**63), 2**63 - 1, (2000,), generator=torch.Generator().manual_seed(0)),
         torch.tensor([0, 1, -1, 2**63 - 1, -(2**63) + 1, -(2**63), 2**32, -(2**32)]),
     ])
-    host_tier = kernel_module("host_tier_kernels", interpret=True)
+    host_tier = kernel_module("host_tier", interpret=True)
     for num_buckets in (1, 7, 1000, 2**31 + 11, 2**40 + 3):
         out = torch.empty_like(keys)
         host_tier.bucket_kernel[(-(-keys.numel() // 1024),)](

@@ -1,4 +1,4 @@
-"""gpu.host_filler: the Hierarchical layer's host-cache work off the lookup's path: run
+"""gpu.stacks.host_filler: the Hierarchical layer's host-cache work off the lookup's path: run
 in submission order, drained by flush/stats, failures logged; fills a Hierarchical
 lookup hands it reach the host cache, and never win over a later write."""
 
@@ -14,10 +14,9 @@ import torch
 
 import psclient
 from gpu import LayerType, NVEmbedding, TierConfig
-from gpu.host_filler import HostFiller
+from gpu.stacks.host_filler import HostFiller
 from hostcache import HostCache
-
-from .test_layers import DEVICES, DIM, ROWS, stack
+from tests.gpu.test_layers import DEVICES, DIM, ROWS, stack
 
 #: a layer's host-cache worker that holds its work until flushed (an hour's linger)
 HELD = TierConfig(host_linger_s=3600.0, host_batch_keys=1 << 40)
@@ -81,7 +80,7 @@ def test_failing_work_is_logged_and_later_work_runs(caplog: pytest.LogCaptureFix
     def boom(items: list[object]) -> None:
         raise RuntimeError("host cache closed")
 
-    with caplog.at_level(logging.ERROR, logger="gpu.host_filler"):
+    with caplog.at_level(logging.ERROR, logger="gpu.stacks.host_filler"):
         filler.submit(lambda items: gate.wait(), None)
         filler.submit(boom, None)
         filler.submit(done.append, 7)  # queued in the same batch as the failure

@@ -1,4 +1,4 @@
-"""Tests of gpu.host_kernels: the CPU twin, the Triton kernels under the interpreter, CUDA."""
+"""Tests of gpu.kernels.host_reads: the CPU twin, the Triton kernels under the interpreter, CUDA."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpu import host_kernels as hk
-from gpu._triton import kernel_module
+from gpu.cuda.registration import RegistrationClosedError, register
 from gpu.errors import BadArgumentError
-from gpu.hostreg import RegistrationClosedError, register
+from gpu.kernels import host_reads as hk
+from gpu.kernels.triton_access import kernel_module
 from hostcache import HostCache, SharedMemBlock, hashing
 
 try:
@@ -119,7 +119,7 @@ def test_linear_gather_cpu_and_range_check(table_name: str) -> None:
 
 @needs_triton
 def test_bucket_kernel_matches_hashing() -> None:
-    k = kernel_module("host_tier_kernels", interpret=True)
+    k = kernel_module("host_tier", interpret=True)
     keys = torch.cat([
         torch.randint(-(2**62), 2**62, (500,)),
         torch.tensor([0, 1, -1, 2**63 - 1, -(2**63) + 1, -(2**63)]),

@@ -1,4 +1,4 @@
-"""Tests of gpu.hostreg: CPU views on every machine, CUDA registration on GPU machines."""
+"""Tests of gpu.cuda.registration: CPU views on every machine, CUDA registration on GPU machines."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ import textwrap
 import pytest
 import torch
 
-from gpu.errors import BadArgumentError, CUDAUnavailableError, GPUError
-from gpu.hostreg import (
+from gpu.cuda.registration import (
     ForkedProcessError,
     RegistrationClosedError,
     ViewNotAvailableError,
     pointer_is_registered,
     register,
 )
+from gpu.errors import BadArgumentError, CUDAUnavailableError, GPUError
 from hostcache import HostCache, SharedMemBlock, layout
 
 needs_cuda = pytest.mark.skipif(
@@ -189,7 +189,8 @@ def test_cpu_registration_makes_no_cuda_call(table_name: str) -> None:
         sys.modules.update({{"cuda": cuda, "cuda.bindings": bindings,
                             "cuda.bindings.runtime": rt, "cuda.cudart": rt}})
         from hostcache import HostCache
-        from gpu import hostreg, host_kernels
+        from gpu.cuda import registration as hostreg
+        from gpu.kernels import host_reads as host_kernels
         hc = HostCache.create({table_name!r}, capacity=64, dim=4)
         try:
             hc.insert(torch.arange(10), torch.ones(10, 4))

@@ -1,5 +1,5 @@
 """Default key checks cost no host sync: a bad key in a linear table is caught on the
-device (gpu.key_flag), read as a zero row, and raised by the layer's next call or by
+device (gpu.stacks.key_flag), read as a zero row, and raised by the layer's next call or by
 ``synchronize()``; ``validate=True`` raises at once. The CPU checks on the host always."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from gpu import BadArgumentError, LayerType, NVEmbedding, NVEmbeddingBag
-from gpu.key_flag import KeyErrorFlag
+from gpu.stacks.key_flag import KeyErrorFlag
 from hostcache import SharedMemBlock
 
 CUDA = torch.cuda.is_available()

@@ -1,4 +1,4 @@
-"""gpu.launch.DirectLaunch: a direct launch runs the variant the JIT would have chosen.
+"""gpu.kernels.launch.DirectLaunch: a direct launch runs the variant the JIT would have chosen.
 
 The launcher is keyed by each pointer's 16-byte alignment and each integer's value class;
 these tests feed one kernel (the GPULayer gather) pointers of both alignments, in turns,
@@ -94,10 +94,10 @@ def test_a_key_that_leaves_out_a_constexpr_never_launches_another_calls_variant(
     compiled first: the host tier's row reads once keyed out ``EVEN_D``, and a table of
     5-float rows read after one of 8-float rows wrote 8 floats a row (zeros over the next
     row's first three, and past the output's end)."""
-    from gpu._triton import kernel_module
-    from gpu.launch import DirectLaunch
+    from gpu.kernels.launch import DirectLaunch
+    from gpu.kernels.triton_access import kernel_module
 
-    gk = kernel_module("gather_kernels", interpret=False)
+    gk = kernel_module("gather", interpret=False)
     launch = DirectLaunch(gk._gather_kernel)
     g = torch.Generator(device="cuda").manual_seed(3)
     for dim in (8, 5, 8, 5, 3):
@@ -113,12 +113,12 @@ def test_a_key_that_leaves_out_a_constexpr_never_launches_another_calls_variant(
 
 @pytest.mark.parametrize("dim", [5, 16])
 def test_bound_lookups_with_pointers_and_sizes_in_turns(dim: int) -> None:
-    """A cache's bound lookups (gpu.launch.BoundLaunch: its tables bound, the keys, output
+    """A cache's bound lookups (gpu.kernels.launch.BoundLaunch: its tables bound, the keys, output
     and hit flags, or a miss list, given per call): keys 8 bytes off alignment and aligned
     in turns, batch sizes of 1, a multiple of 16 and neither, two threads' miss lists;
     every result equal to the CPU twin's, the misses listed exactly."""
-    from gpu.cache import GPUCache
-    from gpu.miss_list import MissList
+    from gpu.cache.gpu_cache import GPUCache
+    from gpu.stacks.miss_list import MissList
 
     slot = 8 + 4 + dim * 4
     gpu_cache = GPUCache(4096 * slot, dim, torch.float32, "cuda")
@@ -157,10 +157,10 @@ def test_a_bound_gather_with_sizes_and_alignments_in_turns(check: bool) -> None:
     bytes off alignment and aligned in turns, a bad key among good ones; every result
     equal to torch's, a bad key read as a zero row and reported in the flag."""
     from gpu import BadArgumentError
-    from gpu._triton import kernel_module
-    from gpu.key_flag import KeyErrorFlag
+    from gpu.kernels.triton_access import kernel_module
+    from gpu.stacks.key_flag import KeyErrorFlag
 
-    gk = kernel_module("gather_kernels", interpret=False)
+    gk = kernel_module("gather", interpret=False)
     g = torch.Generator(device="cuda").manual_seed(11)
     table = torch.randn(ROWS, 24, device="cuda", generator=g)
     flag = KeyErrorFlag(torch.device("cuda"), ROWS)

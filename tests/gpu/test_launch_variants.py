@@ -1,4 +1,4 @@
-"""gpu.launch.DirectLaunch's choice of compiled variant, on any machine.
+"""gpu.kernels.launch.DirectLaunch's choice of compiled variant, on any machine.
 
 A direct launch only runs on CUDA (tests/gpu/test_launch.py checks it there against
 torch). Which compiled variant a call gets is bookkeeping, checked here with a stand-in
@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import torch
 
-from gpu._triton import triton_available
+from gpu.kernels.triton_access import triton_available
 
-pytestmark = pytest.mark.skipif(not triton_available(), reason="gpu.launch needs the "
+pytestmark = pytest.mark.skipif(not triton_available(), reason="gpu.kernels.launch needs the "
                                 "triton package (its knobs)")
 
 
@@ -62,7 +62,7 @@ class _Kernel:
 
 
 def _launcher(kernel: _Kernel) -> Any:
-    from gpu.launch import DirectLaunch
+    from gpu.kernels.launch import DirectLaunch
 
     launch = DirectLaunch(kernel)
     # NOTE: a CPU tensor stands in for the device's: device -1 is then "current"

@@ -24,7 +24,7 @@ ROWS, DIM = 64, 8
 CUDA = torch.cuda.is_available()
 LAYER_TYPES = [LayerType.GPULayer, LayerType.LinearUVM, LayerType.Hierarchical]
 CLASSES = [NVEmbedding, NVEmbeddingBag]
-FILL_THREAD = "nvecache-host-fill"  # gpu.hierarchical_stack's worker
+FILL_THREAD = "nvecache-host-fill"  # gpu.stacks.hierarchical's worker
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=[

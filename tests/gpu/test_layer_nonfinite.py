@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gpu import BadArgumentError, LayerType, NonFiniteValuesError
-from psclient.keys import RESERVED_KEY, RESERVED_KEY_RULE
+from nvecache.common.keys import RESERVED_KEY, RESERVED_KEY_RULE
 from tests.gpu.test_layer_writes import DEVICES, STACKS, layer_over, shared_storage
 
 ROWS, DIM = 32, 4

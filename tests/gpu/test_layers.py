@@ -23,8 +23,8 @@ from gpu import (
     StorageUnavailableError,
     TierConfig,
 )
-from gpu._triton import triton_available
-from gpu.cache import FORCE_TRITON_ENV
+from gpu.cache.gpu_cache import FORCE_TRITON_ENV
+from gpu.kernels.triton_access import triton_available
 from hostcache import HostCache, SharedMemBlock
 from tests.conftest import fresh_name
 
@@ -406,7 +406,7 @@ def test_gpu_host_hits_reach_the_host_policy_weighted_by_the_sample(
         table_name: str) -> None:
     """What a CUDA layer does after its kernel read the host cache (run here on the CPU):
     a sample of the hits, weighted, bumps the host cache's eviction counters."""
-    from gpu.hierarchical_stack import touch_sample
+    from gpu.stacks.hierarchical import touch_sample
     from hostcache.hashing import bucket_of
 
     with HostCache.create(table_name, capacity=64, dim=4, ways=4) as hc:
@@ -435,10 +435,10 @@ def test_gpulayer_kernels_read_contiguous_and_strided_tables(
     tensor, a view with padded rows (the kernels step by its row stride) and one whose row
     elements are not contiguous (read by torch's gathers instead, same rows) equal
     F.embedding / F.embedding_bag; the gather in batch and in page order."""
-    from gpu._triton import kernel_module
+    from gpu.kernels.triton_access import kernel_module
 
     monkeypatch.setenv(FORCE_TRITON_ENV, "1")
-    kernels = kernel_module("gather_kernels", interpret=True)
+    kernels = kernel_module("gather", interpret=True)
     monkeypatch.setattr(kernels, "PAGE_ORDER_FROM", 1)  # every batch over a host table
     gen = torch.Generator().manual_seed(4)
     wide = torch.randn(ROWS, 2 * DIM, generator=gen)

@@ -9,8 +9,7 @@ import torch
 
 import psclient
 from hostcache import HostCache, SharedMemBlock
-
-from . import replica
+from tests.gpu import replica
 
 CTX = mp.get_context("spawn")
 ROWS, DIM = 256, 8

@@ -1,6 +1,6 @@
-"""LinearUVM admissions (gpu.miss_log): the lookup kernel logs its misses on the device,
+"""LinearUVM admissions (gpu.stacks.miss_log): the lookup kernel logs its misses on the device,
 a round admits them with no host sync, at the cadence of gpu.TierConfig; lookups on two
-streams and their rounds are ordered (gpu.cache_guard)."""
+streams and their rounds are ordered (gpu.cache.guard)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from gpu import InsertPolicy, LayerType, NVEmbedding, TierConfig
-from gpu.admission import RoundBudget
-from gpu.cache import GPUCache
-from gpu.miss_log import MissLog
+from gpu.cache.gpu_cache import GPUCache
+from gpu.stacks.admission import RoundBudget
+from gpu.stacks.miss_log import MissLog
 from hostcache import SharedMemBlock
 from hostcache.layout import EMPTY_KEY
 
@@ -173,7 +173,9 @@ def test_bad_tuning_is_refused_and_builds_nothing(field: str, value: object,
 
 def _compiled_variants() -> int:
     """Kernel variants Triton holds loaded, over the lookup, gather and insert kernels."""
-    from gpu import cache_insert_kernels, cache_kernels, gather_kernels
+    from gpu.kernels import cache_insert as cache_insert_kernels
+    from gpu.kernels import cache_lookup as cache_kernels
+    from gpu.kernels import gather as gather_kernels
 
     fns = [cache_kernels._lookup_kernel, gather_kernels._gather_kernel,
            cache_insert_kernels._insert_last_kernel, cache_insert_kernels._insert_probe_kernel,
@@ -255,7 +257,7 @@ def _look(cache: GPUCache, log: MissLog, keys: torch.Tensor, table: torch.Tensor
 
 
 def test_a_split_round_writes_the_table_at_the_next_lookup_and_a_change_cancels_it() -> None:
-    """A kept log's round (gpu.split_round; its halves eager on the CPU): the lookup that
+    """A kept log's round (gpu.stacks.split_round; its halves eager on the CPU): the lookup that
     makes it due sorts the log, the next lookup writes the table; a change announced
     between the halves (the log dropped) cancels the writes, so rows logged before it
     never go in."""
@@ -287,7 +289,7 @@ def test_the_lookup_that_makes_a_round_due_does_not_wait_for_its_sorts() -> None
     """The sorts run on the round's side stream: with that stream held busy, the caller's
     stream still finishes its lookups; the table half waits for the sorts (settle), and
     then the logged keys are in."""
-    from gpu.split_round import SplitRound
+    from gpu.stacks.split_round import SplitRound
 
     cfg = TierConfig(round_lookups=2, round_capacities=1e9)
     cache, log, _ = _kept_log("cuda", cfg)

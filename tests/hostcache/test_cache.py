@@ -445,7 +445,7 @@ def test_lookup_into_a_given_tensor(table_name: str) -> None:
 
 
 def test_a_large_lookup_read_by_several_threads_equals_small_ones(table_name: str) -> None:
-    """A batch large enough to be split over threads (psclient.split) returns what its
+    """A batch large enough to be split over threads (nvecache.common.fanout) returns what its
     pieces return one by one, and counts each hit once."""
     with HostCache.create(table_name, capacity=32768, dim=DIM) as hc:
         try:

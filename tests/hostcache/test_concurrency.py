@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from hostcache import HostCache
-
-from . import workers
+from tests.hostcache import workers
 
 CTX = mp.get_context("spawn")
 

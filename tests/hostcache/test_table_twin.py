@@ -16,8 +16,7 @@ from hypothesis import strategies as st
 from hostcache import HostCache, table_loops, table_twin
 from hostcache.layout import EMPTY_KEY
 from tests.conftest import fresh_name
-
-from .twin_workers import DIM, row_of, write_rounds
+from tests.hostcache.twin_workers import DIM, row_of, write_rounds
 
 
 class Table:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hostcache import BadArgumentError, HostCache, NonFiniteValuesError, SharedMemBlock, layout
-from psclient.keys import RESERVED_KEY, RESERVED_KEY_RULE
+from nvecache.common.keys import RESERVED_KEY, RESERVED_KEY_RULE
 
 DIM = 4
 NONFINITE = [float("nan"), float("inf"), float("-inf")]

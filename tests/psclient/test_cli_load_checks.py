@@ -26,10 +26,9 @@ import pytest
 import torch
 
 import psclient
-from psclient.keys import RESERVED_KEY
-
-from .test_cli import one_line_error as cli_error
-from .test_cli import run
+from nvecache.common.keys import RESERVED_KEY
+from tests.psclient.test_cli import one_line_error as cli_error
+from tests.psclient.test_cli import run
 
 
 def one_line_error(err: str) -> str:

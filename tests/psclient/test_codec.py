@@ -12,7 +12,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import psclient
-from psclient import resp
 from psclient.codec import (
     assemble_distinct_rows,
     assemble_rows,
@@ -25,6 +24,7 @@ from psclient.codec import (
     partition_of,
     row_bytes_list,
 )
+from psclient.redis import resp
 from psclient.schema import TableSchema, dtype_name
 
 INT64 = st.integers(-(2**63), 2**63 - 1)

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 import psclient
-
-from .conftest import opened_tables
+from tests.psclient.conftest import opened_tables
 
 
 @pytest.fixture

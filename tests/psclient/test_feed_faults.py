@@ -16,9 +16,8 @@ import psclient
 from psclient.cli import main
 from psclient.codec import partition_of
 from psclient.schema import TableSchema
+from tests.psclient.conftest import RedisProc
 from tests.servers import needs_redis_server
-
-from .conftest import RedisProc
 
 pytestmark = pytest.mark.redis
 

@@ -20,8 +20,7 @@ import pytest
 import torch
 
 import psclient
-
-from .workers import versioned_writer_forever
+from tests.psclient.workers import versioned_writer_forever
 
 N_KEYS = 4000
 KILLS = int(os.environ.get("PSC_KILLS", "25"))

@@ -17,9 +17,8 @@ from safetensors.torch import save_file
 
 import psclient
 from psclient.codec import be_key_bytes
-
-from . import model
-from .workers import file_reader, file_writer_forever
+from tests.psclient import model
+from tests.psclient.workers import file_reader, file_writer_forever
 
 
 @pytest.fixture

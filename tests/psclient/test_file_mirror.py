@@ -1,4 +1,4 @@
-"""The file:// store's row mirror (psclient.file_mirror): what lookups read instead of
+"""The file:// store's row mirror (psclient.file.mirror): what lookups read instead of
 LMDB's B-tree, always equal to LMDB, across growth, other processes' writes, writers
 killed mid-write, writes that bypass it, and machine restarts."""
 
@@ -16,10 +16,9 @@ import pytest
 import torch
 
 import psclient
-from psclient import mirror_loops as loops
 from psclient.codec import be_key_bytes
-
-from .workers import mirror_writer_held
+from psclient.file import mirror_loops as loops
+from tests.psclient.workers import mirror_writer_held
 
 
 @pytest.fixture
@@ -160,7 +159,7 @@ def test_threads_writing_and_reading_through_one_handle_see_whole_batches(
         store: Path, n: int) -> None:
     """Writers on several threads (the per-process lock orders them before the flock);
     every lookup sees each row whole and every batch from one commit (also a batch large
-    enough to be read by several threads at once, psclient.split)."""
+    enough to be read by several threads at once, nvecache.common.fanout)."""
     with psclient.connect(_url(store), table="thr", dim=8) as ps:
         ps.insert(torch.arange(n), torch.zeros(n, 8))
         stop = threading.Event()
@@ -214,7 +213,7 @@ def test_drop_removes_the_mirror_and_other_handles_stop_reading_it(store: Path) 
 
 def test_a_bulk_load_sizes_the_mirror_once_and_stat_shows_it(
         store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from psclient.file_mirror import RowMirror
+    from psclient.file.mirror import RowMirror
 
     published = []
     publish = RowMirror._publish
@@ -239,7 +238,7 @@ def test_a_write_that_fails_after_its_commit_leaves_lookups_right(
     """An insert that raises between LMDB's commit and the mirror's update (here: the
     rows' conversion, made to fail): the mirror is marked stale, lookups read LMDB (which
     has the rows), and the next write rebuilds it."""
-    import psclient.file_backend as fb
+    import psclient.file.backend as fb
 
     with psclient.connect(_url(store), table="late", dim=2) as ps:
         ps.insert(torch.tensor([1]), torch.ones(1, 2))

@@ -1,4 +1,4 @@
-"""psclient.loop_gate in a process whose numba cache is cold: the twin answers the first
+"""nvecache.common.loop_gate in a process whose numba cache is cold: the twin answers the first
 pick, a child process compiles the loop into the cache, and this process then loads it
 from there (a cache hit, no compilation of its own) and hands it out."""
 
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = r"""
 import json, sys, types
 import numpy as np
-from psclient.loop_gate import LoopGate
+from nvecache.common.loop_gate import LoopGate
 
 twin = types.ModuleType("twin")
 twin.total = lambda a: int(a.sum())

@@ -1,5 +1,5 @@
-"""The row mirror's numpy lookup (psclient.mirror_twin) against its compiled one
-(psclient.mirror_loops.lookup): the same rows, flags and answer for random tables built
+"""The row mirror's numpy lookup (psclient.file.mirror_twin) against its compiled one
+(psclient.file.mirror_loops.lookup): the same rows, flags and answer for random tables built
 by the compiled writes (tombstones, corrupt values, long probe runs) and random batches
 (repeated keys, absent keys, empty batches)."""
 
@@ -9,7 +9,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from psclient import mirror_loops, mirror_twin
+from psclient.file import mirror_loops, mirror_twin
 
 RB = 12
 

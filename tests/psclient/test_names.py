@@ -8,7 +8,7 @@ import pytest
 
 import psclient
 from hostcache import BadNameError, HostCache, segment
-from psclient.names import is_table_name
+from nvecache.common.names import is_table_name
 
 GOOD = ["a", "ctr_user", "emb.v2", "x-1", "...", ".a", "a.", "A" * 100]
 BAD = [".", "..", "", "a\n", "a b", "a/b", "a{b}", "A" * 101, "é", None, 3]

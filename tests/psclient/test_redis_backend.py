@@ -17,9 +17,8 @@ from redis.cluster import ClusterNode, RedisCluster
 import psclient
 from psclient.cli import main
 from psclient.codec import partition_of
-
-from . import model
-from .conftest import RedisProc, opened_tables
+from tests.psclient import model
+from tests.psclient.conftest import RedisProc, opened_tables
 
 pytestmark = pytest.mark.redis
 

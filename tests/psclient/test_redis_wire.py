@@ -1,6 +1,6 @@
 """The bulk read of HMGET replies against redis-py's parser, on real servers.
 
-The bulk read needs redis-py's private ``conn._sock`` (psclient.redis_wire.bulk_socket):
+The bulk read needs redis-py's private ``conn._sock`` (psclient.redis.wire.bulk_socket):
 these tests pin it, so a redis-py release that moves it fails here instead of silently
 taking the slower path, and they show that the public path it falls back to gives the
 same replies.
@@ -19,8 +19,8 @@ import pytest
 import redis
 import redis.exceptions as rex
 
-from psclient import resp
-from psclient.redis_wire import (
+from psclient.redis import resp
+from psclient.redis.wire import (
     bulk_socket,
     reply_error,
     run_pipeline,

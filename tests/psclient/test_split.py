@@ -1,4 +1,4 @@
-"""``psclient.split``: a batch's loop over threads gives what one call over the whole
+"""``nvecache.common.fanout``: a batch's loop over threads gives what one call over the whole
 batch gives, and never returns while a chunk still runs."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from psclient import split
+from nvecache.common import fanout as split
 
 
 def test_chunks_cover_the_batch_once_in_order() -> None:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import psclient
-from psclient.keys import RESERVED_KEY
+from nvecache.common.keys import RESERVED_KEY
 
 DIM = 4
 NONFINITE = [float("nan"), float("inf"), float("-inf")]

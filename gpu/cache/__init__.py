@@ -1,0 +1,1 @@
+"""The per-process GPU cache."""

@@ -1,0 +1,534 @@
+"""The per-process GPU cache: a set-associative table of hot rows in device memory.
+
+One :class:`GPUCache` per layer per process. Keys, per-way policy counters and rows live
+in three device tensors (slot ``b * ways + w`` is way ``w`` of bucket ``b``); the bucket of
+a key is ``hostcache.hashing.bucket_of`` (the host tier's hash). On CUDA the lookups run as
+Triton kernels (``gpu.kernels.cache_lookup``; inserts ``gpu.kernels.cache_insert``); on CPU, or
+wherever Triton is missing, the torch twin (``gpu.cache.twin``) gives identical results.
+Writes (insert / update / erase) plan slots with deterministic torch ops shared by both
+backends, so the table state after any sequence of operations is the same on CPU and CUDA.
+Argument checks are in ``gpu.cache.checks``, the statistics and miss-candidate types in
+``gpu.cache.records``.
+
+Bookkeeping (which key lives where: :meth:`GPUCache.probe`) is separate from the code that
+moves bytes (:meth:`GPUCache.gather`); the fused paths do both in one kernel launch.
+
+With ``device="cpu"`` the cache lives in host memory and no CUDA call is made.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any, Literal
+
+import torch
+
+from gpu.cache import twin
+from gpu.cache.checks import ArgumentChecks
+from gpu.cache.records import GPUCacheStats, MissCandidates, PreparedInsert
+from gpu.cuda.devices import resolve_device
+from gpu.errors import BadArgumentError
+from gpu.kernels.triton_access import kernel_module, triton_available
+from gpu.stacks.miss_list import MissList
+from hostcache.layout import EMPTY_KEY
+
+__all__ = ["FORCE_TRITON_ENV", "ROW_DTYPES", "Backend", "GPUCache", "GPUCacheStats",
+           "MissCandidates", "PoolMode"]
+
+logger = logging.getLogger(__name__)
+
+Backend = Literal["auto", "torch", "triton"]
+PoolMode = Literal["sum", "mean"]
+
+#: element types a cache row may have.
+ROW_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_INT32_MAX = (1 << 31) - 1
+#: odd multiplier (2^32 / golden ratio) spreading successive lookup counts over the rows
+_GOLDEN = 0x9E3779B1
+#: set NVEC_FORCE_TRITON=1 to make ``backend="auto"`` run the Triton kernels on CPU tensors
+#: too (through Triton's interpreter; slow, for tests).
+FORCE_TRITON_ENV = "NVEC_FORCE_TRITON"
+
+
+class GPUCache:
+    """A set-associative cache of embedding rows in device memory, sized in bytes.
+
+    Args:
+        capacity_bytes: Memory budget. Slots = ``capacity_bytes // (8 + 4 + row bytes)``
+            rounded down to whole buckets; 0 slots make a disabled cache (all misses).
+        dim: Row length in elements.
+        dtype: Row element type (float32, float16, bfloat16 or float64).
+        device: ``"cpu"`` or a CUDA device.
+        ways: Slots per bucket, a power of two from 1 to 64 (8: one 64-byte key load).
+        backend: ``"triton"`` (kernels; on CPU tensors through Triton's interpreter),
+            ``"torch"`` (the twin in torch ops) or ``"auto"`` (Triton on CUDA when it is
+            importable, else torch; ``NVEC_FORCE_TRITON=1`` forces Triton).
+
+    Raises:
+        BadArgumentError: A size, dtype, ways or backend is invalid.
+        CUDAUnavailableError: A CUDA device was asked for without CUDA.
+        TritonUnavailableError: ``backend="triton"`` without the triton package.
+    """
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        dim: int,
+        dtype: torch.dtype,
+        device: str | torch.device = "cpu",
+        *,
+        ways: int = 8,
+        backend: Backend = "auto",
+    ) -> None:
+        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) \
+                or capacity_bytes < 0:
+            raise BadArgumentError(
+                f"capacity_bytes must be an int >= 0; got {capacity_bytes!r}")
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0:
+            raise BadArgumentError(f"dim must be an int > 0; got {dim!r}")
+        if dtype not in ROW_DTYPES:
+            raise BadArgumentError(
+                f"dtype must be one of {', '.join(map(str, ROW_DTYPES))}; got {dtype!r}")
+        if isinstance(ways, bool) or not isinstance(ways, int) or not 1 <= ways <= 64 \
+                or ways & (ways - 1):
+            raise BadArgumentError(f"ways must be a power of two in [1, 64]; got {ways!r}")
+        if backend not in ("auto", "torch", "triton"):
+            raise BadArgumentError(
+                f"backend must be 'auto', 'torch' or 'triton'; got {backend!r}")
+        dev = resolve_device(device)
+        self.dim = dim
+        self.dtype = dtype
+        self.device = dev
+        self._checks = ArgumentChecks(dim, dtype, dev)
+        self.ways = ways
+        self.row_bytes = dim * torch.empty((), dtype=dtype).element_size()
+        self.slot_bytes = 8 + 4 + self.row_bytes
+        self.num_buckets = capacity_bytes // self.slot_bytes // ways
+        self.capacity = self.num_buckets * ways
+        # NOTE: one slot more than the table: the trash slot that insert plans write where
+        # a batch position writes nothing (gpu.cache.twin.InsertPlan); views hide it.
+        self._tkeys_all = torch.full((self.capacity + 1,), EMPTY_KEY, dtype=torch.int64,
+                                     device=dev)
+        self._counters_all = torch.zeros(self.capacity + 1, dtype=torch.int32, device=dev)
+        self._rows_all = torch.zeros((self.capacity + 1, dim), dtype=dtype, device=dev)
+        self._tkeys = self._tkeys_all[: self.capacity]
+        self._counters = self._counters_all[: self.capacity]
+        self._rows = self._rows_all[: self.capacity]
+        self._hits = torch.zeros(twin.STAT_STRIPES, dtype=torch.int64, device=dev)
+        self._lookups = 0
+        self._updates = self._erases = 0
+        # inserts, evictions, dropped keys: counted on the device (insert makes no sync)
+        self._insert_stats = torch.zeros(3, dtype=torch.int64, device=dev)
+        self._kernels: ModuleType | None = None  # gpu.kernels.cache_lookup: the lookups
+        self._write_kernels: ModuleType | None = None  # gpu.kernels.cache_insert
+        #: the lookups' launches with this cache's tables bound (gpu.kernels.cache_lookup.lookup)
+        self._bound: dict[tuple[Any, ...], Any] = {}
+        #: keys counted by the kernels since the counters were last clamped in full.
+        self._unclamped = 0
+        use_triton = backend == "triton" or (backend == "auto" and (
+            os.environ.get(FORCE_TRITON_ENV, "") == "1"
+            or (dev.type == "cuda" and triton_available())))
+        if use_triton:
+            self._kernels = kernel_module("cache_lookup", interpret=dev.type != "cuda")
+            self._write_kernels = kernel_module("cache_insert",
+                                                interpret=dev.type != "cuda")
+        self.backend = "triton" if use_triton else "torch"
+        logger.debug("GPUCache %d slots (%d buckets x %d ways), dim %d %s on %s, backend %s",
+                     self.capacity, self.num_buckets, ways, dim, dtype, dev, self.backend)
+
+    # ------------------------------------------------------------------ validation
+
+    # ------------------------------------------------------------------ lookups
+
+    def _will_count(self, n: int) -> None:
+        """Before a kernel adds up to ``n`` unsaturated hits to the counters.
+
+        The kernels add without saturating (``gpu.kernels.cache_lookup``: a stored counter ``c``
+        means ``min(c, COUNTER_MAX)``); clamp every counter before the adds counted since
+        the last clamp could overflow int32. One pass over the counters per ~10^9 keys.
+        """
+        if self._unclamped + n > _INT32_MAX - twin.COUNTER_MAX:
+            self._counters.clamp_max_(twin.COUNTER_MAX)
+            self._unclamped = 0
+        self._unclamped += n
+
+    def probe(self, keys: torch.Tensor, *, record: bool = True) -> torch.Tensor:
+        """Slots holding ``keys`` (bookkeeping only, no row is moved).
+
+        Args:
+            keys: int64 ``[N]`` on the cache's device.
+            record: Count the probe as a lookup (policy counters and hit statistics).
+
+        Returns:
+            int64 ``[N]``: the slot of each key, -1 where it is not cached.
+        """
+        keys = self._checks.keys(keys)
+        if self._kernels is not None:
+            if record:
+                self._will_count(keys.numel())
+            _, hit, slots = self._kernels.lookup(
+                keys, self._tkeys, self._counters, self._rows, self._hits, self.num_buckets,
+                self.ways, empty=EMPTY_KEY, gather=False,
+                count=record, want_slots=True, cmax=twin.COUNTER_MAX)
+            assert slots is not None
+        else:
+            hit, slots = twin.probe(self._tkeys, self.num_buckets, self.ways, keys)
+            if record:
+                twin.bump(self._counters, slots, hit)
+                twin.count_hits(self._hits, hit)
+        if record:
+            self._lookups += keys.numel()
+        return slots
+
+    def gather(self, slots: torch.Tensor) -> torch.Tensor:
+        """Rows at ``slots`` (from :meth:`probe`); zero rows where a slot is -1."""
+        slots = self._checks.keys(slots, "slots")
+        if slots.numel() and bool((slots >= self.capacity).any()):
+            raise BadArgumentError(f"slots must be -1 or lie in [0, {self.capacity})")
+        return twin.gather(self._rows, slots, slots >= 0)
+
+    def lookup(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of ``keys``: ``(values [N, dim], hit bool [N])``; misses give zero rows."""
+        values, hit = self._lookup_rows(self._checks.keys(keys), None)
+        assert hit is not None
+        return values, hit
+
+    def serve(self, keys: torch.Tensor, misses: MissList) -> torch.Tensor:
+        """:meth:`lookup` for a caller that checked its keys (a layer's stack: 1-D int64,
+        contiguous, on the cache's device) and learns its misses on the host: each missed
+        key and its batch position go to ``misses`` (grown to ``N`` keys by the caller:
+        ``MissList.ensure``), read with ``MissList.take`` once the lookup finished; no hit
+        flags. Returns the rows (zero where a key missed)."""
+        values, _ = self._lookup_rows(keys, None, misses=misses)
+        return values
+
+    def lookup_linear(
+        self, keys: torch.Tensor, table: torch.Tensor, *, validate: bool = True,
+        candidates: MissCandidates | None = None, host_table: bool = True,
+        err: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hits from the cache, misses from row ``key`` of ``table``, in one launch.
+
+        Args:
+            keys: int64 ``[N]`` row indices of the linear table, on the cache's device.
+            table: ``[num_rows, dim]`` rows of the cache's dtype (on CUDA, a zero-copy CUDA
+                view of the registered host table); rows may be padded (any row stride
+                ``>= dim``), the elements of a row contiguous.
+            validate: Check that every key lies in ``[0, num_rows)`` (one host sync); out of
+                range keys otherwise give zero rows and ``hit = False``.
+            candidates: A zeroed :class:`MissCandidates` on the cache's device that receives
+                the in-range misses (written by the lookup itself: no host sync).
+            host_table: ``table`` is a zero-copy view of host memory (large batches are
+                then visited in host-page order, see ``gpu.kernels.cache_lookup``); pass False for
+                a table in GPU memory (a tensor in HBM, a ``DistMemBlock``). Same results
+                either way.
+            err: A key-error flag (``gpu.stacks.key_flag``, int64 ``[1]`` on the device) that the
+                Triton kernel writes an out-of-range key into (the torch twin ignores it:
+                its callers check keys on the host).
+
+        Returns:
+            ``(values [N, dim], hit bool [N])``; ``keys[~hit]`` are the keys to insert.
+        """
+        keys = self._checks.keys(keys)
+        table = self._checks.table(table)
+        if validate:
+            self._checks.linear_keys(keys, table.shape[0])
+        values, hit = self._lookup_rows(keys, table, self._checks.candidates(candidates),
+                                        host_table, err)
+        assert hit is not None
+        return values, hit
+
+    def gather_linear(
+        self, keys: torch.Tensor, table: torch.Tensor, *,
+        candidates: MissCandidates | None, host_table: bool, err: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """:meth:`lookup_linear` for a caller that checked its arguments (a layer's stack):
+        no argument checks, no hit flags; keys outside the table read zero rows."""
+        cand = candidates
+        if self._kernels is not None:
+            rotate = (self._lookups * _GOLDEN) & _INT32_MAX
+            self._lookups += keys.numel()
+            self._will_count(keys.numel())
+            out, _, _ = self._kernels.lookup(
+                keys, self._tkeys, self._counters, self._rows, self._hits, self.num_buckets,
+                self.ways, empty=EMPTY_KEY, gather=True, count=True, want_slots=False,
+                table=table, candidates=cand.buffer if cand is not None else None,
+                host_table=host_table, cmax=twin.COUNTER_MAX, rotate=rotate, err=err,
+                want_hit=False, candidate_rows=cand.rows if cand is not None else None,
+                bound=self._bound)
+            assert out is not None
+            return out
+        return self._lookup_rows(keys, table, cand, host_table)[0]
+
+    def _lookup_rows(
+        self, keys: torch.Tensor, table: torch.Tensor | None,
+        cand: MissCandidates | None = None, host_table: bool = True,
+        err: torch.Tensor | None = None, misses: MissList | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Probe + gather (+ misses from row ``key`` of ``table``), counted as a lookup;
+        with ``misses`` (no ``table``) the misses are listed there and no hit flags are
+        returned."""
+        # NOTE: where a large batch is visited in host-page order, start it at a different
+        # row each time (gpu.kernels.cache_lookup.page_order)
+        rotate = (self._lookups * _GOLDEN) & _INT32_MAX
+        self._lookups += keys.numel()
+        if self._kernels is not None:
+            self._will_count(keys.numel())
+            out, hit, _ = self._kernels.lookup(
+                keys, self._tkeys, self._counters, self._rows, self._hits, self.num_buckets,
+                self.ways, empty=EMPTY_KEY, gather=True, count=True,
+                want_slots=False, table=table,
+                candidates=cand.buffer if cand is not None else None, host_table=host_table,
+                cmax=twin.COUNTER_MAX, rotate=rotate, err=err,
+                candidate_rows=cand.rows if cand is not None else None,
+                misses=(misses.counter, misses.start, misses.view)
+                if misses is not None else None,
+                bound=self._bound if table is None else None, want_hit=misses is None)
+            assert out is not None
+            return out, hit
+        hit, slot = twin.probe(self._tkeys, self.num_buckets, self.ways, keys)
+        twin.bump(self._counters, slot, hit)
+        twin.count_hits(self._hits, hit)
+        if misses is not None:
+            twin.list_misses(misses.counter, misses.start, misses.view, keys, hit)
+        if table is None:
+            return twin.gather(self._rows, slot, hit), hit
+        vals = twin.gather_linear(self._rows, slot, hit, keys, table)
+        if cand is not None:
+            twin.collect_misses(cand.buffer, keys, hit, table.shape[0], vals, cand.rows)
+        return vals, hit
+
+    def lookup_pooled(
+        self,
+        keys: torch.Tensor,
+        offsets: torch.Tensor,
+        mode: PoolMode = "sum",
+        per_sample_weights: torch.Tensor | None = None,
+        *,
+        miss_values: torch.Tensor | None = None,
+        validate: bool = True,
+        out_dtype: torch.dtype | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pooled rows per bag, probe + gather + pool fused: ``(pooled [B, dim], hit [N])``.
+
+        Args:
+            keys: int64 ``[N]`` on the cache's device.
+            offsets: int64 ``[B + 1]`` bag boundaries (``embedding_bag`` with
+                ``include_last_offset=True``); an empty bag gives a zero row.
+            mode: ``"sum"`` or ``"mean"`` (mean divides by the bag length, misses included).
+            per_sample_weights: float ``[N]`` weights (mode ``"sum"`` only).
+            miss_values: ``[N, dim]`` rows used at the positions that miss the cache;
+                ``None`` makes misses contribute zero.
+            validate: Check the offsets (one host sync).
+            out_dtype: Element type of ``pooled`` (default the cache's; the sums are fp32
+                either way): ``torch.float32`` lets a caller add more rows to the sums
+                before one final rounding.
+
+        Returns:
+            ``(pooled [B, dim], hit bool [N])``.
+        """
+        keys = self._checks.keys(keys)
+        offsets, w, mv = self._checks.bags(
+            keys.numel(), offsets, mode, per_sample_weights, miss_values, validate)
+        if out_dtype is not None and out_dtype not in ROW_DTYPES:
+            raise BadArgumentError(f"out_dtype must be one of {ROW_DTYPES}; got {out_dtype!r}")
+        return self._pooled(keys, offsets, mode == "mean", w, mv, None, out_dtype=out_dtype)
+
+    def lookup_linear_pooled(
+        self,
+        keys: torch.Tensor,
+        offsets: torch.Tensor,
+        table: torch.Tensor,
+        mode: PoolMode = "sum",
+        per_sample_weights: torch.Tensor | None = None,
+        *,
+        validate: bool = True,
+        candidates: MissCandidates | None = None,
+        err: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`lookup_pooled` whose misses read row ``key`` of ``table`` in the same launch.
+
+        ``candidates`` and ``err`` as in :meth:`lookup_linear`.
+
+        Returns:
+            ``(pooled [B, dim], hit bool [N])``; ``keys[~hit]`` are the keys to insert.
+        """
+        keys = self._checks.keys(keys)
+        table = self._checks.table(table)
+        offsets, w, _ = self._checks.bags(
+            keys.numel(), offsets, mode, per_sample_weights, None, validate)
+        if validate:
+            self._checks.linear_keys(keys, table.shape[0])
+        return self._pooled(keys, offsets, mode == "mean", w, None, table,
+                            self._checks.candidates(candidates), err=err)
+
+    def _pooled(
+        self, keys: torch.Tensor, offsets: torch.Tensor, mean: bool, w: torch.Tensor | None,
+        mv: torch.Tensor | None, table: torch.Tensor | None,
+        cand: MissCandidates | None = None, out_dtype: torch.dtype | None = None,
+        err: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self._lookups += keys.numel()
+        if self._kernels is not None:
+            self._will_count(keys.numel())
+            return self._kernels.pooled(
+                keys, offsets, w, mv, self._tkeys, self._counters, self._rows, self._hits,
+                self.num_buckets, self.ways, mean=mean, empty=EMPTY_KEY, table=table,
+                candidates=cand.buffer if cand is not None else None, cmax=twin.COUNTER_MAX,
+                out_dtype=out_dtype, err=err,
+                candidate_rows=cand.rows if cand is not None else None)
+        hit, slot = twin.probe(self._tkeys, self.num_buckets, self.ways, keys)
+        twin.bump(self._counters, slot, hit)
+        twin.count_hits(self._hits, hit)
+        if table is not None:
+            vals = twin.gather_linear(self._rows, slot, hit, keys, table)
+            if cand is not None:
+                twin.collect_misses(cand.buffer, keys, hit, table.shape[0], vals, cand.rows)
+        else:
+            vals = twin.gather(self._rows, slot, hit)
+            if mv is not None:
+                vals = torch.where(hit[:, None], vals, mv)
+        return twin.pool(vals, offsets, w, mean, out_dtype or self.dtype), hit
+
+    # ------------------------------------------------------------------ writes
+
+    def _scatter(self, target: torch.Tensor, values: torch.Tensor, src: torch.Tensor) -> None:
+        """``rows[target] = values[src]``; ``target`` may name the trash slot."""
+        if self._write_kernels is not None:
+            self._write_kernels.scatter_rows(self._rows_all, target, values, src)
+        else:
+            self._rows_all[target] = values[src]
+
+    def insert(self, keys: torch.Tensor, values: torch.Tensor, *, validate: bool = True
+               ) -> None:
+        """Insert or overwrite rows (best effort: a full bucket evicts by policy).
+
+        Duplicate keys keep their last occurrence; see ``gpu.cache.twin`` for the batch
+        rules. Keys already cached are overwritten in place. No host sync with
+        ``validate=False`` (then a key equal to the empty marker is skipped instead of
+        raising: a batch may be padded with it).
+
+        Raises:
+            BadArgumentError: Bad keys/values, or a key equal to the reserved empty marker.
+        """
+        keys = self._checks.keys(keys)
+        values = self._checks.rows(values, keys.numel())
+        if keys.numel() == 0 or self.num_buckets == 0:
+            return
+        if validate and bool((keys == EMPTY_KEY).any()):
+            raise BadArgumentError(
+                f"key {EMPTY_KEY} (INT64_MIN) is reserved for empty slots; remap it")
+        self.apply_insert(self.prepare_insert(keys), values)
+
+    def prepare_insert(self, keys: torch.Tensor) -> PreparedInsert:
+        """The half of ``insert(keys, ...)`` that reads nothing of the table (sorts of the
+        batch; on the torch backend nothing): it may run on another stream while lookups
+        use the cache (gpu.stacks.split_round). ``keys``: int64 on this cache's device,
+        non-empty, not checked."""
+        if self._write_kernels is not None:
+            return self._write_kernels.prepare_insert(keys, self.num_buckets)
+        return PreparedInsert(keys, *(keys[:0],) * 6)
+
+    def sort_insert_keys(self, keys: torch.Tensor, out: PreparedInsert, *,
+                         small: bool = False) -> None:
+        """``prepare_insert`` in two steps into reused buffers (``PreparedInsert.empty``
+        of ``keys``' size), this the first: ``keys`` copied (they may change afterwards),
+        then sorted. ``small``: each key is the empty marker or in ``[0, 2**31)``."""
+        if self._write_kernels is not None:
+            self._write_kernels.sort_keys(keys, out, small)
+        elif keys is not out.keys:
+            out.keys.copy_(keys)
+
+    def sort_insert_buckets(self, out: PreparedInsert) -> None:
+        """The second step of ``prepare_insert`` into ``out``."""
+        if self._write_kernels is not None:
+            self._write_kernels.sort_buckets(out, self.num_buckets)
+
+    def apply_insert(self, prepared: PreparedInsert, values: torch.Tensor) -> None:
+        """The other half, in stream order: the placements ``insert`` makes of the
+        prepared keys into the table as it is now, ``values[i]`` the row of the batch's
+        key ``i`` (not checked)."""
+        if self.num_buckets == 0:
+            return
+        if self._write_kernels is not None:
+            self._write_kernels.apply_insert(prepared, values, self._tkeys, self._counters,
+                                             self._rows_all, self._insert_stats,
+                                             self.num_buckets, self.ways,
+                                             cmax=twin.COUNTER_MAX, decay_at=twin.DECAY_AT)
+            return
+        plan = twin.plan_insert(self._tkeys, self._counters, self.num_buckets, self.ways,
+                                prepared.keys)
+        self._counters_all[plan.decay_target] = plan.decay_values
+        self._tkeys_all[plan.key_target] = plan.new_keys
+        self._counters_all[plan.key_target] = plan.new_counters
+        self._scatter(plan.row_target, values, plan.row_src)
+        self._insert_stats += torch.stack([plan.placed, plan.evictions, plan.dropped])
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Overwrite the rows of keys that are cached; others are ignored.
+
+        Returns:
+            bool ``[N]``: whether each key was cached (and so updated).
+        """
+        keys = self._checks.keys(keys)
+        values = self._checks.rows(values, keys.numel())
+        slots, src, present = twin.plan_update(self._tkeys, self.num_buckets, self.ways, keys)
+        self._scatter(slots, values, src)
+        self._updates += slots.numel()
+        return present
+
+    def erase(self, keys: torch.Tensor) -> None:
+        """Remove ``keys`` from the cache (absent keys are ignored)."""
+        keys = self._checks.keys(keys)
+        hit, slots = twin.probe(self._tkeys, self.num_buckets, self.ways, torch.unique(keys))
+        slots = slots[hit]
+        self._tkeys[slots] = EMPTY_KEY
+        self._counters[slots] = 0
+        self._erases += slots.numel()
+
+    def clear(self) -> None:
+        """Drop every row (statistics are kept)."""
+        self._tkeys.fill_(EMPTY_KEY)
+        self._counters.zero_()
+        self._unclamped = 0
+
+    @contextlib.contextmanager
+    def warming_up(self) -> Iterator[None]:
+        """Work whose effects are forgotten after it: every row dropped, the statistics as
+        they were. For loading kernels at a layer's construction (the cache is empty then)
+        with the very argument shapes its lookups and rounds will use."""
+        saved = (self._hits.clone(), self._insert_stats.clone(), self._lookups,
+                 self._updates, self._erases)
+        try:
+            yield
+        finally:
+            self.clear()
+            self._hits.copy_(saved[0])
+            self._insert_stats.copy_(saved[1])
+            self._lookups, self._updates, self._erases = saved[2:]
+
+    # ------------------------------------------------------------------ introspection
+
+    def stats(self) -> GPUCacheStats:
+        """Counters since creation (one host sync)."""
+        hits = int(self._hits.sum())
+        size = int((self._tkeys != EMPTY_KEY).sum()) if self.capacity else 0
+        misses = self._lookups - hits
+        inserts, evictions, _dropped = (int(x) for x in self._insert_stats.tolist())
+        return GPUCacheStats(
+            capacity=self.capacity, size=size, hits=hits, misses=misses,
+            inserts=inserts, evictions=evictions, updates=self._updates,
+            erases=self._erases)
+
+    def state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Copies of ``(keys [slots], counters [slots], rows [slots, dim])`` on the CPU."""
+        counters = self._counters.clamp_max(twin.COUNTER_MAX)  # see _will_count
+        return self._tkeys.cpu(), counters.cpu(), self._rows.cpu()
+
+    def __repr__(self) -> str:
+        return (f"GPUCache(slots={self.capacity}, ways={self.ways}, dim={self.dim}, "
+                f"dtype={self.dtype}, device={self.device}, backend={self.backend!r})")

@@ -1,0 +1,118 @@
+# ruff: noqa: N803  (Triton convention: compile-time constants are UPPER_CASE parameters)
+"""Triton kernel of the GPULayer lookup: rows of a linear table by key, nothing else.
+
+Loaded only through :func:`gpu.kernels.triton_access.kernel_module`. One launch per lookup, seven
+runtime parameters, launched through :class:`gpu.kernels.launch.DirectLaunch`: a serving-size
+lookup is bound by host time, not by this kernel. Keys outside ``[0, num_rows)`` read as
+zero rows and, with ``CHECK``, are written to the layer's key-error flag
+(:mod:`gpu.stacks.key_flag`). The table's rows may be padded (row ``k`` starts ``k * tstride``
+elements in). Large batches over a table in host memory are visited in row (host page)
+order, as the cache lookups are (``gpu.kernels.cache_lookup.page_order``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gpu.kernels.launch import BoundLaunch, DirectLaunch
+from gpu.kernels.triton_access import helper_module
+
+# NOTE: the cache lookups' visit order (a torch function), from the same variant
+_page_order = helper_module("cache_lookup").page_order
+
+BLOCK_K = 16
+WARPS = 4
+#: from this many keys a batch over a table in host memory is visited in page order
+PAGE_ORDER_FROM = 1 << 17
+
+
+@triton.jit(do_not_specialize=["n", "num_rows", "tstride"])
+def _gather_kernel(
+    keys_ptr, n, table_ptr, num_rows, tstride, out_ptr, err_ptr, order_ptr,
+    DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, ORDERED: tl.constexpr,
+    CHECK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    kmask = offs < n
+    if ORDERED:
+        offs = tl.load(order_ptr + offs, mask=kmask, other=0).to(tl.int64)
+    keys = tl.load(keys_ptr + offs, mask=kmask, other=0)
+    inrange = kmask & (keys >= 0) & (keys < num_rows)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < DIM
+    vals = tl.load(table_ptr + keys[:, None] * tstride + d[None, :],
+                   mask=inrange[:, None] & dmask[None, :], other=0.0)
+    tl.store(out_ptr + offs[:, None] * DIM + d[None, :], vals,
+             mask=kmask[:, None] & dmask[None, :])
+    if CHECK:
+        bad = kmask & (inrange == 0)
+        # NOTE: any one bad key of the block lands in the flag (a store over the host link,
+        # made only when a key is bad)
+        tl.store(err_ptr + offs * 0, keys, mask=bad)
+
+
+_LAUNCH = DirectLaunch(_gather_kernel)
+_CONSTEXPRS: dict[tuple[int, bool, bool, torch.dtype], dict[str, object]] = {}
+
+
+def _block_d(dim: int) -> int:
+    return max(16, 1 << (dim - 1).bit_length())
+
+
+def gather(keys: torch.Tensor, table: torch.Tensor, err: torch.Tensor | None, *,
+           host_table: bool, bound: dict[tuple[int, int], BoundLaunch] | None = None
+           ) -> torch.Tensor:
+    """``table[keys]`` with zero rows for keys outside the table (reported in ``err``, an
+    int64 ``[1]`` flag, when given). ``bound``: the caller's store of bound launches
+    (:class:`~gpu.kernels.launch.BoundLaunch`: table and flag resolved once, a call passing only
+    keys, size and output) for checked lookups (``err`` given) visited in batch order;
+    ``table`` and ``err`` are then the same objects call after call (a layer's)."""
+    n = keys.numel()
+    dim = table.shape[1]
+    # NOTE: sizes as arguments, not a tuple: the cheaper parse (~1 us a call)
+    out = torch.empty(n, dim, dtype=table.dtype, device=keys.device)
+    if n == 0:
+        return out
+    order = None
+    if host_table and n >= PAGE_ORDER_FROM:
+        order = _page_order(keys, table.shape[0], 0)
+    elif bound is not None and err is not None:
+        launch = bound.get((id(table), id(err)))
+        if launch is None:
+            if len(bound) >= 4:  # NOTE: a caller passing new tables: bounded
+                bound.clear()
+            cx, key = _constexprs(dim, False, True, table.dtype)
+            # NOTE: placeholders of the parameters' types that the caller keeps (the flag
+            # for the int64 ones): binding allocates nothing, so it may happen inside a
+            # CUDA graph capture (torch.compile's reduce-overhead) without leaving a tensor
+            # in the graph's pool
+            launch = bound[(id(table), id(err))] = BoundLaunch(
+                _LAUNCH, (err, 0, table, table.shape[0], table.stride(0), table, err, err),
+                cx, key, _VARYING)
+        launch((n + BLOCK_K - 1) // BLOCK_K, keys, n, out)
+        return out
+    cx, key = _constexprs(dim, order is not None, err is not None, table.dtype)
+    _LAUNCH(((n + BLOCK_K - 1) // BLOCK_K,),
+            (keys, n, table, table.shape[0], table.stride(0), out,
+             err if err is not None else keys, order if order is not None else keys),
+            cx, key)
+    return out
+
+
+#: what a bound gather passes per call (parameter indices): keys, n, out
+_VARYING = (0, 1, 5)
+
+
+def _constexprs(dim: int, ordered: bool, check: bool, dtype: torch.dtype
+                ) -> tuple[dict[str, object], tuple[int, bool, bool, torch.dtype]]:
+    """A variant's constexprs (one dict per key, kept) and the key naming them with the
+    table's dtype (the pointers' element type)."""
+    key = (dim, ordered, check, dtype)
+    cx = _CONSTEXPRS.get(key)
+    if cx is None:
+        cx = _CONSTEXPRS[key] = {"DIM": dim, "BLOCK_K": BLOCK_K, "BLOCK_D": _block_d(dim),
+                                 "ORDERED": ordered, "CHECK": check, "num_warps": WARPS}
+    return cx, key
