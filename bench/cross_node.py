@@ -4,7 +4,8 @@ reaches the replicas of node B (the harness of ``bench/bench_cross_node.py`` and
 
 Each node is a node service (``python -m nvecache.apps.cli serve``) and its processes, all
 with their own ``NVEC_NODE`` (hostcache's node namespaces: each node its own shared tables,
-as with its own ``/dev/shm``). On node A a writer updates rows through a Hierarchical layer at a target
+as with its own ``/dev/shm``). On node A a writer updates rows through a Hierarchical layer at
+a target
 rate and records when each update of a *watched* key returned; on node B a prober looks the
 watched keys up through a Hierarchical layer in a loop and records when it first served
 each new version, while a replica looks random keys up (the lookup load B serves).
