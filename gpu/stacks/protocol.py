@@ -1,0 +1,119 @@
+"""The one interface every layer stack implements, and the names of its tiers.
+
+A layer (:mod:`gpu.layers`) checks its arguments (keys, rows, a tier name) and calls
+its stack through this protocol only; a stack gets keys already checked. Stacks:
+:class:`gpu.stacks.gpu_layer.DeviceTable` (GPULayer), :class:`gpu.stacks.linear_uvm.LinearStack`
+(LinearUVM), :class:`gpu.stacks.hierarchical.HierarchicalStack` (Hierarchical) and
+:class:`gpu.stacks.closed.ClosedStack` (a closed layer's stand-in: every call raises).
+
+Tiers, nearest first:
+
+- ``"gpu"``: the GPU cache (a GPULayer: its table, wherever its memory is);
+- ``"host"``: the shared host cache (Hierarchical);
+- ``"storage"``: the parameter server (Hierarchical) or the linear table (LinearUVM).
+
+Per-tier writes: ``insert(tier=t)`` writes tier ``t`` only, ``erase(tier=t)`` drops
+from tier ``t`` only (a linear table has every row: erasing from one raises
+:class:`~gpu.errors.BadArgumentError`); ``tier=None`` is every tier. A write to a
+shared tier (host, storage) is announced to other processes as any write to it is.
+``accumulate`` adds to the rows each tier holds; keys the authoritative tier lacks are
+not written and read False.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal, Protocol, get_args, runtime_checkable
+
+from gpu.errors import BadArgumentError
+
+if TYPE_CHECKING:
+    import torch
+
+    from gpu.layer_config import LayerStats, PoolingMode
+
+#: A tier a per-tier write names.
+Tier = Literal["gpu", "host", "storage"]
+
+#: Every tier name, nearest first.
+TIERS: tuple[Tier, ...] = get_args(Tier)
+
+
+@runtime_checkable
+class LayerStack(Protocol):
+    """What a layer calls on its stack. Keys are 1-D int64 (checked by the layer); rows
+    and deltas ``[N, dim]`` of the stack's dtype, already checked for finiteness."""
+
+    #: the tiers this stack has, nearest first
+    tiers: tuple[Tier, ...]
+    #: check keys (and offsets) on the host before each lookup (one sync each)
+    validate: bool
+
+    def rows(self, keys: torch.Tensor) -> torch.Tensor:
+        """``[N, dim]`` rows of ``keys``."""
+        ...
+
+    def pooled(self, keys: torch.Tensor, offsets: torch.Tensor,
+               weights: torch.Tensor | None, mode: PoolingMode) -> torch.Tensor:
+        """One pooled row per bag; ``offsets`` are ``[B + 1]`` bounds."""
+        ...
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Overwrite rows that exist; bool ``[N]``: which were written."""
+        ...
+
+    def insert(self, keys: torch.Tensor, values: torch.Tensor,
+               tier: Tier | None = None) -> None:
+        """Write rows into ``tier`` (None: every tier), creating those missing."""
+        ...
+
+    def erase(self, keys: torch.Tensor, tier: Tier | None = None) -> None:
+        """Drop keys from ``tier`` (None: what the layer type drops by default)."""
+        ...
+
+    def accumulate(self, keys: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
+        """Add ``deltas`` to existing rows, duplicates summed; bool ``[N]``: which keys
+        existed in the authoritative tier and were added to."""
+        ...
+
+    def in_cache(self, keys: torch.Tensor) -> torch.Tensor:
+        """bool ``[N]``: which keys the GPU cache holds now (not counted as a lookup)."""
+        ...
+
+    def clear(self) -> None:
+        """Drop every cached row of this stack's caches."""
+        ...
+
+    def flush(self) -> None:
+        """Finish the work earlier lookups left behind."""
+        ...
+
+    def stats(self) -> LayerStats:
+        """Per-tier counters."""
+        ...
+
+    def check_pending(self) -> None:
+        """Raise an out-of-range key a queued lookup met (or do nothing)."""
+        ...
+
+    def close(self) -> None:
+        """Release what the stack holds."""
+        ...
+
+
+def check_tier(tier: object, tiers: tuple[Tier, ...]) -> Tier | None:
+    """``tier`` if it is None or one of ``tiers``, else a BadArgumentError naming them.
+
+    Raises:
+        BadArgumentError: ``tier`` is not a str naming one of ``tiers``.
+    """
+    if tier is None or (isinstance(tier, str) and tier in tiers):
+        return tier  # type: ignore[return-value]
+    names = ", ".join(repr(t) for t in tiers)
+    raise BadArgumentError(f"tier must be None (every tier) or one of this layer's tiers "
+                           f"({names}); got {tier!r}")
+
+
+def linear_erase_error(what: str) -> BadArgumentError:
+    """The error of an erase from a linear table (it has every row)."""
+    return BadArgumentError(f"cannot erase from {what}: a linear table has every row "
+                            "(overwrite rows with insert or update instead)")
