@@ -1,7 +1,9 @@
 """Argument checks and the vectorized conversions between tensors and stored bytes.
 
-Every backend stores a row as its raw bytes (``dim * itemsize`` bytes, the table's dtype,
-native little-endian) and never pickles. Keys are int64; each backend chooses its key
+Every backend stores a row as its raw bytes, as the table's
+:class:`~nvecache.common.rows.RowFormat` says (``TableSchema.row_bytes``: ``dim * itemsize``
+bytes of the table's dtype, native little-endian, then the format's per-row parameters,
+none today) and never pickles. Keys are int64; each backend chooses its key
 bytes (Redis: 8 little-endian bytes as a hash field; LMDB: 8 big-endian bytes of
 ``key ^ 2**63`` so that byte order is signed order).
 
@@ -18,6 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from nvecache.common.finite import nonfinite_message, nonfinite_rows
+from nvecache.common.fmix import fmix64
 from nvecache.common.keys import RESERVED_KEY, RESERVED_KEY_RULE, key_problem
 from nvecache.common.lazy import lazy_import
 from psclient.errors import BadKeysError, BadValuesError, CorruptValueError, NonFiniteValuesError
@@ -29,8 +32,6 @@ else:
     torch = lazy_import("torch", globals())
 
 _SIGN = np.uint64(1 << 63)
-_M1 = np.uint64(0xFF51AFD7ED558CCD)
-_M2 = np.uint64(0xC4CEB9FE1A85EC53)
 
 
 def check_keys(keys: object) -> np.ndarray:
@@ -128,13 +129,7 @@ def partition_of(keys: np.ndarray, partitions: int) -> np.ndarray:
 
     NOTE: part of the stored layout (``LAYOUT_VERSION``): changing it moves every key.
     """
-    x = keys.view(np.uint64).copy()
-    x ^= x >> np.uint64(33)
-    x *= _M1
-    x ^= x >> np.uint64(33)
-    x *= _M2
-    x ^= x >> np.uint64(33)
-    return (x % np.uint64(partitions)).astype(np.int64)
+    return (fmix64(keys) % np.uint64(partitions)).astype(np.int64)
 
 
 def group_by_partition(keys: np.ndarray, partitions: int) -> tuple[np.ndarray, np.ndarray]:

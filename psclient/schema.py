@@ -17,15 +17,16 @@ difference is a :class:`SchemaMismatchError`, never a silent reinterpretation.
 from __future__ import annotations
 
 import struct
-import sys
 import time
 import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import msgpack
 
+from nvecache.common import rows
 from nvecache.common.names import TABLE_NAME_RULE, is_table_name
 from psclient.errors import BadArgumentError, CorruptValueError, SchemaMismatchError
 
@@ -37,42 +38,35 @@ if TYPE_CHECKING:
 #: partition (layout-1 tables need `psclient upgrade`); file:// records commit times.
 LAYOUT_VERSION = 2
 
-#: Supported row dtypes: stored name -> bytes per element. The one list of them: the torch
-#: map :data:`DTYPES` is made from it, and so are the host tier's dtype codes
-#: (``hostcache.layout``: a name's position, from 1), so a new dtype goes at the end.
-DTYPE_ITEMSIZES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+#: Supported row dtypes: stored name -> bytes per element (the one list is
+#: :data:`nvecache.common.rows.DTYPES`).
+DTYPE_ITEMSIZES: Mapping[str, int] = rows.DTYPES
 
 
 class _TorchDtypes(Mapping[str, "torch.dtype"]):
-    """:data:`DTYPE_ITEMSIZES`'s names -> torch dtypes; torch is imported on the first value
-    read, so the names (``--dtype`` choices, a check of a stored name) cost no torch."""
+    """The stored dtype names -> torch dtypes; torch is imported on the first value read, so
+    the names (``--dtype`` choices, a check of a stored name) cost no torch."""
 
     def __getitem__(self, name: str) -> torch.dtype:
-        if name not in DTYPE_ITEMSIZES:
+        if name not in rows.DTYPES:
             raise KeyError(name)
-        import torch
-
-        dtype: torch.dtype = getattr(torch, name)
-        return dtype
+        return rows.torch_dtype(name)
 
     def __contains__(self, name: object) -> bool:
-        return name in DTYPE_ITEMSIZES
+        return name in rows.DTYPES
 
     def __iter__(self) -> Iterator[str]:
-        return iter(DTYPE_ITEMSIZES)
+        return iter(rows.DTYPES)
 
     def __len__(self) -> int:
-        return len(DTYPE_ITEMSIZES)
+        return len(rows.DTYPES)
 
     def __repr__(self) -> str:
-        return f"DTYPES({', '.join(DTYPE_ITEMSIZES)})"
+        return f"DTYPES({', '.join(rows.DTYPES)})"
 
 
 #: Supported row dtypes by their stored name (torch dtypes).
 DTYPES: Mapping[str, torch.dtype] = _TorchDtypes()
-_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16",
-            "fp64": "float64", "double": "float64", "float": "float32"}
-
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
@@ -81,19 +75,10 @@ def dtype_name(dtype: torch.dtype | str) -> str:
     Raises:
         BadArgumentError: the dtype is not one of float32, float16, bfloat16, float64.
     """
-    tm = sys.modules.get("torch")  # NOTE: torch not loaded: no value can be a torch.dtype
-    if tm is not None and isinstance(dtype, tm.dtype):
-        name = str(dtype).removeprefix("torch.")
-        if name in DTYPE_ITEMSIZES:
-            return name
-    elif isinstance(dtype, str):
-        name = dtype.removeprefix("torch.").lower()
-        name = _ALIASES.get(name, name)
-        if name in DTYPES:
-            return name
-    raise BadArgumentError(
-        f"unsupported dtype {dtype!r}: use one of {', '.join(DTYPES)} (a torch.dtype or its name)"
-    )
+    try:
+        return rows.dtype_name(dtype)
+    except rows.RowFormatError as e:
+        raise BadArgumentError(str(e)) from None
 
 
 def check_table_name(table: object) -> str:
@@ -124,8 +109,9 @@ class TableSchema:
     def __post_init__(self) -> None:
         if not isinstance(self.dim, int) or isinstance(self.dim, bool) or self.dim <= 0:
             raise BadArgumentError(f"dim must be a positive int, got {self.dim!r}")
-        if self.dtype not in DTYPES:
-            raise BadArgumentError(f"unsupported dtype {self.dtype!r}: use one of {list(DTYPES)}")
+        if self.dtype not in rows.DTYPES:
+            raise BadArgumentError(
+                f"unsupported dtype {self.dtype!r}: use one of {', '.join(rows.DTYPES)}")
         if not isinstance(self.partitions, int) or not 1 <= self.partitions <= 16384:
             raise BadArgumentError(
                 f"partitions must be an int in [1, 16384], got {self.partitions!r}"
@@ -149,10 +135,15 @@ class TableSchema:
         which writes compare, and which orders two tables of one name by age."""
         return repr(float(self.created))
 
+    @cached_property
+    def row_format(self) -> rows.RowFormat:
+        """How the table's rows are stored (:class:`nvecache.common.rows.RowFormat`)."""
+        return rows.RowFormat(self.dtype, self.dim)
+
     @property
     def row_bytes(self) -> int:
-        """Bytes of one stored row."""
-        return self.dim * DTYPE_ITEMSIZES[self.dtype]
+        """Bytes of one stored row (its value in the store: payload and per-row parameters)."""
+        return self.row_format.stored_bytes
 
     def encode(self) -> bytes:
         """The msgpack record stored with the table."""
