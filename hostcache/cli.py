@@ -38,7 +38,7 @@ from hostcache.errors import (
 )
 from nvecache.common.cli import EXIT_USAGE, OneLineParser, add_version, positive_int
 from nvecache.common.lazy import deferred, lazy_import
-from psclient.schema import DTYPE_ITEMSIZES
+from nvecache.common.rows import DTYPES
 
 if TYPE_CHECKING:
     from hostcache import cli_view as view
@@ -196,7 +196,7 @@ def _create_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--capacity", type=positive_int, help="rows the host cache holds")
     p.add_argument("--rows", type=positive_int, help="rows of a linear table (with --linear)")
     p.add_argument("--dim", type=positive_int, required=True, help="elements per row")
-    p.add_argument("--dtype", choices=sorted(DTYPE_ITEMSIZES), default="float32")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--ways", type=int, choices=(4, 8, 16, 32),
                    help="slots per bucket of a host cache (default 8)")
     p.add_argument(

@@ -2,7 +2,8 @@
 
 One POSIX shared-memory segment per table, ``/dev/shm/nvec.<name>``. All integers are
 little-endian; every region starts on a 4 KiB page; the row area is page aligned and every
-row starts on a 16-byte boundary so GPU kernels can read rows with wide loads.
+row starts on a 16-byte boundary so GPU kernels can read rows with wide loads. A row's bytes
+(payload, per-row parameters, stride) are its :class:`nvecache.common.rows.RowFormat`'s.
 
 ::
 
@@ -31,10 +32,10 @@ word  name                 meaning
 4     num_buckets          host cache buckets (0 for a linear table)
 5     ways                 slots per bucket (0 for a linear table)
 6     dim                  row elements
-7     dtype_code           see ``DTYPE_CODES``
+7     dtype_code           the row format's code (``nvecache.common.rows.code_of``)
 8     elem_size            bytes per element
-9     row_bytes            dim * elem_size
-10    row_stride           row_bytes rounded up to 16
+9     row_bytes            dim * elem_size (the payload)
+10    row_stride           row_bytes + per-row parameters, rounded up to ``ROW_ALIGN``
 11    policy_code          eviction policy (see ``POLICY_CODES``)
 12    creator_uid          uid of the creating process
 13    created_ns           creation time, ns since the epoch
@@ -87,9 +88,8 @@ from hostcache.errors import (
     GeometryMismatchError,
     LayoutVersionError,
 )
+from nvecache.common import rows
 from nvecache.common.keys import RESERVED_KEY
-from psclient.errors import BadArgumentError as _DtypeError
-from psclient.schema import DTYPE_ITEMSIZES, DTYPES, dtype_name
 
 if TYPE_CHECKING:
     import torch
@@ -99,7 +99,7 @@ LAYOUT_VERSION = 1
 PAGE = 4096
 HEADER_BYTES = PAGE
 HEADER_WORDS = HEADER_BYTES // 8
-ROW_ALIGN = 16
+ROW_ALIGN = rows.ROW_ALIGN
 
 KIND_HOST_CACHE = 1
 KIND_LINEAR = 2
@@ -116,11 +116,6 @@ PROC_BYTES = PROC_SLOTS * PROC_WORDS * 8
 COUNTER_NAMES = ("lookups", "hits", "misses", "inserts", "evictions", "updates", "erases")
 
 DEFAULT_RING_CAPACITY = 1 << 16
-
-#: the header's code of each row dtype, by name: its position in the one list of them
-#: (``psclient.schema.DTYPE_ITEMSIZES``; float32 1, float16 2, bfloat16 3, float64 4)
-DTYPE_CODES: dict[str, int] = {name: code for code, name in enumerate(DTYPE_ITEMSIZES, 1)}
-CODE_DTYPES = {code: name for name, code in DTYPE_CODES.items()}
 
 POLICY_CODES = {"lfu-da": 1}
 CODE_POLICIES = {code: name for name, code in POLICY_CODES.items()}
@@ -144,9 +139,9 @@ def checked_dtype(dtype: object) -> str:
     """The name of ``dtype`` (a torch dtype or its name) if the tables can hold it, else a
     :class:`BadArgumentError`."""
     try:
-        return dtype_name(dtype)  # type: ignore[arg-type]
-    except _DtypeError:
-        allowed = ", ".join(f"torch.{d}" for d in DTYPE_CODES)
+        return rows.dtype_name(dtype)
+    except rows.RowFormatError:
+        allowed = ", ".join(f"torch.{d}" for d in rows.DTYPES)
         raise BadArgumentError(f"dtype must be one of {allowed}; got {dtype!r}") from None
 
 
@@ -174,21 +169,28 @@ class Geometry:
     created_ns: int = 0
 
     @cached_property
+    def row_format(self) -> rows.RowFormat:
+        """How a row is stored: its payload, its parameters, its stride."""
+        return rows.RowFormat(self.dtype_name, self.dim)
+
+    @cached_property
     def dtype(self) -> torch.dtype:
         """The row dtype (the first read imports torch)."""
-        return DTYPES[self.dtype_name]
+        return self.row_format.torch_dtype
 
     @property
     def elem_size(self) -> int:
-        return DTYPE_ITEMSIZES[self.dtype_name]
+        return self.row_format.itemsize
 
     @property
     def row_bytes(self) -> int:
-        return self.dim * self.elem_size
+        """Bytes of a row's payload (``dim * elem_size``)."""
+        return self.row_format.row_bytes
 
     @property
     def row_stride(self) -> int:
-        return (self.row_bytes + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
+        """Bytes from one slot's row to the next (payload and parameters, aligned)."""
+        return self.row_format.stride
 
     @property
     def slots(self) -> int:
@@ -216,7 +218,7 @@ def plan(
     """Validate the arguments of a new segment and compute its layout."""
     dtype = checked_dtype(dtype)
     capacity = _positive("capacity" if kind == KIND_HOST_CACHE else "num_rows", capacity)
-    dim = _positive("dim", dim, 1 << 20)
+    dim = _positive("dim", dim, rows.RowFormat.MAX_DIM)
     ring_capacity = _positive("ring_capacity", ring_capacity, 1 << 30)
     if policy not in POLICY_CODES:
         raise BadArgumentError(f"policy must be one of {sorted(POLICY_CODES)}; got {policy!r}")
@@ -271,7 +273,7 @@ def write(header: np.ndarray, geo: Geometry, *, uid: int) -> None:
     h[W_BUCKETS] = geo.num_buckets
     h[W_WAYS] = geo.ways
     h[W_DIM] = geo.dim
-    h[W_DTYPE] = DTYPE_CODES[geo.dtype_name]
+    h[W_DTYPE] = geo.row_format.code
     h[W_ELEM] = geo.elem_size
     h[W_ROW_BYTES] = geo.row_bytes
     h[W_ROW_STRIDE] = geo.row_stride
@@ -316,12 +318,12 @@ def read(header: np.ndarray, *, name: str, segment_size: int) -> Geometry:
             kind,
             capacity=int(h[W_CAPACITY]),
             dim=int(h[W_DIM]),
-            dtype=CODE_DTYPES.get(int(h[W_DTYPE])),
+            dtype=rows.name_of_code(int(h[W_DTYPE])),
             ways=int(h[W_WAYS]),
             policy=CODE_POLICIES.get(int(h[W_POLICY]), "?"),
             ring_capacity=int(h[W_RING_CAP]),
         )
-    except BadArgumentError as e:
+    except (BadArgumentError, rows.RowFormatError) as e:
         raise CorruptedHeaderError(f"segment {name!r} has an invalid header: {e}") from e
     stored = (
         kind, int(h[W_BUCKETS]), int(h[W_KEYS_OFF]), int(h[W_VERSIONS_OFF]),
