@@ -8,9 +8,23 @@ import torch
 
 from gpu.cuda.devices import same_device
 from gpu.errors import BadArgumentError, NonFiniteValuesError
-from gpu.layer_config import PoolingMode
+from gpu.layer_config import DATA_TYPES, PoolingMode
+from nvecache.common import rows
 from nvecache.common.finite import nonfinite_message, nonfinite_rows
 from nvecache.common.keys import key_problem
+
+
+def check_dtype(dtype: object, *, name: str = "data_type",
+                allowed: tuple[str, ...] = DATA_TYPES) -> torch.dtype:
+    """A torch dtype a layer computes in (``allowed``: stored names of
+    ``nvecache.common.rows``); a :class:`BadArgumentError` naming the argument otherwise."""
+    try:
+        if isinstance(dtype, torch.dtype):
+            return rows.torch_dtype(rows.dtype_name(dtype, allowed))
+    except rows.RowFormatError:
+        pass
+    choices = ", ".join(f"torch.{n}" for n in allowed)
+    raise BadArgumentError(f"{name} must be one of {choices}; got {dtype!r}")
 
 
 def check_keys(keys: object, device: torch.device, *, name: str = "input") -> torch.Tensor:

@@ -8,8 +8,12 @@ from typing import Any, Literal
 
 from gpu.errors import BadArgumentError
 from hostcache.table import HitRate
+from nvecache.common import rows
 
 PoolingMode = Literal["sum", "mean", "max"]
+
+#: the dtypes a layer's ``data_type`` may be, by stored name (``nvecache.common.rows``)
+DATA_TYPES: tuple[str, ...] = rows.LAYER_DTYPES
 
 
 class LayerType(enum.Enum):
