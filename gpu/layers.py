@@ -6,10 +6,11 @@ come from is the :class:`~gpu.layer_config.LayerType`'s business: one stack per 
 Inference only: outputs carry no autograd history. ``close()`` (or leaving a ``with``
 block) releases a layer's tables at once; a closed layer raises ``LayerClosedError``.
 
-Writes per layer type:
+Writes per layer type (``tier=None``, the default; ``insert``/``erase`` take ``tier=`` to
+write or drop one of the layer's tiers only, ``layer.tiers``):
 
 =============  ==========================================  ===============================
-layer type     ``update`` / ``insert``                     ``erase`` / ``clear``
+layer type     ``update`` / ``insert`` / ``accumulate``    ``erase`` / ``clear``
 =============  ==========================================  ===============================
 GPULayer       write the table (a SharedMemBlock write is  nothing to drop: a linear
                announced to every process)                 table keeps its rows
@@ -19,6 +20,9 @@ Hierarchical   parameter server first, then the shared     erase: PS, host cache
                host cache (announced to every process),    cache; clear: both caches (the
                then this GPU cache                         PS keeps its rows)
 =============  ==========================================  ===============================
+
+The stack of each type is built by :data:`gpu.stacks.builders.BUILDERS` and called
+through :class:`gpu.stacks.protocol.LayerStack` only.
 """
 
 from __future__ import annotations
@@ -30,19 +34,14 @@ import torch
 
 from gpu import ops
 from gpu.cuda.devices import resolve_device
-from gpu.dist.distmem import DistMemBlock
 from gpu.errors import BadArgumentError
 from gpu.inputs import bags, check_keys, check_values
 from gpu.layer_config import InsertPolicy, LayerStats, LayerType, PoolingMode
+from gpu.stacks.builders import build_stack
 from gpu.stacks.closed import ClosedStack
-from gpu.stacks.gpu_layer import DeviceTable
-from gpu.stacks.hierarchical import HierarchicalStack
-from gpu.stacks.linear_tables import table_gate, write_linear, write_tensor
-from gpu.stacks.linear_uvm import LinearStack
-from gpu.tier_config import DEFAULT, TierConfig
-from hostcache import HostCache, SharedMemBlock
+from gpu.stacks.protocol import LayerStack, Tier, check_tier
+from gpu.tier_config import TierConfig
 from nvecache.common.keys import RESERVED_KEY, RESERVED_KEY_RULE
-from psclient import ParameterServer, connect
 
 logger = logging.getLogger(__name__)
 
@@ -54,143 +53,6 @@ def _positive(name: str, value: object, *, zero: bool = False) -> int:
         bound = ">= 0" if zero else "> 0"
         raise BadArgumentError(f"{name} must be an int {bound}; got {value!r}")
     return value
-
-
-def _check_geometry(what: str, dim: int, dtype: torch.dtype, want_dim: int,
-                    want_dtype: torch.dtype, rows: int | None = None,
-                    want_rows: int | None = None) -> None:
-    if dim != want_dim or dtype != want_dtype or (rows is not None and rows != want_rows):
-        got = f"dim={dim}, dtype={dtype}" + (f", rows={rows}" if rows is not None else "")
-        want = f"dim={want_dim}, dtype={want_dtype}" + (
-            f", rows={want_rows}" if rows is not None else "")
-        raise BadArgumentError(f"{what} has {got}; the layer has {want}")
-
-
-def _tensor_geometry(what: str, t: object, dim: int, dtype: torch.dtype,
-                     rows: int) -> torch.Tensor:
-    """``t`` as a ``[rows, dim]`` tensor of ``dtype``, or a BadArgumentError naming ``what``."""
-    if not isinstance(t, torch.Tensor):
-        raise BadArgumentError(f"{what} must be a [{rows}, {dim}] tensor; got "
-                               f"{type(t).__name__}")
-    two_d = t.dim() == 2
-    _check_geometry(what, t.shape[-1] if two_d else -1, t.dtype, dim, dtype,
-                    t.shape[0] if two_d else -1, rows)
-    return t
-
-
-def _write_init(storage: Any, init: torch.Tensor | None) -> None:
-    """Write ``weight_init`` into the layer's table (a shared block's write is announced
-    to every process's caches, as any write through the block)."""
-    if init is None:
-        return
-    if isinstance(storage, torch.Tensor):  # through its gate, as any write to it
-        write_tensor(table_gate(storage, storage.device), storage,
-                     torch.arange(init.shape[0]), init.detach())
-    else:
-        write_linear(storage, torch.arange(init.shape[0]), init.detach())
-
-
-def _build_tiers(
-    num_embeddings: int, dim: int, dtype: torch.dtype, layer_type: LayerType, device: torch.device,
-    *, gpu_cache_size: int, host_cache: Any, storage: Any, weight_init: Any, table: str | None,
-    default_row: Any, insert_policy: InsertPolicy | None, tuning: TierConfig | None,
-    owned: list[Any],
-) -> DeviceTable | LinearStack | HierarchicalStack:
-    """The layer's tier stack; the tables it opens itself (a host cache attached by name, a
-    parameter server connected from a URL) are appended to ``owned``: the layer closes them."""
-    linear_blocks = (SharedMemBlock, DistMemBlock)
-    policy = insert_policy if insert_policy is not None else InsertPolicy()
-    if not isinstance(policy, InsertPolicy):
-        raise BadArgumentError("insert_policy must be a gpu.InsertPolicy")
-    config = DEFAULT if tuning is None else tuning
-    if not isinstance(config, TierConfig):
-        raise BadArgumentError("tuning must be a gpu.TierConfig")
-    if layer_type is not LayerType.Hierarchical and host_cache is not None:
-        raise BadArgumentError(f"host_cache is only used by LayerType.Hierarchical, not "
-                               f"{layer_type.name}")
-    if layer_type is not LayerType.Hierarchical and default_row is not None:
-        raise BadArgumentError("default_row is only used by LayerType.Hierarchical (a linear "
-                               "table has every row)")
-    if layer_type is LayerType.Hierarchical and weight_init is not None:
-        raise BadArgumentError("weight_init is not used by LayerType.Hierarchical: load the "
-                               "rows into the parameter server (ps.load) instead")
-    init = None if weight_init is None else _tensor_geometry(
-        "weight_init", weight_init, dim, dtype, num_embeddings)
-
-    if layer_type is LayerType.GPULayer:
-        if gpu_cache_size:
-            raise BadArgumentError("gpu_cache_size must be 0 for LayerType.GPULayer (the whole "
-                                   "table is GPU-accessible; it has no cache)")
-        if isinstance(storage, linear_blocks):
-            _check_geometry("storage", storage.dim, storage.dtype, dim, dtype,
-                            storage.num_rows, num_embeddings)
-            _write_init(storage, init)
-            return DeviceTable(storage, dim, dtype, device)
-        if storage is None:
-            weights = (torch.empty(num_embeddings, dim, dtype=dtype, device=device).normal_()
-                       if init is None else init.detach().to(device).clone())
-        elif isinstance(storage, torch.Tensor):
-            weights = _tensor_geometry("storage", storage, dim, dtype, num_embeddings)
-            if weights.device != device:
-                raise BadArgumentError(f"storage tensor is on {weights.device}; a GPULayer on "
-                                       f"{device} reads it in place: move it there")
-            _write_init(weights, init)
-        else:
-            raise BadArgumentError("storage of a GPULayer must be a tensor, a SharedMemBlock "
-                                   "or a DistMemBlock")
-        return DeviceTable(weights, dim, dtype, device)
-
-    if layer_type is LayerType.LinearUVM:
-        if isinstance(storage, linear_blocks):
-            _check_geometry("storage", storage.dim, storage.dtype, dim, dtype,
-                            storage.num_rows, num_embeddings)
-        elif isinstance(storage, torch.Tensor) and device.type == "cpu":
-            _tensor_geometry("storage", storage, dim, dtype, num_embeddings)
-        else:
-            raise BadArgumentError(
-                "storage of a LinearUVM layer must be a hostcache.SharedMemBlock, a "
-                "gpu.DistMemBlock (or, on the CPU, a [num_embeddings, dim] tensor); a "
-                "weight_init is written into it"
-            )
-        _write_init(storage, init)
-        return LinearStack(storage, dim, dtype, device, gpu_cache_size, policy, config)
-
-    if layer_type is not LayerType.Hierarchical:
-        raise BadArgumentError(f"layer_type must be a gpu.LayerType; got {layer_type!r}")
-    if isinstance(host_cache, str):
-        host_cache = HostCache.attach(host_cache)
-        owned.append(host_cache)
-    if host_cache is not None:
-        if not isinstance(host_cache, HostCache):
-            raise BadArgumentError("host_cache must be a hostcache.HostCache or its name")
-        g = host_cache.geometry
-        _check_geometry(f"host cache {host_cache.name!r}", g.dim, g.dtype, dim, dtype)
-    if isinstance(storage, str):
-        name = table or (host_cache.name if host_cache is not None else None)
-        if name is None:
-            raise BadArgumentError("pass table= (the parameter server's table name) with a "
-                                   "storage URL")
-        storage = connect(storage, table=name, dim=dim, dtype=dtype)
-        owned.append(storage)
-    if storage is not None:
-        if not isinstance(storage, ParameterServer):
-            raise BadArgumentError("storage of a Hierarchical layer must be a "
-                                   "psclient.ParameterServer or a URL")
-        _check_geometry(f"parameter server table {storage.table!r}", storage.dim,
-                        storage.dtype, dim, dtype)
-    if host_cache is None and storage is None:
-        raise BadArgumentError("a Hierarchical layer needs a host_cache, a storage, or both")
-    default = None
-    if default_row is not None:
-        default = torch.as_tensor(default_row, dtype=dtype)
-        if default.dim() == 0:
-            default = default.expand(dim)
-        if tuple(default.shape) != (dim,):
-            raise BadArgumentError(f"default_row must be a scalar or a [{dim}] row; got shape "
-                                   f"{tuple(default.shape)}")
-        default = default.to(device)
-    return HierarchicalStack(host_cache, storage, dim, dtype, device, gpu_cache_size, policy,
-                             default, config)
 
 
 def _close_all(tables: list[Any]) -> None:
@@ -230,13 +92,14 @@ class _NVBase(torch.nn.Module):
         self.device = resolve_device(device)
         #: tables the layer opened itself (by name or URL): close() closes them
         self._owned: list[Any] = []
+        #: set by close(): the stack is then a ClosedStack
+        self._closed = False
         try:
-            self._tiers: DeviceTable | LinearStack | HierarchicalStack | ClosedStack = (
-                _build_tiers(
-                    num_embeddings, embedding_size, data_type, layer_type, self.device,
-                    gpu_cache_size=gpu_cache_size, host_cache=host_cache, storage=storage,
-                    weight_init=weight_init, table=table, default_row=default_row,
-                    insert_policy=insert_policy, tuning=tuning, owned=self._owned))
+            self._tiers: LayerStack = build_stack(
+                layer_type, num_embeddings, embedding_size, data_type, self.device,
+                gpu_cache_size=gpu_cache_size, host_cache=host_cache, storage=storage,
+                weight_init=weight_init, table=table, default_row=default_row,
+                insert_policy=insert_policy, tuning=tuning, owned=self._owned)
         except BaseException:
             _close_all(self._owned)  # NOTE: a failed build keeps nothing open
             raise
@@ -254,12 +117,9 @@ class _NVBase(torch.nn.Module):
         Raises:
             BadArgumentError: an earlier lookup held a key outside the table.
         """
-        # NOTE: first: a closed layer's stand-in raises LayerClosedError here
-        check = getattr(self._tiers, "check", None)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        if check is not None:
-            check.flag.raise_pending()
+        self._tiers.check_pending()  # NOTE: a closed layer's stand-in raises LayerClosedError
 
     def _write_args(self, keys: object, values: object | None, allow_nonfinite: bool = False
                     ) -> tuple[torch.Tensor, Any]:
@@ -293,20 +153,75 @@ class _NVBase(torch.nn.Module):
         return self._tiers.update(keys, values)
 
     @torch.no_grad()
-    def insert(self, keys: torch.Tensor, values: torch.Tensor, *,
+    def insert(self, keys: torch.Tensor, values: torch.Tensor, *, tier: Tier | None = None,
                allow_nonfinite: bool = False) -> None:
-        """Write rows, creating those that do not exist (for a Hierarchical layer: in the
-        parameter server, then the host cache); announced to every process like update.
-        Rows holding NaN or an infinity raise ``NonFiniteValuesError`` (no tier written)
-        unless ``allow_nonfinite``."""
+        """Write rows, creating those that do not exist; announced to every process like
+        update.
+
+        Args:
+            keys: 1-D int64 keys.
+            values: ``[N, embedding_size]`` rows of the layer's dtype (any device).
+            tier: one of the layer's tiers (``layer.tiers``) to write only it, or None
+                (the default) for every tier: the parameter server, then the host cache
+                (Hierarchical); the table (GPULayer, LinearUVM). ``"gpu"``: this layer's GPU
+                cache only (a GPULayer: its table); ``"host"``: the shared host cache only;
+                ``"storage"``: the parameter server only, or a LinearUVM layer's linear
+                table (every process's GPU cache then drops the keys).
+            allow_nonfinite: write rows holding NaN or an infinity instead of raising.
+
+        Raises:
+            BadArgumentError: ``tier`` is not one of the layer's tiers; nothing written.
+            NonFiniteValuesError: a row holds NaN or an infinity and not
+                ``allow_nonfinite``; no tier written.
+        """
+        tier = check_tier(tier, self._tiers.tiers)
         keys, values = self._write_args(keys, values, allow_nonfinite)
-        self._tiers.insert(keys, values)
+        self._tiers.insert(keys, values, tier)
 
     @torch.no_grad()
-    def erase(self, keys: torch.Tensor) -> None:
-        """Drop keys (see the module docstring for what each layer type drops)."""
+    def erase(self, keys: torch.Tensor, *, tier: Tier | None = None) -> None:
+        """Drop keys (see the module docstring for what each layer type drops).
+
+        Args:
+            keys: 1-D int64 keys.
+            tier: one of the layer's tiers to drop the keys from it only, or None (the
+                default) for what the layer type drops.
+
+        Raises:
+            BadArgumentError: ``tier`` is not one of the layer's tiers, or names a linear
+                table (a GPULayer's ``"gpu"``, a LinearUVM layer's ``"storage"``): a linear
+                table has every row. Nothing is dropped.
+        """
+        tier = check_tier(tier, self._tiers.tiers)
         keys, _ = self._write_args(keys, None)
-        self._tiers.erase(keys)
+        self._tiers.erase(keys, tier)
+
+    @torch.no_grad()
+    def accumulate(self, keys: torch.Tensor, deltas: torch.Tensor, *,
+                   allow_nonfinite: bool = False) -> torch.Tensor:
+        """Add ``deltas`` to the rows of keys that exist, in every tier; returns bool
+        ``[N]``: which keys existed and were added to.
+
+        Duplicate keys are summed; half-precision rows are added in float32 and rounded
+        once. The authoritative tier decides which keys exist (a linear table: every key
+        in range; Hierarchical: the parameter server, or without one the host cache); a
+        key it lacks is not written and reads False, as in :meth:`update`. A linear table
+        is added to in place, then every process's GPU cache drops the keys; a parameter
+        server adds atomically per row. After it returns, a lookup reads the new rows.
+
+        Raises:
+            NonFiniteValuesError: a delta holds NaN or an infinity and not
+                ``allow_nonfinite``; no tier is written.
+        """
+        keys, deltas = self._write_args(keys, deltas, allow_nonfinite)
+        return self._tiers.accumulate(keys, deltas)
+
+    @property
+    def tiers(self) -> tuple[Tier, ...]:
+        """The tiers a per-tier write may name, nearest first: ``("gpu",)`` for a GPULayer,
+        ``("gpu", "storage")`` for LinearUVM, ``("gpu", "host", "storage")`` for a
+        Hierarchical layer (less a tier it was built without)."""
+        return self._tiers.tiers
 
     def clear(self) -> None:
         """Drop every cached row of this layer's caches."""
@@ -316,8 +231,6 @@ class _NVBase(torch.nn.Module):
         """bool ``[N]``: which keys this layer's GPU cache holds now (not counted as a
         lookup; a GPULayer has no cache: all False)."""
         keys, _ = self._write_args(keys, None)
-        if isinstance(self._tiers, DeviceTable):  # NOTE: a closed layer's in_cache raises
-            return torch.zeros(keys.numel(), dtype=torch.bool, device=keys.device)
         return self._tiers.in_cache(keys).to(keys.device)
 
     def flush(self) -> None:
@@ -342,9 +255,10 @@ class _NVBase(torch.nn.Module):
         call raises :class:`~gpu.errors.LayerClosedError`. Close a layer once no other
         thread is inside one of its calls.
         """
-        tiers = self._tiers
-        if isinstance(tiers, ClosedStack):
+        if self._closed:
             return
+        tiers = self._tiers
+        self._closed = True
         # NOTE: the stand-in first: later calls raise, eager or compiled (gpu.ops)
         self._tiers = ClosedStack(f"{type(self).__name__} ({self.layer_type.name})", tiers)
         self._op = ops.unregister(self._op, self._tiers)
@@ -364,7 +278,7 @@ class _NVBase(torch.nn.Module):
         self.close()
 
     def extra_repr(self) -> str:
-        closed = ", closed" if isinstance(self._tiers, ClosedStack) else ""
+        closed = ", closed" if self._closed else ""
         return (f"{self.num_embeddings}, {self.embedding_size}, {self.data_type}, "
                 f"{self.layer_type.name}, device={self.device}{closed}")
 

@@ -1,6 +1,7 @@
 """What the cached layer stacks share: a GPU cache, its guard, the change-feed follower,
 the admission budget and the counters. One subclass per cached layer type:
-:mod:`gpu.stacks.linear_uvm` (LinearUVM) and :mod:`gpu.stacks.hierarchical`."""
+:mod:`gpu.stacks.linear_uvm` (LinearUVM) and :mod:`gpu.stacks.hierarchical`; each
+implements :class:`gpu.stacks.protocol.LayerStack`."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from gpu.cache.guard import CacheGuard
 from gpu.layer_config import LayerStats, PoolingMode, TierStats
 from gpu.stacks.admission import RoundBudget
 from gpu.stacks.change_follower import ChangeFollower
+from gpu.stacks.protocol import Tier
 from gpu.tier_config import TierConfig
 from hostcache.ring import ChangeFeed
 
@@ -38,7 +40,8 @@ class CachedStack:
                  config: TierConfig, feed: ChangeFeed | None) -> None:
         self.dim, self.dtype, self.device = dim, dtype, device
         self.config = config
-        self.cache = GPUCache(cache_bytes, dim, dtype, device)
+        self.cache = GPUCache(cache_bytes, dim, dtype, device, backend=config.cache_backend,
+                              tiles=config.tiles)
         self.guard = CacheGuard(device)
         self.budget = RoundBudget(self.cache, config)
         self.follower = ChangeFollower(feed, self.cache, self.budget.reset)
@@ -58,10 +61,25 @@ class CachedStack:
         """Queue admissions already decided (caller holds the guard; overridden by stacks
         whose rounds complete at a later lookup)."""
 
-    def erase(self, keys: torch.Tensor) -> None:
+    def check_pending(self) -> None:
+        """Nothing is reported on the device (stacks whose kernels check keys override)."""
+
+    def insert_cached(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write rows into this layer's GPU cache only (no lower tier is written); what
+        waits for admission is dropped (it may hold older rows of these keys)."""
+        with self.guard:
+            self.follower.sync()
+            self._drop_waiting()
+            self.cache.insert(keys.to(self.device), values.to(self.device))
+
+    def erase_cached(self, keys: torch.Tensor) -> None:
+        """Drop keys from this layer's GPU cache only."""
         with self.guard:
             self._drop_waiting()
             self.cache.erase(keys.to(self.device))
+
+    def erase(self, keys: torch.Tensor, tier: Tier | None = None) -> None:
+        self.erase_cached(keys)
 
     def clear(self) -> None:
         with self.guard:

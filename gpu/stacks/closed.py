@@ -16,7 +16,8 @@ from gpu.errors import LayerClosedError
 
 
 class ClosedStack:
-    """A closed layer's stand-in for its stack: every operation raises LayerClosedError.
+    """A closed layer's stand-in for its stack: every operation of
+    :class:`gpu.stacks.protocol.LayerStack` raises LayerClosedError (but ``close``).
 
     Args:
         what: The layer as its error names it (e.g. ``"NVEmbedding (LinearUVM)"``).
@@ -35,12 +36,22 @@ class ClosedStack:
         raise LayerClosedError(f"this {self._what} layer was closed (layer.close()): its "
                                "tables are released; build a new layer to keep serving")
 
-    rows = pooled = update = insert = erase = clear = in_cache = flush = stats = _raise
+    rows = pooled = update = insert = erase = accumulate = in_cache = clear = flush = _raise
+    stats = check_pending = _raise
 
     @property
-    def check(self) -> NoReturn:
-        """The key-error flag a layer's ``synchronize()`` raises from: gone with the layer."""
+    def tiers(self) -> NoReturn:
+        """The tiers a per-tier write names: gone with the layer."""
         self._raise()
+
+    @property
+    def validate(self) -> bool:
+        """Keys are not checked any more: every lookup raises."""
+        return False
+
+    @validate.setter
+    def validate(self, value: bool) -> None:
+        pass
 
     def close(self) -> None:
         """Already closed: nothing to do."""

@@ -1,5 +1,6 @@
 """Linear tables a layer reads (its own tensor, a ``SharedMemBlock``, a ``DistMemBlock``):
-the zero-copy row views, the read/write gate, and the writes every process sees."""
+the zero-copy row views, the read/write gate, the writes every process sees, and
+:class:`LinearTable`, the base of the stacks over one (GPULayer, LinearUVM)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from typing import Any
 
 import torch
 
+from gpu.inputs import check_range
+from gpu.stacks.key_flag import RangeCheck
 from hostcache.gate import TableGate, gate_for
 
 
@@ -35,6 +38,17 @@ def write_linear(block: Any, keys: torch.Tensor, values: torch.Tensor) -> None:
         block.write(keys.cpu(), values.cpu(), allow_nonfinite=True)  # the layer checked
 
 
+def add_linear(block: Any, keys: torch.Tensor, deltas: torch.Tensor) -> None:
+    """Add ``deltas`` to rows of a shared linear table (duplicates summed); announced to
+    every process as a write."""
+    from gpu.dist.distmem import DistMemBlock
+
+    if isinstance(block, DistMemBlock):
+        block.accumulate(keys, deltas)  # on the device, no host round trip
+    else:
+        block.accumulate(keys.cpu(), deltas.cpu(), allow_nonfinite=True)  # the layer checked
+
+
 def table_gate(storage: Any, device: torch.device) -> TableGate:
     """The process's read/write gate of a linear table (a block, or a layer's own tensor),
     with a drain that waits for ``device``'s queued kernels before any write (they may still
@@ -58,6 +72,21 @@ def write_tensor(gate: TableGate, table: torch.Tensor, keys: torch.Tensor,
             torch.cuda.current_stream(table.device).synchronize()
 
 
+def add_tensor(gate: TableGate, table: torch.Tensor, keys: torch.Tensor,
+               deltas: torch.Tensor) -> None:
+    """Add ``deltas`` to rows of a layer's own table tensor through its gate: duplicate
+    keys summed, half-precision rows added in float32 and rounded once; on CUDA the rows
+    are in place when this returns, as after :func:`write_tensor`."""
+    with gate.writing():
+        uniq, inverse = torch.unique(keys.to(table.device), return_inverse=True)
+        sums = torch.zeros(uniq.numel(), table.shape[1], dtype=torch.float32,
+                           device=table.device)
+        sums.index_add_(0, inverse, deltas.to(table.device, torch.float32))
+        table[uniq] = (table[uniq].float() + sums).to(table.dtype)
+        if table.is_cuda:
+            torch.cuda.current_stream(table.device).synchronize()
+
+
 def add_user(block: Any, user: object) -> None:
     if hasattr(block, "add_user"):  # a DistMemBlock: closing it first is an order error
         block.add_user(user)
@@ -66,3 +95,84 @@ def add_user(block: Any, user: object) -> None:
 def remove_user(block: Any, user: object) -> None:
     if hasattr(block, "remove_user"):
         block.remove_user(user)
+
+
+class LinearTable:
+    """What the stacks over a linear table share: the table (a layer's own tensor, or a
+    ``SharedMemBlock`` / ``DistMemBlock`` registered for the device), its read/write gate,
+    the range check of its keys, the writes (update, accumulate) and the release.
+
+    A subclass calls :meth:`_open_table` from its ``__init__`` and overrides
+    :meth:`_written` to drop what a write made stale (a GPU cache's copies).
+    """
+
+    dim: int
+    dtype: torch.dtype
+    device: torch.device
+    #: check keys on the host whatever ``validate`` says (a table torch's gathers read:
+    #: they assert on the device for a bad key)
+    _host_checks = False
+
+    def _open_table(self, storage: Any, device: torch.device) -> None:
+        self._block = None if isinstance(storage, torch.Tensor) else storage
+        self._reg = None
+        if self._block is None:
+            self.table: torch.Tensor = storage
+        else:  # a SharedMemBlock or DistMemBlock: one copy serves every process
+            self._reg, self.table = registered_rows(storage, device)
+            add_user(storage, self)
+        #: the table is host memory read over the host link (a tensor or a DistMemBlock is
+        #: device memory)
+        self._host = self._reg is not None
+        self.num_rows = int(self.table.shape[0])
+        #: lookups hold its read side while they read table rows, writes its write side
+        self._gate = table_gate(storage, device)
+        self.check = RangeCheck(device, self.num_rows)
+
+    @property
+    def validate(self) -> bool:
+        return self.check.on_host
+
+    @validate.setter
+    def validate(self, value: bool) -> None:
+        self.check.set_validate(value or self._host_checks)
+
+    def check_pending(self) -> None:
+        """Raise an out-of-range key an earlier lookup met on the device."""
+        self.check.flag.raise_pending()
+
+    def _written(self, keys: torch.Tensor) -> None:
+        """After a write of ``keys`` to the table: drop the copies it made stale."""
+
+    def _checked(self, keys: torch.Tensor) -> None:
+        self.check_pending()
+        check_range(keys, self.num_rows, name="keys")
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Write rows of the table (a block's write is announced to every process); every
+        key in range exists: all True."""
+        self._checked(keys)
+        if self._block is not None:
+            write_linear(self._block, keys, values)
+        else:
+            write_tensor(self._gate, self.table, keys, values)
+        self._written(keys)
+        return torch.ones(keys.numel(), dtype=torch.bool, device=keys.device)
+
+    def accumulate(self, keys: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
+        """Add ``deltas`` to rows of the table, duplicates summed (announced as a write);
+        all True."""
+        self._checked(keys)
+        if self._block is not None:
+            add_linear(self._block, keys, deltas)
+        else:
+            add_tensor(self._gate, self.table, keys, deltas)
+        self._written(keys)
+        return torch.ones(keys.numel(), dtype=torch.bool, device=keys.device)
+
+    def _release_table(self) -> None:
+        """Undo the table's registration and the block's user record."""
+        if self._reg is not None:
+            self._reg.close()
+            self._reg = None
+        remove_user(self._block, self)

@@ -18,41 +18,26 @@ import torch
 from gpu.inputs import check_range
 from gpu.layer_config import InsertPolicy, PoolingMode
 from gpu.stacks.cached import CachedStack
-from gpu.stacks.key_flag import RangeCheck
-from gpu.stacks.linear_tables import (
-    add_user,
-    registered_rows,
-    remove_user,
-    table_gate,
-    write_linear,
-    write_tensor,
-)
+from gpu.stacks.linear_tables import LinearTable
 from gpu.stacks.miss_log import MissLog
+from gpu.stacks.protocol import Tier, linear_erase_error
 from gpu.tier_config import TierConfig
 
 
-class LinearStack(CachedStack):
-    """LinearUVM: GPU cache in front of a linear host table read zero-copy on misses."""
+class LinearStack(LinearTable, CachedStack):
+    """LinearUVM: GPU cache in front of a linear host table read zero-copy on misses.
+
+    Tiers: ``"gpu"`` (this layer's GPU cache) and ``"storage"`` (the linear table).
+    """
 
     layer_type = "LinearUVM"
+    tiers: tuple[Tier, ...] = ("gpu", "storage")
 
     def __init__(self, storage: Any, dim: int, dtype: torch.dtype, device: torch.device,
                  cache_bytes: int, policy: InsertPolicy, config: TierConfig) -> None:
-        block = None if isinstance(storage, torch.Tensor) else storage
-        super().__init__(dim, dtype, device, cache_bytes, config, block)
-        self._block = block
-        self._reg = None
-        if block is None:
-            self.table = storage
-        else:
-            self._reg, self.table = registered_rows(block, device)
-            add_user(block, self)
-        #: the table is host memory read over the host link (a DistMemBlock is GPU memory)
-        self._host = self._reg is not None
-        self.num_rows = int(self.table.shape[0])
-        #: lookups hold its read side while they read table rows, writes its write side
-        self._gate = table_gate(storage, device)
-        self.check = RangeCheck(device, self.num_rows)
+        feed = None if isinstance(storage, torch.Tensor) else storage
+        CachedStack.__init__(self, dim, dtype, device, cache_bytes, config, feed)
+        self._open_table(storage, device)
         self.log = MissLog(self.cache, self.budget, config, policy.gpu, self.num_rows,
                           self.guard)
         #: a change to the table makes logged rows stale: the log goes with the cache's
@@ -80,14 +65,6 @@ class LinearStack(CachedStack):
             self.log.keep()  # NOTE: warm rounds from a CUDA graph, captured now
             self.budget.reset()
             self.log.drop()
-
-    @property
-    def validate(self) -> bool:
-        return self.check.on_host
-
-    @validate.setter
-    def validate(self, value: bool) -> None:
-        self.check.set_validate(value)
 
     def rows(self, keys: torch.Tensor) -> torch.Tensor:
         self.check(keys)
@@ -121,26 +98,33 @@ class LinearStack(CachedStack):
     def _settle(self) -> None:
         self.log.settle()
 
-    def update(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        self.check.flag.raise_pending()
-        check_range(keys, self.num_rows, name="keys")
-        if self._block is not None:
-            write_linear(self._block, keys, values)  # gated, announced: every cache drops them
-            with self.guard:
+    def _written(self, keys: torch.Tensor) -> None:
+        """A block's write was announced: every process's cache drops the keys (this one's
+        now); a tensor has no feed: this cache drops them itself."""
+        with self.guard:
+            if self._block is not None:
                 self.follower.sync()
-        else:
-            write_tensor(self._gate, self.table, keys, values)
-            with self.guard:
+            else:
                 self.cache.erase(keys.to(self.device))
                 self.log.drop()  # NOTE: logged rows may predate the write
-        return torch.ones(keys.numel(), dtype=torch.bool, device=keys.device)
 
-    def insert(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self.update(keys, values)
+    def insert(self, keys: torch.Tensor, values: torch.Tensor,
+               tier: Tier | None = None) -> None:
+        """``"gpu"``: into this GPU cache only; ``"storage"`` or every tier: write the
+        linear table (every row exists), every process's cache drops the keys."""
+        if tier == "gpu":
+            check_range(keys, self.num_rows, name="keys")
+            self.insert_cached(keys, values)
+        else:
+            self.update(keys, values)
 
-    def erase(self, keys: torch.Tensor) -> None:
+    def erase(self, keys: torch.Tensor, tier: Tier | None = None) -> None:
+        """Drop keys from this GPU cache (``"gpu"`` or every tier); the linear table keeps
+        its rows."""
+        if tier == "storage":
+            raise linear_erase_error("a LinearUVM layer's storage")
         check_range(keys, self.num_rows, name="keys")
-        super().erase(keys)
+        self.erase_cached(keys)
 
     def flush(self) -> None:
         """Run the admission round now (what is logged goes in)."""
@@ -149,9 +133,6 @@ class LinearStack(CachedStack):
             self.log.round()
 
     def close(self) -> None:
-        if self._reg is not None:
-            self._reg.close()
-            self._reg = None
         with self.guard:
             self.log.close()
-        remove_user(self._block, self)
+        self._release_table()

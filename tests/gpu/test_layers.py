@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,7 +24,6 @@ from gpu import (
     StorageUnavailableError,
     TierConfig,
 )
-from gpu.cache.gpu_cache import FORCE_TRITON_ENV
 from gpu.kernels.triton_access import triton_available
 from hostcache import HostCache, SharedMemBlock
 from tests.conftest import fresh_name
@@ -429,27 +429,28 @@ def test_gpu_host_hits_reach_the_host_policy_weighted_by_the_sample(
 
 @pytest.mark.skipif(not triton_available(), reason="needs the triton package (its CPU "
                     "interpreter runs the GPULayer kernels on CPU tensors)")
-def test_gpulayer_kernels_read_contiguous_and_strided_tables(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """GPULayer lookups through the Triton gather (forced onto CPU tensors): a table in a
-    tensor, a view with padded rows (the kernels step by its row stride) and one whose row
-    elements are not contiguous (read by torch's gathers instead, same rows) equal
-    F.embedding / F.embedding_bag; the gather in batch and in page order."""
+def test_gpulayer_kernels_read_contiguous_and_strided_tables() -> None:
+    """GPULayer lookups through the Triton gather (its interpreter on CPU tensors, asked
+    for by the layer's tuning): a table in a tensor, a view with padded rows (the kernels
+    step by its row stride) and one whose row elements are not contiguous (read by torch's
+    gathers instead, same rows) equal F.embedding / F.embedding_bag; the gather in batch
+    and in page order."""
+    from gpu.kernels.tiles import DEFAULT_TILES
     from gpu.kernels.triton_access import kernel_module
 
-    monkeypatch.setenv(FORCE_TRITON_ENV, "1")
     kernels = kernel_module("gather", interpret=True)
-    monkeypatch.setattr(kernels, "PAGE_ORDER_FROM", 1)  # every batch over a host table
+    page_order = dataclasses.replace(DEFAULT_TILES, linear_page_order=1)  # every batch
+    triton = TierConfig(cache_backend="triton", tiles=page_order)
     gen = torch.Generator().manual_seed(4)
     wide = torch.randn(ROWS, 2 * DIM, generator=gen)
     keys = torch.randint(0, ROWS, (37,), generator=gen)
     offsets = torch.tensor([0, 5, 5, 30])
     for w in (wide[:, :DIM].contiguous(), wide[:, DIM:], wide[:, ::2]):
         emb = NVEmbedding(ROWS, DIM, torch.float32, LayerType.GPULayer, storage=w,
-                          device="cpu")
+                          device="cpu", tuning=triton)
         assert torch.equal(emb(keys), F.embedding(keys, w))
         bag = NVEmbeddingBag(ROWS, DIM, torch.float32, LayerType.GPULayer, storage=w,
-                             device="cpu")
+                             device="cpu", tuning=triton)
         torch.testing.assert_close(bag(keys, offsets),
                                    F.embedding_bag(keys, w, offsets, mode="sum"))
     # the gather itself, in batch and in page order: out-of-range keys read zero rows and
@@ -460,9 +461,11 @@ def test_gpulayer_kernels_read_contiguous_and_strided_tables(
     want[[37, 38]] = 0
     for host_table in (False, True):
         err = torch.zeros(1, dtype=torch.int64)
-        assert torch.equal(kernels.gather(odd, table, err, host_table=host_table), want)
+        assert torch.equal(kernels.gather(odd, table, err, host_table=host_table,
+                                          tiles=page_order), want)
         assert int(err) in (-1, ROWS)
-        assert torch.equal(kernels.gather(keys, table, err.zero_(), host_table=host_table),
+        assert torch.equal(kernels.gather(keys, table, err.zero_(), host_table=host_table,
+                                          tiles=page_order),
                            F.embedding(keys, table)) and int(err) == 0
 
 

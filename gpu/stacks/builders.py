@@ -1,0 +1,234 @@
+"""How each layer type builds its stack: :data:`BUILDERS` maps a
+:class:`~gpu.layer_config.LayerType` to one builder function, which checks the arguments
+that type takes and returns its :class:`~gpu.stacks.protocol.LayerStack`.
+
+A new layer type is one builder here (and its stack module); :func:`build_stack` does the
+checks every type shares and picks the builder.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from gpu.dist.distmem import DistMemBlock
+from gpu.errors import BadArgumentError
+from gpu.layer_config import InsertPolicy, LayerType
+from gpu.stacks.gpu_layer import DeviceTable
+from gpu.stacks.hierarchical import HierarchicalStack
+from gpu.stacks.linear_tables import table_gate, write_linear, write_tensor
+from gpu.stacks.linear_uvm import LinearStack
+from gpu.stacks.protocol import LayerStack
+from gpu.tier_config import DEFAULT, TierConfig
+from hostcache import HostCache, SharedMemBlock
+from psclient import ParameterServer, connect
+
+#: the linear tables a GPULayer or LinearUVM layer may be built over
+LINEAR_BLOCKS = (SharedMemBlock, DistMemBlock)
+
+
+@dataclass
+class StackSpec:
+    """A layer's arguments, as its builder gets them."""
+
+    num_rows: int
+    dim: int
+    dtype: torch.dtype
+    device: torch.device
+    gpu_cache_size: int
+    host_cache: Any
+    storage: Any
+    weight_init: Any
+    table: str | None
+    default_row: Any
+    policy: InsertPolicy
+    config: TierConfig
+    #: tables the builder opened itself (by name or URL): the layer closes them
+    owned: list[Any] = field(default_factory=list)
+
+
+def check_geometry(what: str, dim: int, dtype: torch.dtype, want_dim: int,
+                   want_dtype: torch.dtype, rows: int | None = None,
+                   want_rows: int | None = None) -> None:
+    """A BadArgumentError naming ``what`` unless its geometry is the layer's."""
+    if dim != want_dim or dtype != want_dtype or (rows is not None and rows != want_rows):
+        got = f"dim={dim}, dtype={dtype}" + (f", rows={rows}" if rows is not None else "")
+        want = f"dim={want_dim}, dtype={want_dtype}" + (
+            f", rows={want_rows}" if rows is not None else "")
+        raise BadArgumentError(f"{what} has {got}; the layer has {want}")
+
+
+def tensor_geometry(what: str, t: object, dim: int, dtype: torch.dtype,
+                    rows: int) -> torch.Tensor:
+    """``t`` as a ``[rows, dim]`` tensor of ``dtype``, or a BadArgumentError naming ``what``."""
+    if not isinstance(t, torch.Tensor):
+        raise BadArgumentError(f"{what} must be a [{rows}, {dim}] tensor; got "
+                               f"{type(t).__name__}")
+    two_d = t.dim() == 2
+    check_geometry(what, t.shape[-1] if two_d else -1, t.dtype, dim, dtype,
+                   t.shape[0] if two_d else -1, rows)
+    return t
+
+
+def _write_init(storage: Any, init: torch.Tensor | None) -> None:
+    """Write ``weight_init`` into the layer's table (a shared block's write is announced
+    to every process's caches, as any write through the block)."""
+    if init is None:
+        return
+    if isinstance(storage, torch.Tensor):  # through its gate, as any write to it
+        write_tensor(table_gate(storage, storage.device), storage,
+                     torch.arange(init.shape[0]), init.detach())
+    else:
+        write_linear(storage, torch.arange(init.shape[0]), init.detach())
+
+
+def _init(spec: StackSpec) -> torch.Tensor | None:
+    """``weight_init`` checked to ``[num_rows, dim]`` of the layer's dtype (or None)."""
+    if spec.weight_init is None:
+        return None
+    return tensor_geometry("weight_init", spec.weight_init, spec.dim, spec.dtype,
+                           spec.num_rows)
+
+
+def _linear_block(spec: StackSpec) -> bool:
+    """Whether ``spec.storage`` is a shared linear table of the layer's geometry."""
+    storage = spec.storage
+    if not isinstance(storage, LINEAR_BLOCKS):
+        return False
+    check_geometry("storage", storage.dim, storage.dtype, spec.dim, spec.dtype,
+                   storage.num_rows, spec.num_rows)
+    return True
+
+
+def build_gpu_layer(spec: StackSpec) -> DeviceTable:
+    """GPULayer: the table itself (a tensor on the device, or a shared block)."""
+    if spec.gpu_cache_size:
+        raise BadArgumentError("gpu_cache_size must be 0 for LayerType.GPULayer (the whole "
+                               "table is GPU-accessible; it has no cache)")
+    storage, init, device = spec.storage, _init(spec), spec.device
+    if _linear_block(spec):
+        _write_init(storage, init)
+        return DeviceTable(storage, spec.dim, spec.dtype, device, spec.config)
+    if storage is None:
+        weights = (torch.empty(spec.num_rows, spec.dim, dtype=spec.dtype,
+                               device=device).normal_()
+                   if init is None else init.detach().to(device).clone())
+    elif isinstance(storage, torch.Tensor):
+        weights = tensor_geometry("storage", storage, spec.dim, spec.dtype, spec.num_rows)
+        if weights.device != device:
+            raise BadArgumentError(f"storage tensor is on {weights.device}; a GPULayer on "
+                                   f"{device} reads it in place: move it there")
+        _write_init(weights, init)
+    else:
+        raise BadArgumentError("storage of a GPULayer must be a tensor, a SharedMemBlock "
+                               "or a DistMemBlock")
+    return DeviceTable(weights, spec.dim, spec.dtype, device, spec.config)
+
+
+def build_linear_uvm(spec: StackSpec) -> LinearStack:
+    """LinearUVM: a GPU cache in front of a shared linear table (on the CPU also a tensor)."""
+    storage, init = spec.storage, _init(spec)
+    if not _linear_block(spec):
+        if isinstance(storage, torch.Tensor) and spec.device.type == "cpu":
+            tensor_geometry("storage", storage, spec.dim, spec.dtype, spec.num_rows)
+        else:
+            raise BadArgumentError(
+                "storage of a LinearUVM layer must be a hostcache.SharedMemBlock, a "
+                "gpu.DistMemBlock (or, on the CPU, a [num_embeddings, dim] tensor); a "
+                "weight_init is written into it"
+            )
+    _write_init(storage, init)
+    return LinearStack(storage, spec.dim, spec.dtype, spec.device, spec.gpu_cache_size,
+                       spec.policy, spec.config)
+
+
+def _default_row(spec: StackSpec) -> torch.Tensor | None:
+    if spec.default_row is None:
+        return None
+    default = torch.as_tensor(spec.default_row, dtype=spec.dtype)
+    if default.dim() == 0:
+        default = default.expand(spec.dim)
+    if tuple(default.shape) != (spec.dim,):
+        raise BadArgumentError(f"default_row must be a scalar or a [{spec.dim}] row; got "
+                               f"shape {tuple(default.shape)}")
+    return default.to(spec.device)
+
+
+def build_hierarchical(spec: StackSpec) -> HierarchicalStack:
+    """Hierarchical: GPU cache -> shared host cache -> parameter server (either of the
+    last two may be missing, not both)."""
+    if spec.weight_init is not None:
+        raise BadArgumentError("weight_init is not used by LayerType.Hierarchical: load the "
+                               "rows into the parameter server (ps.load) instead")
+    host_cache, storage = spec.host_cache, spec.storage
+    if isinstance(host_cache, str):
+        host_cache = HostCache.attach(host_cache)
+        spec.owned.append(host_cache)
+    if host_cache is not None:
+        if not isinstance(host_cache, HostCache):
+            raise BadArgumentError("host_cache must be a hostcache.HostCache or its name")
+        g = host_cache.geometry
+        check_geometry(f"host cache {host_cache.name!r}", g.dim, g.dtype, spec.dim,
+                       spec.dtype)
+    if isinstance(storage, str):
+        name = spec.table or (host_cache.name if host_cache is not None else None)
+        if name is None:
+            raise BadArgumentError("pass table= (the parameter server's table name) with a "
+                                   "storage URL")
+        storage = connect(storage, table=name, dim=spec.dim, dtype=spec.dtype)
+        spec.owned.append(storage)
+    if storage is not None:
+        if not isinstance(storage, ParameterServer):
+            raise BadArgumentError("storage of a Hierarchical layer must be a "
+                                   "psclient.ParameterServer or a URL")
+        check_geometry(f"parameter server table {storage.table!r}", storage.dim,
+                       storage.dtype, spec.dim, spec.dtype)
+    if host_cache is None and storage is None:
+        raise BadArgumentError("a Hierarchical layer needs a host_cache, a storage, or both")
+    return HierarchicalStack(host_cache, storage, spec.dim, spec.dtype, spec.device,
+                             spec.gpu_cache_size, spec.policy, _default_row(spec),
+                             spec.config)
+
+
+#: one builder per layer type
+BUILDERS: dict[LayerType, Callable[[StackSpec], LayerStack]] = {
+    LayerType.GPULayer: build_gpu_layer,
+    LayerType.LinearUVM: build_linear_uvm,
+    LayerType.Hierarchical: build_hierarchical,
+}
+
+
+def build_stack(layer_type: LayerType, num_rows: int, dim: int, dtype: torch.dtype,
+                device: torch.device, *, gpu_cache_size: int, host_cache: Any, storage: Any,
+                weight_init: Any, table: str | None, default_row: Any,
+                insert_policy: InsertPolicy | None, tuning: TierConfig | None,
+                owned: list[Any]) -> LayerStack:
+    """The stack of a layer of ``layer_type``; the tables it opens itself (a host cache
+    attached by name, a parameter server connected from a URL) are appended to ``owned``:
+    the layer closes them, also when this raises.
+
+    Raises:
+        BadArgumentError: an argument the layer type does not take, or of the wrong kind
+            or geometry.
+    """
+    builder = BUILDERS.get(layer_type) if isinstance(layer_type, LayerType) else None
+    if builder is None:
+        raise BadArgumentError(f"layer_type must be a gpu.LayerType; got {layer_type!r}")
+    policy = insert_policy if insert_policy is not None else InsertPolicy()
+    if not isinstance(policy, InsertPolicy):
+        raise BadArgumentError("insert_policy must be a gpu.InsertPolicy")
+    config = DEFAULT if tuning is None else tuning
+    if not isinstance(config, TierConfig):
+        raise BadArgumentError("tuning must be a gpu.TierConfig")
+    if layer_type is not LayerType.Hierarchical and host_cache is not None:
+        raise BadArgumentError(f"host_cache is only used by LayerType.Hierarchical, not "
+                               f"{layer_type.name}")
+    if layer_type is not LayerType.Hierarchical and default_row is not None:
+        raise BadArgumentError("default_row is only used by LayerType.Hierarchical (a linear "
+                               "table has every row)")
+    spec = StackSpec(num_rows, dim, dtype, device, gpu_cache_size, host_cache, storage,
+                     weight_init, table, default_row, policy, config, owned)
+    return builder(spec)
