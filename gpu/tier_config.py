@@ -6,9 +6,13 @@ path"); a layer takes another through its ``tuning=`` argument.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from gpu.errors import BadArgumentError
+from gpu.kernels.tiles import DEFAULT_TILES, Tiles
+
+#: the GPU cache backends a layer may ask for (``gpu.cache.backend``)
+CACHE_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -46,9 +50,23 @@ class TierConfig:
     warm_capacities: float = 4.0
     round_lookups: int = 128
     round_capacities: float = 16.0
+    #: the GPU cache's backend (``gpu.cache.backend``): ``"auto"`` (Triton on CUDA where it
+    #: is importable, else the torch twin), ``"torch"``, or ``"triton"`` (on a CPU layer the
+    #: kernels run under Triton's interpreter: tests)
+    cache_backend: str = "auto"
+    #: the kernels' launch settings (``gpu.kernels.tiles``)
+    tiles: Tiles = field(default=DEFAULT_TILES)
 
     def __post_init__(self) -> None:
+        if self.cache_backend not in CACHE_BACKENDS:
+            raise BadArgumentError(f"TierConfig.cache_backend must be one of "
+                                   f"{', '.join(CACHE_BACKENDS)}; got {self.cache_backend!r}")
+        if not isinstance(self.tiles, Tiles):
+            raise BadArgumentError(f"TierConfig.tiles must be a gpu.kernels.tiles.Tiles; got "
+                                   f"{self.tiles!r}")
         for f in fields(self):
+            if f.name in ("cache_backend", "tiles"):
+                continue
             value = getattr(self, f.name)
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
                 raise BadArgumentError(f"TierConfig.{f.name} must be a number > 0; got "

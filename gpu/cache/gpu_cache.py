@@ -2,13 +2,12 @@
 
 One :class:`GPUCache` per layer per process. Keys, per-way policy counters and rows live
 in three device tensors (slot ``b * ways + w`` is way ``w`` of bucket ``b``); the bucket of
-a key is ``hostcache.hashing.bucket_of`` (the host tier's hash). On CUDA the lookups run as
-Triton kernels (``gpu.kernels.cache_lookup``; inserts ``gpu.kernels.cache_insert``); on CPU, or
-wherever Triton is missing, the torch twin (``gpu.cache.twin``) gives identical results.
-Writes (insert / update / erase) plan slots with deterministic torch ops shared by both
-backends, so the table state after any sequence of operations is the same on CPU and CUDA.
-Argument checks are in ``gpu.cache.checks``, the statistics and miss-candidate types in
-``gpu.cache.records``.
+a key is ``hostcache.hashing.bucket_of`` (the host tier's hash). The cache holds one
+backend object (``gpu.cache.backend``): on CUDA the Triton kernels, on CPU, or wherever
+Triton is missing, the torch twin (``gpu.cache.twin``), with identical results. Updates and
+erases plan slots with deterministic torch ops shared by both backends, so the table state
+after any sequence of operations is the same on CPU and CUDA. Argument checks are in
+``gpu.cache.checks``, the statistics and miss-candidate types in ``gpu.cache.records``.
 
 Bookkeeping (which key lives where: :meth:`GPUCache.probe`) is separate from the code that
 moves bytes (:meth:`GPUCache.gather`); the fused paths do both in one kernel launch.
@@ -20,28 +19,29 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import Iterator
-from types import ModuleType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from gpu.cache import twin
+from gpu.cache.backend import BackendName, CacheTables, make_backend
 from gpu.cache.checks import ArgumentChecks
 from gpu.cache.records import GPUCacheStats, MissCandidates, PreparedInsert
 from gpu.cuda.devices import resolve_device
 from gpu.errors import BadArgumentError
-from gpu.kernels.triton_access import kernel_module, triton_available
-from gpu.stacks.miss_list import MissList
+from gpu.kernels.tiles import DEFAULT_TILES, Tiles
 from hostcache.layout import EMPTY_KEY
 
-__all__ = ["FORCE_TRITON_ENV", "ROW_DTYPES", "Backend", "GPUCache", "GPUCacheStats",
-           "MissCandidates", "PoolMode"]
+if TYPE_CHECKING:
+    from gpu.stacks.miss_list import MissList
+
+__all__ = ["ROW_DTYPES", "Backend", "GPUCache", "GPUCacheStats", "MissCandidates",
+           "PoolMode"]
 
 logger = logging.getLogger(__name__)
 
-Backend = Literal["auto", "torch", "triton"]
+Backend = BackendName
 PoolMode = Literal["sum", "mean"]
 
 #: element types a cache row may have.
@@ -49,9 +49,6 @@ ROW_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _INT32_MAX = (1 << 31) - 1
 #: odd multiplier (2^32 / golden ratio) spreading successive lookup counts over the rows
 _GOLDEN = 0x9E3779B1
-#: set NVEC_FORCE_TRITON=1 to make ``backend="auto"`` run the Triton kernels on CPU tensors
-#: too (through Triton's interpreter; slow, for tests).
-FORCE_TRITON_ENV = "NVEC_FORCE_TRITON"
 
 
 class GPUCache:
@@ -66,7 +63,9 @@ class GPUCache:
         ways: Slots per bucket, a power of two from 1 to 64 (8: one 64-byte key load).
         backend: ``"triton"`` (kernels; on CPU tensors through Triton's interpreter),
             ``"torch"`` (the twin in torch ops) or ``"auto"`` (Triton on CUDA when it is
-            importable, else torch; ``NVEC_FORCE_TRITON=1`` forces Triton).
+            importable, else torch).
+        tiles: The kernels' launch settings (:class:`gpu.kernels.tiles.Tiles`; a layer's
+            ``TierConfig.tiles``); the torch twin ignores them.
 
     Raises:
         BadArgumentError: A size, dtype, ways or backend is invalid.
@@ -83,6 +82,7 @@ class GPUCache:
         *,
         ways: int = 8,
         backend: Backend = "auto",
+        tiles: Tiles = DEFAULT_TILES,
     ) -> None:
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) \
                 or capacity_bytes < 0:
@@ -96,9 +96,6 @@ class GPUCache:
         if isinstance(ways, bool) or not isinstance(ways, int) or not 1 <= ways <= 64 \
                 or ways & (ways - 1):
             raise BadArgumentError(f"ways must be a power of two in [1, 64]; got {ways!r}")
-        if backend not in ("auto", "torch", "triton"):
-            raise BadArgumentError(
-                f"backend must be 'auto', 'torch' or 'triton'; got {backend!r}")
         dev = resolve_device(device)
         self.dim = dim
         self.dtype = dtype
@@ -109,38 +106,18 @@ class GPUCache:
         self.slot_bytes = 8 + 4 + self.row_bytes
         self.num_buckets = capacity_bytes // self.slot_bytes // ways
         self.capacity = self.num_buckets * ways
-        # NOTE: one slot more than the table: the trash slot that insert plans write where
-        # a batch position writes nothing (gpu.cache.twin.InsertPlan); views hide it.
-        self._tkeys_all = torch.full((self.capacity + 1,), EMPTY_KEY, dtype=torch.int64,
-                                     device=dev)
-        self._counters_all = torch.zeros(self.capacity + 1, dtype=torch.int32, device=dev)
-        self._rows_all = torch.zeros((self.capacity + 1, dim), dtype=dtype, device=dev)
-        self._tkeys = self._tkeys_all[: self.capacity]
-        self._counters = self._counters_all[: self.capacity]
-        self._rows = self._rows_all[: self.capacity]
-        self._hits = torch.zeros(twin.STAT_STRIPES, dtype=torch.int64, device=dev)
+        #: the table's tensors (benches read them; ``state()`` copies them)
+        self.tables = t = CacheTables(self.num_buckets, ways, dim, dtype, dev)
+        self._tkeys, self._counters, self._hits = t.tkeys, t.counters, t.hits
         self._lookups = 0
         self._updates = self._erases = 0
-        # inserts, evictions, dropped keys: counted on the device (insert makes no sync)
-        self._insert_stats = torch.zeros(3, dtype=torch.int64, device=dev)
-        self._kernels: ModuleType | None = None  # gpu.kernels.cache_lookup: the lookups
-        self._write_kernels: ModuleType | None = None  # gpu.kernels.cache_insert
-        #: the lookups' launches with this cache's tables bound (gpu.kernels.cache_lookup.lookup)
-        self._bound: dict[tuple[Any, ...], Any] = {}
         #: keys counted by the kernels since the counters were last clamped in full.
         self._unclamped = 0
-        use_triton = backend == "triton" or (backend == "auto" and (
-            os.environ.get(FORCE_TRITON_ENV, "") == "1"
-            or (dev.type == "cuda" and triton_available())))
-        if use_triton:
-            self._kernels = kernel_module("cache_lookup", interpret=dev.type != "cuda")
-            self._write_kernels = kernel_module("cache_insert",
-                                                interpret=dev.type != "cuda")
-        self.backend = "triton" if use_triton else "torch"
+        #: the backend object every lookup and insert runs on (gpu.cache.backend)
+        self.ops = make_backend(backend, t, dev, tiles)
+        self.backend = self.ops.name
         logger.debug("GPUCache %d slots (%d buckets x %d ways), dim %d %s on %s, backend %s",
                      self.capacity, self.num_buckets, ways, dim, dtype, dev, self.backend)
-
-    # ------------------------------------------------------------------ validation
 
     # ------------------------------------------------------------------ lookups
 
@@ -167,29 +144,17 @@ class GPUCache:
             int64 ``[N]``: the slot of each key, -1 where it is not cached.
         """
         keys = self._checks.keys(keys)
-        if self._kernels is not None:
-            if record:
-                self._will_count(keys.numel())
-            _, hit, slots = self._kernels.lookup(
-                keys, self._tkeys, self._counters, self._rows, self._hits, self.num_buckets,
-                self.ways, empty=EMPTY_KEY, gather=False,
-                count=record, want_slots=True, cmax=twin.COUNTER_MAX)
-            assert slots is not None
-        else:
-            hit, slots = twin.probe(self._tkeys, self.num_buckets, self.ways, keys)
-            if record:
-                twin.bump(self._counters, slots, hit)
-                twin.count_hits(self._hits, hit)
         if record:
+            self._will_count(keys.numel())
             self._lookups += keys.numel()
-        return slots
+        return self.ops.probe(keys, record)
 
     def gather(self, slots: torch.Tensor) -> torch.Tensor:
         """Rows at ``slots`` (from :meth:`probe`); zero rows where a slot is -1."""
         slots = self._checks.keys(slots, "slots")
         if slots.numel() and bool((slots >= self.capacity).any()):
             raise BadArgumentError(f"slots must be -1 or lie in [0, {self.capacity})")
-        return twin.gather(self._rows, slots, slots >= 0)
+        return twin.gather(self.tables.rows, slots, slots >= 0)
 
     def lookup(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of ``keys``: ``(values [N, dim], hit bool [N])``; misses give zero rows."""
@@ -248,21 +213,11 @@ class GPUCache:
     ) -> torch.Tensor:
         """:meth:`lookup_linear` for a caller that checked its arguments (a layer's stack):
         no argument checks, no hit flags; keys outside the table read zero rows."""
-        cand = candidates
-        if self._kernels is not None:
-            rotate = (self._lookups * _GOLDEN) & _INT32_MAX
-            self._lookups += keys.numel()
-            self._will_count(keys.numel())
-            out, _, _ = self._kernels.lookup(
-                keys, self._tkeys, self._counters, self._rows, self._hits, self.num_buckets,
-                self.ways, empty=EMPTY_KEY, gather=True, count=True, want_slots=False,
-                table=table, candidates=cand.buffer if cand is not None else None,
-                host_table=host_table, cmax=twin.COUNTER_MAX, rotate=rotate, err=err,
-                want_hit=False, candidate_rows=cand.rows if cand is not None else None,
-                bound=self._bound)
-            assert out is not None
-            return out
-        return self._lookup_rows(keys, table, cand, host_table)[0]
+        rotate = (self._lookups * _GOLDEN) & _INT32_MAX
+        self._lookups += keys.numel()
+        self._will_count(keys.numel())
+        return self.ops.lookup(keys, table, candidates, host_table, err, None, rotate, False,
+                               True)[0]
 
     def _lookup_rows(
         self, keys: torch.Tensor, table: torch.Tensor | None,
@@ -276,31 +231,9 @@ class GPUCache:
         # row each time (gpu.kernels.cache_lookup.page_order)
         rotate = (self._lookups * _GOLDEN) & _INT32_MAX
         self._lookups += keys.numel()
-        if self._kernels is not None:
-            self._will_count(keys.numel())
-            out, hit, _ = self._kernels.lookup(
-                keys, self._tkeys, self._counters, self._rows, self._hits, self.num_buckets,
-                self.ways, empty=EMPTY_KEY, gather=True, count=True,
-                want_slots=False, table=table,
-                candidates=cand.buffer if cand is not None else None, host_table=host_table,
-                cmax=twin.COUNTER_MAX, rotate=rotate, err=err,
-                candidate_rows=cand.rows if cand is not None else None,
-                misses=(misses.counter, misses.start, misses.view)
-                if misses is not None else None,
-                bound=self._bound if table is None else None, want_hit=misses is None)
-            assert out is not None
-            return out, hit
-        hit, slot = twin.probe(self._tkeys, self.num_buckets, self.ways, keys)
-        twin.bump(self._counters, slot, hit)
-        twin.count_hits(self._hits, hit)
-        if misses is not None:
-            twin.list_misses(misses.counter, misses.start, misses.view, keys, hit)
-        if table is None:
-            return twin.gather(self._rows, slot, hit), hit
-        vals = twin.gather_linear(self._rows, slot, hit, keys, table)
-        if cand is not None:
-            twin.collect_misses(cand.buffer, keys, hit, table.shape[0], vals, cand.rows)
-        return vals, hit
+        self._will_count(keys.numel())
+        return self.ops.lookup(keys, table, cand, host_table, err, misses, rotate,
+                               misses is None, table is None)
 
     def lookup_pooled(
         self,
@@ -373,35 +306,10 @@ class GPUCache:
         err: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         self._lookups += keys.numel()
-        if self._kernels is not None:
-            self._will_count(keys.numel())
-            return self._kernels.pooled(
-                keys, offsets, w, mv, self._tkeys, self._counters, self._rows, self._hits,
-                self.num_buckets, self.ways, mean=mean, empty=EMPTY_KEY, table=table,
-                candidates=cand.buffer if cand is not None else None, cmax=twin.COUNTER_MAX,
-                out_dtype=out_dtype, err=err,
-                candidate_rows=cand.rows if cand is not None else None)
-        hit, slot = twin.probe(self._tkeys, self.num_buckets, self.ways, keys)
-        twin.bump(self._counters, slot, hit)
-        twin.count_hits(self._hits, hit)
-        if table is not None:
-            vals = twin.gather_linear(self._rows, slot, hit, keys, table)
-            if cand is not None:
-                twin.collect_misses(cand.buffer, keys, hit, table.shape[0], vals, cand.rows)
-        else:
-            vals = twin.gather(self._rows, slot, hit)
-            if mv is not None:
-                vals = torch.where(hit[:, None], vals, mv)
-        return twin.pool(vals, offsets, w, mean, out_dtype or self.dtype), hit
+        self._will_count(keys.numel())
+        return self.ops.pooled(keys, offsets, mean, w, mv, table, cand, out_dtype, err)
 
     # ------------------------------------------------------------------ writes
-
-    def _scatter(self, target: torch.Tensor, values: torch.Tensor, src: torch.Tensor) -> None:
-        """``rows[target] = values[src]``; ``target`` may name the trash slot."""
-        if self._write_kernels is not None:
-            self._write_kernels.scatter_rows(self._rows_all, target, values, src)
-        else:
-            self._rows_all[target] = values[src]
 
     def insert(self, keys: torch.Tensor, values: torch.Tensor, *, validate: bool = True
                ) -> None:
@@ -429,24 +337,18 @@ class GPUCache:
         batch; on the torch backend nothing): it may run on another stream while lookups
         use the cache (gpu.stacks.split_round). ``keys``: int64 on this cache's device,
         non-empty, not checked."""
-        if self._write_kernels is not None:
-            return self._write_kernels.prepare_insert(keys, self.num_buckets)
-        return PreparedInsert(keys, *(keys[:0],) * 6)
+        return self.ops.prepare_insert(keys)
 
     def sort_insert_keys(self, keys: torch.Tensor, out: PreparedInsert, *,
                          small: bool = False) -> None:
         """``prepare_insert`` in two steps into reused buffers (``PreparedInsert.empty``
         of ``keys``' size), this the first: ``keys`` copied (they may change afterwards),
         then sorted. ``small``: each key is the empty marker or in ``[0, 2**31)``."""
-        if self._write_kernels is not None:
-            self._write_kernels.sort_keys(keys, out, small)
-        elif keys is not out.keys:
-            out.keys.copy_(keys)
+        self.ops.sort_insert_keys(keys, out, small)
 
     def sort_insert_buckets(self, out: PreparedInsert) -> None:
         """The second step of ``prepare_insert`` into ``out``."""
-        if self._write_kernels is not None:
-            self._write_kernels.sort_buckets(out, self.num_buckets)
+        self.ops.sort_insert_buckets(out)
 
     def apply_insert(self, prepared: PreparedInsert, values: torch.Tensor) -> None:
         """The other half, in stream order: the placements ``insert`` makes of the
@@ -454,19 +356,7 @@ class GPUCache:
         key ``i`` (not checked)."""
         if self.num_buckets == 0:
             return
-        if self._write_kernels is not None:
-            self._write_kernels.apply_insert(prepared, values, self._tkeys, self._counters,
-                                             self._rows_all, self._insert_stats,
-                                             self.num_buckets, self.ways,
-                                             cmax=twin.COUNTER_MAX, decay_at=twin.DECAY_AT)
-            return
-        plan = twin.plan_insert(self._tkeys, self._counters, self.num_buckets, self.ways,
-                                prepared.keys)
-        self._counters_all[plan.decay_target] = plan.decay_values
-        self._tkeys_all[plan.key_target] = plan.new_keys
-        self._counters_all[plan.key_target] = plan.new_counters
-        self._scatter(plan.row_target, values, plan.row_src)
-        self._insert_stats += torch.stack([plan.placed, plan.evictions, plan.dropped])
+        self.ops.apply_insert(prepared, values)
 
     def update(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """Overwrite the rows of keys that are cached; others are ignored.
@@ -477,7 +367,7 @@ class GPUCache:
         keys = self._checks.keys(keys)
         values = self._checks.rows(values, keys.numel())
         slots, src, present = twin.plan_update(self._tkeys, self.num_buckets, self.ways, keys)
-        self._scatter(slots, values, src)
+        self.ops.scatter(slots, values, src)
         self._updates += slots.numel()
         return present
 
@@ -501,14 +391,14 @@ class GPUCache:
         """Work whose effects are forgotten after it: every row dropped, the statistics as
         they were. For loading kernels at a layer's construction (the cache is empty then)
         with the very argument shapes its lookups and rounds will use."""
-        saved = (self._hits.clone(), self._insert_stats.clone(), self._lookups,
+        saved = (self._hits.clone(), self.tables.insert_stats.clone(), self._lookups,
                  self._updates, self._erases)
         try:
             yield
         finally:
             self.clear()
             self._hits.copy_(saved[0])
-            self._insert_stats.copy_(saved[1])
+            self.tables.insert_stats.copy_(saved[1])
             self._lookups, self._updates, self._erases = saved[2:]
 
     # ------------------------------------------------------------------ introspection
@@ -518,7 +408,7 @@ class GPUCache:
         hits = int(self._hits.sum())
         size = int((self._tkeys != EMPTY_KEY).sum()) if self.capacity else 0
         misses = self._lookups - hits
-        inserts, evictions, _dropped = (int(x) for x in self._insert_stats.tolist())
+        inserts, evictions, _dropped = (int(x) for x in self.tables.insert_stats.tolist())
         return GPUCacheStats(
             capacity=self.capacity, size=size, hits=hits, misses=misses,
             inserts=inserts, evictions=evictions, updates=self._updates,
@@ -527,7 +417,7 @@ class GPUCache:
     def state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Copies of ``(keys [slots], counters [slots], rows [slots, dim])`` on the CPU."""
         counters = self._counters.clamp_max(twin.COUNTER_MAX)  # see _will_count
-        return self._tkeys.cpu(), counters.cpu(), self._rows.cpu()
+        return self._tkeys.cpu(), counters.cpu(), self.tables.rows.cpu()
 
     def __repr__(self) -> str:
         return (f"GPUCache(slots={self.capacity}, ways={self.ways}, dim={self.dim}, "

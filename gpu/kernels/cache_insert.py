@@ -28,8 +28,6 @@ then, in stream order (:func:`apply_insert`):
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import triton
 import triton.language as tl
@@ -37,6 +35,7 @@ import triton.language as tl
 from gpu.cache.records import PreparedInsert
 from gpu.cuda.devices import on_tensor_device
 from gpu.kernels.launch import DirectLaunch
+from gpu.kernels.tiles import Tiles
 from gpu.kernels.triton_access import helper_module
 from hostcache.layout import EMPTY_KEY
 
@@ -209,20 +208,6 @@ def _insert_apply_kernel(
 
 # ---------------------------------------------------------------- launchers
 
-@dataclasses.dataclass(frozen=True)
-class Tiles:
-    """Keys per program of the writes (a test swaps the whole object)."""
-
-    scatter_block_k: int = 16
-    insert_block_k: int = 32
-
-
-TILES = Tiles()
-if triton.knobs.runtime.interpret:
-    # NOTE: small blocks keep the CPU tests fast (and cover many programs per launch).
-    TILES = Tiles(insert_block_k=8)
-
-
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -232,7 +217,7 @@ def _block_d(dim: int) -> int:
 
 
 # NOTE: launched directly (gpu.kernels.launch): an admission round is five of these launches, and
-# the JIT's per-call binding costs more than each launch (bench/RESULTS.md, "Per-call path")
+# the JIT's per-call binding costs more than each launch
 _LAST = DirectLaunch(_insert_last_kernel)
 _PROBE = DirectLaunch(_insert_probe_kernel)
 _PLAN = DirectLaunch(_insert_plan_kernel)
@@ -252,13 +237,14 @@ def _launch(launcher: DirectLaunch, grid: tuple[int, ...], args: tuple[object, .
 
 @on_tensor_device
 def scatter_rows(
-    rows: torch.Tensor, target: torch.Tensor, values: torch.Tensor, src: torch.Tensor
+    rows: torch.Tensor, target: torch.Tensor, values: torch.Tensor, src: torch.Tensor, *,
+    tiles: Tiles,
 ) -> None:
     """``rows[target[i]] = values[src[i]]`` for distinct targets."""
     n = target.numel()
     if n == 0:
         return
-    bk = TILES.scatter_block_k
+    bk = tiles.scatter_block_k
     dim = rows.shape[1]
     _launch(_SCATTER, (_cdiv(n, bk),), (rows, target, values, src, n, dim),
             ("scatter", rows.dtype, values.dtype, bk, dim), BLOCK_K=bk, BLOCK_D=_block_d(dim))
@@ -283,24 +269,24 @@ def sort_keys(keys: torch.Tensor, p: PreparedInsert, small: bool = False) -> Non
 
 
 @on_tensor_device
-def sort_buckets(p: PreparedInsert, num_buckets: int) -> None:
+def sort_buckets(p: PreparedInsert, num_buckets: int, *, tiles: Tiles) -> None:
     """Insert step 2 (reads nothing of the table): each sorted position's bucket sort key
     (a launch), the batch sorted by it, and where each bucket's run starts."""
     n = p.ks.numel()
     # NOTE: bucket indices sort as int32 (a cache of 2**31 buckets would need 2**34 slots)
     assert num_buckets < 1 << 31
-    bk = TILES.insert_block_k
+    bk = tiles.insert_block_k
     _launch(_LAST, (_cdiv(n, bk),), (p.ks, n, num_buckets, p.skey), ("last", bk),
             EMPTY=EMPTY_KEY, BLOCK_K=bk)
     torch.sort(p.skey, stable=True, out=(p.sb, p.order))
     torch.searchsorted(p.sb, p.sb, out=p.start)
 
 
-def prepare_insert(keys: torch.Tensor, num_buckets: int) -> PreparedInsert:
+def prepare_insert(keys: torch.Tensor, num_buckets: int, *, tiles: Tiles) -> PreparedInsert:
     """Steps 1 and 2 of inserting ``keys`` (non-empty) into fresh buffers."""
     p = PreparedInsert.empty(keys.numel(), keys.device, keys)
     sort_keys(keys, p)
-    sort_buckets(p, num_buckets)
+    sort_buckets(p, num_buckets, tiles=tiles)
     return p
 
 
@@ -308,7 +294,7 @@ def prepare_insert(keys: torch.Tensor, num_buckets: int) -> PreparedInsert:
 def apply_insert(
     p: PreparedInsert, values: torch.Tensor, tkeys: torch.Tensor, counters: torch.Tensor,
     rows_all: torch.Tensor, stats: torch.Tensor, num_buckets: int, ways: int, *, cmax: int,
-    decay_at: int,
+    decay_at: int, tiles: Tiles,
 ) -> None:
     """The steps that read and write the table, in the caller's stream order: the same
     placements as ``gpu.cache.twin.plan_insert`` for the keys ``p`` was prepared from,
@@ -316,7 +302,7 @@ def apply_insert(
     ``tkeys.numel()``; ``stats`` (int64 [3]) gains placed, evicted and dropped counts."""
     n = p.ks.numel()
     trash = tkeys.numel()
-    bk = TILES.insert_block_k
+    bk = tiles.insert_block_k
     grid = (_cdiv(n, bk),)
     empty = EMPTY_KEY
     slot = torch.empty_like(p.ks)
@@ -340,16 +326,16 @@ def apply_insert(
             CMAX=cmax, DECAY_AT=decay_at, WAYS=ways, BLOCK_K=bk)
     _launch(_APPLY, grid, (key_target, new_keys, new_counters, n, tkeys, counters, trash),
             ("apply", counters.dtype, bk), BLOCK_K=bk)
-    scatter_rows(rows_all, row_target, values, row_src)
+    scatter_rows(rows_all, row_target, values, row_src, tiles=tiles)
 
 
 @on_tensor_device
 def insert(
     keys: torch.Tensor, values: torch.Tensor, tkeys: torch.Tensor, counters: torch.Tensor,
     rows_all: torch.Tensor, stats: torch.Tensor, num_buckets: int, ways: int, *, cmax: int,
-    decay_at: int,
+    decay_at: int, tiles: Tiles,
 ) -> None:
     """Insert ``keys``/``values`` (non-empty) with no host sync: :func:`prepare_insert`
     then :func:`apply_insert`."""
-    apply_insert(prepare_insert(keys, num_buckets), values, tkeys, counters, rows_all,
-                 stats, num_buckets, ways, cmax=cmax, decay_at=decay_at)
+    apply_insert(prepare_insert(keys, num_buckets, tiles=tiles), values, tkeys, counters,
+                 rows_all, stats, num_buckets, ways, cmax=cmax, decay_at=decay_at, tiles=tiles)

@@ -25,8 +25,9 @@ launch: a block of keys waits for its few host reads while other blocks gather h
 device memory. The table's rows may be padded: row ``k`` starts ``k * table.stride(0)``
 elements in (a ``SharedMemBlock`` rounds rows up to 16 bytes).
 
-Small batches are visited in batch order. From ``TILES.linear_page_order`` keys a
-batch over a table in host memory (0: never) is visited in row (= host page) order instead
+Small batches are visited in batch order. From ``Tiles.linear_page_order`` keys (the
+cache's :class:`gpu.kernels.tiles.Tiles`) a batch over a table in host memory (0: never) is
+visited in row (= host page) order instead
 (``page_order``: one int32 ``argsort``; each result still goes to its key's batch
 position), so that neighbouring programs read neighbouring host pages: slower than batch
 order for small batches, faster for large ones (bench/RESULTS.md, "GPU cache kernels",
@@ -35,18 +36,14 @@ same bit for bit. A page-ordered lookup that lists its misses (``candidates``) m
 and lists them in a second launch after a scan of the marks, in batch order, as the twin
 does: listed in visit order, a log that fills would hold every miss of one window of rows,
 each distinct cold key once, instead of a sample of the miss occurrences in which often
-missed keys are likelier (a 1M-key LinearUVM stream warmed 30 points slower that way).
+missed keys are likelier (a large LinearUVM stream warmed more slowly that way).
 
-Pooled lookups split each bag over several programs (``pooled_split``) so that a few
-hundred bags still fill the GPU; each program accumulates a ``[BLOCK_K, BLOCK_D]`` fp32
-tile and reduces it once, and a second launch sums the partial rows in a fixed order.
-
-The writes (insert, row scatters) are in :mod:`gpu.kernels.cache_insert`.
+The pooled lookups are in :mod:`gpu.kernels.cache_pooled`, the writes (insert, row
+scatters) in :mod:`gpu.kernels.cache_insert`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -54,6 +51,7 @@ import triton
 import triton.language as tl
 
 from gpu.kernels.launch import BoundLaunch, DirectLaunch
+from gpu.kernels.tiles import Tiles
 from gpu.kernels.triton_access import helper_module
 
 # NOTE: the per-block device functions, decorated like this module's kernels (compiled or
@@ -190,155 +188,7 @@ def _collect_ordered_kernel(
         tl.store(crows_ptr + pos[:, None] * dim + d[None, :], vals, mask=rm)
 
 
-@triton.jit(do_not_specialize=["num_buckets", "num_rows", "cand_cap"])
-def _pooled_kernel(
-    keys_ptr, offsets_ptr, weights_ptr, miss_ptr, tkeys_ptr, counters_ptr, rows_ptr,
-    stats_ptr, num_buckets, out_ptr, part_ptr, hit_ptr, table_ptr, num_rows, tstride, dim,
-    cand_ptr, cand_cap, err_ptr, crows_ptr, HAS_CACHE: tl.constexpr, HAS_W: tl.constexpr,
-    HAS_MISS: tl.constexpr,
-    COLLECT: tl.constexpr,
-    LINEAR: tl.constexpr, MEAN: tl.constexpr, SPLIT: tl.constexpr, WAYS: tl.constexpr,
-    EMPTY: tl.constexpr, STAT_STRIPES: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, COUNT: tl.constexpr, CMAX: tl.constexpr,
-    CHECK: tl.constexpr, COLLECT_ROWS: tl.constexpr,
-):
-    bag = tl.program_id(0)
-    split = tl.program_id(1)
-    start = tl.load(offsets_ptr + bag)
-    end = tl.load(offsets_ptr + bag + 1)
-    d = tl.arange(0, BLOCK_D)
-    if EVEN_D:
-        dmask = tl.full([BLOCK_D], 1, tl.int1)  # dim is BLOCK_D
-    else:
-        dmask = d < dim
-    # NOTE: accumulate a [BLOCK_K, BLOCK_D] tile in registers and reduce it across keys once
-    # at the end: a reduction per step would cost a shared-memory round and a barrier.
-    acc = tl.full([BLOCK_K, BLOCK_D], 0.0, tl.float32)
-    nhits = tl.full([BLOCK_K], 0, tl.int64)
-    # NOTE: a while loop, not range(start, end, step): Triton 3.6's interpreter cannot take
-    # loaded values as range bounds.
-    s = start + split * BLOCK_K
-    while s < end:
-        offs = s + tl.arange(0, BLOCK_K).to(tl.int64)
-        s += SPLIT * BLOCK_K
-        kmask = offs < end
-        keys = tl.load(keys_ptr + offs, mask=kmask, other=EMPTY)
-        if HAS_CACHE:
-            hit, slot = probe(tkeys_ptr, keys, kmask, num_buckets, WAYS, EMPTY)
-            vals = tl.load(
-                rows_ptr + slot[:, None] * dim + d[None, :], mask=hit[:, None] & dmask[None, :],
-                other=0.0,
-            ).to(tl.float32)
-            if LINEAR:
-                inrange = kmask & (keys >= 0) & (keys < num_rows) & (hit == 0)
-                tval = tl.load(
-                    table_ptr + keys[:, None] * tstride + d[None, :],
-                    mask=inrange[:, None] & dmask[None, :], other=0.0,
-                ).to(tl.float32)
-                vals = tl.where(hit[:, None], vals, tval)
-            if HAS_MISS:
-                mval = tl.load(
-                    miss_ptr + offs[:, None] * dim + d[None, :],
-                    mask=(kmask & (hit == 0))[:, None] & dmask[None, :], other=0.0,
-                ).to(tl.float32)
-                vals = tl.where(hit[:, None], vals, mval)
-        else:
-            hit = offs < 0
-            slot = offs * 0
-            if LINEAR:
-                inrange = kmask & (keys >= 0) & (keys < num_rows)
-                vals = tl.load(
-                    table_ptr + keys[:, None] * tstride + d[None, :],
-                    mask=inrange[:, None] & dmask[None, :], other=0.0,
-                ).to(tl.float32)
-            elif HAS_MISS:
-                vals = tl.load(
-                    miss_ptr + offs[:, None] * dim + d[None, :],
-                    mask=kmask[:, None] & dmask[None, :], other=0.0,
-                ).to(tl.float32)
-            else:
-                vals = tl.full([BLOCK_K, BLOCK_D], 0.0, tl.float32)
-        if COLLECT:
-            cpos, stored = _collect(cand_ptr, cand_cap, keys, offs,
-                                    kmask & (hit == 0) & (keys >= 0) & (keys < num_rows))
-            if COLLECT_ROWS:
-                # NOTE: the rows as read (before any weight), in the cache's dtype
-                tl.store(crows_ptr + cpos[:, None] * dim + d[None, :],
-                         vals.to(crows_ptr.dtype.element_ty),
-                         mask=stored[:, None] & dmask[None, :])
-        if HAS_W:
-            w = tl.load(weights_ptr + offs, mask=kmask, other=0.0).to(tl.float32)
-            vals = vals * w[:, None]
-        acc += vals
-        tl.store(hit_ptr + offs, hit.to(tl.int8), mask=kmask)
-        if HAS_CACHE:
-            if COUNT:
-                _bump(counters_ptr, slot, hit, CMAX)
-            nhits += hit.to(tl.int64)
-        if CHECK:
-            tl.store(err_ptr + offs * 0, keys, mask=kmask & ((keys < 0) | (keys >= num_rows)))
-    res = tl.reduce(acc, 0, add_combine)
-    if SPLIT == 1:
-        if MEAN:
-            res = res / tl.maximum(end - start, 1).to(tl.float32)
-        tl.store(out_ptr + bag.to(tl.int64) * dim + d, res.to(out_ptr.dtype.element_ty),
-                 mask=dmask)
-    else:
-        tl.store(part_ptr + (bag.to(tl.int64) * SPLIT + split) * dim + d, res, mask=dmask)
-    if HAS_CACHE:
-        total = tl.reduce(nhits, 0, add_combine)
-        tl.atomic_add(stats_ptr + (bag * SPLIT + split) % STAT_STRIPES, total, sem="relaxed")
-
-
-@triton.jit
-def _pool_finish_kernel(
-    part_ptr, offsets_ptr, out_ptr, dim, MEAN: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-):
-    """Sums the ``SPLIT`` fp32 partial rows of a bag in a fixed order (deterministic)."""
-    bag = tl.program_id(0)
-    d = tl.arange(0, BLOCK_D)
-    if EVEN_D:
-        dmask = tl.full([BLOCK_D], 1, tl.int1)
-    else:
-        dmask = d < dim
-    s = tl.arange(0, SPLIT)
-    p = tl.load(part_ptr + (bag.to(tl.int64) * SPLIT + s)[:, None] * dim + d[None, :],
-                mask=dmask[None, :], other=0.0)
-    res = tl.reduce(p, 0, add_combine)
-    if MEAN:
-        start = tl.load(offsets_ptr + bag)
-        end = tl.load(offsets_ptr + bag + 1)
-        res = res / tl.maximum(end - start, 1).to(tl.float32)
-    tl.store(out_ptr + bag.to(tl.int64) * dim + d, res.to(out_ptr.dtype.element_ty), mask=dmask)
-
-
 # ---------------------------------------------------------------- launchers
-
-@dataclasses.dataclass(frozen=True)
-class Tiles:
-    """Tile sizes and the batch-size rules of the lookups (measured on the H200:
-    bench/RESULTS.md, "GPU cache kernels"); a bench or a test swaps the whole object
-    (``dataclasses.replace``)."""
-
-    lookup_block_k: int = 16
-    lookup_warps: int = 4
-    #: from this many keys a batch over a host table is visited in page order
-    #: (:func:`page_order`; 0: never)
-    linear_page_order: int = 1 << 17
-    pooled_block_k: int = 64
-    pooled_warps: int = 8
-    #: split bags over about this many programs in all, at most this many per bag
-    pooled_programs: int = 256
-    pooled_max_split: int = 64
-
-
-TILES = Tiles()
-if triton.knobs.runtime.interpret:
-    # NOTE: small blocks keep the interpreted CPU tests fast and cover many programs per
-    # launch
-    TILES = Tiles(lookup_block_k=8, pooled_block_k=8)
-
 
 #: the lookup kernel launched directly (gpu.kernels.launch), and its constexpr sets by key
 _LOOKUP = DirectLaunch(_lookup_kernel)
@@ -380,7 +230,7 @@ def lookup(
     rotate: int = 0, err: torch.Tensor | None = None, want_hit: bool = True,
     candidate_rows: torch.Tensor | None = None,
     misses: tuple[torch.Tensor, int, torch.Tensor] | None = None,
-    bound: dict[tuple[Any, ...], BoundLaunch] | None = None,
+    bound: dict[tuple[Any, ...], BoundLaunch] | None = None, tiles: Tiles,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Probe (+ gather, + linear-table misses) of ``keys``: ``(values, hit, slots)``.
 
@@ -399,6 +249,7 @@ def lookup(
     the cache's own store of bound launches (:class:`~gpu.kernels.launch.BoundLaunch`) for
     gathers visited in batch order, keyed by what the call passes; ``table`` and ``err``
     are then the caller's own, the same objects call after call (a layer's stack).
+    ``tiles``: the cache's launch settings.
     """
     n = keys.numel()
     dim = rows.shape[1]
@@ -410,14 +261,12 @@ def lookup(
     if n == 0:
         return out, hit, slots
     if bound is not None and out is not None and slots is None and not (
-            table is not None and host_table and 0 < TILES.linear_page_order <= n):
+            table is not None and host_table and 0 < tiles.linear_page_order <= n):
         # NOTE: a serving-size gather: the cache's tables, the layer's table and key flag
-        # bound once; the launcher takes only what changes (gpu.kernels.launch.BoundLaunch). The
-        # tile sizes by identity: the bound launch's key holds the object, so its id is
-        # not reused while the entry lives
+        # bound once; the launcher takes only what changes (gpu.kernels.launch.BoundLaunch)
         flags = hit.view(torch.int8) if hit is not None else None
         bkey = (flags is not None, count, id(table), candidates is not None,
-                candidate_rows is not None, id(err), misses is not None, id(TILES))
+                candidate_rows is not None, id(err), misses is not None, tiles)
         launch = bound.get(bkey)
         if launch is None:
             if len(bound) >= 16:  # NOTE: a caller passing new tables: bounded
@@ -425,7 +274,7 @@ def lookup(
             launch = bound[bkey] = _bind_lookup(
                 tkeys, counters, rows, stats, num_buckets, ways, empty, count, table,
                 cmax, err, flags is not None, candidates is not None,
-                candidate_rows is not None, misses is not None)
+                candidate_rows is not None, misses is not None, tiles)
         # NOTE: only what the variant uses varies, in _bind_lookup's order
         given: list[Any] = [keys, n, out]
         if flags is not None:
@@ -436,17 +285,16 @@ def lookup(
             given.append(candidate_rows)
         if misses is not None:
             given += misses
-        launch(_cdiv(n, TILES.lookup_block_k), *given)
+        launch(_cdiv(n, tiles.lookup_block_k), *given)
         return out, hit, None
     bd = _block_d(dim)
     linear = table is not None
-    order = _visit_order(keys, table, host_table, rotate) if gather else None
+    order = _visit_order(keys, table, host_table, rotate, tiles) if gather else None
     # NOTE: a page-ordered lookup marks its misses and lists them after, in batch order:
     # listed in visit order, a log that fills would hold every miss of a window of rows
     # (each distinct cold key once) instead of a sample of the miss occurrences
     later = candidates is not None and order is not None
     marks = torch.empty(n, dtype=torch.int8, device=dev) if later else None
-    tiles = TILES
     cx, cxkey = _lookup_constexprs(
         num_buckets > 0, gather, linear, want_slots, count,
         candidates is not None and not later, ways, empty, stats.numel(), bd, cmax,
@@ -504,7 +352,7 @@ def _bind_lookup(tkeys: torch.Tensor, counters: torch.Tensor, rows: torch.Tensor
                  stats: torch.Tensor, num_buckets: int, ways: int, empty: int, count: bool,
                  table: torch.Tensor | None, cmax: int, err: torch.Tensor | None,
                  want_hit: bool, has_cand: bool, has_crows: bool,
-                 has_list: bool) -> BoundLaunch:
+                 has_list: bool, tiles: Tiles) -> BoundLaunch:
     """A gather in batch order with this cache's tables bound (the varying arguments'
     slots hold placeholders until a call gives them)."""
     dim = rows.shape[1]
@@ -512,7 +360,7 @@ def _bind_lookup(tkeys: torch.Tensor, counters: torch.Tensor, rows: torch.Tensor
     cx, cxkey = _lookup_constexprs(
         num_buckets > 0, True, linear, False, count, has_cand, ways, empty, stats.numel(),
         _block_d(dim), cmax, False, want_hit, err is not None and linear, dim, rows.dtype,
-        TILES, has_crows, has_list, False)
+        tiles, has_crows, has_list, False)
     args = (tkeys, 0, tkeys, counters, rows, stats, max(num_buckets, 1), rows, tkeys, tkeys,
             table if linear else rows, table.shape[0] if table is not None else 0,
             _row_stride(table, dim), dim, tkeys, 0, tkeys, err if err is not None else tkeys,
@@ -544,10 +392,10 @@ def _collect_ordered(keys: torch.Tensor, marks: torch.Tensor, out: torch.Tensor,
 
 
 def _visit_order(keys: torch.Tensor, table: torch.Tensor | None, host_table: bool,
-                 rotate: int) -> torch.Tensor | None:
+                 rotate: int, tiles: Tiles) -> torch.Tensor | None:
     """The order a lookup visits its batch in: None (batch order), or page order for a
-    batch of ``TILES.linear_page_order`` keys or more over a table in host memory."""
-    from_n = TILES.linear_page_order
+    batch of ``tiles.linear_page_order`` keys or more over a table in host memory."""
+    from_n = tiles.linear_page_order
     if table is None or not host_table or not 0 < from_n <= keys.numel():
         return None
     return page_order(keys, table.shape[0], rotate)
@@ -564,82 +412,3 @@ def page_order(keys: torch.Tensor, num_rows: int, rotate: int) -> torch.Tensor:
     if num_rows <= 1 << 31:
         r = r.to(torch.int32)  # half the radix passes
     return torch.argsort(r)
-
-
-def pooled_split(n: int, nbags: int) -> int:
-    """Programs per bag (a power of two): enough to fill the GPU, none idle on average."""
-    tiles = TILES
-    per_bag = max(1, -(-n // max(nbags, 1)))  # average bag length, rounded up
-    useful = -(-per_bag // tiles.pooled_block_k)  # key blocks of an average bag
-    want = -(-tiles.pooled_programs // max(nbags, 1))
-    split = max(1, min(useful, want, tiles.pooled_max_split))
-    return 1 << (split.bit_length() - 1)
-
-
-#: the pooled kernels launched directly, and their constexpr sets by key
-_POOLED = DirectLaunch(_pooled_kernel)
-_POOL_FINISH = DirectLaunch(_pool_finish_kernel)
-_POOLED_CX: dict[tuple[object, ...], dict[str, object]] = {}
-
-
-def pooled(
-    keys: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
-    miss_values: torch.Tensor | None, tkeys: torch.Tensor, counters: torch.Tensor,
-    rows: torch.Tensor, stats: torch.Tensor, num_buckets: int, ways: int, *, mean: bool,
-    empty: int, table: torch.Tensor | None = None, candidates: torch.Tensor | None = None,
-    count: bool = True, cmax: int, out_dtype: torch.dtype | None = None,
-    err: torch.Tensor | None = None, candidate_rows: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Probe + gather + pool per bag, fused: ``(pooled [B, dim], hit [N])``; ``candidates``
-    and ``candidate_rows`` as in :func:`lookup`; ``out_dtype``: of ``pooled`` (default the
-    rows' dtype; the sums are fp32 either way).
-
-    Each bag is split over ``pooled_split`` programs (key blocks dealt round robin); with
-    more than one, the programs write fp32 partial rows and a second launch sums them in a
-    fixed order, so results are deterministic. A program holds whole rows.
-    """
-    n = keys.numel()
-    nbags = offsets.numel() - 1
-    dim = rows.shape[1]
-    dev = keys.device
-    out = torch.empty((nbags, dim), dtype=out_dtype or rows.dtype, device=dev)
-    hit = torch.empty(n, dtype=torch.bool, device=dev)
-    if nbags == 0:
-        return out, hit
-    tiles = TILES
-    bd = _block_d(dim)
-    split = pooled_split(n, nbags)
-    part = torch.empty((nbags, split, dim), dtype=torch.float32, device=dev) \
-        if split > 1 else out
-    linear = table is not None
-    w = weights if weights is not None else rows
-    mv = miss_values if miss_values is not None else rows
-    # NOTE: the key names every constexpr and every tensor's element type (gpu.kernels.launch)
-    cxkey = (num_buckets > 0, weights is not None, miss_values is not None,
-             candidates is not None, linear, mean, split, ways, empty, stats.numel(), bd,
-             bd == dim, count, cmax, err is not None and linear, tiles, offsets.dtype,
-             w.dtype, mv.dtype, rows.dtype, out.dtype,
-             table.dtype if table is not None else None, candidate_rows is not None)
-    cx = _POOLED_CX.get(cxkey)
-    if cx is None:
-        cx = _POOLED_CX[cxkey] = dict(
-            HAS_CACHE=cxkey[0], HAS_W=cxkey[1], HAS_MISS=cxkey[2], COLLECT=cxkey[3],
-            LINEAR=linear, MEAN=mean, SPLIT=split, WAYS=ways, EMPTY=empty,
-            STAT_STRIPES=cxkey[9], BLOCK_K=tiles.pooled_block_k, BLOCK_D=bd,
-            EVEN_D=bd == dim, COUNT=count, CMAX=cmax, CHECK=cxkey[14],
-            COLLECT_ROWS=cxkey[22], num_warps=tiles.pooled_warps)
-    _POOLED(
-        (nbags, split),
-        (keys, offsets, w, mv, tkeys, counters, rows, stats, max(num_buckets, 1), out, part,
-         hit.view(torch.int8), table if linear else rows,
-         table.shape[0] if table is not None else 0, _row_stride(table, dim), dim,
-         candidates if candidates is not None else keys, _cand_cap(candidates),
-         err if err is not None else keys,
-         candidate_rows if candidate_rows is not None else rows),
-        cx, cxkey)
-    if split > 1:
-        _POOL_FINISH(
-            (nbags,), (part, offsets, out, dim),
-            dict(MEAN=mean, SPLIT=split, BLOCK_D=bd, EVEN_D=bd == dim, num_warps=4),
-            (mean, split, bd, bd == dim, offsets.dtype, out.dtype))
-    return out, hit

@@ -17,15 +17,11 @@ import triton
 import triton.language as tl
 
 from gpu.kernels.launch import BoundLaunch, DirectLaunch
+from gpu.kernels.tiles import DEFAULT_TILES, Tiles
 from gpu.kernels.triton_access import helper_module
 
 # NOTE: the cache lookups' visit order (a torch function), from the same variant
 _page_order = helper_module("cache_lookup").page_order
-
-BLOCK_K = 16
-WARPS = 4
-#: from this many keys a batch over a table in host memory is visited in page order
-PAGE_ORDER_FROM = 1 << 17
 
 
 @triton.jit(do_not_specialize=["n", "num_rows", "tstride"])
@@ -55,7 +51,7 @@ def _gather_kernel(
 
 
 _LAUNCH = DirectLaunch(_gather_kernel)
-_CONSTEXPRS: dict[tuple[int, bool, bool, torch.dtype], dict[str, object]] = {}
+_CONSTEXPRS: dict[tuple[int, bool, bool, torch.dtype, Tiles], dict[str, object]] = {}
 
 
 def _block_d(dim: int) -> int:
@@ -63,39 +59,43 @@ def _block_d(dim: int) -> int:
 
 
 def gather(keys: torch.Tensor, table: torch.Tensor, err: torch.Tensor | None, *,
-           host_table: bool, bound: dict[tuple[int, int], BoundLaunch] | None = None
-           ) -> torch.Tensor:
+           host_table: bool, bound: dict[tuple[object, ...], BoundLaunch] | None = None,
+           tiles: Tiles = DEFAULT_TILES) -> torch.Tensor:
     """``table[keys]`` with zero rows for keys outside the table (reported in ``err``, an
     int64 ``[1]`` flag, when given). ``bound``: the caller's store of bound launches
     (:class:`~gpu.kernels.launch.BoundLaunch`: table and flag resolved once, a call passing only
     keys, size and output) for checked lookups (``err`` given) visited in batch order;
-    ``table`` and ``err`` are then the same objects call after call (a layer's)."""
+    ``table`` and ``err`` are then the same objects call after call (a layer's), and so
+    is ``tiles`` (the launch settings: ``gather_block_k``, ``gather_warps``, and
+    ``linear_page_order``, from which a batch over a table in host memory is visited in
+    page order)."""
     n = keys.numel()
     dim = table.shape[1]
-    # NOTE: sizes as arguments, not a tuple: the cheaper parse (~1 us a call)
+    # NOTE: sizes as arguments, not a tuple: the cheaper parse
     out = torch.empty(n, dim, dtype=table.dtype, device=keys.device)
     if n == 0:
         return out
     order = None
-    if host_table and n >= PAGE_ORDER_FROM:
+    bk = tiles.gather_block_k
+    if host_table and 0 < tiles.linear_page_order <= n:
         order = _page_order(keys, table.shape[0], 0)
     elif bound is not None and err is not None:
-        launch = bound.get((id(table), id(err)))
+        launch = bound.get((id(table), id(err), tiles))
         if launch is None:
             if len(bound) >= 4:  # NOTE: a caller passing new tables: bounded
                 bound.clear()
-            cx, key = _constexprs(dim, False, True, table.dtype)
+            cx, key = _constexprs(dim, False, True, table.dtype, tiles)
             # NOTE: placeholders of the parameters' types that the caller keeps (the flag
             # for the int64 ones): binding allocates nothing, so it may happen inside a
             # CUDA graph capture (torch.compile's reduce-overhead) without leaving a tensor
             # in the graph's pool
-            launch = bound[(id(table), id(err))] = BoundLaunch(
+            launch = bound[(id(table), id(err), tiles)] = BoundLaunch(
                 _LAUNCH, (err, 0, table, table.shape[0], table.stride(0), table, err, err),
                 cx, key, _VARYING)
-        launch((n + BLOCK_K - 1) // BLOCK_K, keys, n, out)
+        launch((n + bk - 1) // bk, keys, n, out)
         return out
-    cx, key = _constexprs(dim, order is not None, err is not None, table.dtype)
-    _LAUNCH(((n + BLOCK_K - 1) // BLOCK_K,),
+    cx, key = _constexprs(dim, order is not None, err is not None, table.dtype, tiles)
+    _LAUNCH(((n + bk - 1) // bk,),
             (keys, n, table, table.shape[0], table.stride(0), out,
              err if err is not None else keys, order if order is not None else keys),
             cx, key)
@@ -106,13 +106,14 @@ def gather(keys: torch.Tensor, table: torch.Tensor, err: torch.Tensor | None, *,
 _VARYING = (0, 1, 5)
 
 
-def _constexprs(dim: int, ordered: bool, check: bool, dtype: torch.dtype
-                ) -> tuple[dict[str, object], tuple[int, bool, bool, torch.dtype]]:
+def _constexprs(dim: int, ordered: bool, check: bool, dtype: torch.dtype, tiles: Tiles
+                ) -> tuple[dict[str, object], tuple[int, bool, bool, torch.dtype, Tiles]]:
     """A variant's constexprs (one dict per key, kept) and the key naming them with the
     table's dtype (the pointers' element type)."""
-    key = (dim, ordered, check, dtype)
+    key = (dim, ordered, check, dtype, tiles)
     cx = _CONSTEXPRS.get(key)
     if cx is None:
-        cx = _CONSTEXPRS[key] = {"DIM": dim, "BLOCK_K": BLOCK_K, "BLOCK_D": _block_d(dim),
-                                 "ORDERED": ordered, "CHECK": check, "num_warps": WARPS}
+        cx = _CONSTEXPRS[key] = {"DIM": dim, "BLOCK_K": tiles.gather_block_k,
+                                 "BLOCK_D": _block_d(dim), "ORDERED": ordered, "CHECK": check,
+                                 "num_warps": tiles.gather_warps}
     return cx, key

@@ -15,6 +15,7 @@ from gpu.cache import twin
 from gpu.cache.gpu_cache import GPUCache, MissCandidates
 from gpu.cache.records import PreparedInsert
 from gpu.errors import BadArgumentError
+from gpu.kernels.tiles import DEFAULT_TILES, Tiles
 from gpu.kernels.triton_access import triton_available
 from hostcache.layout import EMPTY_KEY
 
@@ -26,12 +27,17 @@ needs_cuda = pytest.mark.skipif(
 
 Outputs = list[tuple[str, tuple[torch.Tensor, ...]]]
 
+#: small blocks for the interpreter: the tests' small batches then span several programs
+SMALL = Tiles(lookup_block_k=8, pooled_block_k=8, insert_block_k=8)
+
 
 def make(device: str, backend: str, *, buckets: int = 6, ways: int = 4, dim: int = 12,
-         dtype: torch.dtype = torch.float32) -> GPUCache:
+         dtype: torch.dtype = torch.float32, tiles: Tiles | None = None) -> GPUCache:
     slot = 8 + 4 + dim * torch.empty((), dtype=dtype).element_size()
+    if tiles is None:
+        tiles = SMALL if device == "cpu" else DEFAULT_TILES
     return GPUCache(buckets * ways * slot, dim, dtype, device, ways=ways,
-                    backend=backend)  # type: ignore[arg-type]
+                    backend=backend, tiles=tiles)  # type: ignore[arg-type]
 
 
 def seen(cand: MissCandidates, keys: torch.Tensor, hit: torch.Tensor,
@@ -153,16 +159,11 @@ def test_page_order_visits_rows_from_the_rotation_on() -> None:
 
 @needs_triton
 @pytest.mark.parametrize("buckets", [0, 6])
-def test_interpreter_page_ordered_linear_lookups(monkeypatch: pytest.MonkeyPatch,
-                                                 buckets: int) -> None:
+def test_interpreter_page_ordered_linear_lookups(buckets: int) -> None:
     """Batches visited in host-page order: the same rows, hits, counters, stats and
     listed misses as the twin (and as batch order)."""
-    from gpu.kernels.triton_access import kernel_module
-
-    kernels = kernel_module("cache_lookup", interpret=True)
-    monkeypatch.setattr(kernels, "TILES", replace(kernels.TILES, linear_page_order=1))
     a = make("cpu", "torch", buckets=buckets)
-    b = make("cpu", "triton", buckets=buckets)
+    b = make("cpu", "triton", buckets=buckets, tiles=replace(SMALL, linear_page_order=1))
     assert_same(a, b, run_ops(a, 3, 21), run_ops(b, 3, 21))
     # out-of-range and negative keys read as zero rows, never as another key's row
     table = torch.randn(10, 12)
@@ -217,20 +218,18 @@ def test_listed_misses_carry_the_rows_read(dtype: torch.dtype) -> None:
     pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])])
 @pytest.mark.parametrize("dim", [12, 16])
 def test_page_ordered_lookups_list_the_twins_misses_when_the_list_fills(
-        monkeypatch: pytest.MonkeyPatch, device: str, dim: int) -> None:
+        device: str, dim: int) -> None:
     """A batch visited in host-page order lists its misses in batch order, as the twin
     does: with more misses than room, the same first keys, positions and rows, in the same
     order, over lookups appending to one buffer (not every miss of a window of rows)."""
-    from gpu.kernels.triton_access import kernel_module
-
-    kernels = kernel_module("cache_lookup", interpret=device == "cpu")
-    monkeypatch.setattr(kernels, "TILES", replace(kernels.TILES, linear_page_order=1))
+    tiles = replace(SMALL if device == "cpu" else DEFAULT_TILES, linear_page_order=1)
     gen = torch.Generator().manual_seed(dim)
     table = torch.randn(300, dim, generator=gen)
     present = torch.arange(0, 300, 3)
     listed = []
     for backend in ("torch", "triton"):
-        cache = make(device, backend if device == "cpu" else "auto", buckets=64, dim=dim)
+        cache = make(device, backend if device == "cpu" else "auto", buckets=64, dim=dim,
+                     tiles=tiles)
         dev = cache.device
         cache.insert(present.to(dev), table[present].to(dev))
         cand = MissCandidates.empty(90, dev, dim=dim)
@@ -370,18 +369,16 @@ def test_interpreter_skips_saturated_counters_exactly(monkeypatch: pytest.Monkey
 
 @needs_triton
 @pytest.mark.parametrize("cache_buckets", [0, 6])
-def test_interpreter_split_bags(monkeypatch: pytest.MonkeyPatch, cache_buckets: int) -> None:
+def test_interpreter_split_bags(cache_buckets: int) -> None:
     """Bags split over several programs (partial rows summed by a second launch) pool like
     the twin: sum, mean, weighted, miss rows, linear misses, an empty bag, a long bag."""
     from gpu.kernels.triton_access import kernel_module
 
-    kernels = kernel_module("cache_lookup", interpret=True)
-    monkeypatch.setattr(kernels, "TILES", replace(kernels.TILES, pooled_block_k=4,
-                                                  pooled_programs=64))
-    assert kernels.pooled_split(200, 5) == 8
+    tiles = replace(SMALL, pooled_block_k=4, pooled_programs=64)
+    assert kernel_module("cache_pooled", interpret=True).pooled_split(200, 5, tiles) == 8
     gen = torch.Generator().manual_seed(3)
     a = make("cpu", "torch", buckets=cache_buckets)
-    b = make("cpu", "triton", buckets=cache_buckets)
+    b = make("cpu", "triton", buckets=cache_buckets, tiles=tiles)
     table = torch.randn(60, 12, generator=gen)
     ins = torch.randint(0, 60, (40,), generator=gen)
     keys = torch.randint(0, 60, (200,), generator=gen)
@@ -420,7 +417,7 @@ def test_interpreter_lazy_counter_clamp(monkeypatch: pytest.MonkeyPatch) -> None
         for c in (a, b):
             c.lookup(torch.tensor(q))
             c.lookup_pooled(torch.tensor(q), torch.tensor([0, len(q)]))
-        assert int(b._counters.max()) <= 12
+        assert int(b.tables.counters.max()) <= 12
         assert torch.equal(a.state()[1], b.state()[1])
     b.insert(torch.tensor([4, 5]), torch.ones(2, 12))
     a.insert(torch.tensor([4, 5]), torch.ones(2, 12))
@@ -460,15 +457,11 @@ def test_cuda_reads_linear_tables_with_padded_rows() -> None:
 
 @pytest.mark.gpu
 @needs_cuda
-def test_cuda_page_ordered_linear_lookups_match_cpu_twin(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    from gpu.kernels.triton_access import kernel_module
-
-    kernels = kernel_module("cache_lookup", interpret=False)
-    monkeypatch.setattr(kernels, "TILES", replace(kernels.TILES, linear_page_order=1))
+def test_cuda_page_ordered_linear_lookups_match_cpu_twin() -> None:
     for buckets, dim in [(6, 128), (0, 12)]:
         a = make("cpu", "torch", buckets=buckets, dim=dim)
-        b = make("cuda", "auto", buckets=buckets, dim=dim)
+        b = make("cuda", "auto", buckets=buckets, dim=dim,
+                 tiles=replace(DEFAULT_TILES, linear_page_order=1))
         assert_same(a, b, run_ops(a, 13, 42), run_ops(b, 13, 42))
 
 

@@ -1,0 +1,251 @@
+# ruff: noqa: N803  (Triton convention: compile-time constants are UPPER_CASE parameters)
+"""Triton kernels of the GPU cache's pooled lookups (``GPUCache.lookup_pooled``,
+``lookup_linear_pooled``): probe + gather + pool per bag in one launch.
+
+Loaded only through :func:`gpu.kernels.triton_access.kernel_module`, compiled for CUDA tensors or
+interpreted for CPU tensors, like :mod:`gpu.kernels.cache_lookup` (the table layout, the
+counters and the linear-table misses are described there).
+
+Each bag is split over several programs (:func:`pooled_split`) so that a few hundred bags
+still fill the GPU; each program accumulates a ``[BLOCK_K, BLOCK_D]`` fp32 tile and reduces
+it once, and a second launch sums the partial rows in a fixed order (deterministic).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gpu.kernels.launch import DirectLaunch
+from gpu.kernels.tiles import Tiles
+from gpu.kernels.triton_access import helper_module
+
+# NOTE: the per-block device functions, decorated like this module's kernels (compiled or
+# interpreted)
+_parts = helper_module("cache_probe")
+add_combine = _parts.add_combine
+probe = _parts.probe
+_bump = _parts.bump
+_collect = _parts.collect
+
+
+@triton.jit(do_not_specialize=["num_buckets", "num_rows", "cand_cap"])
+def _pooled_kernel(
+    keys_ptr, offsets_ptr, weights_ptr, miss_ptr, tkeys_ptr, counters_ptr, rows_ptr,
+    stats_ptr, num_buckets, out_ptr, part_ptr, hit_ptr, table_ptr, num_rows, tstride, dim,
+    cand_ptr, cand_cap, err_ptr, crows_ptr, HAS_CACHE: tl.constexpr, HAS_W: tl.constexpr,
+    HAS_MISS: tl.constexpr,
+    COLLECT: tl.constexpr,
+    LINEAR: tl.constexpr, MEAN: tl.constexpr, SPLIT: tl.constexpr, WAYS: tl.constexpr,
+    EMPTY: tl.constexpr, STAT_STRIPES: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, COUNT: tl.constexpr, CMAX: tl.constexpr,
+    CHECK: tl.constexpr, COLLECT_ROWS: tl.constexpr,
+):
+    bag = tl.program_id(0)
+    split = tl.program_id(1)
+    start = tl.load(offsets_ptr + bag)
+    end = tl.load(offsets_ptr + bag + 1)
+    d = tl.arange(0, BLOCK_D)
+    if EVEN_D:
+        dmask = tl.full([BLOCK_D], 1, tl.int1)  # dim is BLOCK_D
+    else:
+        dmask = d < dim
+    # NOTE: accumulate a [BLOCK_K, BLOCK_D] tile in registers and reduce it across keys once
+    # at the end: a reduction per step would cost a shared-memory round and a barrier.
+    acc = tl.full([BLOCK_K, BLOCK_D], 0.0, tl.float32)
+    nhits = tl.full([BLOCK_K], 0, tl.int64)
+    # NOTE: a while loop, not range(start, end, step): Triton 3.6's interpreter cannot take
+    # loaded values as range bounds.
+    s = start + split * BLOCK_K
+    while s < end:
+        offs = s + tl.arange(0, BLOCK_K).to(tl.int64)
+        s += SPLIT * BLOCK_K
+        kmask = offs < end
+        keys = tl.load(keys_ptr + offs, mask=kmask, other=EMPTY)
+        if HAS_CACHE:
+            hit, slot = probe(tkeys_ptr, keys, kmask, num_buckets, WAYS, EMPTY)
+            vals = tl.load(
+                rows_ptr + slot[:, None] * dim + d[None, :], mask=hit[:, None] & dmask[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            if LINEAR:
+                inrange = kmask & (keys >= 0) & (keys < num_rows) & (hit == 0)
+                tval = tl.load(
+                    table_ptr + keys[:, None] * tstride + d[None, :],
+                    mask=inrange[:, None] & dmask[None, :], other=0.0,
+                ).to(tl.float32)
+                vals = tl.where(hit[:, None], vals, tval)
+            if HAS_MISS:
+                mval = tl.load(
+                    miss_ptr + offs[:, None] * dim + d[None, :],
+                    mask=(kmask & (hit == 0))[:, None] & dmask[None, :], other=0.0,
+                ).to(tl.float32)
+                vals = tl.where(hit[:, None], vals, mval)
+        else:
+            hit = offs < 0
+            slot = offs * 0
+            if LINEAR:
+                inrange = kmask & (keys >= 0) & (keys < num_rows)
+                vals = tl.load(
+                    table_ptr + keys[:, None] * tstride + d[None, :],
+                    mask=inrange[:, None] & dmask[None, :], other=0.0,
+                ).to(tl.float32)
+            elif HAS_MISS:
+                vals = tl.load(
+                    miss_ptr + offs[:, None] * dim + d[None, :],
+                    mask=kmask[:, None] & dmask[None, :], other=0.0,
+                ).to(tl.float32)
+            else:
+                vals = tl.full([BLOCK_K, BLOCK_D], 0.0, tl.float32)
+        if COLLECT:
+            cpos, stored = _collect(cand_ptr, cand_cap, keys, offs,
+                                    kmask & (hit == 0) & (keys >= 0) & (keys < num_rows))
+            if COLLECT_ROWS:
+                # NOTE: the rows as read (before any weight), in the cache's dtype
+                tl.store(crows_ptr + cpos[:, None] * dim + d[None, :],
+                         vals.to(crows_ptr.dtype.element_ty),
+                         mask=stored[:, None] & dmask[None, :])
+        if HAS_W:
+            w = tl.load(weights_ptr + offs, mask=kmask, other=0.0).to(tl.float32)
+            vals = vals * w[:, None]
+        acc += vals
+        tl.store(hit_ptr + offs, hit.to(tl.int8), mask=kmask)
+        if HAS_CACHE:
+            if COUNT:
+                _bump(counters_ptr, slot, hit, CMAX)
+            nhits += hit.to(tl.int64)
+        if CHECK:
+            tl.store(err_ptr + offs * 0, keys, mask=kmask & ((keys < 0) | (keys >= num_rows)))
+    res = tl.reduce(acc, 0, add_combine)
+    if SPLIT == 1:
+        if MEAN:
+            res = res / tl.maximum(end - start, 1).to(tl.float32)
+        tl.store(out_ptr + bag.to(tl.int64) * dim + d, res.to(out_ptr.dtype.element_ty),
+                 mask=dmask)
+    else:
+        tl.store(part_ptr + (bag.to(tl.int64) * SPLIT + split) * dim + d, res, mask=dmask)
+    if HAS_CACHE:
+        total = tl.reduce(nhits, 0, add_combine)
+        tl.atomic_add(stats_ptr + (bag * SPLIT + split) % STAT_STRIPES, total, sem="relaxed")
+
+
+@triton.jit
+def _pool_finish_kernel(
+    part_ptr, offsets_ptr, out_ptr, dim, MEAN: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+):
+    """Sums the ``SPLIT`` fp32 partial rows of a bag in a fixed order (deterministic)."""
+    bag = tl.program_id(0)
+    d = tl.arange(0, BLOCK_D)
+    if EVEN_D:
+        dmask = tl.full([BLOCK_D], 1, tl.int1)
+    else:
+        dmask = d < dim
+    s = tl.arange(0, SPLIT)
+    p = tl.load(part_ptr + (bag.to(tl.int64) * SPLIT + s)[:, None] * dim + d[None, :],
+                mask=dmask[None, :], other=0.0)
+    res = tl.reduce(p, 0, add_combine)
+    if MEAN:
+        start = tl.load(offsets_ptr + bag)
+        end = tl.load(offsets_ptr + bag + 1)
+        res = res / tl.maximum(end - start, 1).to(tl.float32)
+    tl.store(out_ptr + bag.to(tl.int64) * dim + d, res.to(out_ptr.dtype.element_ty), mask=dmask)
+
+
+
+# ---------------------------------------------------------------- launchers
+
+
+# NOTE: plain integer helpers: triton.next_power_of_2 is a constexpr function in Triton 3.6
+# and costs microseconds of host time per call.
+def _block_d(dim: int) -> int:
+    return max(16, 1 << (dim - 1).bit_length())
+
+
+def _row_stride(table: torch.Tensor | None, dim: int) -> int:
+    """Elements from one row of a linear table to the next (rows may be padded)."""
+    return dim if table is None else table.stride(0)
+
+
+def _cand_cap(candidates: torch.Tensor | None) -> int:
+    return 0 if candidates is None else (candidates.numel() - 1) // 2
+
+
+def pooled_split(n: int, nbags: int, tiles: Tiles) -> int:
+    """Programs per bag (a power of two): enough to fill the GPU, none idle on average."""
+    per_bag = max(1, -(-n // max(nbags, 1)))  # average bag length, rounded up
+    useful = -(-per_bag // tiles.pooled_block_k)  # key blocks of an average bag
+    want = -(-tiles.pooled_programs // max(nbags, 1))
+    split = max(1, min(useful, want, tiles.pooled_max_split))
+    return 1 << (split.bit_length() - 1)
+
+
+#: the pooled kernels launched directly, and their constexpr sets by key
+_POOLED = DirectLaunch(_pooled_kernel)
+_POOL_FINISH = DirectLaunch(_pool_finish_kernel)
+_POOLED_CX: dict[tuple[object, ...], dict[str, object]] = {}
+
+
+def pooled(
+    keys: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
+    miss_values: torch.Tensor | None, tkeys: torch.Tensor, counters: torch.Tensor,
+    rows: torch.Tensor, stats: torch.Tensor, num_buckets: int, ways: int, *, mean: bool,
+    empty: int, table: torch.Tensor | None = None, candidates: torch.Tensor | None = None,
+    count: bool = True, cmax: int, out_dtype: torch.dtype | None = None,
+    err: torch.Tensor | None = None, candidate_rows: torch.Tensor | None = None,
+    tiles: Tiles,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Probe + gather + pool per bag, fused: ``(pooled [B, dim], hit [N])``; ``candidates``
+    and ``candidate_rows`` as in ``gpu.kernels.cache_lookup.lookup``; ``out_dtype``: of
+    ``pooled`` (default the rows' dtype; the sums are fp32 either way); ``tiles``: the
+    cache's launch settings.
+
+    Each bag is split over ``pooled_split`` programs (key blocks dealt round robin); with
+    more than one, the programs write fp32 partial rows and a second launch sums them in a
+    fixed order, so results are deterministic. A program holds whole rows.
+    """
+    n = keys.numel()
+    nbags = offsets.numel() - 1
+    dim = rows.shape[1]
+    dev = keys.device
+    out = torch.empty((nbags, dim), dtype=out_dtype or rows.dtype, device=dev)
+    hit = torch.empty(n, dtype=torch.bool, device=dev)
+    if nbags == 0:
+        return out, hit
+    bd = _block_d(dim)
+    split = pooled_split(n, nbags, tiles)
+    part = torch.empty((nbags, split, dim), dtype=torch.float32, device=dev) \
+        if split > 1 else out
+    linear = table is not None
+    w = weights if weights is not None else rows
+    mv = miss_values if miss_values is not None else rows
+    # NOTE: the key names every constexpr and every tensor's element type (gpu.kernels.launch)
+    cxkey = (num_buckets > 0, weights is not None, miss_values is not None,
+             candidates is not None, linear, mean, split, ways, empty, stats.numel(), bd,
+             bd == dim, count, cmax, err is not None and linear, tiles, offsets.dtype,
+             w.dtype, mv.dtype, rows.dtype, out.dtype,
+             table.dtype if table is not None else None, candidate_rows is not None)
+    cx = _POOLED_CX.get(cxkey)
+    if cx is None:
+        cx = _POOLED_CX[cxkey] = dict(
+            HAS_CACHE=cxkey[0], HAS_W=cxkey[1], HAS_MISS=cxkey[2], COLLECT=cxkey[3],
+            LINEAR=linear, MEAN=mean, SPLIT=split, WAYS=ways, EMPTY=empty,
+            STAT_STRIPES=cxkey[9], BLOCK_K=tiles.pooled_block_k, BLOCK_D=bd,
+            EVEN_D=bd == dim, COUNT=count, CMAX=cmax, CHECK=cxkey[14],
+            COLLECT_ROWS=cxkey[22], num_warps=tiles.pooled_warps)
+    _POOLED(
+        (nbags, split),
+        (keys, offsets, w, mv, tkeys, counters, rows, stats, max(num_buckets, 1), out, part,
+         hit.view(torch.int8), table if linear else rows,
+         table.shape[0] if table is not None else 0, _row_stride(table, dim), dim,
+         candidates if candidates is not None else keys, _cand_cap(candidates),
+         err if err is not None else keys,
+         candidate_rows if candidate_rows is not None else rows),
+        cx, cxkey)
+    if split > 1:
+        _POOL_FINISH(
+            (nbags,), (part, offsets, out, dim),
+            dict(MEAN=mean, SPLIT=split, BLOCK_D=bd, EVEN_D=bd == dim, num_warps=4),
+            (mean, split, bd, bd == dim, offsets.dtype, out.dtype))
+    return out, hit
