@@ -11,7 +11,7 @@ partitions against MGET/MSET over plain keys, and HMGET replies read off the soc
 file:// : lookups of 8k distinct keys of a 1M-row table (``--file-rows``), read from the
 row mirror (psclient.file.mirror), against the LMDB read it falls back to
 (``FileParameterServer._lookup_lmdb``), the per-key reference path
-(``FileParameterServer._lookup_per_key``), py-lmdb's native batched read
+(:func:`lookup_per_key`), py-lmdb's native batched read
 (``Cursor.getmulti``) and LMDB's search alone, alternated in rounds; a batch with
 duplicate keys; a plain in-memory dict of the same rows; the embedded-store choice, LMDB
 against SQLite (WAL), for the same batches.
@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import psclient  # noqa: E402
 from psclient.codec import (  # noqa: E402
+    assemble_rows,
     be_bytes_to_keys,
     be_key_bytes,
     group_by_partition,
@@ -375,6 +376,19 @@ def _getmulti_lookup(ps: Any, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     return vals[inv], found[inv]
 
 
+def lookup_per_key(ps: Any, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """The earlier file:// read path, kept as the reference that tests and this benchmark
+    compare the lookup with: one ``txn.get`` per key in key order, duplicates included,
+    assembled by :func:`psclient.codec.assemble_rows`.
+
+    NOTE: reads the backend's private environment (LMDB allows one per process).
+    """
+    order = np.argsort(keys, kind="stable")
+    with ps._env.begin(db=ps._rows) as txn:
+        replies = list(map(txn.get, be_key_bytes(keys[order])))
+    return assemble_rows(replies, order, keys, ps.schema, ps.table)
+
+
 def _search_only(ps: Any, keys: np.ndarray) -> int:
     """LMDB's B-tree search alone: ``getmulti(values=False)`` finds every key in C and
     copies no value (a ceiling for any read path through LMDB's API)."""
@@ -412,7 +426,7 @@ def bench_file(insert_batch: int, lookup_batch: int, dim: int, reps: int, total:
                 ps.insert(keys[a:a + insert_batch], vals[a:a + insert_batch])
             ins_rate = total / (time.perf_counter() - t)
             pn = probe.numpy()
-            want, want_found = ps._lookup_per_key(pn)
+            want, want_found = lookup_per_key(ps, pn)
             got, found = ps.lookup(probe)
             assert bool(found.all()) and torch.equal(found, want_found)
             assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
@@ -426,7 +440,7 @@ def bench_file(insert_batch: int, lookup_batch: int, dim: int, reps: int, total:
                 runs["lookup"].append(best_rate(lambda: ps.lookup(probe), lookup_batch, reps))
                 runs["lmdb"].append(best_rate(lambda: ps._lookup_lmdb(pn), lookup_batch, reps))
                 runs["per-key"].append(
-                    best_rate(lambda: ps._lookup_per_key(pn), lookup_batch, reps))
+                    best_rate(lambda: lookup_per_key(ps, pn), lookup_batch, reps))
                 runs["getmulti"].append(
                     best_rate(lambda: _getmulti_lookup(ps, pn), lookup_batch, reps))
                 runs["search-only"].append(
@@ -439,7 +453,7 @@ def bench_file(insert_batch: int, lookup_batch: int, dim: int, reps: int, total:
                          command=f"{floor_exe} STORE rows:bench KEYS {threads}")
             hn = hot.numpy()
             hot_new = best_rate(lambda: ps.lookup(hot), hot.numel(), reps)
-            hot_old = best_rate(lambda: ps._lookup_per_key(hn), hot.numel(), reps)
+            hot_old = best_rate(lambda: lookup_per_key(ps, hn), hot.numel(), reps)
             ratios = [a / b for a, b in zip(runs["lookup"], runs["per-key"], strict=True)]
             look = max(runs["lookup"])
         emit(bench="psclient-file(lmdb)", op="insert", rows_per_s=ins_rate, table_rows=total,

@@ -16,9 +16,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from nvecache.common.accumulate import delta_problem
 from nvecache.common.lazy import deferred, lazy_import
 from psclient.codec import check_keys, check_values, check_written
-from psclient.errors import BadArgumentError, HandleClosedError, PSClientError, TableDroppedError
+from psclient.errors import (
+    BadArgumentError,
+    BadValuesError,
+    HandleClosedError,
+    PSClientError,
+    TableDroppedError,
+)
 from psclient.feed import FeedBatch
 from psclient.loads import Load, TableState
 from psclient.schema import TableSchema
@@ -145,6 +152,42 @@ class ParameterServer(ABC):
             return torch.zeros(0, dtype=torch.bool)
         return self._update(k, v)
 
+    def accumulate(self, keys: torch.Tensor, deltas: torch.Tensor, *,
+                   allow_nonfinite: bool = False) -> torch.Tensor:
+        """Add ``deltas`` to the rows of keys that exist; keys that do not exist are not
+        written (nor created).
+
+        Each row's read, add and write is one atomic step: a concurrent accumulate or
+        update of the same row, from any process, never loses an addition. The deltas of
+        a key repeated in the batch are summed first; float16 and bfloat16 rows are added
+        in float32 and rounded once (:mod:`nvecache.common.accumulate`). The changed keys
+        are announced on the change feed as an update's are.
+
+        Args:
+            keys: int64 CPU tensor ``[N]``; never the reserved key ``INT64_MIN``.
+            deltas: ``[N, dim]`` CPU tensor of the table's dtype, or float32 (float64 for
+                a float64 table): added without rounding them to the table's dtype first.
+            allow_nonfinite: add deltas holding NaN or infinite values too (else refused).
+
+        Returns:
+            bool ``[N]``: which keys existed (and were added to).
+
+        Raises:
+            BadKeysError, BadValuesError, NonFiniteValuesError: as for :meth:`update`;
+                nothing is written.
+        """
+        k = self._enter(keys)
+        problem = delta_problem(deltas, k.size, self.dim, self.dtype)
+        if problem is not None:
+            raise BadValuesError(problem)
+        if deltas.device.type != "cpu":
+            raise BadValuesError(f"deltas must be on the CPU, got {deltas.device}: use .cpu()")
+        d = deltas.contiguous()
+        check_written(k, d, allow_nonfinite=allow_nonfinite)
+        if k.size == 0:
+            return torch.zeros(0, dtype=torch.bool)
+        return self._accumulate(k, d)
+
     def erase(self, keys: torch.Tensor) -> None:
         """Delete the rows of ``keys`` (missing keys are ignored)."""
         k = self._enter(keys)
@@ -163,7 +206,8 @@ class ParameterServer(ABC):
 
     def follow(self, since: str | None = None, *, limit: int = 1024,
                block_ms: int = 0) -> FeedBatch:
-        """Keys written by update/erase/insert-over-existing after a cursor, waiting if asked.
+        """Keys written by update/accumulate/erase/insert-over-existing after a cursor, waiting
+        if asked.
 
         Args:
             since: a cursor returned by an earlier call; ``None`` starts at the feed's end
@@ -398,6 +442,11 @@ class ParameterServer(ABC):
 
     @abstractmethod
     def _update(self, keys: np.ndarray, values: torch.Tensor) -> torch.Tensor: ...
+
+    @abstractmethod
+    def _accumulate(self, keys: np.ndarray, deltas: torch.Tensor) -> torch.Tensor:
+        """Add ``deltas`` (checked: the table's dtype or its accumulator) to the rows of
+        ``keys`` that exist, each row atomically; bool ``[N]`` of the keys that existed."""
 
     @abstractmethod
     def _erase(self, keys: np.ndarray) -> None: ...

@@ -41,11 +41,11 @@ from typing import TYPE_CHECKING, Any
 import lmdb
 import numpy as np
 
+from nvecache.common.accumulate import added, sum_duplicates
 from nvecache.common.lazy import lazy_import
 from psclient.base import ParameterServer
 from psclient.codec import (
     assemble_distinct_rows,
-    assemble_rows,
     be_bytes_to_keys,
     be_key_bytes,
     first_of_runs,
@@ -253,15 +253,6 @@ class FileParameterServer(FileFeed, ParameterServer):
         return assemble_distinct_rows(replies, zero, order, first, distinct, self._schema,
                                       self._table)
 
-    def _lookup_per_key(self, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """The earlier read path, kept as the reference that tests and the benchmark compare
-        :meth:`_lookup` with: one ``txn.get`` per key, duplicates included, assembled by
-        :func:`psclient.codec.assemble_rows`."""
-        order, _, kb = self._sorted(keys)
-        with self._guard(), self._env.begin(db=self._rows) as txn:
-            replies = list(map(txn.get, kb))
-        return assemble_rows(replies, order, keys, self._schema, self._table)
-
     def _insert(self, keys: np.ndarray, values: torch.Tensor) -> None:
         order, ks, kb = self._sorted(keys)
         vb = row_bytes_list(values, order)
@@ -294,6 +285,31 @@ class FileParameterServer(FileFeed, ParameterServer):
             if mirror is not None and existed_sorted.any():
                 mirror.put(keys[existed], _raw_rows(values)[existed])
         return torch.from_numpy(existed)
+
+    def _accumulate(self, keys: np.ndarray, deltas: torch.Tensor) -> torch.Tensor:
+        """One write transaction (LMDB's one writer at a time, across processes): the
+        distinct keys' rows read, their summed deltas added, the rows written back."""
+        ukeys, sums, inverse = sum_duplicates(torch.from_numpy(keys), deltas, self.dtype)
+        uk = ukeys.numpy()
+        m = uk.size
+        kb = be_key_bytes(uk)  # NOTE: ascending keys: B-tree order
+        zero = bytes(self._schema.row_bytes)  # NOTE: a new object: identity marks a miss
+        with self._guard(), self._writing() as mirror:
+            with self._env.begin(write=True, db=self._rows) as txn:
+                self._live(txn)
+                replies = list(map(txn.get, kb, repeat(zero)))
+                old, found = assemble_distinct_rows(replies, zero, np.arange(m),
+                                                    np.ones(m, dtype=bool), uk, self._schema,
+                                                    self._table)
+                hit = found.numpy()
+                new = added(old[found], sums[found])
+                if hit.any():
+                    txn.cursor().putmulti(zip(compress(kb, hit), row_bytes_list(new),
+                                              strict=True), overwrite=True)
+                    self._append_feed(txn, uk[hit])
+            if mirror is not None and hit.any():
+                mirror.put(uk[hit], _raw_rows(new))
+        return found[inverse]
 
     def _erase(self, keys: np.ndarray) -> None:
         _, ks, kb = self._sorted(keys)

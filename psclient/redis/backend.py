@@ -18,7 +18,8 @@ keys by measurement (docs/psclient.md, "Hashes (HMGET/HSET) or plain keys") and 
 size/clear.
 
 A batch is grouped by partition and cut into commands of at most ``chunk_keys`` keys:
-``HMGET`` for lookups, one ``EVAL`` of a script for every write.
+``HMGET`` for lookups, one ``EVAL`` of a script for every write (accumulate: a lookup, then
+a compare-and-set script, :mod:`psclient.redis.accumulate`).
 :class:`psclient.redis.dispatch.Dispatcher` packs them into pipelines per node and follows
 cluster redirections; :mod:`psclient.redis.feed` reads and waits on the change feed;
 :mod:`psclient.redis.tables` creates, publishes and drops the table. This module keeps the
@@ -39,11 +40,13 @@ from psclient.codec import group_by_partition
 from psclient.errors import (
     BadArgumentError,
     CorruptValueError,
+    PSServerError,
     SchemaMismatchError,
     TableDroppedError,
 )
 from psclient.feed import FeedBatch
 from psclient.redis import resp, scripts
+from psclient.redis.accumulate import compare_and_add
 from psclient.redis.conn import (
     cluster_factory,
     redact,
@@ -68,7 +71,8 @@ log = logging.getLogger(__name__)
 _DEFAULTS = {"chunk_keys": 512, "pipeline_keys": 1024, "inline_keys": 8192, "at_once_keys": 64,
              "changes_maxlen": 1000, "feed_entry_keys": 4096, "prefix": "psc",
              "max_workers": 4, "feed_sweep_ms": 250, "redirect_retries": 60, "upgrade": False}
-_SCRIPTS = {b"UPDATE": scripts.UPDATE, b"ERASE": scripts.ERASE}
+_SCRIPTS = {b"UPDATE": scripts.UPDATE, b"ERASE": scripts.ERASE,
+            b"ACCUMULATE": scripts.ACCUMULATE}
 _MULTI, _EXEC = resp.pack("MULTI"), resp.pack("EXEC")
 _FIELD = resp.field_records(np.zeros(1, dtype=np.int64)).dtype.itemsize  # 14 bytes per key
 
@@ -207,21 +211,29 @@ class RedisParameterServer(RedisTableLife, ParameterServer):
                                         "wrote it; this write was refused") from e
                 raise
 
-    def _write(self, cmds: list[Cmd], transactions: bool = False) -> list[Any]:
+    def _write(self, cmds: list[Cmd], transactions: bool = False, *,
+               repeat: bool = True) -> list[Any]:
         """Run write commands (a table created before markers gets them first). Refused,
         while the schema is still the one this client opened, the store lost markers (a
         restart without persistence, a flush): the partitions are marked again, and the
-        commands run once more (every write step is safe to repeat)."""
+        commands run once more (every write step but accumulate's is safe to repeat; with
+        ``repeat=False`` the write is refused instead)."""
         if not self._marked:
             self._adopt()
         try:
             return self._checked(self._run(cmds, bell=self._cluster), transactions)
-        except TableDroppedError:
+        except TableDroppedError as e:
             if self.stored_schema() != self._schema_raw:
                 raise
             log.warning("%s: partition markers were missing (the store lost keys: a restart "
                         "without persistence?); marking them again", self._where)
             self._adopt()
+            if not repeat:
+                raise PSServerError(
+                    f"{self._where}: the store lost the table's partition markers (a restart "
+                    "without persistence?) during an accumulate; they are marked again. Rows "
+                    "of other partitions may have been added to: read them before adding "
+                    "again") from e
             return self._checked(self._run(cmds, bell=self._cluster), transactions)
 
     def _checked(self, replies: list[Any], transactions: bool) -> list[Any]:
@@ -237,20 +249,26 @@ class RedisParameterServer(RedisTableLife, ParameterServer):
                     raise err
         return replies
 
-    def _batch(self, script: bytes | None, keys: np.ndarray, values: torch.Tensor | None
-               ) -> tuple[np.ndarray, np.ndarray, list[Cmd]]:
+    def _batch(self, script: bytes | None, keys: np.ndarray, values: torch.Tensor | None,
+               then: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray, list[Cmd]]:
         """Group keys by partition and encode one command per chunk of a partition:
         ``HMGET`` when ``script`` is None, ``INSERT``: the insert transaction (module
-        docstring of :mod:`psclient.redis.scripts`), else an ``EVAL`` of that script."""
+        docstring of :mod:`psclient.redis.scripts`), else an ``EVAL`` of that script (with
+        a second row per key, ``then``, for accumulate's)."""
         order, bounds = group_by_partition(keys, self._schema.partitions)
         ks = keys[order]
         if values is None:
             rec = resp.field_records(ks)
             per_key = 1
-        else:
+        elif then is None:
             rows = values.view(torch.uint8).numpy().reshape(keys.size, -1)
             rec = resp.field_value_records(ks, rows[order])
             per_key = 2
+        else:
+            rows, second = (t.view(torch.uint8).numpy().reshape(keys.size, -1)
+                            for t in (values, then))
+            rec = resp.field_row_pair_records(ks, rows[order], second[order])
+            per_key = 3
         ck = self._opts["chunk_keys"]
         size = rec.dtype.itemsize
         raw = resp.as_buffer(rec)  # NOTE: one buffer; commands send slices of it (no copy)
@@ -388,6 +406,20 @@ class RedisParameterServer(RedisTableLife, ParameterServer):
         existed = np.zeros(keys.size, dtype=bool)
         existed[order] = np.frombuffer(flags, dtype=np.uint8) == ord("1")
         return torch.from_numpy(existed)
+
+    def _accumulate(self, keys: np.ndarray, deltas: torch.Tensor) -> torch.Tensor:
+        # NOTE: read, add here, and write each row only if it is still the row read
+        # (psclient.redis.scripts.ACCUMULATE); rows another writer changed meanwhile are
+        # read again and retried
+        return compare_and_add(keys, deltas, self.dtype, self._lookup, self._swap,
+                               self._where)
+
+    def _swap(self, keys: np.ndarray, old: torch.Tensor, new: torch.Tensor) -> np.ndarray:
+        """One compare-and-set per key: uint8 flags ``1`` / ``0`` / ``r`` (the script's)."""
+        order, _, cmds = self._batch(b"ACCUMULATE", keys, old, new)
+        flags = np.empty(keys.size, dtype=np.uint8)
+        flags[order] = np.frombuffer(b"".join(self._write(cmds, repeat=False)), dtype=np.uint8)
+        return flags
 
     def _erase(self, keys: np.ndarray) -> None:
         _, _, cmds = self._batch(b"ERASE", keys, None)

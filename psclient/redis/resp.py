@@ -59,6 +59,25 @@ def field_value_records(keys: np.ndarray, rows: np.ndarray) -> np.ndarray:
     return rec
 
 
+def field_row_pair_records(keys: np.ndarray, first: np.ndarray, second: np.ndarray
+                           ) -> np.ndarray:
+    """Each field followed by two row bulk strings (accumulate's row read, then the row
+    to write); ``first`` and ``second`` are uint8 ``[N, row_bytes]``."""
+    n, rb = first.shape
+    vh = b"$%d\r\n" % rb
+    row = [("vh", f"S{len(vh)}"), ("v", np.uint8, (rb,)), ("vt", "S2")]
+    rec = np.empty(n, dtype=np.dtype([("h", "S4"), ("k", "<i8"), ("t", "S2"),
+                                      ("a", row), ("b", row)]))
+    rec["h"] = b"$8\r\n"
+    rec["k"] = keys
+    rec["t"] = b"\r\n"
+    for name, rows in (("a", first), ("b", second)):
+        rec[name]["vh"] = vh
+        rec[name]["v"] = rows
+        rec[name]["vt"] = b"\r\n"
+    return rec
+
+
 def as_buffer(rec: np.ndarray) -> memoryview:
     """The raw bytes of a contiguous slice of records, without a copy."""
     return memoryview(np.ascontiguousarray(rec).view(np.uint8))  # type: ignore[arg-type]

@@ -12,6 +12,7 @@ the chunk's keys, a plain ``HSET`` of its rows, ``EXEC``. The scripts' keys::
     ARGV[1] = MAXLEN of the stream (approximate trim, ``changes_maxlen``)
     ARGV[2] = the table's token (its creation time, ``TableSchema.token``)
     ARGV[3..] = key fields (8 little-endian bytes), each followed by its row for writes
+                (accumulate: by the row its writer read, then the row to write)
 
 The keys share the hash tag ``{T:p}``, so they live in one cluster slot and the step runs on
 one node: Redis runs a script, or a ``MULTI``/``EXEC`` block, to its end before any other
@@ -40,9 +41,9 @@ X`` on the first entry it reads after ``X``; anything else means entries between
 and a cursor ahead of it is seen as a loss too.
 
 The notice is exact: insert lists the keys whose field existed before (``HSET`` answers 0),
-update the keys that existed (and were written), erase the keys deleted (``HDEL`` answers 1).
-A key repeated within one command may be listed although it did not exist before the batch
-(harmless: a follower re-reads it).
+update and accumulate the keys that existed (and were written), erase the keys deleted
+(``HDEL`` answers 1). A key repeated within one command may be listed although it did not
+exist before the batch (harmless: a follower re-reads it).
 """
 
 from __future__ import annotations
@@ -107,6 +108,28 @@ for i = 3, #ARGV, 2 do
     hit[#hit + 1] = ARGV[i]
   else
     out[#out + 1] = '0'
+  end
+end
+if #hit > 0 then notice('k', table.concat(hit)) end
+return table.concat(out)
+"""
+
+#: accumulate's compare-and-set: write a key's new row only where the row stored is still
+#: the one its writer read and added to; notice the keys written. Returns one flag per
+#: key: '1' written, '0' missing (nothing created), 'r' changed since the read (the writer
+#: reads it again and retries that key), so no concurrent addition is ever lost.
+ACCUMULATE = _NOTICE + _REFUSE + b"""
+local h, out, hit = KEYS[1], {}, {}
+for i = 3, #ARGV, 3 do
+  local cur = redis.call('HGET', h, ARGV[i])
+  if not cur then
+    out[#out + 1] = '0'
+  elseif cur == ARGV[i + 1] then
+    redis.call('HSET', h, ARGV[i], ARGV[i + 2])
+    out[#out + 1] = '1'
+    hit[#hit + 1] = ARGV[i]
+  else
+    out[#out + 1] = 'r'
   end
 end
 if #hit > 0 then notice('k', table.concat(hit)) end

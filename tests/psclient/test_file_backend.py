@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 import psclient
+from bench.bench_psclient import lookup_per_key
 from psclient.codec import be_key_bytes
 from tests.psclient import model
 from tests.psclient.workers import file_reader, file_writer_forever
@@ -76,7 +77,7 @@ def test_lookup_misses_duplicates_and_bits(file_url: str, dtype: torch.dtype) ->
         for i, k in enumerate(ask.tolist()):
             want = stored.get(k, torch.zeros(6, dtype=dtype))
             assert _same_bits(got[i], want), (i, k)
-        ref = ps._lookup_per_key(ask.numpy())
+        ref = lookup_per_key(ps, ask.numpy())
         assert _same_bits(got, ref[0]) and torch.equal(found, ref[1])
         empty, efound = ps.lookup(torch.empty(0, dtype=torch.int64))
         assert empty.shape == (0, 6) and empty.dtype == dtype and efound.shape == (0,)
@@ -96,7 +97,7 @@ def test_lookup_large_batch_against_per_key_path(file_url: str) -> None:
         ask = np.concatenate([keys[rng.integers(0, keys.size, 100_000)], absent])
         rng.shuffle(ask)
         got, found = ps.lookup(torch.from_numpy(ask))
-        ref, ref_found = ps._lookup_per_key(ask)
+        ref, ref_found = lookup_per_key(ps, ask)
         assert torch.equal(found, ref_found) and _same_bits(got, ref)
         assert int(found.sum()) == 100_000 and not found[torch.from_numpy(ask >= 1 << 51)].any()
         pos = np.searchsorted(np.sort(keys), ask[found.numpy()])
@@ -119,7 +120,7 @@ def test_lookup_differential_against_per_key_path(file_url: str, stored: list[in
                   allow_nonfinite=True)
         q = torch.tensor(ask, dtype=torch.int64)
         got, found = ps.lookup(q)
-        ref, ref_found = ps._lookup_per_key(q.numpy())
+        ref, ref_found = lookup_per_key(ps, q.numpy())
         assert torch.equal(found, ref_found) and _same_bits(got, ref)
         assert found.tolist() == [a in set(stored) for a in ask]
 

@@ -1,0 +1,74 @@
+"""Accumulate on Redis: read, add, compare-and-set, and again for rows that changed.
+
+Redis's scripts cannot add float16 or bfloat16 rows the way every other tier does (in
+float32, rounded once: :mod:`nvecache.common.accumulate`), so the addition happens in the
+client and the server only swaps rows: :data:`psclient.redis.scripts.ACCUMULATE` writes a
+key's new row where the stored row is still the one read (byte for byte), in one script per
+partition chunk, with the change-feed notice and the table's marker check of every write.
+A row another writer changed between the read and the swap is left alone and flagged; the
+client reads it again, adds to what it finds and swaps again. Every key is swapped, found
+or not, so the script's marker check refuses an accumulate on a dropped table as it
+refuses any write. So each row's addition is
+one atomic step, and a concurrent accumulate or update of the row never loses it: of two
+writers racing on a row, one swap succeeds and the other retries on its result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from nvecache.common.accumulate import added, sum_duplicates
+from nvecache.common.lazy import lazy_import
+from psclient.errors import PSServerError
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_import("torch", globals())
+
+#: rounds of read-and-swap before a key whose row keeps changing under it is given up
+MAX_ROUNDS = 10_000
+
+Read = Callable[[np.ndarray], "tuple[torch.Tensor, torch.Tensor]"]
+Swap = Callable[[np.ndarray, "torch.Tensor", "torch.Tensor"], np.ndarray]
+
+
+def compare_and_add(keys: np.ndarray, deltas: torch.Tensor, dtype: torch.dtype, read: Read,
+                    swap: Swap, where: str) -> torch.Tensor:
+    """Add ``deltas`` to the rows of ``keys`` that exist, each row atomically.
+
+    Args:
+        keys: int64 ``[N]``, duplicates allowed (their deltas are summed).
+        deltas: ``[N, dim]``, the table's dtype or its accumulator dtype.
+        dtype: the table's dtype.
+        read: a lookup: ``(rows, found)`` of distinct keys (a missing key's row zeros).
+        swap: one compare-and-set per key, ``(keys, rows read, rows to write)``; uint8 flags
+            ``1`` written, ``0`` missing, ``r`` changed since the read.
+        where: ``table 'T' at URL``, for messages.
+
+    Returns:
+        bool ``[N]``: which keys existed (and were added to).
+    """
+    ukeys, sums, inverse = sum_duplicates(torch.from_numpy(keys), deltas, dtype)
+    uk = ukeys.numpy()
+    existed = np.zeros(uk.size, dtype=bool)
+    todo = np.arange(uk.size)
+    for _ in range(MAX_ROUNDS):
+        # NOTE: a key found missing is swapped too, as a row of zeros (what a lookup reads
+        # for it): the script answers '0' if it is still missing; one written meanwhile is
+        # read again unless its row is zeros, which the sum is then rightly added to
+        rows, _ = read(uk[todo])
+        flags = swap(uk[todo], rows, added(rows, sums[torch.from_numpy(todo)]))
+        existed[todo[flags == ord("1")]] = True
+        todo = todo[flags == ord("r")]
+        if todo.size == 0:
+            break
+    else:
+        raise PSServerError(
+            f"{where}: the rows of {todo.size} key(s) (the first: {int(uk[todo[0]])}) changed "
+            f"under accumulate {MAX_ROUNDS} times in a row; the other keys were added to. "
+            "Add to those keys again once fewer writers change them at once")
+    return torch.from_numpy(existed[inverse.numpy()])
