@@ -69,11 +69,16 @@ def schemes() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def _factory(scheme: str) -> Factory:
+def _known(scheme: str) -> None:
+    """Raise for a scheme without a backend, saying which schemes have one (imports none)."""
     if scheme not in _REGISTRY:
         raise UnsupportedURLError(
             f"no backend for URL scheme {scheme!r}: use one of {', '.join(schemes())}"
         )
+
+
+def _factory(scheme: str) -> Factory:
+    _known(scheme)
     factory: Factory = _resolve(_REGISTRY, scheme)
     return factory
 
@@ -104,7 +109,7 @@ def list_tables(url: str, **options: Any) -> list[str]:
         PSUnavailableError, PSAuthError: the store cannot be reached or refuses us.
     """
     scheme = _scheme(url)
-    _factory(scheme)  # NOTE: an unknown scheme says which schemes exist
+    _known(scheme)
     if scheme not in _LISTERS:
         raise UnsupportedURLError(f"the {scheme}:// backend cannot list its tables")
     names: list[str] = _resolve(_LISTERS, scheme)(url, dict(options))
@@ -113,7 +118,7 @@ def list_tables(url: str, **options: Any) -> list[str]:
 
 def _orphan_fn(url: str, which: int) -> Any:
     scheme = _scheme(url)
-    _factory(scheme)  # NOTE: an unknown scheme says which schemes exist
+    _known(scheme)
     if scheme not in _ORPHANS:
         return None
     mod, fn = _ORPHANS[scheme][which].split(":")

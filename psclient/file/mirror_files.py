@@ -12,10 +12,9 @@ import contextlib
 import fcntl
 import mmap
 import os
+import struct
 import threading
 from collections.abc import Iterator
-
-import numpy as np
 
 from psclient.file import mirror_layout as layout
 
@@ -69,7 +68,7 @@ def remove_mirror(directory: str, table: str) -> bool:
         if os.fstat(fd).st_size >= HEADER_BYTES:
             with mmap.mmap(fd, HEADER_BYTES) as mm:
                 # NOTE: processes still mapping it reopen the path, and find none
-                np.frombuffer(mm, np.int64, layout.HEADER_WORDS)[layout.STATE] = RETIRED
+                struct.pack_into("q", mm, 8 * layout.STATE, RETIRED)
         os.unlink(path)
     finally:
         os.close(fd)
