@@ -6,8 +6,7 @@ error, after clearing the (non-sticky) error with ``cudaGetLastError`` so that t
 unrelated CUDA call in the process does not report it again.
 
 Only the host registration (:mod:`gpu.cuda.pinning`, :mod:`gpu.cuda.registration`) uses this
-module; it
-imports cuda-python only when a call is made (:func:`runtime`), so the package imports on
+module; it imports cuda-python only when a call is made (:func:`runtime`), so the package imports on
 machines without it. :class:`CUDACallError` lives in :mod:`gpu.errors` (importable from
 here too).
 """
@@ -79,13 +78,3 @@ def call(name: str, *args: Any, detail: str = "") -> Any:
     if not rest:
         return None
     return rest[0] if len(rest) == 1 else rest
-
-
-def code_of(name: str, *args: Any) -> int:
-    """Call ``cudart.<name>(*args)`` and return its error code only (cleared if non-zero)."""
-    cudart = runtime()
-    ret = getattr(cudart, name)(*args)
-    code = int(ret[0] if isinstance(ret, tuple) else ret)
-    if code != 0:
-        cudart.cudaGetLastError()
-    return code

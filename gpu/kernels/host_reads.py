@@ -1,11 +1,12 @@
-"""Reading the registered shared host tables from the GPU: lookups and gathers.
+"""Reading a registered shared host cache from the GPU.
 
 ``hostcache_lookup(reg, keys)`` probes a registered :class:`hostcache.HostCache` straight
-over the host link; ``linear_gather(reg, indices)`` gathers rows of a registered
-:class:`hostcache.SharedMemBlock`. On CPU registrations both have a CPU twin with identical
-results (the table's own ``lookup``; ``index_select`` on the CPU view). With
-``backend="triton"`` on CPU tensors the very same Triton kernels run under Triton's
-interpreter, so the kernel logic is tested on machines without a GPU.
+over the host link. On CPU registrations the table's own ``lookup`` gives identical
+results; ``backend="torch"`` runs the same seqlock probe in torch ops over the registered
+views (any device: where Triton is missing); with ``backend="triton"`` on CPU tensors the
+very same Triton kernels run under Triton's interpreter, so the kernel logic is tested on
+machines without a GPU. (A registered :class:`hostcache.SharedMemBlock` is read by the
+GPULayer gather, :mod:`gpu.kernels.gather`, and the GPU cache's linear lookups.)
 
 This module checks the arguments, picks the backend and runs the batch pipelines; the
 kernels, and the memory-ordering argument for why a lookup is three launches (probe ->
@@ -14,13 +15,13 @@ gather -> verify) and never returns a torn row, are in :mod:`gpu.kernels.host_ti
 Performance: visit host pages in order
 --------------------------------------
 Zero-copy reads of host memory are limited by how many distinct host pages a batch
-touches at once, not by load width (bench/RESULTS.md, "Host tier read from the GPU"). A
+touches at once, not by load width. A
 slot's row lives at ``rows_off + slot * row_stride`` and its key/version at ``slot * 8``
 in their arrays, with ``slot = bucket * ways + way``: sorting the keys by *bucket*
 therefore puts the probe's key/version reads and the row reads all in page order at once.
 So a lookup:
 
-1. batches up to ``TILES.one_sort_max`` keys: one kernel computes a sort key per key
+1. batches up to ``Tiles.host_one_sort_max`` keys: one kernel computes a sort key per key
    (``bucket << 32 | low hash bits``) and one ``torch.sort`` puts the batch in bucket order
    with equal keys next to each other (no host sync); the probe kernel visits that order
    and fetches only the first key of each run, and a second kernel copies its row to the
@@ -36,9 +37,7 @@ GPU lookups do not bump the tables' LFU counters nor its hit/miss statistics.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
 from types import ModuleType
 from typing import Any, Literal
 
@@ -47,19 +46,16 @@ import torch
 from gpu.cuda.devices import on_tensor_device
 from gpu.cuda.registration import HostRegistration
 from gpu.errors import BadArgumentError, TritonNotInstalledError
+from gpu.kernels.tiles import DEFAULT_TILES, Tiles
 from gpu.kernels.triton_access import kernel_module, triton_available
 from hostcache import hashing, layout
 from nvecache.common.keys import key_problem
 
-__all__ = ["BACKEND_ENV", "TILES", "Backend", "TritonNotInstalledError", "hostcache_lookup",
-           "linear_gather", "torch_lookup", "triton_lookup"]
+__all__ = ["Backend", "TritonNotInstalledError", "hostcache_lookup", "triton_lookup"]
 
 logger = logging.getLogger(__name__)
 
 Backend = Literal["auto", "torch", "triton"]
-
-#: set to "triton" to run the Triton kernels (interpreter) on CPU registrations by default
-BACKEND_ENV = "NVEC_HOST_KERNELS"
 
 
 #: the host-tier kernels launched directly (gpu.kernels.launch), by name
@@ -103,18 +99,17 @@ def _cdiv(a: int, b: int) -> int:
 # -- argument checks ---------------------------------------------------------------------
 
 
-def _check_reg(reg: Any, *, host_cache: bool) -> None:
+def _check_reg(reg: Any) -> None:
     if not isinstance(reg, HostRegistration):
         raise BadArgumentError(
             f"expected a gpu.cuda.registration.HostRegistration (from register(table)); got "
             f"{type(reg).__name__}"
         )
     _ = reg.address  # NOTE: raises RegistrationClosedError / ForkedProcessError
-    if reg.is_host_cache != host_cache:
-        want = "a HostCache" if host_cache else "a SharedMemBlock"
-        other = "linear_gather" if host_cache else "hostcache_lookup"
+    if not reg.is_host_cache:
         raise BadArgumentError(
-            f"table {reg.name!r} is not {want}; use {other}() for it"
+            f"table {reg.name!r} is not a HostCache; a registered SharedMemBlock is read "
+            "through a layer (LayerType.GPULayer or LinearUVM storage)"
         )
 
 
@@ -127,14 +122,15 @@ def _check_ids(ids: object, reg: Any, what: str) -> torch.Tensor:
     return ids.contiguous()
 
 
-def _backend(backend: object, device: torch.device) -> bool:
-    """True for the Triton path."""
+def _backend(backend: object, device: torch.device) -> str:
+    """The path a lookup takes: ``"triton"``, ``"torch"`` (the probe in torch ops over the
+    registered views) or ``"table"`` (the CPU table's own lookup)."""
     if backend == "auto":
-        if device.type == "cuda":
-            return True
-        return os.environ.get(BACKEND_ENV, "torch") == "triton"
+        if device.type != "cuda":
+            return "table"
+        return "triton" if triton_available() else "torch"
     if backend in ("torch", "triton"):
-        return backend == "triton"
+        return str(backend)
     raise BadArgumentError(f"backend must be 'auto', 'torch' or 'triton'; got {backend!r}")
 
 
@@ -156,18 +152,20 @@ def hostcache_lookup(
     backend: Backend = "auto",
     dedup: bool = True,
     sort: bool = True,
+    tiles: Tiles = DEFAULT_TILES,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Look ``keys`` up in a registered :class:`hostcache.HostCache`.
 
     Args:
         reg: a :class:`gpu.cuda.registration.HostRegistration` of a host cache.
         keys: int64 ``[N]`` on ``reg.device``.
-        backend: ``"auto"`` (Triton on CUDA, the table's own lookup on the CPU; the env
-            var ``NVEC_HOST_KERNELS=triton`` picks the interpreter on the CPU), ``"torch"``
-            (torch ops: the table's lookup on the CPU, the same seqlock probe in torch ops
-            over the registered views on CUDA), ``"triton"``.
+        backend: ``"auto"`` (Triton on CUDA where it is importable, else the probe in
+            torch ops; the table's own lookup on the CPU), ``"torch"`` (the same seqlock
+            probe in torch ops over the registered views, any device), ``"triton"`` (on
+            CPU tensors through Triton's interpreter).
         dedup: fetch each distinct key once (Triton path).
         sort: visit keys in bucket (= host page) order (Triton path).
+        tiles: the kernels' launch settings (Triton path).
 
     Returns:
         ``(values [N, dim] in the table's dtype, hit bool [N])`` on ``reg.device``; rows of
@@ -178,25 +176,14 @@ def hostcache_lookup(
         RegistrationClosedError: ``reg`` is closed.
         TritonNotInstalledError: ``backend="triton"`` without triton.
     """
-    _check_reg(reg, host_cache=True)
+    _check_reg(reg)
     keys = _check_ids(keys, reg, "keys")
-    if _backend(backend, reg.device):
-        return _lookup_triton(reg, keys, dedup=dedup, sort=sort)
-    if reg.device.type == "cpu":
+    path = _backend(backend, reg.device)
+    if path == "triton":
+        return _lookup_triton(reg, keys, dedup=dedup, sort=sort, tiles=tiles)
+    if path == "table":
         return reg.table.lookup(keys)
     return _lookup_torch(reg, keys)
-
-
-def torch_lookup(reg: HostRegistration, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The seqlock probe in torch ops over the registered views, on any device.
-
-    What ``hostcache_lookup(..., backend="torch")`` runs on CUDA (zero-copy: the baseline
-    the kernels are measured against); on the CPU that backend is the table's own lookup,
-    so this is how the torch probe is compared with it there. Arguments, results and
-    errors as for :func:`hostcache_lookup`.
-    """
-    _check_reg(reg, host_cache=True)
-    return _lookup_torch(reg, _check_ids(keys, reg, "keys"))
 
 
 def triton_lookup(
@@ -208,11 +195,12 @@ def triton_lookup(
     versions_again: torch.Tensor | None = None,
     fence: bool = True,
     gather: bool = True,
+    tiles: Tiles = DEFAULT_TILES,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton lookup (``backend="triton"``) with the variants tests and benches use.
 
     Args:
-        reg, keys, dedup, sort: as for :func:`hostcache_lookup`.
+        reg, keys, dedup, sort, tiles: as for :func:`hostcache_lookup`.
         versions_again: int64 ``[slots]`` read by the check launch instead of the table's
             versions: a stand-in for a writer that changed slots while the rows were read.
         fence: ``False`` leaves out the probe's ``fence.acq_rel.sys`` (bench only: a
@@ -221,10 +209,10 @@ def triton_lookup(
 
     Returns and raises as :func:`hostcache_lookup`.
     """
-    _check_reg(reg, host_cache=True)
+    _check_reg(reg)
     keys = _check_ids(keys, reg, "keys")
     return _lookup_triton(reg, keys, dedup=dedup, sort=sort, versions_again=versions_again,
-                          fence=fence, gather=gather)
+                          fence=fence, gather=gather, tiles=tiles)
 
 
 def _lookup_torch(reg: Any, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -245,26 +233,6 @@ def _lookup_torch(reg: Any, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return values, hit
 
 
-@dataclasses.dataclass(frozen=True)
-class Tiles:
-    """Launch settings of the host-tier lookup (a bench or a test swaps the whole object,
-    ``dataclasses.replace``, to compare variants)."""
-
-    #: keys per program of the row gather; 0: 2048 // BLOCK_D, at most 32
-    block_k: int = 0
-    #: keys per program of the probe
-    probe_block_k: int = 64
-    warps: int = 4
-    #: batches up to this many keys dedup and sort with one sort and no host sync; larger
-    #: ones with torch.unique, then a sort of the distinct keys by bucket, so the probe runs
-    #: over the distinct keys only (where each is faster: bench/RESULTS.md, "Host tier read
-    #: from the GPU")
-    one_sort_max: int = 1 << 17
-
-
-TILES = Tiles()
-
-
 @on_tensor_device
 def _lookup_triton(
     reg: Any,
@@ -275,6 +243,7 @@ def _lookup_triton(
     versions_again: torch.Tensor | None = None,
     fence: bool = True,
     gather: bool = True,
+    tiles: Tiles = DEFAULT_TILES,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton probe, gather, verify (see :func:`triton_lookup` for the variants)."""
     g = reg.geometry
@@ -287,12 +256,12 @@ def _lookup_triton(
     ver2 = versions if versions_again is None else versions_again
     dev = keys.device
     bd = _block_d(g.dim)
-    pk = TILES.probe_block_k
+    pk = tiles.host_probe_block_k
     common = dict(WAYS=g.ways, BLOCK_K=pk, FENCE=fence and not interpret,
-                  num_warps=TILES.warps)
+                  num_warps=tiles.host_warps)
     n = keys.numel()
     found = torch.empty(n, dtype=torch.int64, device=dev)
-    if sort and 1 < n <= TILES.one_sort_max:
+    if sort and 1 < n <= tiles.host_one_sort_max:
         # One sort of (bucket, hash bits): bucket (= host page) order, and equal keys next
         # to each other; the probe looks up only the first key of each run of equal keys
         # and, once the rows are read and checked, a last kernel copies its row to the
@@ -307,7 +276,7 @@ def _lookup_triton(
         _launch(k, interpret, "probe_kernel", (_cdiv(n, pk),),
                 (keys, perm, head, tab_keys, versions, found, n, g.num_buckets),
                 (True, dedup, *common.values()), PERM=True, DEDUP=dedup, **common)
-        out, hit = _read_found(k, reg, found, ver2, gather)
+        out, hit = _read_found(k, reg, found, ver2, gather, tiles)
         if dedup:
             head = torch.cummax(head, 0).values
             bkf = max(1, min(64, 4096 // bd))
@@ -335,14 +304,14 @@ def _lookup_triton(
         _launch(k, interpret, "probe_kernel", (_cdiv(n, pk),),
                 (visit, pos, pos, tab_keys, versions, found, n, g.num_buckets),
                 (False, False, *common.values()), PERM=False, DEDUP=False, **common)
-    out, hit = _read_found(k, reg, found, ver2, gather)
+    out, hit = _read_found(k, reg, found, ver2, gather, tiles)
     if inverse is not None:
         return out.index_select(0, inverse), hit.index_select(0, inverse)
     return out, hit
 
 
 def _read_found(k: ModuleType, reg: Any, found: torch.Tensor, ver2: torch.Tensor,
-                gather: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                gather: bool, tiles: Tiles) -> tuple[torch.Tensor, torch.Tensor]:
     """Steps 2 and 3 of a lookup: the rows of the probed slots, then the versions again;
     rows of keys whose version changed are zeroed (``gather=False``: no rows, zeros)."""
     g = reg.geometry
@@ -356,83 +325,13 @@ def _read_found(k: ModuleType, reg: Any, found: torch.Tensor, ver2: torch.Tensor
         return out, hit
     if gather:
         bd = _block_d(g.dim)
-        bk = TILES.block_k or _block_k(bd)
+        bk = tiles.host_block_k or _block_k(bd)
         _launch(k, interpret, "gather_found_kernel", (_cdiv(n, bk),),
                 (found, rows, out, n, rows.stride(0), g.dim),
-                (bk, bd, bd == g.dim, TILES.warps, g.dtype),
-                BLOCK_K=bk, BLOCK_D=bd, EVEN_D=bd == g.dim, num_warps=TILES.warps)
+                (bk, bd, bd == g.dim, tiles.host_warps, g.dtype),
+                BLOCK_K=bk, BLOCK_D=bd, EVEN_D=bd == g.dim, num_warps=tiles.host_warps)
     _launch(k, interpret, "verify_kernel", (_cdiv(n, 1024),), (found, ver2, hit, n), (),
             BLOCK=1024)
     if gather:
         out.masked_fill_(~hit[:, None], 0)  # read while a writer was in the slot
     return out, hit
-
-
-# -- linear table gather -------------------------------------------------------------------
-
-
-def linear_gather(
-    reg: Any,
-    indices: torch.Tensor,
-    *,
-    backend: Backend = "auto",
-    dedup: bool = True,
-    sort: bool = True,
-) -> torch.Tensor:
-    """Rows ``indices`` of a registered :class:`hostcache.SharedMemBlock`.
-
-    Args:
-        reg: a :class:`gpu.cuda.registration.HostRegistration` of a linear table.
-        indices: int64 ``[N]`` on ``reg.device``, each in ``[0, num_rows)``.
-        backend: as for :func:`hostcache_lookup` (``"torch"``: ``index_select`` on the
-            registered view).
-        dedup: fetch each distinct row once (Triton path).
-        sort: visit rows in index (= host page) order (Triton path).
-
-    Returns:
-        ``[N, dim]`` rows in the table's dtype on ``reg.device``.
-
-    Raises:
-        BadArgumentError: wrong registration kind, dtype, shape, device, or an index out of
-            range (checked with one device sync per call: an out-of-range read of host
-            memory would kill the CUDA context).
-    """
-    _check_reg(reg, host_cache=False)
-    idx = _check_ids(indices, reg, "indices")
-    num_rows = reg.geometry.capacity
-    if idx.numel():
-        lo, hi = (int(v) for v in torch.aminmax(idx))
-        if lo < 0 or hi >= num_rows:
-            raise BadArgumentError(
-                f"indices must be in [0, {num_rows}) for table {reg.name!r}; got values in "
-                f"[{lo}, {hi}]"
-            )
-    if not _backend(backend, reg.device):
-        return reg.rows().index_select(0, idx)
-    return _gather_triton(reg, idx, dedup=dedup, sort=sort)
-
-
-@on_tensor_device
-def _gather_triton(reg: Any, idx: torch.Tensor, *, dedup: bool, sort: bool) -> torch.Tensor:
-    g = reg.geometry
-    k = _kernels(reg.device.type != "cuda")
-    rows = reg.rows()
-    dev = idx.device
-    inverse = None
-    if dedup:
-        visit, inverse = torch.unique(idx, sorted=True, return_inverse=True)
-        pos = torch.arange(visit.numel(), dtype=torch.int64, device=dev)
-    elif sort:
-        visit, pos = torch.sort(idx)
-    else:
-        visit, pos = idx, torch.arange(idx.numel(), dtype=torch.int64, device=dev)
-    n = visit.numel()
-    out = torch.empty((n, g.dim), dtype=g.dtype, device=dev)
-    if n:
-        bd = _block_d(g.dim)
-        bk = _block_k(bd)
-        k.gather_kernel[(_cdiv(n, bk),)](
-            visit, pos, rows, out, n, rows.stride(0), g.dim, BLOCK_K=bk, BLOCK_D=bd,
-            EVEN_D=bd == g.dim,
-        )
-    return out if inverse is None else out.index_select(0, inverse)

@@ -1,4 +1,4 @@
-"""Triton kernels reading the registered shared host tables from the GPU.
+"""Triton kernels reading a registered shared host cache from the GPU.
 
 Loaded only through :func:`gpu.kernels.triton_access.kernel_module`, compiled for CUDA tensors or
 interpreted for CPU tensors, and launched by :mod:`gpu.kernels.host_reads` (argument checks,
@@ -11,9 +11,7 @@ A lookup is three launches: the probe (:func:`probe_kernel`: per key, the bucket
 versions, then its keys: the matching slot and the version read, packed in one int64),
 the row gather of the found slots (:func:`gather_found_kernel`), and the check
 (:func:`verify_kernel`: each found slot's version read again, a hit if unchanged); the
-launcher then zeroes the rows of keys whose version changed. Where the time of a lookup
-goes (the probe's small reads against the row reads): bench/RESULTS.md, "Host tier read
-from the GPU".
+launcher then zeroes the rows of keys whose version changed.
 
 Memory ordering (why a row is never torn)
 -----------------------------------------
@@ -39,8 +37,8 @@ row must be judged by the same ``v1`` and ``v2``. Neither comes for free on a GP
   of the program), and each thread evaluates a per-key value such as ``v1`` with loads of
   its own. Under a concurrent write, threads of one key read different versions: a
   single-launch reader that let each thread judge its own part of the row returned rows
-  half old, half zero on the H200 (16 KiB rows; bench/RESULTS.md, "Host tier read from
-  the GPU", issue 13). So the probe stores one packed (slot, version) word per key
+  half old, half zero (large rows; bench/RESULTS.md, "Host tier read from the GPU"). So
+  the probe stores one packed (slot, version) word per key
   (whichever thread's store lands, it is a pair that thread read), the gather reads the
   row of that slot, and the check compares that version with a version read after the
   gather: one verdict per key, from values in device memory that every thread reads
@@ -255,29 +253,3 @@ def verify_kernel(
     v2 = tl.load(tab_ver_ptr + tl.where(ok, f >> _VER_BITS, 0), mask=ok, other=-1,
                  volatile=True)
     tl.store(hit_ptr + offs, ok & ((v2 & _VER_MASK) == (f & _VER_MASK)), mask=m)
-
-
-@triton.jit
-def gather_kernel(
-    idx_ptr,  # int64 [n] row indices (sorted for page order)
-    pos_ptr,  # int64 [n] output row of each index
-    rows_ptr,  # [num_rows, dim] registered rows, row stride `row_stride` elements
-    out_ptr,  # [n_out, dim]
-    n,
-    row_stride,
-    dim,
-    BLOCK_K: tl.constexpr,  # noqa: N803
-    BLOCK_D: tl.constexpr,  # noqa: N803
-    EVEN_D: tl.constexpr,  # noqa: N803
-):
-    """Rows of a registered linear table by index, each written at its output position."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
-    m = offs < n
-    idx = tl.load(idx_ptr + offs, mask=m, other=0)
-    pos = tl.load(pos_ptr + offs, mask=m, other=0)
-    d = tl.arange(0, BLOCK_D)
-    dmask = (d < BLOCK_D) if EVEN_D else (d < dim)
-    mask = m[:, None] & dmask[None, :]
-    row = tl.load(rows_ptr + idx[:, None] * row_stride + d[None, :], mask=mask, other=0,
-                  cache_modifier=".cv")
-    tl.store(out_ptr + pos[:, None] * dim + d[None, :], row, mask=mask)

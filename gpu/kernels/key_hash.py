@@ -17,9 +17,12 @@ import triton
 import triton.language as tl
 
 from hostcache import hashing
+from nvecache.common import fmix
 
-_M1: tl.constexpr = tl.constexpr(hashing.FMIX_M1)
-_M2: tl.constexpr = tl.constexpr(hashing.FMIX_M2)
+# NOTE: fmix64's multipliers from their one home, as the signed int64 values the wrapping
+# multiplies take
+_M1: tl.constexpr = tl.constexpr(fmix.M1 - (1 << 64) if fmix.M1 >> 63 else fmix.M1)
+_M2: tl.constexpr = tl.constexpr(fmix.M2 - (1 << 64) if fmix.M2 >> 63 else fmix.M2)
 _MASK31: tl.constexpr = tl.constexpr(hashing.MASK31)
 _INT64_MAX: tl.constexpr = tl.constexpr(hashing.INT64_MAX)
 

@@ -19,7 +19,7 @@ from gpu.errors import BadArgumentError
 __all__ = ["DEFAULT_TILES", "Tiles"]
 
 #: fields that may be 0 (a rule switched off), the others are > 0
-_MAY_BE_ZERO = frozenset({"linear_page_order", "host_block_k"})
+_MAY_BE_ZERO = frozenset({"linear_page_order", "host_block_k", "host_one_sort_max"})
 #: fields that are Triton block sizes or warp counts: powers of two
 _POW2 = frozenset({"lookup_block_k", "lookup_warps", "pooled_block_k", "pooled_warps",
                    "scatter_block_k", "insert_block_k", "gather_block_k", "gather_warps",

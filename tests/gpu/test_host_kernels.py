@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from gpu.cuda.registration import RegistrationClosedError, register
 from gpu.errors import BadArgumentError
 from gpu.kernels import host_reads as hk
+from gpu.kernels.tiles import DEFAULT_TILES
 from gpu.kernels.triton_access import kernel_module
 from hostcache import HostCache, SharedMemBlock, hashing
 
@@ -60,7 +61,7 @@ def test_cpu_twin_is_the_tables_lookup(table_name: str) -> None:
             want_v, want_h = hc.lookup(q)
             assert torch.equal(hit, want_h) and torch.equal(values, want_v)
             assert 0 < int(hit.sum()) < q.numel()
-            tv, th = hk.torch_lookup(reg, q)  # the torch-ops probe over the views
+            tv, th = hk.hostcache_lookup(reg, q, backend="torch")  # the probe in torch ops
             assert torch.equal(th, want_h) and torch.equal(tv, want_v)
     finally:
         hc.close()
@@ -80,8 +81,6 @@ def test_bad_arguments(table_name: str) -> None:
                 hk.hostcache_lookup(reg, bad)  # type: ignore[arg-type]
         with pytest.raises(BadArgumentError, match="backend"):
             hk.hostcache_lookup(reg, torch.arange(3), backend="cuda")  # type: ignore[arg-type]
-        with pytest.raises(BadArgumentError, match="use hostcache_lookup"):
-            hk.linear_gather(reg, torch.arange(3))
         with pytest.raises(BadArgumentError, match="HostRegistration"):
             hk.hostcache_lookup(hc, torch.arange(3))
         if torch.cuda.is_available():
@@ -95,23 +94,23 @@ def test_bad_arguments(table_name: str) -> None:
         HostCache.unlink(table_name)
 
 
-def test_linear_gather_cpu_and_range_check(table_name: str) -> None:
+def test_a_registered_block_is_no_host_cache(table_name: str) -> None:
     mb = SharedMemBlock.create(table_name, num_rows=50, dim=3, dtype=torch.bfloat16)
     try:
-        data = torch.randn(50, 3).to(torch.bfloat16)
-        mb.write(torch.arange(50), data)
         with register(mb, device="cpu") as reg:
-            idx = torch.tensor([3, 49, 0, 3])
-            assert torch.equal(hk.linear_gather(reg, idx), data[idx])
-            assert hk.linear_gather(reg, torch.empty(0, dtype=torch.int64)).shape == (0, 3)
-            for bad in (torch.tensor([50]), torch.tensor([-1, 2])):
-                with pytest.raises(BadArgumentError, match=r"\[0, 50\)"):
-                    hk.linear_gather(reg, bad)
-            with pytest.raises(BadArgumentError, match="use linear_gather"):
-                hk.hostcache_lookup(reg, idx)
+            with pytest.raises(BadArgumentError, match="is not a HostCache"):
+                hk.hostcache_lookup(reg, torch.tensor([3, 49]))
     finally:
         mb.close()
         SharedMemBlock.unlink(table_name)
+
+
+def _gather_block(reg, idx: torch.Tensor, *, page_order: bool, err=None) -> torch.Tensor:
+    """Rows ``idx`` of a registered SharedMemBlock read as a GPULayer reads them (the gather
+    kernel over the registered rows, in batch or in host-page order)."""
+    gather = kernel_module("gather", interpret=reg.device.type != "cuda").gather
+    tiles = replace(DEFAULT_TILES, linear_page_order=1 if page_order else 0)
+    return gather(idx, reg.rows(), err, host_table=True, tiles=tiles)
 
 
 # -- the Triton kernels under the interpreter ---------------------------------------------
@@ -204,14 +203,12 @@ def test_version_changed_between_the_reads_is_a_miss(table_name: str, bump: int)
 
 
 @needs_triton
-def test_env_var_selects_the_interpreter(table_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_triton_backend_runs_the_interpreter_on_the_cpu(table_name: str) -> None:
     hc, keys = _filled_cache(table_name, n=30, capacity=1024, dim=3)
     try:
-        monkeypatch.setenv(hk.BACKEND_ENV, "triton")
-        sys.modules.pop("gpu.host_tier_kernels_interpreted", None)
         with register(hc, device="cpu") as reg:
-            values, hit = hk.hostcache_lookup(reg, keys)
-            assert "gpu.host_tier_kernels_interpreted" in sys.modules
+            values, hit = hk.hostcache_lookup(reg, keys, backend="triton")
+            assert "gpu.kernels.host_tier_interpreted" in sys.modules
             assert torch.equal(values, hc.lookup(keys)[0]) and bool(hit.all())
     finally:
         hc.close()
@@ -219,25 +216,29 @@ def test_env_var_selects_the_interpreter(table_name: str, monkeypatch: pytest.Mo
 
 
 @needs_triton
-@pytest.mark.parametrize(("dedup", "sort"), [(True, True), (False, True), (False, False)])
-def test_interpreted_linear_gather(table_name: str, dedup: bool, sort: bool) -> None:
+@pytest.mark.parametrize("page_order", [False, True])
+def test_interpreted_gather_of_a_registered_block(table_name: str, page_order: bool) -> None:
+    """A registered SharedMemBlock (rows padded to 16 bytes) read by the GPULayer gather:
+    its rows bit for bit, out-of-range indices as zero rows reported in the key flag."""
     mb = SharedMemBlock.create(table_name, num_rows=70, dim=6, dtype=torch.float16)
     try:
         data = torch.randn(70, 6).to(torch.float16)
         mb.write(torch.arange(70), data)
         with register(mb, device="cpu") as reg:
+            assert reg.rows().stride(0) > 6  # padded rows: read at their stride
             idx = torch.randint(0, 70, (90,))
-            out = hk.linear_gather(reg, idx, backend="triton", dedup=dedup, sort=sort)
-            assert torch.equal(out, data[idx])
+            assert torch.equal(_gather_block(reg, idx, page_order=page_order), data[idx])
+            err = torch.zeros(1, dtype=torch.int64)
+            out = _gather_block(reg, torch.tensor([3, 70, 5]), page_order=page_order, err=err)
+            assert torch.equal(out[[0, 2]], data[[3, 5]]) and not out[1].any()
+            assert int(err) == 70
     finally:
         mb.close()
         SharedMemBlock.unlink(table_name)
 
 
 @needs_triton
-def test_interpreted_unique_then_sort_path(
-    table_name: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_interpreted_unique_then_sort_path(table_name: str) -> None:
     """Both batch pipelines (one sort with run copies; unique, then a sort) give the table's
     own lookup, bit for bit."""
     hc, keys = _filled_cache(table_name, n=150, capacity=160, dim=5)
@@ -246,8 +247,8 @@ def test_interpreted_unique_then_sort_path(
             q = _queries(keys, 120, torch.Generator().manual_seed(9))
             want_v, want_h = hc.lookup(q)
             for one_sort_max in (0, 1 << 40):
-                monkeypatch.setattr(hk, "TILES", replace(hk.TILES, one_sort_max=one_sort_max))
-                values, hit = hk.hostcache_lookup(reg, q, backend="triton")
+                tiles = replace(DEFAULT_TILES, host_one_sort_max=one_sort_max)
+                values, hit = hk.hostcache_lookup(reg, q, backend="triton", tiles=tiles)
                 assert torch.equal(hit, want_h)
                 assert torch.equal(values, want_v)
     finally:
@@ -283,18 +284,20 @@ def test_cuda_lookup_equals_cpu_lookup(
 
 @pytest.mark.gpu
 @needs_cuda
-def test_cuda_linear_gather_equals_index_select(table_name: str) -> None:
+def test_cuda_gather_of_a_registered_block_equals_index_select(table_name: str) -> None:
     mb = SharedMemBlock.create(table_name, num_rows=100_000, dim=100, dtype=torch.float32)
     try:
         data = torch.randn(100_000, 100)
         mb.write(torch.arange(100_000), data)
         with register(mb, device="cuda") as reg:
             idx = torch.randint(0, 100_000, (70_000,))
-            for dedup, sort in [(True, True), (False, True), (False, False)]:
-                out = hk.linear_gather(reg, idx.cuda(), dedup=dedup, sort=sort)
+            for page_order in (False, True):
+                out = _gather_block(reg, idx.cuda(), page_order=page_order)
                 assert torch.equal(out.cpu(), data[idx])
-            with pytest.raises(BadArgumentError, match="100000"):
-                hk.linear_gather(reg, torch.tensor([100_000], device="cuda"))
+            err = torch.zeros(1, dtype=torch.int64, device="cuda")
+            out = _gather_block(reg, torch.tensor([100_000], device="cuda"), page_order=False,
+                                err=err)
+            assert int(err) == 100_000 and not out.any()
     finally:
         mb.close()
         SharedMemBlock.unlink(table_name)
@@ -305,7 +308,7 @@ def _second_process(cache_name: str, block_name: str, keys, idx, out, received) 
     mb = SharedMemBlock.attach(block_name)
     with register(hc, device="cuda") as rc, register(mb, device="cuda") as rb:
         values, hit = hk.hostcache_lookup(rc, keys.cuda())
-        rows = hk.linear_gather(rb, idx.cuda())
+        rows = _gather_block(rb, idx.cuda(), page_order=False)
         out.put((values.cpu(), hit.cpu(), rows.cpu()))
         # NOTE: tensors travel as shared-memory file descriptors that this process hands
         # out on request: stay alive until the parent has unpickled them.

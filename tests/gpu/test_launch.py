@@ -146,7 +146,7 @@ def test_bound_lookups_with_pointers_and_sizes_in_turns(dim: int) -> None:
         assert torch.equal(served.cpu(), want), step
         listed = torch.from_numpy(misses.take()[1]).sort().values
         assert torch.equal(listed, (~want_hit).nonzero().squeeze(1)), step
-    assert gpu_cache._bound, "the lookups went through a bound launch"
+    assert gpu_cache.ops.bound, "the lookups went through a bound launch"
     assert gpu_cache.stats().hits == twin.stats().hits
 
 
