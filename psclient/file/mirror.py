@@ -47,7 +47,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from itertools import compress, islice
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -67,23 +66,11 @@ else:  # NOTE: numba loads with the first compiled loop; the file's words need n
 
 log = logging.getLogger(__name__)
 
-_MAGIC = 0x4E56524F57494458  # b"NVROWIDX"
-_FORMAT = 1
+_MAGIC, _FORMAT = mirror_layout.FILE_MAGIC, mirror_layout.FILE_FORMAT
 _HEADER_BYTES = HEADER_BYTES
 _MIN_SLOTS = 1024
 #: rows read from LMDB per step of a rebuild
 _REBUILD_CHUNK = 1 << 16
-
-
-def _boot_id() -> tuple[int, int]:
-    """This boot of the machine, as two int64 (zeros where the kernel does not say)."""
-    try:
-        raw = bytes.fromhex(Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-                            .replace("-", ""))
-    except (OSError, ValueError):
-        return 0, 0
-    a, b = np.frombuffer(raw[:16].ljust(16, b"\0"), dtype="<i8")
-    return int(a), int(b)
 
 
 class _Mapped:
@@ -140,7 +127,7 @@ class RowMirror:
         self._row_bytes = row_bytes
         self._scan, self._last_txnid = scan, last_txnid
         self._mode = os.stat(os.path.join(directory, "data.mdb")).st_mode & 0o666
-        self._boot = _boot_id()
+        self._boot = mirror_layout.boot_id()
         self._map: _Mapped | None = None
         self._lock_fd = -1
         self._writing = False
