@@ -45,3 +45,19 @@ class PinnedStaging:
         current stream."""
         self._raw = torch._C._cuda_getCurrentRawStream(self._index)
         return self._buf[:nbytes].to(self._device, non_blocking=True)
+
+
+class HostBuffer:
+    """:class:`PinnedStaging`'s stand-in on the CPU: each :meth:`take` a fresh array (rows
+    sent out of it may wait in an admission round), :meth:`send` that very array as a
+    tensor, no copy."""
+
+    def __init__(self) -> None:
+        self._last = np.empty(0, np.uint8)
+
+    def take(self, nbytes: int) -> np.ndarray:
+        self._last = np.empty(nbytes, np.uint8)
+        return self._last
+
+    def send(self, nbytes: int) -> torch.Tensor:
+        return torch.from_numpy(self._last[:nbytes])
