@@ -48,13 +48,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import psclient  # noqa: E402
 from psclient.codec import (  # noqa: E402
-    assemble_rows,
     be_bytes_to_keys,
     be_key_bytes,
     group_by_partition,
     le_key_bytes,
     row_bytes_list,
 )
+from psclient.errors import CorruptValueError  # noqa: E402
 from psclient.redis import resp  # noqa: E402
 from psclient.redis.wire import run_row_pipeline  # noqa: E402
 
@@ -376,10 +376,39 @@ def _getmulti_lookup(ps: Any, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     return vals[inv], found[inv]
 
 
+def assemble_rows(
+    replies: list[bytes | None], order: np.ndarray, keys: np.ndarray, schema: Any, table: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference assembly of a lookup result: one stored value (or ``None`` for a miss)
+    per key, in the order ``keys[order]``, into ``(values, found)`` in the caller's key
+    order, missing rows zeros (the library assembles from distinct keys:
+    ``psclient.codec.assemble_distinct_rows``).
+
+    Raises:
+        CorruptValueError: a stored value does not have the row length; names the key.
+    """
+    n, rb = len(replies), schema.row_bytes
+    obj = np.empty(n, dtype=object)
+    obj[order] = replies
+    found = obj != None  # noqa: E711 -- elementwise comparison on an object array
+    obj[~found] = bytes(rb)  # NOTE: a miss reads as a zero row
+    ordered = obj.tolist()
+    lengths = np.fromiter(map(len, ordered), dtype=np.int64, count=n)
+    bad = np.flatnonzero(lengths != rb)
+    if bad.size:
+        raise CorruptValueError(
+            f"table {table!r}, key {int(keys[bad[0]])}: stored value has "
+            f"{int(lengths[bad[0]])} bytes, expected {rb} (dim {schema.dim} x {schema.dtype}); "
+            f"{bad.size} bad value(s) in this batch: rewrite them with insert() or drop the table")
+    flat = np.fromiter(ordered, dtype=f"V{rb}", count=n).view(np.uint8)
+    values = torch.from_numpy(flat).view(schema.torch_dtype)
+    return values.reshape(n, schema.dim), torch.from_numpy(found.astype(bool))
+
+
 def lookup_per_key(ps: Any, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     """The earlier file:// read path, kept as the reference that tests and this benchmark
     compare the lookup with: one ``txn.get`` per key in key order, duplicates included,
-    assembled by :func:`psclient.codec.assemble_rows`.
+    assembled by :func:`assemble_rows`.
 
     NOTE: reads the backend's private environment (LMDB allows one per process).
     """

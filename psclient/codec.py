@@ -215,37 +215,3 @@ def assemble_distinct_rows(
     values = torch.from_numpy(flat).view(schema.torch_dtype)
     return values.reshape(n, schema.dim), torch.from_numpy(found)
 
-
-def assemble_rows(
-    replies: list[bytes | None], order: np.ndarray, keys: np.ndarray, schema: TableSchema,
-    table: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Turn one stored value (or ``None`` for a miss) per key into the lookup result.
-
-    Args:
-        replies: one stored value or ``None`` per key, in the order ``keys[order]``.
-        order: the permutation the replies were fetched in.
-        keys: the keys in the caller's order (for error messages).
-        schema: the table schema (row length, dtype).
-        table: table name for error messages.
-
-    Returns:
-        ``(values, found)`` in the caller's key order; missing rows are zeros.
-
-    Raises:
-        CorruptValueError: a stored value does not have the row length; names the key.
-    """
-    n = len(replies)
-    obj = np.empty(n, dtype=object)
-    obj[order] = replies
-    found = obj != None  # noqa: E711 -- elementwise comparison on an object array
-    obj[~found] = bytes(schema.row_bytes)  # NOTE: a miss reads as a zero row
-    ordered = obj.tolist()
-    lengths = np.fromiter(map(len, ordered), dtype=np.int64, count=n)
-    bad = np.flatnonzero(lengths != schema.row_bytes)
-    if bad.size:
-        raise _corrupt(table, int(keys[bad[0]]), int(lengths[bad[0]]), schema, bad.size)
-    # NOTE: one C-level copy of every row into a fresh array the returned tensor owns.
-    flat = np.fromiter(ordered, dtype=f"V{schema.row_bytes}", count=n).view(np.uint8)
-    values = torch.from_numpy(flat).view(schema.torch_dtype)
-    return values.reshape(n, schema.dim), torch.from_numpy(found.astype(bool))

@@ -12,9 +12,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import psclient
+from bench.bench_psclient import assemble_rows
 from psclient.codec import (
     assemble_distinct_rows,
-    assemble_rows,
     be_bytes_to_keys,
     be_key_bytes,
     check_keys,
@@ -82,7 +82,7 @@ def test_resp_records_match_hiredis_encoding() -> None:
         resp.field_records(keys))) == hiredis.pack_command((b"HMGET", b"k", *kb))
 
 
-def test_assemble_rows_orders_fills_misses_and_flags_bad_lengths() -> None:
+def test_the_reference_assembly_orders_fills_misses_and_flags_bad_lengths() -> None:
     schema = TableSchema(dim=2, dtype="float32")
     vals = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
     rb = row_bytes_list(vals)
