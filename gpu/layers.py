@@ -35,7 +35,7 @@ import torch
 from gpu import ops
 from gpu.cuda.devices import resolve_device
 from gpu.errors import BadArgumentError
-from gpu.inputs import bags, check_keys, check_values
+from gpu.inputs import bags, check_dtype, check_keys, check_values
 from gpu.layer_config import InsertPolicy, LayerStats, LayerType, PoolingMode
 from gpu.stacks.builders import build_stack
 from gpu.stacks.closed import ClosedStack
@@ -44,9 +44,6 @@ from gpu.tier_config import TierConfig
 from nvecache.common.keys import RESERVED_KEY, RESERVED_KEY_RULE
 
 logger = logging.getLogger(__name__)
-
-TABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
 
 def _positive(name: str, value: object, *, zero: bool = False) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < (0 if zero else 1):
@@ -80,8 +77,7 @@ class _NVBase(torch.nn.Module):
         self.num_embeddings = _positive("num_embeddings", num_embeddings)
         self.embedding_size = _positive("embedding_size", embedding_size)
         _positive("gpu_cache_size", gpu_cache_size, zero=True)
-        if data_type not in TABLE_DTYPES:
-            raise BadArgumentError(f"data_type must be one of {TABLE_DTYPES}; got {data_type!r}")
+        data_type = check_dtype(data_type)
         if not isinstance(layer_type, LayerType):
             raise BadArgumentError(f"layer_type must be a gpu.LayerType; got {layer_type!r}")
         if optimize_for_training:

@@ -12,6 +12,7 @@ import torch
 from gpu.inputs import check_range
 from gpu.stacks.key_flag import RangeCheck
 from hostcache.gate import TableGate, gate_for
+from nvecache.common.accumulate import added, sum_duplicates
 
 
 def registered_rows(table: Any, device: torch.device) -> tuple[Any, torch.Tensor]:
@@ -74,15 +75,14 @@ def write_tensor(gate: TableGate, table: torch.Tensor, keys: torch.Tensor,
 
 def add_tensor(gate: TableGate, table: torch.Tensor, keys: torch.Tensor,
                deltas: torch.Tensor) -> None:
-    """Add ``deltas`` to rows of a layer's own table tensor through its gate: duplicate
-    keys summed, half-precision rows added in float32 and rounded once; on CUDA the rows
-    are in place when this returns, as after :func:`write_tensor`."""
+    """Add ``deltas`` to rows of a layer's own table tensor through its gate, by the one
+    add rule of every tier (:mod:`nvecache.common.accumulate`: duplicate keys summed,
+    half-precision rows added in float32 and rounded once); on CUDA the rows are in place
+    when this returns, as after :func:`write_tensor`."""
+    ukeys, sums, _ = sum_duplicates(keys.to(table.device), deltas.to(table.device),
+                                    table.dtype)
     with gate.writing():
-        uniq, inverse = torch.unique(keys.to(table.device), return_inverse=True)
-        sums = torch.zeros(uniq.numel(), table.shape[1], dtype=torch.float32,
-                           device=table.device)
-        sums.index_add_(0, inverse, deltas.to(table.device, torch.float32))
-        table[uniq] = (table[uniq].float() + sums).to(table.dtype)
+        table[ukeys] = added(table[ukeys], sums)
         if table.is_cuda:
             torch.cuda.current_stream(table.device).synchronize()
 
