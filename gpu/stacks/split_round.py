@@ -1,8 +1,8 @@
 """A warm LinearUVM round in three steps, so that no lookup waits for all of it.
 
 A round inserts the miss log into the cache. Most of its GPU time is the insert's two
-radix sorts (bench/RESULTS.md, "Per-call path (H200)": ~107 of a round's ~159 us, each
-sort pass a small launch-bound kernel), and those read nothing of the cache's table
+radix sorts (bench/RESULTS.md, "Per-call path"; each sort pass a small launch-bound
+kernel), and those read nothing of the cache's table
 (:meth:`gpu.cache.gpu_cache.GPUCache.sort_insert_keys`, ``sort_insert_buckets``). Queued whole
 behind the lookup that triggers it, the round held that lookup's caller at its sync for
 all of it: the LinearUVM tail. Here each step is one CUDA graph, queued by a different
@@ -54,7 +54,7 @@ class SplitRound:
         cand: The kept log (keys and rows).
         small_keys: Every logged key is below ``2**31`` (a linear table's row).
         guard: The cache's guard, held around every call here: its ``stream`` is the
-            caller's (without the ~6 us of ``torch.cuda.current_stream()``).
+            caller's (without the cost of ``torch.cuda.current_stream()``).
     """
 
     def __init__(self, cache: GPUCache, cand: MissCandidates, small_keys: bool,
@@ -106,7 +106,7 @@ class SplitRound:
 
     def _on_side(self, step: GraphedCall, caller: Any) -> None:
         # NOTE: set_stream, not the stream context: that one reads the current stream
-        # again (~6 us) on the way in
+        # again (a costly call) on the way in
         torch.cuda.set_stream(self._side)
         try:
             step()
