@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu.cache.gpu_cache import GPUCache  # noqa: E402
 from gpu.cache.twin import COUNTER_MAX  # noqa: E402
+from gpu.kernels.tiles import DEFAULT_TILES, Tiles  # noqa: E402
 from gpu.kernels.triton_access import kernel_module  # noqa: E402
 from hostcache.layout import EMPTY_KEY  # noqa: E402
 
@@ -113,7 +114,7 @@ def run_lookup(args: argparse.Namespace, gen: torch.Generator) -> None:
     cache, keys, slot_of = filled_cache(slots, gen)
     # NOTE: the baselines read the cache's own rows (same table size, same values), so the
     # pooled check can compare with EmbeddingBag over the slots of the looked-up keys.
-    table = cache._rows
+    table = cache.tables.rows
     emb = torch.nn.Embedding.from_pretrained(table, freeze=True)
     bag = torch.nn.EmbeddingBag.from_pretrained(table, freeze=True, mode="sum",
                                                 include_last_offset=True)
@@ -171,47 +172,61 @@ def sweep(args: argparse.Namespace, cache: GPUCache, keys: torch.Tensor, slot_of
     counter atomic at all); otherwise they hold what the run counted.
     """
     kernels = kernel_module("cache_lookup", interpret=False)
-    saved = kernels.TILES
+    pooled_kernels = kernel_module("cache_pooled", interpret=False)
     c = cache
-    counted = c._counters.clone()
+    t = c.tables
+    counted = t.counters.clone()
 
     def set_counters(sat: int) -> None:
         if sat:
-            c._counters.fill_(COUNTER_MAX)
+            t.counters.fill_(COUNTER_MAX)
         else:
-            c._counters.copy_(counted)
+            t.counters.copy_(counted)
 
     lookup_configs = ((16, 4, 0), (16, 4, 1), (8, 2, 0), (8, 4, 0), (16, 2, 0), (32, 4, 0),
                       (32, 8, 0), (4, 1, 0), (8, 1, 0))
+    # NOTE: the counters are clamped before the sweep's unsaturated adds could overflow
+    # int32, as GPUCache does before its lookups
+    added = [0]
+
+    def will_count(n: int) -> None:
+        added[0] += n
+        if added[0] > 1 << 30:
+            t.counters.clamp_max_(COUNTER_MAX)
+            added[0] = 0
+
     try:
         for dist, alpha in (("zipf", 1.05), ("uniform", 0.0)):
             for n in (1 << 16, 1 << 20):
                 pick = zipf_ranks(keys.numel(), n, alpha, gen)
                 q, idx = keys[pick], slot_of[pick]
 
-                def run(count: bool, gather: bool = True, q: torch.Tensor = q) -> Any:
-                    c._will_count(q.numel())
-                    return kernels.lookup(q, c._tkeys, c._counters, c._rows, c._hits,
+                def run(count: bool, gather: bool = True, q: torch.Tensor = q,
+                        tiles: Tiles = DEFAULT_TILES) -> Any:
+                    will_count(q.numel())
+                    return kernels.lookup(q, t.tkeys, t.counters, t.rows, t.hits,
                                           c.num_buckets, c.ways, empty=EMPTY_KEY,
                                           gather=gather, count=count, want_slots=False,
-                                          cmax=COUNTER_MAX)
+                                          cmax=COUNTER_MAX, tiles=tiles)
 
-                def plain(idx: torch.Tensor = idx) -> Any:
-                    return kernels.lookup(idx, c._tkeys, c._counters, c._rows, c._hits, 0,
+                def plain(idx: torch.Tensor = idx, tiles: Tiles = DEFAULT_TILES) -> Any:
+                    return kernels.lookup(idx, t.tkeys, t.counters, t.rows, t.hits, 0,
                                           c.ways, empty=EMPTY_KEY, gather=True, count=False,
-                                          want_slots=False, table=c._rows, host_table=False,
-                                          cmax=COUNTER_MAX)
+                                          want_slots=False, table=t.rows, host_table=False,
+                                          cmax=COUNTER_MAX, tiles=tiles)
 
-                t_emb = bench(lambda idx=idx: torch.nn.functional.embedding(idx, c._rows),
+                t_emb = bench(lambda idx=idx: torch.nn.functional.embedding(idx, t.rows),
                               True)
                 for bk, warps, sat in lookup_configs:
-                    kernels.TILES = dataclasses.replace(saved, lookup_block_k=bk,
-                                                        lookup_warps=warps)
+                    tiles = dataclasses.replace(DEFAULT_TILES, lookup_block_k=bk,
+                                                lookup_warps=warps)
                     set_counters(sat)
                     row = {}
-                    for what, fn in (("full", lambda: run(True)), ("no_count",
-                                     lambda: run(False)), ("probe_only",
-                                     lambda: run(True, False)), ("plain_gather", plain)):
+                    fns = {"full": lambda tiles=tiles: run(True, tiles=tiles),
+                           "no_count": lambda tiles=tiles: run(False, tiles=tiles),
+                           "probe_only": lambda tiles=tiles: run(True, False, tiles=tiles),
+                           "plain_gather": lambda tiles=tiles: plain(tiles=tiles)}
+                    for what, fn in fns.items():
                         row[what] = round(n / bench(fn, True) / 1e6, 1)
                     emit(bench="sweep_lookup", dist=dist, block_k=bk, warps=warps,
                          saturated=sat, batch=n, emb_mkps=round(n / t_emb / 1e6, 1),
@@ -225,35 +240,49 @@ def sweep(args: argparse.Namespace, cache: GPUCache, keys: torch.Tensor, slot_of
             pick = zipf_ranks(keys.numel(), n, alpha, gen)
             q, idx = keys[pick], slot_of[pick]
             t_bag = bench(lambda idx=idx: torch.nn.functional.embedding_bag(
-                idx, c._rows, offsets, mode="sum", include_last_offset=True), True)
+                idx, t.rows, offsets, mode="sum", include_last_offset=True), True)
 
-            def pooled(count: bool, q: torch.Tensor = q) -> Any:
-                c._will_count(q.numel())
-                return kernels.pooled(q, offsets, None, None, c._tkeys, c._counters, c._rows,
-                                      c._hits, c.num_buckets, c.ways, mean=False,
-                                      empty=EMPTY_KEY, count=count, cmax=COUNTER_MAX)
+            def pooled(count: bool, tiles: Tiles, q: torch.Tensor = q) -> Any:
+                will_count(q.numel())
+                return pooled_kernels.pooled(q, offsets, None, None, t.tkeys, t.counters,
+                                             t.rows, t.hits, c.num_buckets, c.ways,
+                                             mean=False, empty=EMPTY_KEY, count=count,
+                                             cmax=COUNTER_MAX, tiles=tiles)
 
-            def plain_pooled(idx: torch.Tensor = idx) -> Any:
-                return kernels.pooled(idx, offsets, None, None, c._tkeys, c._counters, c._rows,
-                                      c._hits, 0, c.ways, mean=False, empty=EMPTY_KEY,
-                                      table=c._rows, cmax=COUNTER_MAX)
+            def plain_pooled(tiles: Tiles, idx: torch.Tensor = idx) -> Any:
+                return pooled_kernels.pooled(idx, offsets, None, None, t.tkeys, t.counters,
+                                             t.rows, t.hits, 0, c.ways, mean=False,
+                                             empty=EMPTY_KEY, table=t.rows, cmax=COUNTER_MAX,
+                                             tiles=tiles)
 
             for bk, warps, programs, sat in pooled_configs:
-                kernels.TILES = dataclasses.replace(saved, pooled_block_k=bk,
-                                                    pooled_warps=warps,
-                                                    pooled_programs=programs)
+                tiles = dataclasses.replace(DEFAULT_TILES, pooled_block_k=bk,
+                                            pooled_warps=warps, pooled_programs=programs)
                 set_counters(sat)
-                t = bench(lambda: pooled(True), True)
-                t_nc = bench(lambda: pooled(False), True)
-                t0 = bench(plain_pooled, True)
+                tp = bench(lambda tiles=tiles: pooled(True, tiles), True)
+                t_nc = bench(lambda tiles=tiles: pooled(False, tiles), True)
+                t0 = bench(lambda tiles=tiles: plain_pooled(tiles), True)
                 emit(bench="sweep_pooled", dist=dist, block_k=bk, warps=warps,
-                     programs=programs, saturated=sat, split=kernels.pooled_split(n, 256),
-                     mkps=round(n / t / 1e6, 1), ratio=round(t_bag / t, 3),
+                     programs=programs, saturated=sat,
+                     split=pooled_kernels.pooled_split(n, 256, tiles),
+                     mkps=round(n / tp / 1e6, 1), ratio=round(t_bag / tp, 3),
                      no_count_mkps=round(n / t_nc / 1e6, 1), plain_mkps=round(n / t0 / 1e6, 1),
                      bag_mkps=round(n / t_bag / 1e6, 1))
             set_counters(0)
     finally:
-        kernels.TILES = saved
+        set_counters(0)
+
+
+def same_contents(cache: GPUCache, tiles: Tiles) -> GPUCache:
+    """A cache like ``cache``, holding the same keys, counters and rows, launched with
+    ``tiles``."""
+    other = GPUCache(cache.capacity * cache.slot_bytes, cache.dim, cache.dtype, cache.device,
+                     ways=cache.ways, tiles=tiles)
+    src, dst = cache.tables, other.tables
+    for a, b in ((src.tkeys_all, dst.tkeys_all), (src.counters_all, dst.counters_all),
+                 (src.rows_all, dst.rows_all)):
+        b.copy_(a)
+    return other
 
 
 def pinned_copy_gbps(host: torch.Tensor, quick: bool) -> float:
@@ -287,19 +316,16 @@ def run_linear(args: argparse.Namespace, gen: torch.Generator) -> None:
         hit_rate = float(hit.float().mean())
         t = bench(lambda q=q: cache.lookup_linear(q, table), args.quick)
         tb = bench(lambda q=q: torch.index_select(table, 0, q), args.quick)
-        # the same lookups with every batch visited in batch order, or in host-page order;
-        # the default picks by batch size (TILES.linear_page_order)
-        kernels = kernel_module("cache_lookup", interpret=False)
-        saved = kernels.TILES
+        # the same lookups with every batch visited in batch order, or in host-page order
+        # (the default picks by batch size: Tiles.linear_page_order), by a cache holding
+        # the same table state
         variants = {}
         for label, from_n in (("batch_order", 0), ("page_order", 1)):
-            kernels.TILES = dataclasses.replace(saved, linear_page_order=from_n)
-            try:
-                got_v, hit_v = cache.lookup_linear(q, table)
-                assert torch.equal(got_v, got) and torch.equal(hit_v, hit)
-                t_v = bench(lambda q=q: cache.lookup_linear(q, table), args.quick)
-            finally:
-                kernels.TILES = saved
+            other = same_contents(cache, dataclasses.replace(DEFAULT_TILES,
+                                                             linear_page_order=from_n))
+            got_v, hit_v = other.lookup_linear(q, table)
+            assert torch.equal(got_v, got) and torch.equal(hit_v, hit)
+            t_v = bench(lambda q=q, other=other: other.lookup_linear(q, table), args.quick)
             variants[f"{label}_mkps"] = round(n / t_v / 1e6, 1)
             variants[f"{label}_ratio"] = round(tb / t_v, 3)
         batches = [perm[zipf_ranks(rows, n, 1.05, gen)] for _ in range(10)]

@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from gpu.cuda.registration import register  # noqa: E402
 from gpu.kernels import host_reads as hk  # noqa: E402
+from gpu.kernels.tiles import DEFAULT_TILES  # noqa: E402
 from gpu.kernels.triton_access import kernel_module  # noqa: E402
 from hostcache import HostCache, hashing, layout  # noqa: E402
 
@@ -124,14 +125,8 @@ def bench_lookups(capacity: int, batches: list[int], reps: int, ceiling: float) 
                     sorted_slots = torch.unique(slots)  # ascending = page order
 
                     def variant(q=q, **cfg):
-                        def run_variant():
-                            saved = hk.TILES
-                            hk.TILES = dataclasses.replace(saved, **cfg)
-                            try:
-                                return hk.hostcache_lookup(reg, q)
-                            finally:
-                                hk.TILES = saved
-                        return run_variant
+                        tiles = dataclasses.replace(DEFAULT_TILES, **cfg)
+                        return lambda: hk.hostcache_lookup(reg, q, tiles=tiles)
 
                     def sort_only(q=q):
                         skey = torch.empty_like(q)
@@ -141,10 +136,10 @@ def bench_lookups(capacity: int, batches: list[int], reps: int, ceiling: float) 
 
                     runs = {
                         "ours": lambda q=q: hk.hostcache_lookup(reg, q),
-                        "ours_bk32": variant(block_k=32),
-                        "ours_bk64_w8": variant(block_k=64, warps=8),
-                        "ours_unique_then_sort": variant(one_sort_max=0),
-                        "ours_one_sort": variant(one_sort_max=1 << 40),
+                        "ours_bk32": variant(host_block_k=32),
+                        "ours_bk64_w8": variant(host_block_k=64, host_warps=8),
+                        "ours_unique_then_sort": variant(host_one_sort_max=0),
+                        "ours_one_sort": variant(host_one_sort_max=1 << 40),
                         "ours_no_dedup": lambda q=q: hk.hostcache_lookup(reg, q, dedup=False),
                         "ours_no_fence": lambda q=q: hk.triton_lookup(reg, q, fence=False),
                         "stage_probe_only": lambda q=q: hk.triton_lookup(reg, q, gather=False),

@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import psclient  # noqa: E402
 from bench.workloads import ZipfKeys  # noqa: E402
-from gpu import InsertPolicy, LayerType, NVEmbedding, NVEmbeddingBag  # noqa: E402
+from gpu import InsertPolicy, LayerType, NVEmbedding, NVEmbeddingBag, TierConfig  # noqa: E402
+from gpu.kernels.tiles import DEFAULT_TILES  # noqa: E402
 from gpu.stacks.linear_tables import registered_rows  # noqa: E402
 from hostcache import HostCache, SharedMemBlock  # noqa: E402
 
@@ -159,22 +160,24 @@ def linear_uvm(device: torch.device, rows: int, batches: list[int], reps: int) -
             assert torch.equal(emb(keys), table_view.index_select(0, keys))
             tb = timed(lambda k=keys: table_view.index_select(0, k), device, reps, wall=True)
             extra: dict[str, Any] = {}
-            if emb._tiers.cache.backend == "triton":
-                # the same layer with every batch visited in batch order, or in host-page
-                # order; the default picks by batch size (TILES.linear_page_order)
-                from gpu.kernels.triton_access import kernel_module
-
-                kernels = kernel_module("cache_lookup", interpret=device.type != "cuda")
-                saved = kernels.TILES
+            if device.type == "cuda":
+                # a layer over the same table with every batch visited in batch order, or
+                # in host-page order (the default picks by batch size:
+                # Tiles.linear_page_order), warmed the same way
                 for label, from_n in (("batch_order", 0), ("page_order", 1)):
-                    kernels.TILES = dataclasses.replace(saved, linear_page_order=from_n)
+                    tiles = dataclasses.replace(DEFAULT_TILES, linear_page_order=from_n)
+                    other = NVEmbedding(rows, DIM, torch.float32, LayerType.LinearUVM,
+                                        gpu_cache_size=cache_bytes, storage=mb, device=device,
+                                        tuning=TierConfig(tiles=tiles))
                     try:
-                        assert torch.equal(emb(keys), table_view.index_select(0, keys))
-                        b = emb.stats().gpu
-                        ts = timed(cycle(emb, stream), device, reps, wall=True)
-                        a = emb.stats().gpu
+                        for warm in stream:
+                            other(warm)
+                        assert torch.equal(other(keys), table_view.index_select(0, keys))
+                        b = other.stats().gpu
+                        ts = timed(cycle(other, stream), device, reps, wall=True)
+                        a = other.stats().gpu
                     finally:
-                        kernels.TILES = saved
+                        other.close()
                     vh, vm = a.hits - b.hits, a.misses - b.misses
                     extra.update({f"{label}_mkps": n / ts / 1e6, f"{label}_ratio": tb / ts,
                                   f"{label}_hit_rate": vh / max(1, vh + vm)})

@@ -7,12 +7,14 @@ path"); a layer takes another through its ``tuning=`` argument.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import Literal
 
 from gpu.errors import BadArgumentError
 from gpu.kernels.tiles import DEFAULT_TILES, Tiles
 
 #: the GPU cache backends a layer may ask for (``gpu.cache.backend``)
-CACHE_BACKENDS = ("auto", "torch", "triton")
+CacheBackend = Literal["auto", "torch", "triton"]
+CACHE_BACKENDS: tuple[CacheBackend, ...] = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,7 @@ class TierConfig:
     #: the GPU cache's backend (``gpu.cache.backend``): ``"auto"`` (Triton on CUDA where it
     #: is importable, else the torch twin), ``"torch"``, or ``"triton"`` (on a CPU layer the
     #: kernels run under Triton's interpreter: tests)
-    cache_backend: str = "auto"
+    cache_backend: CacheBackend = "auto"
     #: the kernels' launch settings (``gpu.kernels.tiles``)
     tiles: Tiles = field(default=DEFAULT_TILES)
 

@@ -71,7 +71,7 @@ class Tiles:
                                                      for f in fields(self))))
 
     def __hash__(self) -> int:
-        return self._hash  # type: ignore[attr-defined, no-any-return]
+        return self._hash  # type: ignore[attr-defined]
 
 
 DEFAULT_TILES = Tiles()
