@@ -126,7 +126,7 @@ class GPUCache:
 
         The kernels add without saturating (``gpu.kernels.cache_lookup``: a stored counter ``c``
         means ``min(c, COUNTER_MAX)``); clamp every counter before the adds counted since
-        the last clamp could overflow int32. One pass over the counters per ~10^9 keys.
+        the last clamp could overflow int32 (a rare pass over the counters).
         """
         if self._unclamped + n > _INT32_MAX - twin.COUNTER_MAX:
             self._counters.clamp_max_(twin.COUNTER_MAX)

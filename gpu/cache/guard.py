@@ -44,6 +44,6 @@ class CacheGuard:
     @property
     def stream(self) -> Any:
         """The CUDA stream of the operation inside the guard (read it while holding the
-        guard; None on the CPU): the caller's current stream, without the ~6 us of
+        guard; None on the CPU): the caller's current stream, without the cost of
         ``torch.cuda.current_stream()``."""
         return self._stream

@@ -102,7 +102,7 @@ def gather(rows: torch.Tensor, slot: torch.Tensor, hit: torch.Tensor) -> torch.T
     vals = rows.index_select(0, torch.where(hit, slot, 0))
     if vals.device.type == "cpu":
         # NOTE: index_fill_ of the missed rows: a broadcast masked_fill_ over [N, dim]
-        # took twice as long on the CPU (on CUDA the nonzero would cost a host sync)
+        # was slower on the CPU (on CUDA the nonzero would cost a host sync)
         return vals.index_fill_(0, (~hit).nonzero().squeeze(1), 0)
     return vals.masked_fill_(~hit[:, None], 0)
 

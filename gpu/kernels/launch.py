@@ -1,9 +1,9 @@
 """Launching a compiled Triton kernel without the JIT's per-call work.
 
 ``kernel[grid](*args, **constexprs)`` binds and specializes every argument, hashes a cache
-key and builds launch metadata on every call: on the H200 machine that costs several times
-the launch itself, and more than a serving-size lookup's kernel runs (bench/RESULTS.md,
-"Per-call path (H200)", "Where the host time goes").
+key and builds launch metadata on every call: more host time than the launch itself, and
+more than a serving-size lookup's kernel runs (bench/RESULTS.md, "Per-call path (H200)",
+"Where the host time goes").
 :class:`DirectLaunch` binds once: the first call of a variant goes through the JIT (which
 compiles it or loads it from Triton's cache), later calls hand the compiled kernel's
 launcher the arguments directly, as torch inductor's generated launchers do: tensors as
@@ -61,7 +61,7 @@ class DirectLaunch:
         self._interpret = bool(triton.knobs.runtime.interpret)
         #: the current stream's handle for a device index (what Triton's own launch asks)
         self._raw_stream: Any = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        #: the current CUDA device's index (torch.cuda.current_device() costs ~2 us)
+        #: the current CUDA device's index (cheaper than torch.cuda.current_device())
         self._current_device: Any = getattr(torch._C, "_cuda_getDevice", None)
 
     def __call__(self, grid: tuple[int, ...], args: Sequence[Any],
