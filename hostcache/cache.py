@@ -2,8 +2,9 @@
 
 Every process of the node maps the same segment. Readers never lock: each lookup reads a
 slot's version, its key and row, then the version again, and treats a changed or odd
-version as a miss (seqlock; see ``hostcache.layout``). Writers (insert, update, erase,
-clear) take the table's robust writer lock. All paths are vectorized over the batch.
+version as a miss (seqlock; see ``hostcache.layout``). Writers (insert, update,
+accumulate, erase, clear) take the table's robust writer lock. All paths are vectorized
+over the batch.
 
 Eviction policy ``lfu-da`` (LFU with dynamic aging, per bucket): a hit adds one to its
 slot's counter; a new key takes an empty way, else the way with the smallest counter
@@ -35,6 +36,7 @@ from hostcache.table import (
 )
 from hostcache.table_twin import GATE as LOOPS
 from hostcache.validate import check_cache_keys, check_finite, check_values
+from nvecache.common.accumulate import added, delta_problem, sum_duplicates
 from nvecache.common.fanout import split_run
 
 _COUNTER_CAP = 1 << 30
@@ -143,27 +145,24 @@ class HostCache(SharedTable):
         self._keys = mapping.tensor(geo.keys_off, slots, torch.int64)
         self._versions = mapping.tensor(geo.versions_off, slots, torch.int64)
         self._policy = mapping.tensor(geo.counters_off, slots, torch.int32)
-        self._keys2 = self._keys.view(-1, ways)
-        self._versions2 = self._versions.view(-1, ways)
-        self._policy2 = self._policy.view(-1, ways)
         raw = mapping.tensor(geo.rows_off, slots * geo.row_stride, torch.uint8)
         self._rows = raw.view(slots, geo.row_stride)[:, : geo.row_bytes].view(geo.dtype)
         # NOTE: numpy views of the same pages for the compiled loops (hostcache.table_loops);
         # rows as raw bytes, whole strides, of which each loop uses the first row_bytes
         self._nkeys = self._keys.numpy()
-        self._nkeys2 = self._keys2.numpy()
         self._nversions = self._versions.numpy()
         self._npolicy = self._policy.numpy()
-        self._npolicy2 = self._policy2.numpy()
+        #: the slots' keys and policy counters again, as ``[buckets, ways]``
+        self._bucket_keys = self._nkeys.reshape(-1, ways)
+        self._bucket_policy = self._npolicy.reshape(-1, ways)
         self._nraw = raw.view(slots, geo.row_stride).numpy()
 
     def _drop_views(self) -> None:
         empty = torch.empty(0)
         self._keys = self._versions = self._policy = self._rows = empty
-        self._keys2 = self._versions2 = self._policy2 = empty
         none = np.empty(0, dtype=np.int64)
-        self._nkeys = self._nkeys2 = self._nversions = self._npolicy = none
-        self._npolicy2 = self._nraw = none
+        self._nkeys = self._bucket_keys = self._nversions = self._npolicy = none
+        self._bucket_policy = self._nraw = none
 
     # -- reads ---------------------------------------------------------------------------
 
@@ -197,7 +196,7 @@ class HostCache(SharedTable):
         hit = np.empty(n, np.bool_)
 
         def chunk(lo: int, hi: int) -> int:
-            return int(_loops().lookup(self._nkeys, self._nkeys2, self._nversions,
+            return int(_loops().lookup(self._nkeys, self._bucket_keys, self._nversions,
                                        self._nraw, self._npolicy, geo.num_buckets,
                                        kn[lo:hi], rows[lo:hi], hit[lo:hi], count))
 
@@ -252,7 +251,7 @@ class HostCache(SharedTable):
         slot = np.empty(keys.shape[0], np.int64)
         found = np.empty(keys.shape[0], np.bool_)
         bucket = _loops().buckets(keys, self.geometry.num_buckets)
-        _loops().find(self._nkeys2, keys, bucket, slot, found)
+        _loops().find(self._bucket_keys, keys, bucket, slot, found)
         return slot, found
 
     # -- writes --------------------------------------------------------------------------
@@ -377,11 +376,11 @@ class HostCache(SharedTable):
         the ways of ``protected_slots`` are not taken); returns (written, evicted). Under
         the lock."""
         slot, nkeys, nsrc, npol, touched, filled = _loops().plan_new(
-            self._nkeys2, self._npolicy2, keys, src, bucket, np.sort(protected_slots))
+            self._bucket_keys, self._bucket_policy, keys, src, bucket, np.sort(protected_slots))
         if slot.size:
             self._write_seqlocked(slot, nkeys, rows, nsrc, npol, True, True)
         self._header[layout.W_SIZE] += filled
-        _loops().decay(self._npolicy2, touched, _COUNTER_CAP)
+        _loops().decay(self._bucket_policy, touched, _COUNTER_CAP)
         return int(slot.size), int(slot.size) - filled
 
     def update(
@@ -415,6 +414,37 @@ class HostCache(SharedTable):
             self.ring.append(torch.from_numpy(ukeys[found]))
             self._counters[C_UPDATES] += int(found.sum())
         return torch.from_numpy(found[inverse])
+
+    def accumulate(self, keys: torch.Tensor, deltas: torch.Tensor, *,
+                   allow_nonfinite: bool = False) -> torch.Tensor:
+        """Add ``deltas`` (``[N, dim]``, the table's dtype or float32) to the rows of cached
+        keys under the writer lock; returns bool [N] of keys that were cached. Duplicates
+        are summed, float16/bfloat16 rows added in float32 and rounded once
+        (:mod:`nvecache.common.accumulate`); announced as :meth:`update` announces. Bad
+        arguments, or deltas holding NaN or an infinity (unless ``allow_nonfinite``), raise
+        :class:`BadArgumentError` / :class:`NonFiniteValuesError`; nothing is written."""
+        keys = check_cache_keys(keys)
+        geo = self.geometry
+        problem = delta_problem(deltas, keys.numel(), geo.dim, geo.dtype)
+        if problem is not None:
+            raise BadArgumentError(problem)
+        check_finite(deltas, keys, allow_nonfinite=allow_nonfinite)
+        if keys.numel() == 0:
+            return torch.zeros(0, dtype=torch.bool)
+        ukeys, sums, inverse = sum_duplicates(keys, deltas, geo.dtype)
+        uk = ukeys.numpy()
+        with self._writing():
+            slot, found = self._probe(uk)
+            at = slot[found]
+            if at.size:
+                old = np.empty((at.size, geo.row_bytes), np.uint8)
+                _loops().read_slots(self._nraw, at, old)
+                new = added(torch.from_numpy(old).view(geo.dtype), sums[torch.from_numpy(found)])
+                self._write_seqlocked(at, uk[found], _row_bytes(new), np.arange(at.size),
+                                      self._npolicy[:0], True, False)
+            self.ring.append(torch.from_numpy(uk[found]))
+            self._counters[C_UPDATES] += int(at.size)
+        return torch.from_numpy(found[inverse.numpy()])
 
     def erase(self, keys: torch.Tensor) -> torch.Tensor:
         """Remove keys; returns bool [N] of keys that were cached.

@@ -2,23 +2,26 @@
 
 The seed's "linear table": row ``i`` at ``rows_off + i * row_stride``, shared by every
 process of the node, for the LinearUVM layer type (each process registers it with CUDA and
-its GPU kernels gather rows by index). Writes made through :meth:`write` append the row
-indices to the table's invalidation ring, so every process's GPU cache drops them; writes
-made straight into :attr:`tensor` are invisible to those caches (call :meth:`write`, or
-:meth:`invalidate` after writing, as the seed's read-after-write section says).
+its GPU kernels gather rows by index). Writes made through :meth:`write` (and
+:meth:`accumulate`) append the row indices to the table's invalidation ring, so every
+process's GPU cache drops them; writes made straight into :attr:`tensor` are invisible to
+those caches (call :meth:`write`, or :meth:`invalidate` after writing, as the seed's
+read-after-write section says).
 """
 
 from __future__ import annotations
 
-from typing import Self
+from typing import Any, Self
 
 import torch
 
 from hostcache import layout
+from hostcache.errors import BadArgumentError
 from hostcache.gate import TableGate, gate_for
 from hostcache.segment import Mapping, check_mode
 from hostcache.table import C_HITS, C_LOOKUPS, C_UPDATES, SharedTable
 from hostcache.validate import check_finite, check_indices, check_keys, check_values, dedup_last
+from nvecache.common.accumulate import added, delta_problem, sum_duplicates
 
 
 class SharedMemBlock(SharedTable):
@@ -132,6 +135,41 @@ class SharedMemBlock(SharedTable):
             self._rows[uidx] = values.index_select(0, last)
             self.ring.append(uidx)
             self._counters[C_UPDATES] += uidx.numel()
+
+    def accumulate(self, indices: torch.Tensor, deltas: torch.Tensor, *,
+                   allow_nonfinite: bool = False) -> None:
+        """Add ``deltas`` (``[N, dim]``, the table's dtype or float32) to rows ``indices``
+        and tell every process's GPU cache to drop them.
+
+        Duplicate indices have their deltas summed; float16/bfloat16 rows are added in
+        float32 and rounded once (:mod:`nvecache.common.accumulate`). Each row's read, add
+        and write happens under the table's writer lock, so accumulates and :meth:`write`
+        calls of any process of the node never lose one another's rows (writes straight
+        into :attr:`tensor` are not serialized with them).
+
+        Raises:
+            BadArgumentError: bad indices or deltas; nothing is written.
+            NonFiniteValuesError: a delta holds NaN or an infinity and not
+                ``allow_nonfinite``; nothing is written.
+        """
+        idx = check_indices(indices, self.num_rows)
+        problem = delta_problem(deltas, idx.numel(), self.dim, self.dtype)
+        if problem is not None:
+            raise BadArgumentError(problem)
+        check_finite(deltas, idx, allow_nonfinite=allow_nonfinite, key_word="index")
+        if idx.numel() == 0:
+            return
+        uidx, sums, _ = sum_duplicates(idx, deltas, self.dtype)
+        with self.gate.writing(), self._writing():
+            self._rows[uidx] = added(self._rows[uidx], sums)
+            self.ring.append(uidx)
+            self._counters[C_UPDATES] += uidx.numel()
+
+    def exclusive(self) -> Any:
+        """The table's node-wide writer lock, held while the ``with`` block runs: for a
+        read-modify-write of rows kept elsewhere that this table journals
+        (``gpu.DistMemBlock.accumulate``)."""
+        return self._writing()
 
     def invalidate(self, indices: torch.Tensor) -> None:
         """Announce rows changed directly through :attr:`tensor` to every GPU cache."""

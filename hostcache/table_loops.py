@@ -19,8 +19,9 @@ versions odd, writes, and makes them even again in separate compiled calls
 may reorder loads and stores of different arrays; x86 keeps each CPU's loads, and its
 stores, in program order (``hostcache.layout`` states the protocol).
 
-``bucket_of`` here is ``hostcache.hashing.bucket_of``'s fmix64, bit for bit
-(tests/hostcache/test_table_loops.py holds them equal).
+``buckets`` here is ``hostcache.hashing.bucket_of``'s fmix64, bit for bit, with its
+constants from :mod:`nvecache.common.fmix` (tests/hostcache/test_table_loops.py holds them
+equal).
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ import numpy as np
 from numba import njit, types
 from numba.extending import intrinsic
 
-_M1 = np.uint64(0xFF51AFD7ED558CCD)
-_M2 = np.uint64(0xC4CEB9FE1A85EC53)
+# NOTE: fmix64's multipliers, module-level ints that numba compiles in as constants
+from nvecache.common.fmix import M1, M2
+
 _S33 = np.uint64(33)
 _POS = np.uint64(0x7FFFFFFFFFFFFFFF)
 #: ``hostcache.layout.EMPTY_KEY`` (not imported: the compiling child process loads no torch)
@@ -49,9 +51,9 @@ _jit = njit(cache=True, nogil=True, boundscheck=False)
 def _bucket(key: np.int64, num_buckets: np.uint64) -> np.int64:
     x = np.uint64(key)
     x ^= x >> _S33
-    x *= _M1
+    x *= M1
     x ^= x >> _S33
-    x *= _M2
+    x *= M2
     x ^= x >> _S33
     x &= _POS
     return np.int64(x % num_buckets)
@@ -190,6 +192,17 @@ def bump_versions(versions: np.ndarray, slot: np.ndarray) -> None:
 
 
 @_jit
+def read_slots(raw: np.ndarray, slot: np.ndarray, out: np.ndarray) -> None:
+    """The rows of slots ``slot`` into ``out`` (uint8 ``[M, row_bytes]``), for a writer
+    holding the lock (no other writer moves them meanwhile)."""
+    nb = out.shape[1]
+    for i in range(slot.shape[0]):
+        s = slot[i]
+        for j in range(nb):
+            out[i, j] = raw[s, j]
+
+
+@_jit
 def write_slots(tkeys: np.ndarray, raw: np.ndarray, policy: np.ndarray, slot: np.ndarray,
                 keys: np.ndarray, rows: np.ndarray, src: np.ndarray, new_policy: np.ndarray,
                 with_rows: bool, with_policy: bool) -> None:
@@ -320,6 +333,7 @@ def warm_up() -> None:
         find(tkeys2, keys, bucket, slot, found)
         lookup(tkeys, tkeys2, versions, raw, policy, 1, keys, out, found, False)
         add_policy(policy, slot, found, 1)
+        read_slots(raw, slot, out)
         none = np.zeros(0, np.int64)
         plan = plan_new(tkeys2, policy2, none, none, none, none)
         bump_versions(versions, plan[0])

@@ -123,6 +123,12 @@ def bump_versions(versions: np.ndarray, slot: np.ndarray) -> None:
     fence()
 
 
+def read_slots(raw: np.ndarray, slot: np.ndarray, out: np.ndarray) -> None:
+    """The rows of slots ``slot`` into ``out`` (uint8 ``[M, row_bytes]``), for a writer
+    holding the lock."""
+    out[:] = raw[slot, :out.shape[1]]
+
+
 def write_slots(tkeys: np.ndarray, raw: np.ndarray, policy: np.ndarray, slot: np.ndarray,
                 keys: np.ndarray, rows: np.ndarray, src: np.ndarray, new_policy: np.ndarray,
                 with_rows: bool, with_policy: bool) -> None:

@@ -180,8 +180,6 @@ class ParameterServer(ABC):
         problem = delta_problem(deltas, k.size, self.dim, self.dtype)
         if problem is not None:
             raise BadValuesError(problem)
-        if deltas.device.type != "cpu":
-            raise BadValuesError(f"deltas must be on the CPU, got {deltas.device}: use .cpu()")
         d = deltas.contiguous()
         check_written(k, d, allow_nonfinite=allow_nonfinite)
         if k.size == 0:

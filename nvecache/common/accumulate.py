@@ -23,14 +23,18 @@ def accumulator(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def delta_problem(deltas: object, n: int, dim: int, dtype: torch.dtype) -> str | None:
+def delta_problem(deltas: object, n: int, dim: int, dtype: torch.dtype,
+                  device: str | None = "cpu") -> str | None:
     """What is wrong with ``deltas`` for ``n`` keys of rows ``[dim]`` of ``dtype`` (None:
     nothing). Deltas are a ``[n, dim]`` tensor of the rows' dtype or of their accumulator
-    dtype (float32 deltas for a float16 table are added without rounding them first)."""
+    dtype (float32 deltas for a float16 table are added without rounding them first), on
+    a ``device`` of that type (None: any)."""
     import torch
 
     if not isinstance(deltas, torch.Tensor):
         return f"deltas must be a torch.Tensor; got {type(deltas).__name__}"
+    if device is not None and deltas.device.type != device:
+        return f"deltas must be on the {device.upper()}; got {deltas.device}"
     allowed = (dtype, accumulator(dtype))
     if deltas.dtype not in allowed:
         names = " or ".join(dict.fromkeys(str(d) for d in allowed))

@@ -2,7 +2,7 @@
 
 The host cache's buckets and the ``file://`` row mirror's home slots both start from it
 (``hostcache.hashing`` for the bucket rule and the torch/Triton forms, bit for bit; the
-compiled loops spell the same constants inside their numba code). It lives here, in the
+compiled loops read :data:`M1` and :data:`M2` from here as numba constants). It lives here, in the
 lowest tier, so that psclient and hostcache use one definition.
 
 NOTE: changing a constant changes the host cache's shared-memory layout and the row

@@ -20,6 +20,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+# NOTE: fmix64's multipliers, module-level ints that numba compiles in as constants
+from nvecache.common.fmix import M1, M2
+
 # NOTE: the file's words live apart, so that reading a header loads no numba; re-exported
 from psclient.file.mirror_layout import (
     BOOT0,
@@ -48,8 +51,6 @@ __all__ = [
     "copy_live", "erase", "lookup", "put", "warm_up",
 ]
 
-_M1 = np.uint64(0xFF51AFD7ED558CCD)
-_M2 = np.uint64(0xC4CEB9FE1A85EC53)
 _S33 = np.uint64(33)
 
 #: compiled once and cached beside this module; the GIL released inside
@@ -61,9 +62,9 @@ def _home(key: int, mask: int) -> int:
     """A key's first slot: murmur3's fmix64 of the key, masked."""
     x = np.uint64(key)
     x ^= x >> _S33
-    x *= _M1
+    x *= M1
     x ^= x >> _S33
-    x *= _M2
+    x *= M2
     x ^= x >> _S33
     return int(np.int64(x & np.uint64(mask)))
 

@@ -185,7 +185,7 @@ def test_the_twin_reads_no_torn_or_moved_row_while_another_process_writes(
                 while reads < 2000 or writes.value < 300:
                     if not proc.is_alive():
                         break
-                    table_twin.lookup(hc._nkeys, hc._nkeys2, hc._nversions, hc._nraw,
+                    table_twin.lookup(hc._nkeys, hc._bucket_keys, hc._nversions, hc._nraw,
                                       hc._npolicy, hc.geometry.num_buckets, kn, out, hit,
                                       False)
                     rows = out.view(np.float32)[hit]
