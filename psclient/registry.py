@@ -91,6 +91,16 @@ def _resolve(table: dict[str, Any], scheme: str) -> Any:
     return entry
 
 
+def redact(url: str) -> str:
+    """The URL without its password and query (for messages and logs)."""
+    base = url.split("?", 1)[0]
+    scheme, sep, rest = base.partition("://")
+    netloc, slash, path = rest.partition("/")
+    if "@" in netloc:
+        netloc = "***@" + netloc.rsplit("@", 1)[1]
+    return f"{scheme}{sep}{netloc}{slash}{path}"
+
+
 def _scheme(url: object) -> str:
     if not isinstance(url, str) or "://" not in url:
         raise UnsupportedURLError(f"bad URL {url!r}: expected scheme://..., e.g. file:///path")

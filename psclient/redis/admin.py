@@ -15,12 +15,10 @@ partition at a time, only where no table of the name marks the partition as its 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from nvecache.common.names import is_table_name
 from psclient.redis.conn import (
     cluster_factory,
     redact,
@@ -28,6 +26,9 @@ from psclient.redis.conn import (
     split_options,
     standalone_factory,
 )
+from psclient.redis.keyspace import orphans as _orphans
+from psclient.redis.keyspace import table_names as _names
+from psclient.redis.keyspace import table_rows as _rows
 from psclient.redis.scripts import DROP_PART, partition_keys
 
 #: removes a table's ``{T}`` keys but the schema, when there is no schema
@@ -35,16 +36,6 @@ _DROP_TOP = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 return redis.call('UNLINK', KEYS[2], KEYS[3])
 """
-
-
-def _names(client: Any, prefix: str) -> list[str]:
-    pattern = re.compile(re.escape(prefix) + r":\{(.+)\}:schema")
-    found = set()
-    for key in client.scan_iter(match=f"{prefix}:{{*}}:schema", count=1000):
-        m = pattern.fullmatch(key.decode() if isinstance(key, bytes) else key)
-        if m and is_table_name(m.group(1)):
-            found.add(m.group(1))
-    return sorted(found)
 
 
 @contextmanager
@@ -64,34 +55,6 @@ def _client(url: str, options: dict[str, Any], cluster: bool, what: str
 def _list(url: str, options: dict[str, Any], cluster: bool) -> list[str]:
     with _client(url, options, cluster, "listing tables") as (client, prefix):
         return _names(client, prefix)
-
-
-def _table_keys(client: Any, prefix: str, match: str) -> tuple[set[str], dict[str, list[str]]]:
-    """SCAN ``match``: the tables with a schema, and every other key of a table, by name."""
-    pattern = re.compile(re.escape(prefix) + r":\{([^{}:]+)(:\d+)?\}(.*)")
-    tables: set[str] = set()
-    keys: dict[str, list[str]] = {}
-    for raw in client.scan_iter(match=match, count=1000):
-        key = raw.decode() if isinstance(raw, bytes) else raw
-        m = pattern.fullmatch(key)
-        if m is None or not is_table_name(m.group(1)):
-            continue
-        if m.group(2) is None and m.group(3) == ":schema":
-            tables.add(m.group(1))
-        else:
-            keys.setdefault(m.group(1), []).append(key)
-    return tables, keys
-
-
-def _orphans(client: Any, prefix: str, match: str) -> dict[str, list[str]]:
-    tables, keys = _table_keys(client, prefix, match)
-    return {name: ks for name, ks in keys.items()
-            if name not in tables and not client.exists(f"{prefix}:{{{name}}}:schema")}
-
-
-def _rows(client: Any, prefix: str, name: str, keys: list[str]) -> int:
-    hashes = re.compile(re.escape(f"{prefix}:{{{name}:") + r"\d+\}")
-    return sum(int(client.hlen(k)) for k in keys if hashes.fullmatch(k))
 
 
 def _list_orphans(url: str, options: dict[str, Any], cluster: bool

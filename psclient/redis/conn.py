@@ -36,6 +36,10 @@ from psclient.errors import (
     PSUnavailableError,
     UnsupportedURLError,
 )
+from psclient.registry import redact
+
+__all__ = ["TABLE_OPTIONS", "cluster_factory", "redact", "redis_errors", "split_options",
+           "standalone_factory"]
 
 #: psclient's own options (not passed to redis-py), with their types.
 TABLE_OPTIONS: dict[str, type] = {
@@ -152,16 +156,6 @@ def cluster_factory(url: str, conn: dict[str, Any]) -> Any:
     if parts.scheme.startswith("rediss"):
         kw["ssl"] = True
     return lambda: RedisCluster(startup_nodes=nodes, **kw)
-
-
-def redact(url: str) -> str:
-    """The URL without its password and query (for messages and logs)."""
-    base = url.split("?", 1)[0]
-    scheme, sep, rest = base.partition("://")
-    netloc, slash, path = rest.partition("/")
-    if "@" in netloc:
-        netloc = "***@" + netloc.rsplit("@", 1)[1]
-    return f"{scheme}{sep}{netloc}{slash}{path}"
 
 
 @contextlib.contextmanager

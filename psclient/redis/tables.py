@@ -52,6 +52,7 @@ from psclient.loads import CREATING, DROPPING, LOADING, READY, Load, TableState,
 from psclient.redis import resp
 from psclient.redis.conn import redis_errors
 from psclient.redis.dispatch import Cmd
+from psclient.redis.keyspace import decode_state
 from psclient.redis.scripts import DROP_PART, partition_keys
 from psclient.schema import LAYOUT_VERSION, TableSchema
 
@@ -290,15 +291,7 @@ class RedisTableLife:
 
     def _state(self) -> TableState:
         with redis_errors(self._where):
-            rec = self._client.hgetall(self._state_key)
-        if not rec:
-            return TableState()
-        rec = {(k.decode() if isinstance(k, bytes) else k): v for k, v in rec.items()}
-        state = rec.get("state", b"loading")
-        loads = tuple(sorted((Load.decode(k[2:], v) for k, v in rec.items()
-                              if k.startswith("l:")), key=lambda load: load.since))
-        return TableState(state.decode() if isinstance(state, bytes) else str(state), loads,
-                          int(rec.get("committed", 0)))
+            return decode_state(self._client.hgetall(self._state_key))
 
     def _withdraw(self, load: Load, *, ok: bool) -> str:
         gone = [g.token for g in self._state().gone_loads(load)]
