@@ -21,6 +21,7 @@ from gpu.errors import (
 )
 from gpu.layer_config import InsertPolicy, LayerStats, LayerType, TierStats
 from gpu.layers import NVEmbedding, NVEmbeddingBag
+from gpu.stacks.protocol import Tier
 from gpu.tier_config import TierConfig
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "NonFiniteValuesError",
     "StorageUnavailableError",
     "StorageWriteError",
+    "Tier",
     "TierConfig",
     "TierStats",
 ]

@@ -301,7 +301,8 @@ class NVEmbedding(_NVBase):
         default_row: Hierarchical: row (or scalar) for keys in no tier; None raises
             KeyNotFoundError (and StorageUnavailableError while the PS is down).
         insert_policy: Hierarchical/LinearUVM: which misses enter the caches.
-        tuning: Hierarchical/LinearUVM: admission tunables (a :class:`TierConfig`).
+        tuning: a :class:`TierConfig`: admission tunables (Hierarchical, LinearUVM), the
+            GPU cache's backend and the kernels' launch settings (every type).
         table: the parameter server table name when ``storage`` is a URL.
         validate: check keys (linear tables: in range) and offsets on the host before each
             lookup, raising typed errors at once (one device sync each). The default,

@@ -36,7 +36,8 @@ _UNSAFE = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t 
 
 
 def register(stack: Any) -> int:
-    """A handle for ``stack`` (anything with ``rows``, ``pooled``, ``dim``, ``dtype``);
+    """A handle for ``stack`` (a :class:`gpu.stacks.protocol.LayerStack`, with its
+    ``dim``, ``dtype`` and ``layer_type``);
     forgotten when the stack is garbage collected (a closed layer's: :func:`unregister`)."""
     with _lock:
         handle = next(_next)
