@@ -29,8 +29,12 @@ from gpu import (
     LayerType,
     NonFiniteValuesError,
     NVEmbedding,
+    TierConfig,
 )
-from hostcache import SharedMemBlock
+from gpu.kernels.triton_access import triton_available
+from gpu.stacks.builders import BUILDERS, build_stack
+from gpu.stacks.protocol import TIERS, LayerStack
+from hostcache import HostCache, SharedMemBlock
 from tests.conftest import fresh_name
 
 ROWS, DIM = 64, 8
@@ -71,7 +75,7 @@ class Layer:
 
 @contextlib.contextmanager
 def layer_over(device: str, layer_type: LayerType, kind: str, dtype: torch.dtype,
-               initial: torch.Tensor) -> Iterator[Layer]:
+               initial: torch.Tensor, **extra: Any) -> Iterator[Layer]:
     """A layer of ``layer_type`` over a ``kind`` storage holding ``initial``; closed, and its
     tables removed, at the end."""
     with contextlib.ExitStack() as stack:
@@ -96,7 +100,7 @@ def layer_over(device: str, layer_type: LayerType, kind: str, dtype: torch.dtype
         cache = 0 if layer_type is LayerType.GPULayer else 4 * ROWS * (
             12 + DIM * initial.element_size())
         layer = NVEmbedding(ROWS, DIM, dtype, layer_type, gpu_cache_size=cache, device=device,
-                            **kw)
+                            **kw, **extra)
         stack.callback(layer.close)  # NOTE: last in, first out: before its tables
         yield Layer(layer, storage, device)
 
@@ -111,12 +115,10 @@ def warm(t: Layer, keys: torch.Tensor) -> None:
     t.layer.flush()
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("device", "layer_type", "kind"), CASES)
-def test_insert_per_tier_equals_the_reference(device: str, layer_type: LayerType, kind: str,
-                                              dtype: torch.dtype) -> None:
+def insert_per_tier(device: str, layer_type: LayerType, kind: str, dtype: torch.dtype,
+                    **extra: Any) -> None:
     ref = rows_of(dtype, ROWS, 1)
-    with layer_over(device, layer_type, kind, dtype, ref) as t:
+    with layer_over(device, layer_type, kind, dtype, ref, **extra) as t:
         layer = t.layer
         linear_uvm = layer_type is LayerType.LinearUVM
         assert layer.tiers == (("gpu", "storage") if linear_uvm else ("gpu",))
@@ -145,6 +147,89 @@ def test_insert_per_tier_equals_the_reference(device: str, layer_type: LayerType
         assert not t.cached(keys).any()
         assert torch.equal(t.rows(keys), ref[keys])
         assert torch.equal(t.stored(), ref)
+
+
+def accumulate_twice(device: str, layer_type: LayerType, kind: str, dtype: torch.dtype,
+                     **extra: Any) -> None:
+    ref = rows_of(dtype, ROWS, 4)
+    with layer_over(device, layer_type, kind, dtype, ref, **extra) as t:
+        keys = torch.tensor([5, 17, 5, 63, 0, 17, 5, 30])
+        deltas = rows_of(dtype, keys.numel(), 5)
+        warm(t, keys)
+        found = t.layer.accumulate(keys.to(device), deltas.to(device))
+        assert found.dtype == torch.bool and found.device.type == torch.device(device).type
+        assert found.cpu().tolist() == [True] * keys.numel()
+        # the reference adds in float64 and rounds once (the layer: float32, rounded once)
+        want = ref.double().index_add(0, keys, deltas.double()).to(dtype)
+        stored = t.stored()
+        torch.testing.assert_close(stored, want)
+        untouched = torch.ones(ROWS, dtype=torch.bool)
+        untouched[keys] = False
+        assert torch.equal(stored[untouched], ref[untouched])
+        assert not t.cached(keys).any()  # cached copies were dropped
+        assert torch.equal(t.rows(torch.arange(ROWS)), stored)
+        again = t.layer.accumulate(keys[:1].to(device), deltas[:1].to(device))
+        assert again.cpu().tolist() == [True]
+        torch.testing.assert_close(t.rows(keys[:1]),
+                                   (stored[5:6].double() + deltas[:1].double()).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("device", "layer_type", "kind"), CASES)
+def test_insert_per_tier_equals_the_reference(device: str, layer_type: LayerType, kind: str,
+                                              dtype: torch.dtype) -> None:
+    insert_per_tier(device, layer_type, kind, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("device", "layer_type", "kind"), CASES)
+def test_accumulate_sums_duplicates_and_reads_back(device: str, layer_type: LayerType,
+                                                   kind: str, dtype: torch.dtype) -> None:
+    accumulate_twice(device, layer_type, kind, dtype)
+
+
+@pytest.mark.skipif(not triton_available(), reason="needs the triton package (its CPU "
+                    "interpreter runs the cache kernels on CPU tensors)")
+@pytest.mark.parametrize(("layer_type", "kind"), [(LayerType.GPULayer, "memblock"),
+                                                  (LayerType.LinearUVM, "memblock")])
+def test_tier_writes_through_the_triton_kernels_on_the_cpu(layer_type: LayerType,
+                                                           kind: str) -> None:
+    """The same writes with the GPU cache's Triton backend (its interpreter on the CPU):
+    what the GPU cache holds after each is what a CUDA layer's kernels read."""
+    triton = TierConfig(cache_backend="triton")
+    insert_per_tier("cpu", layer_type, kind, torch.float16, tuning=triton)
+    accumulate_twice("cpu", layer_type, kind, torch.bfloat16, tuning=triton)
+
+
+def test_every_layer_type_has_a_builder_whose_stack_is_a_layer_stack() -> None:
+    """The LayerType -> builder map covers every type, and each stack it builds has the
+    whole protocol a layer calls."""
+    assert set(BUILDERS) == set(LayerType)
+    with contextlib.ExitStack() as stack:
+        mb = SharedMemBlock.create(fresh_name(), num_rows=ROWS, dim=DIM)
+        stack.callback(SharedMemBlock.unlink, mb.name)
+        stack.callback(mb.close)
+        hc = HostCache.create(fresh_name(), capacity=4 * ROWS, dim=DIM)
+        stack.callback(HostCache.unlink, hc.name)
+        stack.callback(hc.close)
+        args = {LayerType.GPULayer: {}, LayerType.LinearUVM: {"storage": mb},
+                LayerType.Hierarchical: {"host_cache": hc}}
+        for layer_type, kw in args.items():
+            built = build_stack(layer_type, ROWS, DIM, torch.float32, torch.device("cpu"),
+                                gpu_cache_size=0 if layer_type is LayerType.GPULayer
+                                else 1 << 14, host_cache=kw.get("host_cache"),
+                                storage=kw.get("storage"), weight_init=None, table=None,
+                                default_row=None, insert_policy=None, tuning=None, owned=[])
+            try:
+                assert isinstance(built, LayerStack), layer_type
+                assert built.tiers[0] == "gpu" and set(built.tiers) <= set(TIERS)
+            finally:
+                built.close()
+        with pytest.raises(BadArgumentError, match="layer_type must be a gpu.LayerType"):
+            build_stack("gpu", ROWS, DIM, torch.float32,  # type: ignore[arg-type]
+                        torch.device("cpu"), gpu_cache_size=0, host_cache=None, storage=None,
+                        weight_init=None, table=None, default_row=None, insert_policy=None,
+                        tuning=None, owned=[])
 
 
 @pytest.mark.parametrize(("device", "layer_type", "kind"), CASES)
@@ -188,33 +273,6 @@ def test_a_tier_the_layer_lacks_raises_and_changes_nothing(
         assert torch.equal(t.cached(keys), cached)
         assert torch.equal(t.stored(), ref)
         assert torch.equal(t.rows(torch.arange(ROWS)), ref)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("device", "layer_type", "kind"), CASES)
-def test_accumulate_sums_duplicates_and_reads_back(device: str, layer_type: LayerType,
-                                                   kind: str, dtype: torch.dtype) -> None:
-    ref = rows_of(dtype, ROWS, 4)
-    with layer_over(device, layer_type, kind, dtype, ref) as t:
-        keys = torch.tensor([5, 17, 5, 63, 0, 17, 5, 30])
-        deltas = rows_of(dtype, keys.numel(), 5)
-        warm(t, keys)
-        found = t.layer.accumulate(keys.to(device), deltas.to(device))
-        assert found.dtype == torch.bool and found.device.type == torch.device(device).type
-        assert found.cpu().tolist() == [True] * keys.numel()
-        # the reference adds in float64 and rounds once (the layer: float32, rounded once)
-        want = ref.double().index_add(0, keys, deltas.double()).to(dtype)
-        stored = t.stored()
-        torch.testing.assert_close(stored, want)
-        untouched = torch.ones(ROWS, dtype=torch.bool)
-        untouched[keys] = False
-        assert torch.equal(stored[untouched], ref[untouched])
-        assert not t.cached(keys).any()  # cached copies were dropped
-        assert torch.equal(t.rows(torch.arange(ROWS)), stored)
-        again = t.layer.accumulate(keys[:1].to(device), deltas[:1].to(device))
-        assert again.cpu().tolist() == [True]
-        torch.testing.assert_close(t.rows(keys[:1]),
-                                   (stored[5:6].double() + deltas[:1].double()).to(dtype))
 
 
 @pytest.mark.parametrize(("device", "layer_type", "kind"), CASES)
