@@ -112,11 +112,11 @@ def main(argv: list[str] | None = None) -> int:
                 spent: dict[str, float] = collections.defaultdict(float)
                 if mode == "inline":
                     stack.filler.close()
-                    stack.filler = _Inline(spent)
+                    stack.filler = stack.resolver.filler = _Inline(spent)
                     _timed(stack.cache, "serve", "gpu_cache_lookup", spent, sync)
                     _timed(hc, "lookup", "host_cache_read", spent, lambda: None)
                     _timed(host_kernels, "hostcache_lookup", "host_cache_read", spent, sync)
-                    _timed(stack, "_read_ps", "ps_path", spent, sync)
+                    _timed(stack.resolver, "read_ps", "ps_path", spent, sync)
                     _timed(ps, "lookup", "ps_lookup", spent, lambda: None)
                     _timed(stack.pending, "offer", "admission_offer", spent, sync)
                 z = ZipfKeys(rows, 1.05, seed=4)
