@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import signal
@@ -36,17 +37,15 @@ from nvecache.common.lazy import deferred
 from nvecache.common.names import TABLE_NAME_RULE
 from psclient.errors import BadArgumentError, PSClientError, SchemaMismatchError, TableNotFoundError
 from psclient.loads import LOADING, iso
-from psclient.registry import connect, drop_orphans, list_orphans, list_tables
+from psclient.registry import connect, drop_orphans, list_orphans, list_tables, redact
 from psclient.schema import DTYPES, dtype_name
 
 if TYPE_CHECKING:
     from psclient.loader import check_finite_rows, check_rows, file_format, open_keys, open_rows
-    from psclient.redis.conn import redact
-else:  # NOTE: torch, the file readers and redis-py load when a command needs them
+else:  # NOTE: torch and the file readers load when a command needs them
     check_finite_rows, check_rows, file_format, open_keys, open_rows = (
         deferred("psclient.loader", f)
         for f in ("check_finite_rows", "check_rows", "file_format", "open_keys", "open_rows"))
-    redact = deferred("psclient.redis.conn", "redact")
 
 PROG = "psclient"
 EXIT_ERROR = 1
@@ -219,15 +218,37 @@ def _state_text(info: dict[str, Any]) -> str:
         + (", not running" if x.get("running") is False else "") for x in loads) + ")"
 
 
-def _stat_info(ps: Any) -> dict[str, Any]:
-    info: dict[str, Any] = ps.stat()
+#: per URL scheme, the module that reads what ``ls`` and ``stat`` show without opening a
+#: table (no numpy, no redis-py); where it answers None, the table is opened
+_PEEKS = {"file": "psclient.file.peek", "redis": "psclient.redis.peek",
+          "unix": "psclient.redis.peek"}
+
+
+def _peek(url: str, what: str, *args: str) -> Any:
+    """``what(url, *args)`` of the scheme's peek module, or None (ask the library)."""
+    module = _PEEKS.get(url.partition("://")[0].lower()) if "://" in url else None
+    read = None if module is None else getattr(importlib.import_module(module), what, None)
+    return None if read is None else read(url, *args)
+
+
+def _stat_info(url: str, table: str, opener: Any) -> dict[str, Any]:
+    """``stat()`` of the table, read by the scheme's peek module or else through
+    ``opener(url, table)``, with its creation time as an ISO date."""
+    info: dict[str, Any] | None = _peek(url, "stat", table)
+    if info is None:
+        with opener(url, table) as ps:
+            info = ps.stat()
     info["created"] = iso(info.get("created"))
     return info
 
 
+def _open_any(url: str, table: str) -> Any:
+    """The table in any state (TableNotFoundError: there is none)."""
+    return connect(url, table=table, partial=True)
+
+
 def _stat(args: argparse.Namespace) -> int:
-    with _open(args.url, args.table) as ps:
-        info = _stat_info(ps)
+    info = _stat_info(args.url, args.table, _open)
     if args.json:
         print(json.dumps(info, sort_keys=True))
     else:
@@ -243,16 +264,17 @@ _LS_KEYS = ("table", "dim", "dtype", "rows", "created", "state", "loads")
 
 def _ls(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
-    for name in list_tables(args.url):
+    names = _peek(args.url, "list_tables")
+    for name in list_tables(args.url) if names is None else names:
         try:
-            with connect(args.url, table=name, partial=True) as ps:
-                info = _stat_info(ps)
+            info = _stat_info(args.url, name, _open_any)
             rows.append({k: info[k] for k in _LS_KEYS})
         except TableNotFoundError:
             continue  # dropped between listing and opening
         except PSClientError as e:
             rows.append({"table": name, "error": str(e)})
-    for name, found in list_orphans(args.url).items():
+    orphans = _peek(args.url, "list_orphans")
+    for name, found in (list_orphans(args.url) if orphans is None else orphans).items():
         rows.append({"table": name, "state": "orphaned", "keys": found["keys"],
                      "rows": found["rows"]})
     rows.sort(key=lambda r: str(r["table"]))

@@ -1,6 +1,10 @@
 """The command lines answer without loading the row machinery (torch, numba, triton,
 matplotlib): ``--help``, ``--version`` and the table commands of ``hostcache`` and
 ``psclient``, each run in a fresh interpreter that then lists what it imported.
+``psclient ls`` and ``stat`` of a ``file://`` store or a plain ``redis://`` server load
+neither numpy nor redis-py either: they read what they show through the peek modules
+(``psclient.file.peek``, ``psclient.redis.peek``), whose answers are checked here against
+the library's.
 
 Each command also has to do its job there (its output is checked), so a command that
 imported nothing because it failed early does not pass.
@@ -24,11 +28,16 @@ import torch
 
 import psclient
 from hostcache import HostCache, segment
+from psclient.file import peek as file_peek
+from psclient.file.mirror_files import mirror_path
+from psclient.redis import peek as redis_peek
 from tests.project import project_version
 
 REPO = Path(__file__).resolve().parents[1]
 #: what a command that only reads a header or a schema must not load
 HEAVY = ("torch", "numba", "triton", "matplotlib")
+#: what ``psclient ls``/``stat`` of a file:// or plain redis:// store must not load either
+BARE = ("numpy", "redis")
 CTX = mp.get_context("spawn")
 
 # NOTE: runs ``main(argv)`` of MODULE in a fresh interpreter; prints its exit status, its
@@ -47,7 +56,7 @@ print(json.dumps({{"rc": rc, "out": out.getvalue(), "err": err.getvalue(), "load
 def run_fresh(module: str, *argv: str, setup: str = "") -> dict[str, Any]:
     """``main(argv)`` of ``module`` (``nvecache.apps.cli``: the ``hostcache`` console script) in a
     new interpreter, after ``setup`` (Python source run first)."""
-    script = setup + _SCRIPT.format(module=module, heavy=HEAVY)
+    script = setup + _SCRIPT.format(module=module, heavy=HEAVY + BARE)
     proc = subprocess.run([sys.executable, "-c", script, *argv], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -65,6 +74,15 @@ def psclient_cmd(*argv: str) -> dict[str, Any]:
 
 def light(result: dict[str, Any]) -> dict[str, Any]:
     """``result`` after checking that the command succeeded and loaded none of HEAVY."""
+    assert result["rc"] == 0, result["err"]
+    heavy = [m for m in result["loaded"] if m in HEAVY]
+    assert heavy == [], f"the command imported {heavy}"
+    return result
+
+
+def bare(result: dict[str, Any]) -> dict[str, Any]:
+    """``result`` after checking that the command succeeded and loaded none of HEAVY and
+    BARE."""
     assert result["rc"] == 0, result["err"]
     assert result["loaded"] == [], f"the command imported {result['loaded']}"
     return result
@@ -178,16 +196,91 @@ def test_psclient_ls_stat_drop_load_nothing_heavy(
     backend: str, request: pytest.FixtureRequest
 ) -> None:
     url, table = request.getfixturevalue(f"{backend}_store")
-    listed = light(psclient_cmd("ls", url))["out"].splitlines()
+    listed = bare(psclient_cmd("ls", url))["out"].splitlines()
     assert any(line.split()[:4] == [table, "8", "float32", "10"] for line in listed)
-    (row,) = [r for r in json.loads(light(psclient_cmd("ls", url, "--json"))["out"])
+    (row,) = [r for r in json.loads(bare(psclient_cmd("ls", url, "--json"))["out"])
               if r["table"] == table]
     assert row["rows"] == 10
-    info = json.loads(light(psclient_cmd("stat", url, "--table", table, "--json"))["out"])
+    info = json.loads(bare(psclient_cmd("stat", url, "--table", table, "--json"))["out"])
     assert (info["table"], info["dim"], info["dtype"], info["rows"]) == (table, 8, "float32", 10)
     out = light(psclient_cmd("drop", url, "--table", table))["out"]
     assert out == f"dropped table {table} (10 rows)\n"
     assert table not in psclient.list_tables(url)
+
+
+def library_stat(url: str, table: str) -> list[tuple[str, Any]]:
+    """``stat()`` of the table opened by the library, as (name, value) pairs in order."""
+    with psclient.connect(url, table=table, partial=True) as ps:
+        return list(ps.stat().items())
+
+
+@pytest.mark.parametrize("backend", ["file", pytest.param("redis", marks=pytest.mark.redis)])
+def test_peek_shows_what_opening_the_table_shows(
+    backend: str, request: pytest.FixtureRequest
+) -> None:
+    url, table = request.getfixturevalue(f"{backend}_store")
+    peek = file_peek if backend == "file" else redis_peek
+    got = peek.stat(url, table)
+    assert got is not None and got["rows"] == 10
+    assert list(got.items()) == library_stat(url, table)
+    # a table a load is creating: its state and its load are shown alike
+    loading = table + "-ld"
+    with psclient.connect(url, table=loading, dim=4, loading=True):
+        got = peek.stat(url, loading)
+        assert got is not None and got["state"] == "loading"
+        assert [load["pid"] for load in got["loads"]] == [os.getpid()]
+        assert list(got.items()) == library_stat(url, loading)
+    assert loading not in psclient.list_tables(url)  # the load ended without rows: dropped
+    assert peek.stat(url, loading) is None  # no table: the library says so
+
+
+def test_file_peek_leaves_a_mirror_to_rebuild_to_the_open(file_store: tuple[str, str]) -> None:
+    url, table = file_store
+    os.unlink(mirror_path(os.path.realpath(url.removeprefix("file://")), table))
+    assert file_peek.stat(url, table) is None
+    result = psclient_cmd("stat", url, "--table", table, "--json")
+    assert result["rc"] == 0, result["err"]
+    assert "numpy" in result["loaded"]  # NOTE: the table was opened, and its mirror rebuilt
+    mirror = json.loads(result["out"])["mirror"]
+    assert (mirror["state"], mirror["keys"]) == ("ok", 10)
+    got = file_peek.stat(url, table)
+    assert got is not None and got["mirror"] == mirror
+    assert file_peek.stat(url + "?mirror=false", table) is None  # an option: the library's
+
+
+@pytest.mark.redis
+def test_redis_peek_lists_tables_and_orphans_as_the_library(
+    redis_store: tuple[str, str], table_name: str
+) -> None:
+    url, table = redis_store
+    names = redis_peek.list_tables(url)
+    assert names is not None and table in names and names == sorted(names)
+    orphan = table_name + "-orphan"
+    client = redis.Redis.from_url(url)
+    try:
+        client.hset(f"psc:{{{orphan}:3}}", mapping={b"a": b"1", b"b": b"2"})
+        client.set(f"psc:{{{orphan}}}:state", b"x")
+        got, want = redis_peek.list_orphans(url), psclient.list_orphans(url)
+        assert got is not None and got[orphan] == want[orphan] == {"keys": 2, "rows": 2}
+        listed = bare(psclient_cmd("ls", url))["out"]
+        assert f"orphaned: 2 keys with no schema (psclient drop URL --table {orphan}" in listed
+    finally:
+        client.delete(f"psc:{{{orphan}:3}}", f"psc:{{{orphan}}}:state")
+        client.close()
+
+
+@pytest.mark.redis
+def test_redis_peek_leaves_other_urls_and_errors_to_the_backend(
+    redis_store: tuple[str, str]
+) -> None:
+    url, table = redis_store
+    assert redis_peek.stat(url, table) is not None
+    for other in (url + "?socket_timeout=5", url.replace("redis://", "rediss://", 1),
+                  "redis://127.0.0.1:1/0"):
+        assert redis_peek.stat(other, table) is None
+        assert redis_peek.list_tables(other) is None
+    result = psclient_cmd("ls", "redis://127.0.0.1:1/0")
+    assert result["rc"] == 1 and "cannot reach Redis" in result["err"]
 
 
 # -- the version ---------------------------------------------------------------------------
