@@ -57,9 +57,9 @@ class HierarchicalStack(TierWrites, CachedStack):
                                          config)
         self.host_cache = host_cache
         self.ps = storage
-        self.tiers: tuple[Tier, ...] = ("gpu",) + (("host",) if host_cache is not None else ()) \
-            + (("storage",) if storage is not None else ())
-        self._gpu_share = policy.gpu
+        have: dict[Tier, bool] = {"gpu": True, "host": host_cache is not None,
+                                  "storage": storage is not None}
+        self.tiers: tuple[Tier, ...] = tuple(t for t, there in have.items() if there)
         #: what lookups met below the GPU cache
         self.counts = MissCounters()
         #: host-cache fills and hit reports, off the lookups' path (gpu.stacks.host_filler)
@@ -73,8 +73,8 @@ class HierarchicalStack(TierWrites, CachedStack):
 
             self._registration = register(host_cache, device)
         #: the misses' way to the device, chosen once (gpu.stacks.read_paths)
-        self.reads = read_path(self.resolver, device, self._offer, self._registration,
-                               config.host_gpu_read_keys)
+        self.reads = read_path(self.resolver, device, self.pending, policy.gpu,
+                               self._registration, config.host_gpu_read_keys)
         self._lists = threading.local()  # each thread's MissList
 
     def _miss_list(self, n: int) -> MissList:
@@ -130,18 +130,6 @@ class HierarchicalStack(TierWrites, CachedStack):
             add = add / length.index_select(0, bag)[:, None]
         out.index_add_(0, bag, add)
         return out.to(self.dtype)
-
-    def _offer(self, keys: torch.Tensor, rows: torch.Tensor, found: torch.Tensor | None,
-               complete: bool, since: int, stream: Any) -> None:
-        """Fetched rows wait for their GPU admission (default rows never go in): unless
-        ``complete``, ``found`` flags the found keys, or lists their positions (int64)."""
-        if not complete:
-            assert found is not None
-            if found.dtype == torch.bool:
-                keys, rows = keys[found], rows[found]
-            else:
-                keys, rows = keys.index_select(0, found), rows.index_select(0, found)
-        self.pending.offer(keys, rows, since, self._gpu_share, stream)
 
     def flush(self) -> None:
         """Finish the host-cache fills and hit reports of earlier lookups."""

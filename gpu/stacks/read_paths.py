@@ -9,31 +9,27 @@ one object per stack, chosen when the stack is built (:func:`read_path`).
   ``TierConfig.host_gpu_read_keys`` distinct misses on, the GPU reads the host cache
   itself (:mod:`gpu.kernels.host_reads`), the parameter server and the default row the
   rest; fewer are read as :class:`HostReads` does: the GPU's seqlock read of the host
-  cache costs hundreds of microseconds however few the keys, and its hits then need
+  cache costs a fixed price per call however few the keys, and its hits then need
   reporting to the host cache's policy (bench/RESULTS.md, "Hierarchical layer at serving
   sizes").
 
 Either way :meth:`HostReads.serve` returns each miss's row and batch position on the
-device, and hands the rows found to the stack's admission (``offer``): a row lookup
+device, and hands the rows found to the stack's admission: a row lookup
 places them with one scatter, a pooled one adds them to its bags.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
+from gpu.stacks.admission import PendingAdmissions
 from gpu.stacks.miss_twin import GATE as MISS_LOOPS
 from gpu.stacks.resolver import Resolver
 from gpu.stacks.staging import HostBuffer, PinnedStaging
-
-#: ``offer(keys, rows, found, complete, since, stream)``: rows fetched for the GPU cache;
-#: unless ``complete``, ``found`` flags the found keys (bool) or lists their indices (int64)
-Offer = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", bool, int, Any], None]
 
 
 class HostReads:
@@ -42,13 +38,15 @@ class HostReads:
     Args:
         resolver: The tiers below the GPU cache.
         device: The stack's device.
-        offer: Where fetched rows go (the stack's admission).
+        pending: The stack's admission, where fetched rows wait for the GPU cache.
+        share: The probability that a fetched row is offered to it (``InsertPolicy.gpu``).
     """
 
-    def __init__(self, resolver: Resolver, device: torch.device, offer: Offer) -> None:
+    def __init__(self, resolver: Resolver, device: torch.device, pending: PendingAdmissions,
+                 share: float) -> None:
         self.resolver = resolver
         self.device = device
-        self._offer = offer
+        self._pending, self._share = pending, share
         self._pinned = device.type == "cuda"
         self._local = threading.local()  # each thread's staging buffer
 
@@ -59,6 +57,18 @@ class HostReads:
             buf = self._local.staging = (PinnedStaging(self.device) if self._pinned
                                          else HostBuffer())
         return buf
+
+    def _offer(self, keys: torch.Tensor, rows: torch.Tensor, found: torch.Tensor | None,
+               complete: bool, since: int, stream: Any) -> None:
+        """Fetched rows wait for their GPU admission (default rows never go in): unless
+        ``complete``, ``found`` flags the found keys, or lists their positions (int64)."""
+        if not complete:
+            assert found is not None
+            if found.dtype == torch.bool:
+                keys, rows = keys[found], rows[found]
+            else:
+                keys, rows = keys.index_select(0, found), rows.index_select(0, found)
+        self._pending.offer(keys, rows, since, self._share, stream)
 
     def serve(self, mkeys: np.ndarray, mpos: np.ndarray, since: int, stream: Any
               ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,9 +122,9 @@ class DeviceReads(HostReads):
         gpu_read_keys: Distinct misses from which the GPU reads the host cache.
     """
 
-    def __init__(self, resolver: Resolver, device: torch.device, offer: Offer,
-                 registration: Any, gpu_read_keys: int) -> None:
-        super().__init__(resolver, device, offer)
+    def __init__(self, resolver: Resolver, device: torch.device, pending: PendingAdmissions,
+                 share: float, registration: Any, gpu_read_keys: int) -> None:
+        super().__init__(resolver, device, pending, share)
         self.registration = registration
         self._gpu_read_keys = gpu_read_keys
 
@@ -172,10 +182,10 @@ class DeviceReads(HostReads):
         return urows.index_select(0, inv), pos
 
 
-def read_path(resolver: Resolver, device: torch.device, offer: Offer,
-              registration: Any, gpu_read_keys: int) -> HostReads:
+def read_path(resolver: Resolver, device: torch.device, pending: PendingAdmissions,
+              share: float, registration: Any, gpu_read_keys: int) -> HostReads:
     """The read path of a stack on ``device``: :class:`DeviceReads` where the host cache
     is registered with CUDA (``registration``), else :class:`HostReads`."""
     if device.type == "cuda" and registration is not None:
-        return DeviceReads(resolver, device, offer, registration, gpu_read_keys)
-    return HostReads(resolver, device, offer)
+        return DeviceReads(resolver, device, pending, share, registration, gpu_read_keys)
+    return HostReads(resolver, device, pending, share)
