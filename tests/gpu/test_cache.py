@@ -352,3 +352,32 @@ def test_the_twins_first_matching_way_is_the_lowest(ways: int) -> None:
     want = torch.where(match, way[None, :], ways).amin(dim=1)
     assert torch.equal(_first_way(match, ways), want)
     assert int((match.sum(1) > 1).sum()) > 100  # several matches did occur
+
+
+def test_the_backend_is_chosen_by_device_unless_named() -> None:
+    """A CPU cache runs the torch twin by default; naming a backend or giving launch settings
+    that are not a Tiles is refused with a typed error naming what is allowed."""
+    from gpu.kernels.tiles import Tiles
+
+    assert GPUCache(1024, DIM, torch.float32).backend == "torch"
+    assert GPUCache(1024, DIM, torch.float32, backend="torch").ops.name == "torch"
+    with pytest.raises(BadArgumentError, match="'auto', 'torch' or 'triton'"):
+        GPUCache(1024, DIM, torch.float32, backend="numpy")  # type: ignore[arg-type]
+    with pytest.raises(BadArgumentError, match="tiles must be a gpu.kernels.tiles.Tiles"):
+        GPUCache(1024, DIM, torch.float32, tiles={"lookup_block_k": 8})  # type: ignore[arg-type]
+    for field, value in (("lookup_block_k", 12), ("pooled_warps", 0), ("insert_block_k", True),
+                         ("linear_page_order", -1)):
+        with pytest.raises(BadArgumentError, match=f"Tiles.{field}"):
+            Tiles(**{field: value})
+    assert Tiles(linear_page_order=0).linear_page_order == 0  # 0: never page order
+
+
+def test_tier_config_names_the_cache_backend_and_tiles() -> None:
+    from gpu import TierConfig
+    from gpu.kernels.tiles import DEFAULT_TILES
+
+    assert TierConfig().cache_backend == "auto" and TierConfig().tiles is DEFAULT_TILES
+    with pytest.raises(BadArgumentError, match="TierConfig.cache_backend"):
+        TierConfig(cache_backend="cuda")  # type: ignore[arg-type]
+    with pytest.raises(BadArgumentError, match="TierConfig.tiles"):
+        TierConfig(tiles=None)  # type: ignore[arg-type]
