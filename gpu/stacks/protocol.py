@@ -43,8 +43,11 @@ class LayerStack(Protocol):
     """What a layer calls on its stack. Keys are 1-D int64 (checked by the layer); rows
     and deltas ``[N, dim]`` of the stack's dtype, already checked for finiteness."""
 
-    #: the tiers this stack has, nearest first
-    tiers: tuple[Tier, ...]
+    @property
+    def tiers(self) -> tuple[Tier, ...]:
+        """The tiers this stack has, nearest first."""
+        ...
+
     #: check keys (and offsets) on the host before each lookup (one sync each)
     validate: bool
 
@@ -107,7 +110,7 @@ def check_tier(tier: object, tiers: tuple[Tier, ...]) -> Tier | None:
         BadArgumentError: ``tier`` is not a str naming one of ``tiers``.
     """
     if tier is None or (isinstance(tier, str) and tier in tiers):
-        return tier  # type: ignore[return-value]
+        return tier
     names = ", ".join(repr(t) for t in tiers)
     raise BadArgumentError(f"tier must be None (every tier) or one of this layer's tiers "
                            f"({names}); got {tier!r}")
