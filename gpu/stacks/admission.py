@@ -3,11 +3,11 @@
 A Hierarchical lookup fetches its misses' rows from the host cache or the parameter
 server, on the host's knowledge of which keys missed. The rows wait here, already read,
 until ``admit_keys`` keys (at most ``admit_fraction`` of the cache) or ``admit_batches``
-lookups have gathered: an insert costs about as much host time for 9k keys as for 50k,
-so a cache that mostly hits pays one insert per several lookups. When they go in, keys
-announced in the shared table's change feed since the earliest of those lookups began
-are dropped (the two-phase check: their rows may predate the change), and any write
-through the layer drops everything waiting.
+lookups have gathered: an insert's host time hardly grows with its keys, so a cache that
+mostly hits pays one insert per several lookups. When they go in, keys announced in the
+shared table's change feed since the earliest of those lookups began are dropped (the
+two-phase check: their rows may predate the change), and any write through the layer
+drops everything waiting.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ them to this worker and returns.
 
 The worker hands each handler its queued items in one call (handlers in the order their
 first item came, each handler's items in submission order). A host-cache insert costs
-about as much for a hundred rows as for a thousand, and the worker shares the GIL with
-the lookups, so it gathers before it runs: once work arrives it waits until
+hardly more for many rows than for few, and the worker shares the GIL with the lookups,
+so it gathers before it runs: once work arrives it waits until
 ``batch_weight`` (the submissions' summed weights: rows) have queued or ``linger_s`` has
 passed, then takes everything queued. A submission wakes the worker only when it starts a
 batch or completes one, so a lingering worker does not take the GIL for each one. A

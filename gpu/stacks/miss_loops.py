@@ -1,7 +1,7 @@
 """A lookup's misses on the host, in compiled loops (numba): read off the miss list and
 deduplicated, each in one call.
 
-A Hierarchical lookup that missed a few hundred keys spent more of its call in the
+A Hierarchical lookup that missed few keys spent more of its call in the
 per-operation cost of numpy and torch (a binary search in Python, ``np.unique``'s sort)
 than in the work itself (bench/RESULTS.md, "Hierarchical layer at serving sizes").
 """

@@ -85,32 +85,35 @@ class HostReads:
         """Distinct misses read on the CPU straight into one buffer: each miss's key,
         position and row (and the found ones' indices), sent in one copy."""
         res = self.resolver
-        u, m, rb = ukeys.size, mkeys.size, res.row_bytes
-        at_rows = 3 * m * 8  # NOTE: keys, positions, the found ones' indices (at most m)
-        nbytes = at_rows + m * rb
+        n_distinct, n_missed, row_bytes = ukeys.size, mkeys.size, res.row_bytes
+        # NOTE: keys, positions, the found ones' indices (at most one per miss)
+        at_rows = 3 * n_missed * 8
+        nbytes = at_rows + n_missed * row_bytes
         staging = self.staging()
         buf = staging.take(nbytes)
         ints = buf[:at_rows].view(np.int64)
-        rows_at = buf[at_rows:].reshape(m, rb)
+        rows_at = buf[at_rows:].reshape(n_missed, row_bytes)
         # NOTE: no key repeated (the common case): the distinct keys are the misses in
         # order, and their rows go straight into place
-        urows = rows_at if u == m else np.empty((u, rb), np.uint8)
-        found = res.resolve(ukeys, urows, since)
-        if u != m:
-            np.take(urows, inverse, axis=0, out=rows_at)
+        repeated = n_distinct != n_missed
+        distinct_rows = np.empty((n_distinct, row_bytes), np.uint8) if repeated else rows_at
+        found = res.resolve(ukeys, distinct_rows, since)
+        if repeated:
+            np.take(distinct_rows, inverse, axis=0, out=rows_at)
             found = None if found is None else found[inverse]
-        ints[:m] = mkeys
-        ints[m:2 * m] = mpos
-        hit_at = np.empty(0, np.int64) if found is None else np.flatnonzero(found)
-        ints[2 * m:2 * m + hit_at.size] = hit_at
+        ints[:n_missed] = mkeys
+        ints[n_missed:2 * n_missed] = mpos
+        found_at = np.empty(0, np.int64) if found is None else np.flatnonzero(found)
+        ints[2 * n_missed:2 * n_missed + found_at.size] = found_at
         dev = staging.send(nbytes)
-        dints = dev[:at_rows].view(torch.int64)
-        rows = dev[at_rows:].view(res.dtype).view(m, res.dim)
+        sent_ints = dev[:at_rows].view(torch.int64)
+        rows = dev[at_rows:].view(res.dtype).view(n_missed, res.dim)
         # NOTE: offered per miss (a key repeated in the batch is offered as often as it
         # missed; an insert keeps one of equal rows)
-        at = None if found is None else dints[2 * m:2 * m + hit_at.size]
-        self._offer(dints[:m], rows, at, found is None, since, stream)
-        return rows, dints[m:2 * m]
+        found_sent = (None if found is None
+                      else sent_ints[2 * n_missed:2 * n_missed + found_at.size])
+        self._offer(sent_ints[:n_missed], rows, found_sent, found is None, since, stream)
+        return rows, sent_ints[n_missed:2 * n_missed]
 
 
 class DeviceReads(HostReads):
@@ -145,41 +148,43 @@ class DeviceReads(HostReads):
 
         res = self.resolver
         staging = self.staging()
-        u, m, rb = ukeys.size, mpos.size, res.row_bytes
-        idx = staging.take(8 * (u + 2 * m)).view(np.int64)
-        idx[:u], idx[u:u + m], idx[u + m:] = ukeys, mpos, inverse
-        dev_idx = staging.send(idx.nbytes).view(torch.int64)
-        dkeys, pos, inv = dev_idx[:u], dev_idx[u:u + m], dev_idx[u + m:]
-        urows, hit = hostcache_lookup(self.registration, dkeys)
-        hit_host = torch.empty(u, dtype=torch.bool, pin_memory=True)
+        n_distinct, n_missed, row_bytes = ukeys.size, mpos.size, res.row_bytes
+        at_pos, at_inverse = n_distinct, n_distinct + n_missed
+        idx = staging.take(8 * (at_inverse + n_missed)).view(np.int64)
+        idx[:at_pos], idx[at_pos:at_inverse], idx[at_inverse:] = ukeys, mpos, inverse
+        sent = staging.send(idx.nbytes).view(torch.int64)
+        distinct_keys, pos, distinct_of = sent[:at_pos], sent[at_pos:at_inverse], sent[at_inverse:]
+        distinct_rows, hit = hostcache_lookup(self.registration, distinct_keys)
+        hit_host = torch.empty(n_distinct, dtype=torch.bool, pin_memory=True)
         hit_host.copy_(hit, non_blocking=True)
         torch.cuda.current_stream(self.device).synchronize()
         hit_np = hit_host.numpy()
-        nh = int(np.count_nonzero(hit_np))
-        res.count_gpu_reads(ukeys, hit_np, nh)
-        if nh == u:
-            self._offer(dkeys, urows, hit, True, since, stream)
-            return urows.index_select(0, inv), pos
-        need = np.flatnonzero(~hit_np)
-        k = need.size
+        n_hit = int(np.count_nonzero(hit_np))
+        res.count_gpu_reads(ukeys, hit_np, n_hit)
+        if n_hit == n_distinct:
+            self._offer(distinct_keys, distinct_rows, hit, True, since, stream)
+            return distinct_rows.index_select(0, distinct_of), pos
+        rest = np.flatnonzero(~hit_np)
+        n_rest = rest.size
         # NOTE: the pinned buffer's copy of this call's indices is done: the sync above
-        at_rows = 8 * k
-        at_found = at_rows + k * rb
-        buf = staging.take(at_found + k)
-        buf[:at_rows] = need.view(np.uint8)
-        found = res.resolve(ukeys[need], buf[at_rows:at_found].reshape(k, rb), since,
-                            from_host=False)
+        at_rows = 8 * n_rest
+        at_found = at_rows + n_rest * row_bytes
+        buf = staging.take(at_found + n_rest)
+        buf[:at_rows] = rest.view(np.uint8)
+        found = res.resolve(ukeys[rest], buf[at_rows:at_found].reshape(n_rest, row_bytes),
+                            since, from_host=False)
         buf[at_found:] = True if found is None else found.view(np.uint8)
-        dev = staging.send(at_found + k)
-        need_d = dev[:at_rows].view(torch.int64)
-        urows.index_copy_(0, need_d, dev[at_rows:at_found].view(res.dtype).view(k, res.dim))
+        dev = staging.send(at_found + n_rest)
+        rest_sent = dev[:at_rows].view(torch.int64)
+        rest_rows = dev[at_rows:at_found].view(res.dtype).view(n_rest, res.dim)
+        distinct_rows.index_copy_(0, rest_sent, rest_rows)
         if found is None:
-            self._offer(dkeys, urows, hit, True, since, stream)
+            self._offer(distinct_keys, distinct_rows, hit, True, since, stream)
         else:
             flags = hit.clone()
-            flags.index_copy_(0, need_d, dev[at_found:].view(torch.bool))
-            self._offer(dkeys, urows, flags, False, since, stream)
-        return urows.index_select(0, inv), pos
+            flags.index_copy_(0, rest_sent, dev[at_found:].view(torch.bool))
+            self._offer(distinct_keys, distinct_rows, flags, False, since, stream)
+        return distinct_rows.index_select(0, distinct_of), pos
 
 
 def read_path(resolver: Resolver, device: torch.device, pending: PendingAdmissions,

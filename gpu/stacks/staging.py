@@ -2,13 +2,15 @@
 rows and the indices that place them), sent to the device in one non-blocking copy.
 
 A pageable ``.to(device)`` stages through a driver buffer and returns only once copied:
-a Hierarchical lookup that resolved its misses on the CPU made two or three of them per
+a Hierarchical lookup that resolved its misses on the CPU made several of them per
 call (bench/RESULTS.md, "Hierarchical layer at serving sizes"). From pinned memory one
 copy is queued and the call goes on.
 
 Reuse: the next lookup of the same thread on the same stream first synchronizes that
 stream (to learn its misses), so the copy queued from this buffer by the call before is
 done; a lookup on another stream than the last copy's first waits for the device.
+
+On the CPU :class:`HostBuffer` stands in: the rows are already where they are used.
 """
 
 from __future__ import annotations
