@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from hostcache import layout
-from hostcache.errors import BadArgumentError
+from hostcache.errors import BadArgumentError, NonFiniteValuesError
 from hostcache.segment import Mapping, check_mode
 from hostcache.table import (
     C_ERASES,
@@ -36,7 +36,7 @@ from hostcache.table import (
 )
 from hostcache.table_twin import GATE as LOOPS
 from hostcache.validate import check_cache_keys, check_finite, check_values
-from nvecache.common.accumulate import added, delta_problem, sum_duplicates
+from nvecache.common.accumulate import added, check_deltas, sum_duplicates
 from nvecache.common.fanout import split_run
 
 _COUNTER_CAP = 1 << 30
@@ -153,8 +153,8 @@ class HostCache(SharedTable):
         self._nversions = self._versions.numpy()
         self._npolicy = self._policy.numpy()
         #: the slots' keys and policy counters again, as ``[buckets, ways]``
-        self._bucket_keys = self._nkeys.reshape(-1, ways)
-        self._bucket_policy = self._npolicy.reshape(-1, ways)
+        self._bucket_keys: np.ndarray = self._nkeys.reshape(-1, ways)
+        self._bucket_policy: np.ndarray = self._npolicy.reshape(-1, ways)
         self._nraw = raw.view(slots, geo.row_stride).numpy()
 
     def _drop_views(self) -> None:
@@ -425,10 +425,8 @@ class HostCache(SharedTable):
         :class:`BadArgumentError` / :class:`NonFiniteValuesError`; nothing is written."""
         keys = check_cache_keys(keys)
         geo = self.geometry
-        problem = delta_problem(deltas, keys.numel(), geo.dim, geo.dtype)
-        if problem is not None:
-            raise BadArgumentError(problem)
-        check_finite(deltas, keys, allow_nonfinite=allow_nonfinite)
+        check_deltas(deltas, keys, geo.dim, geo.dtype, allow_nonfinite=allow_nonfinite,
+                     errors=(BadArgumentError, NonFiniteValuesError))
         if keys.numel() == 0:
             return torch.zeros(0, dtype=torch.bool)
         ukeys, sums, inverse = sum_duplicates(keys, deltas, geo.dtype)

@@ -16,12 +16,12 @@ from typing import Any, Self
 import torch
 
 from hostcache import layout
-from hostcache.errors import BadArgumentError
+from hostcache.errors import BadArgumentError, NonFiniteValuesError
 from hostcache.gate import TableGate, gate_for
 from hostcache.segment import Mapping, check_mode
 from hostcache.table import C_HITS, C_LOOKUPS, C_UPDATES, SharedTable
 from hostcache.validate import check_finite, check_indices, check_keys, check_values, dedup_last
-from nvecache.common.accumulate import added, delta_problem, sum_duplicates
+from nvecache.common.accumulate import add_at, check_deltas
 
 
 class SharedMemBlock(SharedTable):
@@ -153,15 +153,12 @@ class SharedMemBlock(SharedTable):
                 ``allow_nonfinite``; nothing is written.
         """
         idx = check_indices(indices, self.num_rows)
-        problem = delta_problem(deltas, idx.numel(), self.dim, self.dtype)
-        if problem is not None:
-            raise BadArgumentError(problem)
-        check_finite(deltas, idx, allow_nonfinite=allow_nonfinite, key_word="index")
+        check_deltas(deltas, idx, self.dim, self.dtype, allow_nonfinite=allow_nonfinite,
+                     errors=(BadArgumentError, NonFiniteValuesError), key_word="index")
         if idx.numel() == 0:
             return
-        uidx, sums, _ = sum_duplicates(idx, deltas, self.dtype)
         with self.gate.writing(), self._writing():
-            self._rows[uidx] = added(self._rows[uidx], sums)
+            uidx = add_at(self._rows, idx, deltas)
             self.ring.append(uidx)
             self._counters[C_UPDATES] += uidx.numel()
 

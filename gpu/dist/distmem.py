@@ -34,7 +34,9 @@ Writes and invalidation
 journal (a one-row :class:`hostcache.SharedMemBlock` whose invalidation ring every
 layer over this block follows), so a layer in any process of the node drops its cached
 copies before its next lookup: the same read-after-write guarantee as the host tables.
-A write straight into :meth:`view` bypasses the journal: call :meth:`invalidate` after it.
+:meth:`DistMemBlock.accumulate` adds to rows and announces them the same way
+(:mod:`gpu.dist.accumulate`). A write straight into :meth:`view` bypasses the journal:
+call :meth:`invalidate` after it.
 The journal's segment has a name only while the ranks attach it (:mod:`gpu.dist.journal`):
 nothing of a block stays in ``/dev/shm`` once its constructor has returned.
 
@@ -65,6 +67,7 @@ from hostcache.gate import TableGate, gate_for
 
 from gpu.cache.twin import last_occurrence
 from gpu.cuda.devices import resolve_device
+from gpu.dist.accumulate import Accumulating
 from gpu.errors import BadArgumentError, DestructionOrderError, GPUError, GroupError, VMMError
 from gpu.dist.groups import as_group, exchange_fds
 from gpu.dist.journal import check_journal_name, new_name, open_journal
@@ -160,7 +163,7 @@ _OPEN: list[weakref.ref[DistMemBlock]] = []
 _OPEN_LOCK = threading.Lock()
 
 
-class DistMemBlock:
+class DistMemBlock(Accumulating):
     """A linear table sharded over several GPUs' memory, mapped as one range (see module).
 
     Args:

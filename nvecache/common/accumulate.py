@@ -46,6 +46,23 @@ def delta_problem(deltas: object, n: int, dim: int, dtype: torch.dtype,
     return None
 
 
+def check_deltas(deltas: object, keys: torch.Tensor, dim: int, dtype: torch.dtype, *,
+                 allow_nonfinite: bool, errors: tuple[type[Exception], type[Exception]],
+                 device: str | None = "cpu", key_word: str = "key") -> None:
+    """Refuse ``deltas`` for ``keys`` (:func:`delta_problem`), or deltas holding NaN or an
+    infinity unless ``allow_nonfinite``, with the caller's error classes ``(bad argument,
+    non-finite values)`` and a message saying what to do."""
+    from nvecache.common.finite import nonfinite_message, nonfinite_rows
+
+    problem = delta_problem(deltas, keys.numel(), dim, dtype, device)
+    if problem is not None:
+        raise errors[0](problem)
+    bad = None if allow_nonfinite else nonfinite_rows(deltas)  # type: ignore[arg-type]
+    if bad is not None:
+        raise errors[1](nonfinite_message(bad.cpu(), keys.cpu(), what="deltas",
+                                          key_word=key_word))
+
+
 def sum_duplicates(keys: torch.Tensor, deltas: torch.Tensor, dtype: torch.dtype
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(distinct keys ascending, each one's summed delta, each key's distinct index)``.
@@ -68,3 +85,12 @@ def added(rows: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
     """``rows`` plus their summed deltas, added in the accumulator dtype and rounded to the
     rows' dtype once: a new tensor."""
     return (rows.to(sums.dtype) + sums).to(rows.dtype)
+
+
+def add_at(table: torch.Tensor, idx: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
+    """Add ``deltas`` to rows ``idx`` of ``table`` (a linear table's rows, on the device of
+    ``idx`` and ``deltas``) by the rule above, in place; returns the distinct rows changed.
+    The caller keeps other writers of those rows out meanwhile."""
+    uidx, sums, _ = sum_duplicates(idx, deltas, table.dtype)
+    table.index_copy_(0, uidx, added(table.index_select(0, uidx), sums))
+    return uidx

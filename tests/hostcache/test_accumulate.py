@@ -13,8 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from hostcache import BadArgumentError, HostCache, NonFiniteValuesError, SharedMemBlock
-from hostcache import table_loops, table_twin
+from hostcache import (
+    BadArgumentError,
+    HostCache,
+    NonFiniteValuesError,
+    SharedMemBlock,
+    table_loops,
+    table_twin,
+)
 
 DIM = 6
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
@@ -181,9 +187,10 @@ def add_ones(table: HostCache | SharedMemBlock, keys: list[int], rounds: int,
     """Add 1 to every key (twice to the first, a duplicate) ``rounds`` times."""
     try:
         k = torch.tensor([keys[0], *keys])
+        ones = torch.ones(k.numel(), DIM)
         start.wait()
         for _ in range(rounds):
-            table.accumulate(k, torch.ones(k.numel(), DIM))
+            table.accumulate(k, ones)
         return rounds
     finally:
         table.close()
@@ -191,22 +198,33 @@ def add_ones(table: HostCache | SharedMemBlock, keys: list[int], rounds: int,
 
 @pytest.mark.parametrize("kind", ["cache", "block"])
 def test_concurrent_accumulates_from_processes_lose_no_addition(
-        kind: str, cache_of: Any, block_of: Any) -> None:
-    procs, rounds = 3, 200
-    keys = list(range(0, 40, 4))
-    table = cache_of(torch.float32) if kind == "cache" else block_of(torch.float32)
+        kind: str, table_name: str) -> None:
+    """Each call's read-add-write spans a few thousand rows, so the processes' calls
+    overlap."""
+    procs, rounds, n = 3, 60, 3000
+    keys = list(range(0, 2 * n, 2))
+    name = f"{table_name}-c"
+    table: HostCache | SharedMemBlock
     if kind == "cache":
-        table.insert(torch.tensor(keys), torch.zeros(len(keys), DIM))
-    ctx = mp.get_context("spawn")
-    with ctx.Manager() as manager:
-        start = manager.Barrier(procs + 1)
-        with ctx.Pool(procs) as pool:
-            jobs = [pool.apply_async(add_ones, (table, keys, rounds, start))
-                    for _ in range(procs)]
-            start.wait()
-            assert [j.get(timeout=300) for j in jobs] == [rounds] * procs
-    got = (table.lookup(torch.tensor(keys))[0] if kind == "cache"
-           else table.read(torch.tensor(keys)))
-    want = torch.full((len(keys), DIM), float(procs * rounds))
-    want[0] *= 2
-    assert torch.equal(got, want)
+        table = HostCache.create(name, capacity=4 * n, dim=DIM, ways=32)
+        table.insert(torch.tensor(keys), torch.zeros(n, DIM))
+        assert bool(table.contains(torch.tensor(keys)).all())
+    else:
+        table = SharedMemBlock.create(name, num_rows=2 * n, dim=DIM)
+    try:
+        ctx = mp.get_context("spawn")
+        with ctx.Manager() as manager:
+            start = manager.Barrier(procs + 1)
+            with ctx.Pool(procs) as pool:
+                jobs = [pool.apply_async(add_ones, (table, keys, rounds, start))
+                        for _ in range(procs)]
+                start.wait()
+                assert [j.get(timeout=300) for j in jobs] == [rounds] * procs
+        got = (table.lookup(torch.tensor(keys))[0] if isinstance(table, HostCache)
+               else table.read(torch.tensor(keys)))
+        want = torch.full((n, DIM), float(procs * rounds))
+        want[0] *= 2
+        assert torch.equal(got, want)
+    finally:
+        table.close()
+        table.unlink(name)
