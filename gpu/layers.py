@@ -205,9 +205,17 @@ class _NVBase(torch.nn.Module):
         is added to in place, then every process's GPU cache drops the keys; a parameter
         server adds atomically per row. After it returns, a lookup reads the new rows.
 
+        Args:
+            keys: 1-D int64 keys.
+            deltas: ``[N, embedding_size]`` of the layer's dtype (any device).
+            allow_nonfinite: add deltas holding NaN or an infinity instead of raising.
+
         Raises:
+            BadArgumentError: bad keys or deltas (shape, dtype; a key outside a linear
+                table); nothing is added.
             NonFiniteValuesError: a delta holds NaN or an infinity and not
                 ``allow_nonfinite``; no tier is written.
+            StorageWriteError: the parameter server refused the write (Hierarchical).
         """
         keys, deltas = self._write_args(keys, deltas, allow_nonfinite)
         return self._tiers.accumulate(keys, deltas)
