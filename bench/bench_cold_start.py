@@ -78,7 +78,7 @@ try:
     if not os.path.exists(os.path.join(sys.argv[1], "psclient", "loop_gate.py")):
         ready_s = 0.0  # NOTE: a tree without loop gates: compiled before the first lookup
     else:
-        from gpu.stacks.miss_twin import GATE as MISS
+        from gpu.stacks.misses.miss_twin import GATE as MISS
         from hostcache.table_twin import GATE as TABLE
         from psclient.file.mirror_twin import GATE as MIRROR
         ready = all(g.wait(600) for g in (TABLE, MIRROR, MISS) if g.twin_picks)

@@ -38,7 +38,8 @@ class TierConfig:
     #: at most this many of a GPU lookup's host-cache hits are reported to the host cache's
     #: eviction policy (weighted by hits / sample), so its counters see the GPU's traffic.
     host_touch_sample: int = 4096
-    #: the host-cache worker (gpu.stacks.host_filler) runs once fills and hit reports of this many
+    #: the host-cache worker (gpu.stacks.misses.host_filler) runs once fills and hit reports of
+    #: this many
     #: keys have queued, or ``host_linger_s`` seconds after the first of them: fewer,
     #: larger host-cache inserts, less of the GIL taken from the lookups.
     host_batch_keys: int = 2048

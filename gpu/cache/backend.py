@@ -32,7 +32,7 @@ from gpu.kernels.triton_access import kernel_module, triton_available
 from hostcache.layout import EMPTY_KEY
 
 if TYPE_CHECKING:
-    from gpu.stacks.miss_list import MissList
+    from gpu.stacks.misses.miss_list import MissList
 
 __all__ = ["BACKENDS", "BackendName", "CacheBackend", "CacheTables", "TorchBackend",
            "TritonBackend", "make_backend"]

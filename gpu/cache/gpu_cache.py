@@ -34,7 +34,7 @@ from gpu.kernels.tiles import DEFAULT_TILES, Tiles
 from hostcache.layout import EMPTY_KEY
 
 if TYPE_CHECKING:
-    from gpu.stacks.miss_list import MissList
+    from gpu.stacks.misses.miss_list import MissList
 
 __all__ = ["ROW_DTYPES", "Backend", "GPUCache", "GPUCacheStats", "MissCandidates",
            "PoolMode"]
@@ -335,7 +335,7 @@ class GPUCache:
     def prepare_insert(self, keys: torch.Tensor) -> PreparedInsert:
         """The half of ``insert(keys, ...)`` that reads nothing of the table (sorts of the
         batch; on the torch backend nothing): it may run on another stream while lookups
-        use the cache (gpu.stacks.split_round). ``keys``: int64 on this cache's device,
+        use the cache (gpu.stacks.misses.split_round). ``keys``: int64 on this cache's device,
         non-empty, not checked."""
         return self.ops.prepare_insert(keys)
 

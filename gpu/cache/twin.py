@@ -144,7 +144,8 @@ def collect_misses(cand: torch.Tensor, keys: torch.Tensor, hit: torch.Tensor,
 
 def list_misses(counter: torch.Tensor, start: int, pairs: torch.Tensor, keys: torch.Tensor,
                 hit: torch.Tensor) -> None:
-    """The twin of the kernels' miss listing (``gpu.stacks.miss_list``): every miss and its batch
+    """The twin of the kernels' miss listing (``gpu.stacks.misses.miss_list``): every miss and its
+    batch
     position as ``[key, position]`` pairs of ``pairs`` from pair ``counter - start``, in
     batch order; ``counter`` grows by their count."""
     pos = (~hit).nonzero().squeeze(1)

@@ -10,7 +10,7 @@ gets a target slot, and positions that write nothing target the *trash slot* one
 table (``rows_all`` / the table tensors have ``slots + 1`` entries). Two sorts and six
 launches make the same placements as ``gpu.cache.twin.plan_insert``. First what reads
 nothing of the table (:func:`sort_keys`, :func:`sort_buckets`; a LinearUVM round runs it
-on a side stream while lookups go on, :mod:`gpu.stacks.split_round`):
+on a side stream while lookups go on, :mod:`gpu.stacks.misses.split_round`):
 
 1. a stable sort by key (as int32 for a linear table's rows);
 2. :func:`_insert_last_kernel`: the last occurrence of each key gets its bucket as an
@@ -79,7 +79,7 @@ def _insert_last_kernel(
     k = tl.load(ks_ptr + offs, mask=kmask, other=EMPTY)
     nxt = tl.load(ks_ptr + offs + 1, mask=offs + 1 < n, other=EMPTY)
     is_last = kmask & ((offs + 1 >= n) | (nxt != k))
-    # NOTE: the empty marker is never placed (a padded batch: gpu.stacks.miss_log)
+    # NOTE: the empty marker is never placed (a padded batch: gpu.stacks.misses.miss_log)
     keep = is_last & (k != EMPTY)
     tl.store(skey_ptr + offs,
              tl.where(keep, bucket_of(k, num_buckets), num_buckets).to(tl.int32),

@@ -148,7 +148,8 @@ def _lookup_kernel(
         tl.store(err_ptr + offs * 0, keys, mask=kmask & ((keys < 0) | (keys >= num_rows)))
     if LIST_MISSES:
         # NOTE: each miss and its position as a pair in the caller's list in pinned host
-        # memory (gpu.stacks.miss_list): the pairs reserved with an atomic on a device counter
+        # memory (gpu.stacks.misses.miss_list): the pairs reserved with an atomic on a device
+        # counter
         # that only grows (cand_ptr; cand_cap is its value before this lookup), stored over
         # the host link, by programs that met a miss only
         miss = kmask & (hit == 0)
@@ -244,7 +245,8 @@ def lookup(
     ``gpu.stacks.key_flag``) that receives a key outside the linear table. ``want_hit=False``:
     no hit flags (None returned). ``candidate_rows``: ``[cap, dim]`` rows of ``rows``'
     dtype that receive the row read for each listed miss (with ``candidates``, a linear
-    gather). ``misses``: ``(counter, start, pairs)`` of a :class:`gpu.stacks.miss_list.MissList`
+    gather). ``misses``: ``(counter, start, pairs)`` of a
+    :class:`gpu.stacks.misses.miss_list.MissList`
     that receives every miss and its batch position (not with ``candidates``). ``bound``:
     the cache's own store of bound launches (:class:`~gpu.kernels.launch.BoundLaunch`) for
     gathers visited in batch order, keyed by what the call passes; ``table`` and ``err``

@@ -11,8 +11,8 @@ import torch.nn.functional as F  # noqa: N812
 from gpu.cache.gpu_cache import GPUCache
 from gpu.cache.guard import CacheGuard
 from gpu.layer_config import LayerStats, PoolingMode, TierStats
-from gpu.stacks.admission import RoundBudget
-from gpu.stacks.change_follower import ChangeFollower
+from gpu.stacks.misses.admission import RoundBudget
+from gpu.stacks.misses.change_follower import ChangeFollower
 from gpu.stacks.protocol import Tier
 from gpu.tier_config import TierConfig
 from hostcache.ring import ChangeFeed

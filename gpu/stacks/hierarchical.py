@@ -1,17 +1,17 @@
 """The Hierarchical stack: GPU cache -> shared ``HostCache`` -> parameter server.
 
 A lookup probes the GPU cache, and the probe lists each miss and its batch position (on
-CUDA in pinned host memory, :mod:`gpu.stacks.miss_list`: after one stream sync the host knows
+CUDA in pinned host memory, :mod:`gpu.stacks.misses.miss_list`: after one stream sync the host knows
 what missed, with no reduction, search or copy on the device). The misses go down one path:
 deduplicated on the host, read through the tiers below in order (the host cache, the
-parameter server, the default row: :mod:`gpu.stacks.resolver`) and sent to the device by
-the read path chosen when the stack was built (:mod:`gpu.stacks.read_paths`: on CUDA the
+parameter server, the default row: :mod:`gpu.stacks.misses.resolver`) and sent to the device by
+the read path chosen when the stack was built (:mod:`gpu.stacks.misses.read_paths`: on CUDA the
 GPU reads the host cache itself for many misses). A row lookup places the rows with one
 scatter; a pooled lookup adds them to the fp32 sums of its bags before the one rounding.
-Fetched rows wait for their GPU admission round (:mod:`gpu.stacks.admission`). Fetches
+Fetched rows wait for their GPU admission round (:mod:`gpu.stacks.misses.admission`). Fetches
 run outside the cache guard, so one thread's misses never hold up another thread's hits.
 The host-cache fills and the GPU's hit reports to the host cache's policy run on a worker
-thread (:mod:`gpu.stacks.host_filler`): the lookup returns without waiting for them.
+thread (:mod:`gpu.stacks.misses.host_filler`): the lookup returns without waiting for them.
 
 Writes go through the parameter server first (the source of truth), then the host cache
 (announced to every process, whose GPU caches then drop the keys); a write may name one
@@ -26,15 +26,15 @@ from typing import Any
 import torch
 
 from gpu.layer_config import InsertPolicy, LayerStats, PoolingMode
-from gpu.stacks.admission import PendingAdmissions
 from gpu.stacks.cached import CachedStack
-from gpu.stacks.counters import MissCounters
 from gpu.stacks.hierarchical_writes import TierWrites
-from gpu.stacks.host_filler import HostFiller
-from gpu.stacks.miss_list import MissList
+from gpu.stacks.misses.admission import PendingAdmissions
+from gpu.stacks.misses.counters import MissCounters
+from gpu.stacks.misses.host_filler import HostFiller
+from gpu.stacks.misses.miss_list import MissList
+from gpu.stacks.misses.read_paths import read_path
+from gpu.stacks.misses.resolver import Resolver, touch_sample
 from gpu.stacks.protocol import Tier
-from gpu.stacks.read_paths import read_path
-from gpu.stacks.resolver import Resolver, touch_sample
 from gpu.tier_config import TierConfig
 
 __all__ = ["HierarchicalStack", "touch_sample"]
@@ -62,7 +62,7 @@ class HierarchicalStack(TierWrites, CachedStack):
         self.tiers: tuple[Tier, ...] = tuple(t for t, there in have.items() if there)
         #: what lookups met below the GPU cache
         self.counts = MissCounters()
-        #: host-cache fills and hit reports, off the lookups' path (gpu.stacks.host_filler)
+        #: host-cache fills and hit reports, off the lookups' path (gpu.stacks.misses.host_filler)
         self.filler = HostFiller("nvecache-host-fill", config.host_batch_keys,
                                  config.host_linger_s)
         self.resolver = Resolver(host_cache, storage, default_row, dtype, dim, policy,
@@ -72,7 +72,7 @@ class HierarchicalStack(TierWrites, CachedStack):
             from gpu.cuda.registration import register
 
             self._registration = register(host_cache, device)
-        #: the misses' way to the device, chosen once (gpu.stacks.read_paths)
+        #: the misses' way to the device, chosen once (gpu.stacks.misses.read_paths)
         self.reads = read_path(self.resolver, device, self.pending, policy.gpu,
                                self._registration, config.host_gpu_read_keys)
         self._lists = threading.local()  # each thread's MissList
@@ -91,7 +91,7 @@ class HierarchicalStack(TierWrites, CachedStack):
         with self.guard:
             since = self.follower.sync()
             # NOTE: the layer checked the keys; each miss and its position are listed by
-            # the lookup itself, on CUDA in pinned host memory (gpu.stacks.miss_list)
+            # the lookup itself, on CUDA in pinned host memory (gpu.stacks.misses.miss_list)
             values = self.cache.serve(keys, misses)
             stream = self.guard.stream
         if stream is not None:

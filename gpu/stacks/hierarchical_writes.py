@@ -27,7 +27,7 @@ from gpu.errors import StorageWriteError
 from psclient import PSClientError
 
 if TYPE_CHECKING:
-    from gpu.stacks.admission import PendingAdmissions
+    from gpu.stacks.misses.admission import PendingAdmissions
     from gpu.stacks.protocol import Tier
 
 T = TypeVar("T")

@@ -2,8 +2,9 @@
 
 A lookup is one kernel launch: hits from the cache, misses read from the registered
 table (``SharedMemBlock``; or a ``DistMemBlock`` in GPU memory), and each miss logged on
-the device for admission (:mod:`gpu.stacks.miss_log`). Before it, the stack applies the table's
-change feed to the cache (:mod:`gpu.stacks.change_follower`). No host sync, no allocation but
+the device for admission (:mod:`gpu.stacks.misses.miss_log`). Before it, the stack applies the
+table's
+change feed to the cache (:mod:`gpu.stacks.misses.change_follower`). No host sync, no allocation but
 the output, and a Python path of a few microseconds: on CUDA the kernel is launched
 directly (:mod:`gpu.kernels.launch`) and keys are checked on the device
 (:mod:`gpu.stacks.key_flag`).
@@ -19,7 +20,7 @@ from gpu.inputs import check_range
 from gpu.layer_config import InsertPolicy, PoolingMode
 from gpu.stacks.cached import CachedStack
 from gpu.stacks.linear_tables import LinearTable
-from gpu.stacks.miss_log import MissLog
+from gpu.stacks.misses.miss_log import MissLog
 from gpu.stacks.protocol import Tier, linear_erase_error
 from gpu.tier_config import TierConfig
 
@@ -49,7 +50,7 @@ class LinearStack(LinearTable, CachedStack):
         """Load the lookup and admission kernels now, in the variants this stack's lookups
         and rounds launch (a round while the cache fills and one once it is warm), so that
         neither the first forward nor the first round pays it, and capture the warm
-        cache's round into a CUDA graph (gpu.stacks.miss_log). The cache is left empty, its
+        cache's round into a CUDA graph (gpu.stacks.misses.miss_log). The cache is left empty, its
         statistics untouched."""
         if self.num_rows == 0 or not self.log.active:
             return

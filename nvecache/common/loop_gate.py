@@ -1,7 +1,8 @@
 """Compiled loops made ready off the caller's path, and their numpy twins serving meanwhile.
 
 The per-key loops (:mod:`psclient.file.mirror_loops`, ``hostcache.table_loops``,
-``gpu.stacks.miss_loops``) are compiled by numba and cached on disk (beside their source, or under
+``gpu.stacks.misses.miss_loops``) are compiled by numba and cached on disk (beside their source, or
+under
 ``NUMBA_CACHE_DIR``). With that cache cold, as on a fresh install, compiling them takes
 many times what a layer's construction and first lookup should; even with it warm, a
 process imports numba and starts its compiler before the first loop runs, which alone

@@ -1,5 +1,5 @@
-"""The GPU cache's admission rounds keep a small cache's hot rows (gpu.stacks.admission,
-gpu.stacks.miss_log).
+"""The GPU cache's admission rounds keep a small cache's hot rows (gpu.stacks.misses.admission,
+gpu.stacks.misses.miss_log).
 
 Everything random is seeded: the Zipf key stream (its own generators) and the rounds'
 sampling of miss occurrences (torch's default generator, seeded inside ``fork_rng``), so
@@ -113,7 +113,7 @@ def test_a_cache_fills_before_its_rounds_are_capped() -> None:
 
 def test_the_round_budget_counts_a_cache_warm_after_warm_capacities_of_keys() -> None:
     from gpu.cache.gpu_cache import GPUCache
-    from gpu.stacks.admission import RoundBudget
+    from gpu.stacks.misses.admission import RoundBudget
 
     cache = GPUCache(1024 * (8 + 4 + DIM * 4), DIM, torch.float32, torch.device("cpu"))
     budget = RoundBudget(cache, TierConfig(warm_capacities=2.5, warm_round_fraction=0.25))

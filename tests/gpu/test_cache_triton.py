@@ -256,7 +256,7 @@ def test_serve_lists_every_miss_and_its_position(device: str, backend: str) -> N
     the start, the middle or the end, repeated keys and the reserved empty marker (a key
     like any other here), batch after batch as the list's counter grows, and after the
     list grew."""
-    from gpu.stacks.miss_list import MissList
+    from gpu.stacks.misses.miss_list import MissList
 
     a = make(device, backend if device == "cpu" else "auto", buckets=16)
     b = make(device, backend if device == "cpu" else "auto", buckets=16)

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import psclient
 from gpu import LayerType, NVEmbedding
-from gpu.stacks.miss_twin import GATE as MISS
+from gpu.stacks.misses.miss_twin import GATE as MISS
 from hostcache import HostCache
 from hostcache.table_twin import GATE as TABLE
 from psclient.file.mirror_twin import GATE as MIRROR
@@ -56,7 +56,7 @@ def serve(name, out):
 
 serve(first_cache, "first")
 report["ready"] = all(g.wait(500) for g in gates)
-from gpu.stacks import miss_loops
+from gpu.stacks.misses import miss_loops
 from hostcache import table_loops
 from psclient.file import mirror_loops
 loops = {f"{m.__name__}.{n}": f for m in (table_loops, mirror_loops, miss_loops)

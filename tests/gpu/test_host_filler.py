@@ -1,4 +1,5 @@
-"""gpu.stacks.host_filler: the Hierarchical layer's host-cache work off the lookup's path: run
+"""gpu.stacks.misses.host_filler: the Hierarchical layer's host-cache work off the lookup's path:
+run
 in submission order, drained by flush/stats, failures logged; fills a Hierarchical
 lookup hands it reach the host cache, and never win over a later write."""
 
@@ -14,7 +15,7 @@ import torch
 
 import psclient
 from gpu import LayerType, NVEmbedding, TierConfig
-from gpu.stacks.host_filler import HostFiller
+from gpu.stacks.misses.host_filler import HostFiller
 from hostcache import HostCache
 from tests.gpu.test_layers import DEVICES, DIM, ROWS, stack
 
@@ -80,7 +81,7 @@ def test_failing_work_is_logged_and_later_work_runs(caplog: pytest.LogCaptureFix
     def boom(items: list[object]) -> None:
         raise RuntimeError("host cache closed")
 
-    with caplog.at_level(logging.ERROR, logger="gpu.stacks.host_filler"):
+    with caplog.at_level(logging.ERROR, logger="gpu.stacks.misses.host_filler"):
         filler.submit(lambda items: gate.wait(), None)
         filler.submit(boom, None)
         filler.submit(done.append, 7)  # queued in the same batch as the failure

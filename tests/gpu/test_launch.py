@@ -118,7 +118,7 @@ def test_bound_lookups_with_pointers_and_sizes_in_turns(dim: int) -> None:
     in turns, batch sizes of 1, a multiple of 16 and neither, two threads' miss lists;
     every result equal to the CPU twin's, the misses listed exactly."""
     from gpu.cache.gpu_cache import GPUCache
-    from gpu.stacks.miss_list import MissList
+    from gpu.stacks.misses.miss_list import MissList
 
     slot = 8 + 4 + dim * 4
     gpu_cache = GPUCache(4096 * slot, dim, torch.float32, "cuda")

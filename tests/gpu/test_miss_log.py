@@ -1,4 +1,5 @@
-"""LinearUVM admissions (gpu.stacks.miss_log): the lookup kernel logs its misses on the device,
+"""LinearUVM admissions (gpu.stacks.misses.miss_log): the lookup kernel logs its misses on the
+device,
 a round admits them with no host sync, at the cadence of gpu.TierConfig; lookups on two
 streams and their rounds are ordered (gpu.cache.guard)."""
 
@@ -9,8 +10,8 @@ import torch
 
 from gpu import InsertPolicy, LayerType, NVEmbedding, TierConfig
 from gpu.cache.gpu_cache import GPUCache
-from gpu.stacks.admission import RoundBudget
-from gpu.stacks.miss_log import MissLog
+from gpu.stacks.misses.admission import RoundBudget
+from gpu.stacks.misses.miss_log import MissLog
 from hostcache import SharedMemBlock
 from hostcache.layout import EMPTY_KEY
 
@@ -257,7 +258,8 @@ def _look(cache: GPUCache, log: MissLog, keys: torch.Tensor, table: torch.Tensor
 
 
 def test_a_split_round_writes_the_table_at_the_next_lookup_and_a_change_cancels_it() -> None:
-    """A kept log's round (gpu.stacks.split_round; its halves eager on the CPU): the lookup that
+    """A kept log's round (gpu.stacks.misses.split_round; its halves eager on the CPU): the lookup
+    that
     makes it due sorts the log, the next lookup writes the table; a change announced
     between the halves (the log dropped) cancels the writes, so rows logged before it
     never go in."""
@@ -289,7 +291,7 @@ def test_the_lookup_that_makes_a_round_due_does_not_wait_for_its_sorts() -> None
     """The sorts run on the round's side stream: with that stream held busy, the caller's
     stream still finishes its lookups; the table half waits for the sorts (settle), and
     then the logged keys are in."""
-    from gpu.stacks.split_round import SplitRound
+    from gpu.stacks.misses.split_round import SplitRound
 
     cfg = TierConfig(round_lookups=2, round_capacities=1e9)
     cache, log, _ = _kept_log("cuda", cfg)

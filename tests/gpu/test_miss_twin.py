@@ -1,5 +1,6 @@
-"""A lookup's miss loops in numpy (gpu.stacks.miss_twin) against the compiled ones
-(gpu.stacks.miss_loops): the same misses read off a list (and the list emptied alike), the same
+"""A lookup's miss loops in numpy (gpu.stacks.misses.miss_twin) against the compiled ones
+(gpu.stacks.misses.miss_loops): the same misses read off a list (and the list emptied alike), the
+same
 distinct keys and indices, for random lists and batches (repeated keys, empty ones)."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpu.stacks import miss_loops, miss_twin
+from gpu.stacks.misses import miss_loops, miss_twin
 
 
 @settings(max_examples=200, deadline=None)

@@ -1,4 +1,5 @@
-"""``gpu.stacks.staging.PinnedStaging``: a buffer refilled on another stream than its last copy
+"""``gpu.stacks.misses.staging.PinnedStaging``: a buffer refilled on another stream than its last
+copy
 out waits for that copy (CUDA only: on the CPU nothing is staged)."""
 
 from __future__ import annotations
@@ -6,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu.stacks.staging import PinnedStaging
+from gpu.stacks.misses.staging import PinnedStaging
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (pinned copies to the device)")

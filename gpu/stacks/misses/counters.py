@@ -1,6 +1,6 @@
 """What a Hierarchical stack's lookups met below its GPU cache, counted in this process.
 
-One named record per stack, written by its miss path (:mod:`gpu.stacks.resolver`) and its
+One named record per stack, written by its miss path (:mod:`gpu.stacks.misses.resolver`) and its
 host-cache filler, read by ``stats()``. Plain integers, as the counters of the GPU cache are:
 a count that two threads raise at once may lose one increment, never corrupt a lookup.
 """

@@ -17,7 +17,8 @@ table is not read again. A round runs:
 
 A round admits at most what the log holds: the first misses of the round's lookups, in
 kernel block order (batch order for a page-ordered lookup: gpu.kernels.cache_lookup), up to its
-:class:`~gpu.stacks.admission.RoundBudget` (``warm_round_fraction`` of the cache's slots) once
+:class:`~gpu.stacks.misses.admission.RoundBudget` (``warm_round_fraction`` of the cache's slots)
+once
 the cache is warm; while it fills, up to ``admit_fraction`` of its slots, or a larger
 lookup's size. The log's rows cost that much device memory beside the cache: an eighth
 of the cache's rows once it is warm with the defaults, while it fills a quarter, or one
@@ -25,7 +26,7 @@ lookup's output.
 
 On CUDA a LinearUVM stack keeps the warm cache's log for good from its construction
 (:meth:`MissLog.keep`; while the cache fills, it waits beside the filling log), and that
-log's round runs in three steps (:mod:`gpu.stacks.split_round`), each captured there into a
+log's round runs in three steps (:mod:`gpu.stacks.misses.split_round`), each captured there into a
 CUDA graph (:mod:`gpu.cuda.graphed`): the insert's two sorts on a side stream, the first
 started by the lookup that makes the round due and the second by a later one, and its
 table writes (then the log emptied) queued by the first lookup after the sorts are done.
@@ -35,7 +36,7 @@ queues it one graph launch instead of a dozen allocations and launches (bench/RE
 round first.
 
 Consistency: a logged row is as old as the lookup that read it, so the log is emptied
-whenever the stack learns of a change to the table (:class:`~gpu.stacks.change_follower.
+whenever the stack learns of a change to the table (:class:`~gpu.stacks.misses.change_follower.
 ChangeFollower`'s ``on_change``, a write through the layer, an erase): a row logged
 before a change is never admitted after it.
 """
@@ -46,8 +47,8 @@ import torch
 
 from gpu.cache.gpu_cache import GPUCache, MissCandidates
 from gpu.cache.guard import CacheGuard
-from gpu.stacks.admission import RoundBudget
-from gpu.stacks.split_round import SplitRound
+from gpu.stacks.misses.admission import RoundBudget
+from gpu.stacks.misses.split_round import SplitRound
 from gpu.tier_config import TierConfig
 from hostcache.layout import EMPTY_KEY
 
@@ -71,7 +72,7 @@ class MissLog:
         self._num_rows, self._guard = num_rows, guard
         self._cand: MissCandidates | None = None
         #: a warm cache's log kept for good, with its round in three steps, each captured
-        #: into a CUDA graph (:meth:`keep`, gpu.stacks.split_round)
+        #: into a CUDA graph (:meth:`keep`, gpu.stacks.misses.split_round)
         self._kept: tuple[MissCandidates, SplitRound] | None = None
         self._warm = False  # the budget's phase when the log was sized
         self._calls = 0
@@ -120,7 +121,8 @@ class MissLog:
     def keep(self) -> bool:
         """Keep the current log (a warm cache's, empty, its round run once eagerly: the
         kernels loaded) for every later warm phase, its round split in three steps
-        (:mod:`gpu.stacks.split_round`), each step captured into a CUDA graph; returns whether
+        (:mod:`gpu.stacks.misses.split_round`), each step captured into a CUDA graph; returns
+        whether
         rounds now replay them. At a layer's construction: the capture holds the device's
         default random generator (gpu.cuda.graphed). On the CPU the log is kept the same way,
         its steps eager (no layer does that: tests do)."""
@@ -173,7 +175,8 @@ class MissLog:
 
     def round(self, wait: bool = True) -> None:
         """Admit what is logged (caller holds the guard and the table's read side). The
-        kept log's round is split (gpu.stacks.split_round): with ``wait=False`` its later steps
+        kept log's round is split (gpu.stacks.misses.split_round): with ``wait=False`` its later
+        steps
         come with later lookups, and while one is pending no other starts (the lookups
         go on counting: the next one due starts it)."""
         cand = self._cand

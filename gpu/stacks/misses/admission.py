@@ -19,7 +19,7 @@ import torch
 
 from gpu.cache.gpu_cache import GPUCache
 from gpu.cache.guard import CacheGuard
-from gpu.stacks.change_follower import ChangeFollower
+from gpu.stacks.misses.change_follower import ChangeFollower
 from gpu.tier_config import TierConfig
 
 

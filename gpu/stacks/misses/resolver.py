@@ -3,11 +3,11 @@ the parameter server, the default row.
 
 :class:`Resolver` reads the rows of distinct missed keys on the CPU into a buffer of raw
 row bytes the caller provides (where the rows then travel to the device from:
-:mod:`gpu.stacks.read_paths`). Rows the parameter server gave are offered to the host
+:mod:`gpu.stacks.misses.read_paths`). Rows the parameter server gave are offered to the host
 cache with ``overwrite=False`` and a cursor check (``since``), so a concurrent ``update``
 (the parameter server first, then the host cache, announced to every process) always
 wins; those fills, and the reports of host-cache hits the GPU read itself, run on the
-stack's worker thread (:mod:`gpu.stacks.host_filler`): no lookup waits for them.
+stack's worker thread (:mod:`gpu.stacks.misses.host_filler`): no lookup waits for them.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import torch
 
 from gpu.errors import KeyNotFoundError, StorageUnavailableError
 from gpu.layer_config import InsertPolicy
-from gpu.stacks.counters import MissCounters
-from gpu.stacks.host_filler import HostFiller
+from gpu.stacks.misses.counters import MissCounters
+from gpu.stacks.misses.host_filler import HostFiller
 from psclient import PSClientError
 
 logger = logging.getLogger(__name__)

@@ -2,8 +2,8 @@
 one object per stack, chosen when the stack is built (:func:`read_path`).
 
 - :class:`HostReads` (the CPU; CUDA without a host cache to register): the distinct
-  misses are read on the CPU (:class:`gpu.stacks.resolver.Resolver`) straight into one
-  buffer (on CUDA this thread's pinned one, :mod:`gpu.stacks.staging`): each miss's key,
+  misses are read on the CPU (:class:`gpu.stacks.misses.resolver.Resolver`) straight into one
+  buffer (on CUDA this thread's pinned one, :mod:`gpu.stacks.misses.staging`): each miss's key,
   position and row, sent in one copy.
 - :class:`DeviceReads` (CUDA with a registered host cache): from
   ``TierConfig.host_gpu_read_keys`` distinct misses on, the GPU reads the host cache
@@ -26,10 +26,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpu.stacks.admission import PendingAdmissions
-from gpu.stacks.miss_twin import GATE as MISS_LOOPS
-from gpu.stacks.resolver import Resolver
-from gpu.stacks.staging import HostBuffer, PinnedStaging
+from gpu.stacks.misses.admission import PendingAdmissions
+from gpu.stacks.misses.miss_twin import GATE as MISS_LOOPS
+from gpu.stacks.misses.resolver import Resolver
+from gpu.stacks.misses.staging import HostBuffer, PinnedStaging
 
 
 class HostReads:

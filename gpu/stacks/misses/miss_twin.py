@@ -1,4 +1,4 @@
-"""A lookup's misses read off and deduplicated in numpy: :mod:`gpu.stacks.miss_loops`' twin.
+"""A lookup's misses read off and deduplicated in numpy: :mod:`gpu.stacks.misses.miss_loops`' twin.
 
 The same functions and results as the compiled loops (tests hold them equal), serving a
 process's lookups until its compiled loops are ready (:mod:`nvecache.common.loop_gate`;
@@ -43,4 +43,4 @@ def dedup_first(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 #: the compiled loops once ready, this twin until then
-GATE = LoopGate("gpu.stacks.miss_loops", sys.modules[__name__])
+GATE = LoopGate("gpu.stacks.misses.miss_loops", sys.modules[__name__])

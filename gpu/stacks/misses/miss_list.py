@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gpu.stacks.miss_twin import GATE as MISS_LOOPS
+from gpu.stacks.misses.miss_twin import GATE as MISS_LOOPS
 
 
 class MissList:
@@ -78,7 +78,8 @@ class MissList:
         if self.cap == 0 or self._pairs[0, 1] < 0:  # NOTE: every key hit: no call at all
             empty = np.empty(0, dtype=np.int64)
             return empty, empty
-        # NOTE: one compiled call (gpu.stacks.miss_loops), or its numpy twin until that is ready
+        # NOTE: one compiled call (gpu.stacks.misses.miss_loops), or its numpy twin until that is
+        # ready
         keys, where = MISS_LOOPS.pick().take_listed(self._pairs)
         hi = keys.size
         self.start += hi
