@@ -6,23 +6,30 @@ client and the server only swaps rows: :data:`psclient.redis.scripts.ACCUMULATE`
 key's new row where the stored row is still the one read (byte for byte), in one script per
 partition chunk, with the change-feed notice and the table's marker check of every write.
 A row another writer changed between the read and the swap is left alone and flagged; the
-client reads it again, adds to what it finds and swaps again. Every key is swapped, found
-or not, so the script's marker check refuses an accumulate on a dropped table as it
-refuses any write. So each row's addition is
+client reads it again, adds to what it finds and swaps again. So each row's addition is
 one atomic step, and a concurrent accumulate or update of the row never loses it: of two
 writers racing on a row, one swap succeeds and the other retries on its result.
+
+Every key is swapped, found or not, so the script's marker check refuses an accumulate on
+a dropped table as it refuses any write. A swap command sent twice (its pipeline resent
+after a lost connection) answers its receipt the second time, so no addition is applied
+twice either.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from nvecache.common.accumulate import added, sum_duplicates
 from nvecache.common.lazy import lazy_import
+from psclient.codec import group_by_partition
 from psclient.errors import PSServerError
+from psclient.redis import resp, scripts
+from psclient.redis.dispatch import Cmd
 
 if TYPE_CHECKING:
     import torch
@@ -72,3 +79,37 @@ def compare_and_add(keys: np.ndarray, deltas: torch.Tensor, dtype: torch.dtype, 
             f"under accumulate {MAX_ROUNDS} times in a row; the other keys were added to. "
             "Add to those keys again once fewer writers change them at once")
     return torch.from_numpy(existed[inverse.numpy()])
+
+
+def swap_commands(keys: np.ndarray, old: torch.Tensor, new: torch.Tensor,
+                  part_keys: list[bytes], opts: dict[str, Any], token: str
+                  ) -> tuple[np.ndarray, list[Cmd]]:
+    """The compare-and-set commands of distinct ``keys``: ``(order, commands)``, one
+    ``EVAL`` of :data:`~psclient.redis.scripts.ACCUMULATE` per chunk of ``chunk_keys`` keys
+    of a partition, over the keys sorted by partition (``keys[order]``).
+
+    Each command names a receipt key of its own in its partition's slot, ``psc:{T:p}:acc:``
+    + a random batch id + the command's first key's place; it expires by itself.
+    """
+    order, bounds = group_by_partition(keys, len(part_keys))
+    first, second = (t.view(torch.uint8).numpy().reshape(keys.size, -1)[order]
+                     for t in (old, new))
+    rec = resp.field_row_pair_records(keys[order], first, second)
+    size = rec.dtype.itemsize
+    raw = resp.as_buffer(rec)  # NOTE: one buffer; commands send slices of it (no copy)
+    lead = resp.bulk(b"EVAL") + resp.bulk(scripts.ACCUMULATE) + resp.bulk(b"6")
+    rest = b"".join(resp.bulk(str(a).encode())
+                    for a in (opts["changes_maxlen"], token, scripts.RECEIPT_MS))
+    batch = os.urandom(8).hex().encode()
+    ck = opts["chunk_keys"]
+    bl = bounds.tolist()
+    cmds: list[Cmd] = []
+    for p in np.flatnonzero(bounds[1:] > bounds[:-1]).tolist():
+        pk = part_keys[p]
+        named = b"".join(map(resp.bulk, scripts.partition_keys(pk)))
+        for s in range(bl[p], bl[p + 1], ck):
+            e = min(bl[p + 1], s + ck)
+            receipt = resp.bulk(b"%b:acc:%b-%d" % (pk, batch, s))
+            head = b"*%d\r\n%b%b%b%b" % (12 + 3 * (e - s), lead, named, receipt, rest)
+            cmds.append(Cmd(p, s, e, [head, raw[s * size:e * size]]))
+    return order, cmds

@@ -8,6 +8,7 @@ Layout 2 of table ``T`` (prefix ``psc``, ``P`` partitions fixed at creation)::
     psc:{T:p}:changes       stream   partition p's change feed (psclient.redis.scripts)
     psc:{T:p}:last          string   the ID of that stream's newest entry
     psc:{T:p}:live          string   the table's existence marker in p's slot (writes check it)
+    psc:{T:p}:acc:<id>      string   an accumulate command's receipt (expires by itself)
     psc:{T}:bell            channel  (cluster) the writers' doorbell for blocked followers
 
 Key ``k`` lives in partition ``fmix64(k) % P``. The hash tag ``{T:p}`` puts a partition, its
@@ -46,7 +47,7 @@ from psclient.errors import (
 )
 from psclient.feed import FeedBatch
 from psclient.redis import resp, scripts
-from psclient.redis.accumulate import compare_and_add
+from psclient.redis.accumulate import compare_and_add, swap_commands
 from psclient.redis.conn import (
     cluster_factory,
     redact,
@@ -71,8 +72,7 @@ log = logging.getLogger(__name__)
 _DEFAULTS = {"chunk_keys": 512, "pipeline_keys": 1024, "inline_keys": 8192, "at_once_keys": 64,
              "changes_maxlen": 1000, "feed_entry_keys": 4096, "prefix": "psc",
              "max_workers": 4, "feed_sweep_ms": 250, "redirect_retries": 60, "upgrade": False}
-_SCRIPTS = {b"UPDATE": scripts.UPDATE, b"ERASE": scripts.ERASE,
-            b"ACCUMULATE": scripts.ACCUMULATE}
+_SCRIPTS = {b"UPDATE": scripts.UPDATE, b"ERASE": scripts.ERASE}
 _MULTI, _EXEC = resp.pack("MULTI"), resp.pack("EXEC")
 _FIELD = resp.field_records(np.zeros(1, dtype=np.int64)).dtype.itemsize  # 14 bytes per key
 
@@ -249,26 +249,20 @@ class RedisParameterServer(RedisTableLife, ParameterServer):
                     raise err
         return replies
 
-    def _batch(self, script: bytes | None, keys: np.ndarray, values: torch.Tensor | None,
-               then: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray, list[Cmd]]:
+    def _batch(self, script: bytes | None, keys: np.ndarray, values: torch.Tensor | None
+               ) -> tuple[np.ndarray, np.ndarray, list[Cmd]]:
         """Group keys by partition and encode one command per chunk of a partition:
         ``HMGET`` when ``script`` is None, ``INSERT``: the insert transaction (module
-        docstring of :mod:`psclient.redis.scripts`), else an ``EVAL`` of that script (with
-        a second row per key, ``then``, for accumulate's)."""
+        docstring of :mod:`psclient.redis.scripts`), else an ``EVAL`` of that script."""
         order, bounds = group_by_partition(keys, self._schema.partitions)
         ks = keys[order]
         if values is None:
             rec = resp.field_records(ks)
             per_key = 1
-        elif then is None:
+        else:
             rows = values.view(torch.uint8).numpy().reshape(keys.size, -1)
             rec = resp.field_value_records(ks, rows[order])
             per_key = 2
-        else:
-            rows, second = (t.view(torch.uint8).numpy().reshape(keys.size, -1)
-                            for t in (values, then))
-            rec = resp.field_row_pair_records(ks, rows[order], second[order])
-            per_key = 3
         ck = self._opts["chunk_keys"]
         size = rec.dtype.itemsize
         raw = resp.as_buffer(rec)  # NOTE: one buffer; commands send slices of it (no copy)
@@ -416,7 +410,8 @@ class RedisParameterServer(RedisTableLife, ParameterServer):
 
     def _swap(self, keys: np.ndarray, old: torch.Tensor, new: torch.Tensor) -> np.ndarray:
         """One compare-and-set per key: uint8 flags ``1`` / ``0`` / ``r`` (the script's)."""
-        order, _, cmds = self._batch(b"ACCUMULATE", keys, old, new)
+        order, cmds = swap_commands(keys, old, new, self._part_keys, self._opts,
+                                    self._schema.token)
         flags = np.empty(keys.size, dtype=np.uint8)
         flags[order] = np.frombuffer(b"".join(self._write(cmds, repeat=False)), dtype=np.uint8)
         return flags

@@ -12,7 +12,8 @@ the chunk's keys, a plain ``HSET`` of its rows, ``EXEC``. The scripts' keys::
     ARGV[1] = MAXLEN of the stream (approximate trim, ``changes_maxlen``)
     ARGV[2] = the table's token (its creation time, ``TableSchema.token``)
     ARGV[3..] = key fields (8 little-endian bytes), each followed by its row for writes
-                (accumulate: by the row its writer read, then the row to write)
+                (accumulate: ARGV[3] the receipt's lifetime, then each field followed by
+                the row its writer read and the row to write)
 
 The keys share the hash tag ``{T:p}``, so they live in one cluster slot and the step runs on
 one node: Redis runs a script, or a ``MULTI``/``EXEC`` block, to its end before any other
@@ -114,13 +115,18 @@ if #hit > 0 then notice('k', table.concat(hit)) end
 return table.concat(out)
 """
 
-#: accumulate's compare-and-set: write a key's new row only where the row stored is still
-#: the one its writer read and added to; notice the keys written. Returns one flag per
-#: key: '1' written, '0' missing (nothing created), 'r' changed since the read (the writer
-#: reads it again and retries that key), so no concurrent addition is ever lost.
+#: accumulate's compare-and-set (KEYS: a partition's five, then the command's receipt):
+#: write a key's new row only where the row stored is still the one its writer read and
+#: added to; notice the keys written. Returns one flag per key: '1' written, '0' missing
+#: (nothing created), 'r' changed since the read (the writer reads it again and retries
+#: that key), so no concurrent addition is ever lost. The flags are kept as the receipt for
+#: :data:`RECEIPT_MS`: the same command sent again (a connection lost before its reply came,
+#: and the pipeline resent) answers them again instead of adding twice.
 ACCUMULATE = _NOTICE + _REFUSE + b"""
+local done = redis.call('GET', KEYS[6])
+if done then return done end
 local h, out, hit = KEYS[1], {}, {}
-for i = 3, #ARGV, 3 do
+for i = 4, #ARGV, 3 do
   local cur = redis.call('HGET', h, ARGV[i])
   if not cur then
     out[#out + 1] = '0'
@@ -133,8 +139,13 @@ for i = 3, #ARGV, 3 do
   end
 end
 if #hit > 0 then notice('k', table.concat(hit)) end
-return table.concat(out)
+local flags = table.concat(out)
+redis.call('SET', KEYS[6], flags, 'PX', ARGV[3])
+return flags
 """
+
+#: how long an accumulate command's receipt stays (ms): longer than a pipeline's resends
+RECEIPT_MS = 60_000
 
 #: erase: delete the keys; notice those that existed. Returns how many were deleted.
 ERASE = _NOTICE + _REFUSE + b"""

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import psclient
-from psclient.redis.accumulate import compare_and_add
+from psclient.redis import scripts
+from psclient.redis.accumulate import compare_and_add, swap_commands
 
 DIM = 5
 DTYPES = ["float32", "float16", "bfloat16", "float64"]
@@ -164,6 +165,32 @@ def test_a_row_changed_between_read_and_swap_is_read_again(shared_redis: str,
         assert existed.tolist() == [True, True, True, False]
         assert reads == [4, 2]  # the second round read only the two rows changed meanwhile
         assert ps.lookup(keys)[0][:, 0].tolist() == [1.0, 11.0, 0.0, 0.0, 11.0, 0.0]
+        ps.drop()
+
+
+def test_a_resent_swap_answers_its_receipt_and_adds_once(shared_redis: str,
+                                                         table_name: str) -> None:
+    """The same compare-and-set commands sent twice (a pipeline resent after a lost
+    connection): the second answers the first's flags and writes nothing again."""
+    import redis
+
+    with psclient.connect(shared_redis, table=table_name, dim=2, partitions=2) as ps:
+        keys = torch.arange(4)
+        ps.insert(keys, torch.zeros(4, 2))
+        kn = torch.tensor([0, 2, 3, 7]).numpy()
+        old, _ = ps.lookup(torch.from_numpy(kn))
+        order, cmds = swap_commands(kn, old, old + 1, ps.part_keys, {
+            "changes_maxlen": 100, "chunk_keys": 2}, ps.schema.token)
+        encoded = [(c.part, b"".join(bytes(x) for x in c.payload)) for c in cmds]
+        first = ps.run_commands(encoded)
+        again = ps.run_commands(encoded)
+        assert first == again and sorted(b"".join(first)) == sorted(b"1110")
+        assert ps.lookup(keys)[0][:, 0].tolist() == [1.0, 0.0, 1.0, 1.0]
+        client = redis.Redis.from_url(shared_redis)
+        receipts = list(client.scan_iter(match=f"psc:{{{table_name}:*}}:acc:*"))
+        assert len(receipts) == len(cmds)
+        assert all(0 < client.pttl(r) <= scripts.RECEIPT_MS for r in receipts)
+        client.close()
         ps.drop()
 
 
