@@ -25,6 +25,20 @@ import os
 import threading
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
+from typing import NamedTuple
+
+
+class GateState(NamedTuple):
+    """A snapshot of a :class:`TableGate`'s counters (:attr:`TableGate.state`)."""
+
+    #: threads inside the read side
+    readers: int
+    #: threads at the read side that wait for a writer to pass
+    readers_waiting: int
+    #: writers waiting or writing
+    writers: int
+    #: whether a writer holds the write side
+    writing: bool
 
 
 class TableGate:
@@ -38,6 +52,7 @@ class TableGate:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._readers = 0
+        self._readers_waiting = 0
         self._writers = 0  # waiting or writing
         self._writing = False
         self._drains: dict[Hashable, Callable[[], None]] = {}
@@ -48,8 +63,13 @@ class TableGate:
         lock = self._lock
         lock.acquire()
         try:
-            while self._writers:
-                self._cond.wait()
+            if self._writers:
+                self._readers_waiting += 1
+                try:
+                    while self._writers:
+                        self._cond.wait()
+                finally:
+                    self._readers_waiting -= 1
             self._readers += 1
         finally:
             lock.release()
@@ -82,6 +102,14 @@ class TableGate:
                 self._writers -= 1
                 self._writing = False
                 self._cond.notify_all()
+
+    @property
+    def state(self) -> GateState:
+        """The gate's counters now (read under its lock; stale as soon as it returns): for
+        monitoring, and for a test to see that another thread reached the gate."""
+        with self._cond:
+            return GateState(self._readers, self._readers_waiting, self._writers,
+                             self._writing)
 
     def add_drain(self, key: Hashable, drain: Callable[[], None]) -> None:
         """Run ``drain`` before every write (once per ``key``: e.g. one per CUDA device)."""

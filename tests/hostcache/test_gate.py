@@ -1,7 +1,8 @@
 """hostcache.gate.TableGate: many readers or one writer, writers first, drains before a write.
 
-Threads hand over through events and the gate's own counters; where a thread must be
-blocked inside the gate, the test waits (bounded) until the gate's counters say so.
+Threads hand over through events and the gate's own counters (its public ``state``);
+where a thread must be blocked inside the gate, the test waits (bounded) until the gate's
+counters say so.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from hostcache.gate import TableGate
+from hostcache.gate import GateState, TableGate
 
 TIMEOUT = 10.0
 
@@ -42,7 +43,7 @@ def test_readers_share_the_gate() -> None:
         inside.wait()
     for t in threads:
         t.join(TIMEOUT)
-    assert gate._readers == 0
+    assert gate.state == GateState(0, 0, 0, False)
 
 
 def test_a_write_waits_for_the_readers_inside_and_runs_the_drains_first() -> None:
@@ -57,8 +58,8 @@ def test_a_write_waits_for_the_readers_inside_and_runs_the_drains_first() -> Non
 
     with gate:
         w = _start(writer)
-        _until(lambda: gate._writers == 1)  # the writer is waiting at the gate
-        assert log == []
+        _until(lambda: gate.state.writers == 1)  # the writer is waiting at the gate
+        assert log == [] and gate.state == GateState(1, 0, 1, False)
         log.append("read done")
     w.join(TIMEOUT)
     assert log == ["read done", "drain", "write"]
@@ -78,17 +79,16 @@ def test_a_waiting_writer_goes_before_new_readers() -> None:
 
     with gate:
         w = _start(writer)
-        _until(lambda: gate._writers == 1)
+        _until(lambda: gate.state.writers == 1)
         r = _start(late_reader)
-        # both wait on the gate's condition: the writer for this reader, the late reader
-        # for the writer (CPython's Condition keeps its waiters in ``_waiters``)
-        _until(lambda: len(gate._cond._waiters) == 2)  # type: ignore[attr-defined]
-        assert gate._readers == 1
+        # both wait on the gate: the writer for this reader, the late reader for the writer
+        _until(lambda: gate.state.readers_waiting == 1)
+        assert gate.state == GateState(1, 1, 1, False)
         log.append("first read done")
     w.join(TIMEOUT)
     r.join(TIMEOUT)
     assert log == ["first read done", "write", "late read"]
-    assert (gate._readers, gate._writers, gate._writing) == (0, 0, False)
+    assert gate.state == GateState(0, 0, 0, False)
 
 
 def test_a_reader_that_raises_leaves_the_gate() -> None:
@@ -98,6 +98,6 @@ def test_a_reader_that_raises_leaves_the_gate() -> None:
             raise ValueError("lookup failed")
     except ValueError:
         pass
-    assert gate._readers == 0
+    assert gate.state.readers == 0
     with gate.writing():  # would wait forever on a leaked reader
-        assert gate._readers == 0
+        assert gate.state == GateState(0, 0, 1, True)
