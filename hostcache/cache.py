@@ -346,7 +346,7 @@ class HostCache(SharedTable):
                     ukeys, last = ukeys[fresh], last[fresh]
                     refused = True
             # NOTE: rows travel as positions in `values` until the one copy that feeds each
-            # write: a 2k-row insert spent a quarter of its time copying rows
+            # write: copying them on the way cost an insert a good part of its time
             slot, found = self._probe(ukeys)
             old_slots = slot[found]
             rows = _row_bytes(values)

@@ -2,7 +2,7 @@
 the placement of new keys.
 
 A lookup of a few hundred keys (what a Hierarchical layer's misses ask of the host cache)
-spent most of its time in the per-operation cost of some twenty small torch operations;
+spent most of its time in the per-operation cost of many small torch operations;
 as loops compiled once these cost about as much as the memory they touch
 (bench/RESULTS.md, "Host cache (CPU)"), and they release the GIL, so a host-cache fill on
 a worker thread no longer holds up the serving thread.

@@ -241,8 +241,8 @@ class FileParameterServer(FileFeed, ParameterServer):
         NOTE: ``txn.get`` through C-level ``map`` (no Python code per key), with a row of
         zeros as the default: a miss is that very object, and reads as zeros. py-lmdb's
         native batched read (``Cursor.getmulti``) and zero-copy buffers were slower here,
-        and LMDB's own search caps any read path through its API far below 5 M rows/s
-        (measured: bench/RESULTS.md, "Issue 15").
+        and LMDB's own search caps any read path through its API (measured:
+        bench/RESULTS.md, "Parameter-server clients").
         """
         order, ks, _ = self._sorted(keys, encode=False)
         first = first_of_runs(ks)

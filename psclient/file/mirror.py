@@ -3,9 +3,9 @@ batched lookups read with compiled loops instead of one LMDB search per key.
 
 LMDB stays the store of record (durable commits, the change feed in the same transaction);
 the mirror is derived from it and only ever trusted when it provably equals it. A random
-key costs LMDB about a microsecond of dependent cache misses down its B-tree, so no read
-path through its API reaches 5 M rows/s; the mirror's probe is one hashed slot and a row
-copy, whose misses overlap (bench/RESULTS.md, "Parameter server clients").
+key costs LMDB a chain of dependent cache misses down its B-tree, which caps every read
+path through its API; the mirror's probe is one hashed slot and a row copy, whose misses
+overlap (bench/RESULTS.md, "Parameter server clients").
 
 One file per table beside the LMDB files, ``rows.<table>.nvidx``: a header of int64 words
 (:mod:`psclient.file.mirror_layout` names them), then the slots' keys and row indices, a stack of

@@ -16,8 +16,8 @@ migrated and this partition's keys are already on the target: the command is res
 after ``ASKING``), ``TRYAGAIN`` (a multi-key script whose keys are split between the two nodes
 mid-migration: resent after a backoff) or ``CLUSTERDOWN`` is resent alone, not the batch:
 commands that were applied are never applied twice. The resends follow a
-``redis.retry.Retry(ExponentialBackoff)`` of ``redirect_retries`` attempts (default 60, about
-25 s in all: longer than a slot's migration). Every write script is safe to run again anyway
+``redis.retry.Retry(ExponentialBackoff)`` of ``redirect_retries`` attempts (by default
+longer in all than a slot's migration). Every write script is safe to run again anyway
 (its notice would list the keys again: a superset).
 """
 
@@ -146,7 +146,7 @@ class Dispatcher:
         last_part: dict[int, int] = {}
         # NOTE: a node's share of up to inline_keys keys is one pipeline (on the calling
         # thread when it is the only one): below that, splitting it over the pool cost more
-        # client CPU than it overlapped (bench/RESULTS.md, "Issue 15").
+        # client CPU than it overlapped (bench/RESULTS.md, "Parameter-server clients").
         keys_on: dict[int, int] = {}
         for cmd in cmds:
             nid = id(nodes[cmd.part])

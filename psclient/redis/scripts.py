@@ -71,8 +71,8 @@ if redis.call('GET', KEYS[4]) ~= ARGV[2] then return redis.error_reply(GONE) end
 #: backend sends it inside ``MULTI`` before the chunk's plain ``HSET`` of the rows, then
 #: :data:`FENCE`, then ``EXEC``: one transaction (nothing runs between them; a client gone
 #: before ``EXEC`` runs none of it), and the rows never pass through Lua (copying them in and
-#: out of Lua strings made a Lua-only insert run at 0.4x of a plain HSET; this runs at about
-#: 0.7x: see bench/RESULTS.md, "The atomic change feed"). Refused (the table is gone): the
+#: out of Lua strings made a Lua-only insert far slower than a plain HSET: see
+#: bench/RESULTS.md, "The atomic change feed"). Refused (the table is gone): the
 #: partition's hash is set aside so that the ``HSET`` fails (module docstring).
 INSERT_NOTICE = _NOTICE + b"""
 if redis.call('GET', KEYS[4]) ~= ARGV[2] then

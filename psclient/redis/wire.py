@@ -169,8 +169,8 @@ def _row_pipeline(client: Any, payload: list[bytes | memoryview], ncmds: int, ex
     tail = resp.bulk(token)
     # NOTE: one buffer, one send: redis-py sends each part with its own sendall (a syscall
     # and, with TCP_NODELAY, a segment the server reads on its own), and a pipeline holds
-    # two parts per command (64 commands for 8k keys over 64 partitions). Joining copies
-    # 14 bytes per key; what it saves: bench/RESULTS.md, "Issue 15".
+    # two parts per command (one per partition chunk). Joining copies each key's field
+    # once; what it saves: bench/RESULTS.md, "Parameter-server clients".
     data = [b"".join([*payload, resp.pack("ECHO", token)])]
 
     def attempt() -> None:
