@@ -76,7 +76,8 @@ def on_tensor_device(fn: _F) -> _F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         for a in args:
             if isinstance(a, torch.Tensor):
-                # NOTE: torch._C's getter: torch.cuda.current_device() costs ~2 us a call
+                # NOTE: torch._C's getter: torch.cuda.current_device() costs more host time
+                # a call (bench/RESULTS.md, "Per-call path")
                 if a.is_cuda and a.device.index != torch._C._cuda_getDevice():
                     with torch.cuda.device(a.device):
                         return fn(*args, **kwargs)
