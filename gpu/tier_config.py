@@ -49,7 +49,8 @@ class TierConfig:
     host_gpu_read_keys: int = 4096
     warm_round_fraction: float = 1 / 8
     #: a cache is warm once offered this many times its slots of keys: with repeated keys
-    #: (Zipf) one capacity's worth filled a third of it, four fill nine tenths.
+    #: (Zipf) one capacity's worth leaves it far from full (bench/RESULTS.md, "GPU-cache
+    #: admission").
     warm_capacities: float = 4.0
     round_lookups: int = 128
     round_capacities: float = 16.0
