@@ -23,8 +23,8 @@ def check_keys(keys: object, *, what: str = "keys") -> torch.Tensor:
 def check_cache_keys(keys: object) -> torch.Tensor:
     """Like :func:`check_keys`, and refuses the reserved empty-slot key."""
     keys = check_keys(keys)
-    # NOTE: the reserved key is INT64_MIN: a minimum tells, and numpy's costs a tenth of a
-    # torch comparison and reduction on a lookup's few hundred keys
+    # NOTE: the reserved key is INT64_MIN: a minimum tells, and numpy's is one call where
+    # torch's comparison and reduction are two dispatched ops (bench/RESULTS.md, "Host cache")
     if keys.numel() and int(keys.numpy().min()) == EMPTY_KEY:
         raise BadArgumentError(RESERVED_KEY_RULE)
     return keys
