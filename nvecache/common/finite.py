@@ -23,7 +23,8 @@ def nonfinite_rows(values: torch.Tensor) -> torch.Tensor | None:
     NOTE: the common case is one reduction: a sum is finite only if every term is (a NaN or
     an infinity propagates; opposite infinities make a NaN). A sum of finite rows that
     overflows the dtype only sends the batch to the exact per-element test. On the CPU a sum
-    costs a tenth of ``isfinite(v).all()``; on a CUDA tensor reading it is one host sync.
+    allocates no ``[N, dim]`` mask, unlike ``isfinite(v).all()`` (bench/RESULTS.md,
+    "Parameter-server clients"); on a CUDA tensor reading it is one host sync.
     """
     import torch  # NOTE: here, not at import: command lines that write no rows load no torch
 
