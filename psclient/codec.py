@@ -192,7 +192,7 @@ def assemble_distinct_rows(
     NOTE: C-level passes (``is_not``, ``len``), the references permuted to the caller's
     order by numpy, then one copy of every row into the array the returned tensor owns
     (no temporary copy of the rows: a second 4 MB buffer per 8k-row batch costs more in
-    page faults than the copy, bench/RESULTS.md, "Issue 15").
+    page faults than the copy, bench/RESULTS.md, "Parameter server clients").
     """
     n, m, rb = order.size, len(replies), schema.row_bytes
     hit = np.fromiter(map(is_not, replies, repeat(miss)), dtype=bool, count=m)
