@@ -192,22 +192,22 @@ class HostCache(SharedTable):
         # key, version) over every slot, fenced apart (hostcache.table_loops.lookup). A hit
         # needs an even version that did not change and the key still in place inside the
         # window, so the row belongs to the key even if writers moved keys meanwhile.
-        kn, rows = keys.numpy(), _row_bytes(out)
+        keys_np, rows = keys.numpy(), _row_bytes(out)
         hit = np.empty(n, np.bool_)
 
         def chunk(lo: int, hi: int) -> int:
             return int(_loops().lookup(self._nkeys, self._bucket_keys, self._nversions,
                                        self._nraw, self._npolicy, geo.num_buckets,
-                                       kn[lo:hi], rows[lo:hi], hit[lo:hi], count))
+                                       keys_np[lo:hi], rows[lo:hi], hit[lo:hi], count))
 
         # NOTE: a large batch on a few threads at once (nvecache.common.fanout: the loop waits on
         # memory and releases the GIL)
         n_hits = sum(split_run(chunk, n))
         if count:
-            c = self._counters
-            c[C_LOOKUPS] += 1
-            c[C_HITS] += n_hits
-            c[C_MISSES] += n - n_hits
+            counters = self._counters
+            counters[C_LOOKUPS] += 1
+            counters[C_HITS] += n_hits
+            counters[C_MISSES] += n - n_hits
         return out, torch.from_numpy(hit)
 
     def touch(self, keys: torch.Tensor, weight: int = 1) -> None:
@@ -333,9 +333,9 @@ class HostCache(SharedTable):
         check_finite(values, keys, allow_nonfinite=allow_nonfinite)
         if keys.numel() == 0:
             return torch.zeros(0, dtype=torch.bool), 0, 0
-        kn = keys.numpy()
+        keys_np = keys.numpy()
         with self._writing():
-            ukeys, last, inverse = _loops().dedup_last(kn)
+            ukeys, last, inverse = _loops().dedup_last(keys_np)
             refused = False
             if since is not None:
                 changed, _, overflowed = self.ring.changes_since(since)
@@ -362,12 +362,12 @@ class HostCache(SharedTable):
                                                     slot[new] // self.geometry.ways, old_slots)
             announced = ukeys if announce_new else ukeys[found] if overwrite else ukeys[:0]
             self.ring.append(torch.from_numpy(announced))
-            c = self._counters
+            counters = self._counters
             written += int(found.sum()) if overwrite else 0
-            c[C_INSERTS] += written
-            c[C_EVICTIONS] += evicted
+            counters[C_INSERTS] += written
+            counters[C_EVICTIONS] += evicted
         if refused:  # some keys were refused: report the found ones by key
-            return torch.from_numpy(np.isin(kn, ukeys[found])), written, evicted
+            return torch.from_numpy(np.isin(keys_np, ukeys[found])), written, evicted
         return torch.from_numpy(found[inverse]), written, evicted
 
     def _insert_new(self, keys: np.ndarray, rows: np.ndarray, src: np.ndarray,
@@ -375,10 +375,10 @@ class HostCache(SharedTable):
         """Place keys that are not cached (key ``i``'s row is ``rows[src[i]]``, raw bytes;
         the ways of ``protected_slots`` are not taken); returns (written, evicted). Under
         the lock."""
-        slot, nkeys, nsrc, npol, touched, filled = _loops().plan_new(
+        slot, placed_keys, placed_src, placed_policy, touched, filled = _loops().plan_new(
             self._bucket_keys, self._bucket_policy, keys, src, bucket, np.sort(protected_slots))
         if slot.size:
-            self._write_seqlocked(slot, nkeys, rows, nsrc, npol, True, True)
+            self._write_seqlocked(slot, placed_keys, rows, placed_src, placed_policy, True, True)
         self._header[layout.W_SIZE] += filled
         _loops().decay(self._bucket_policy, touched, _COUNTER_CAP)
         return int(slot.size), int(slot.size) - filled
@@ -429,19 +429,19 @@ class HostCache(SharedTable):
                      errors=(BadArgumentError, NonFiniteValuesError))
         if keys.numel() == 0:
             return torch.zeros(0, dtype=torch.bool)
-        ukeys, sums, inverse = sum_duplicates(keys, deltas, geo.dtype)
-        uk = ukeys.numpy()
+        distinct, sums, inverse = sum_duplicates(keys, deltas, geo.dtype)
+        ukeys = distinct.numpy()
         with self._writing():
-            slot, found = self._probe(uk)
-            at = slot[found]
-            if at.size:
-                old = np.empty((at.size, geo.row_bytes), np.uint8)
-                _loops().read_slots(self._nraw, at, old)
+            slot, found = self._probe(ukeys)
+            old_slots = slot[found]
+            if old_slots.size:
+                old = np.empty((old_slots.size, geo.row_bytes), np.uint8)
+                _loops().read_slots(self._nraw, old_slots, old)
                 new = added(torch.from_numpy(old).view(geo.dtype), sums[torch.from_numpy(found)])
-                self._write_seqlocked(at, uk[found], _row_bytes(new), np.arange(at.size),
-                                      self._npolicy[:0], True, False)
-            self.ring.append(torch.from_numpy(uk[found]))
-            self._counters[C_UPDATES] += int(at.size)
+                self._write_seqlocked(old_slots, ukeys[found], _row_bytes(new),
+                                      np.arange(old_slots.size), self._npolicy[:0], True, False)
+            self.ring.append(torch.from_numpy(ukeys[found]))
+            self._counters[C_UPDATES] += int(old_slots.size)
         return torch.from_numpy(found[inverse.numpy()])
 
     def erase(self, keys: torch.Tensor) -> torch.Tensor:
