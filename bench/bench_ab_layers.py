@@ -37,7 +37,7 @@ ROWS = 1 << 20
 SIZES = (1 << 10, 1 << 16)
 
 
-def _child(calls: int) -> None:
+def _child(calls: int, device: str, rows: int, warm: int) -> None:
     """Time the three layer types with the checkout first on ``sys.path``."""
     import torch
 
@@ -45,47 +45,48 @@ def _child(calls: int) -> None:
     from gpu import LayerType, NVEmbedding
     from hostcache import HostCache, SharedMemBlock
 
-    dev = torch.device("cuda")
+    dev = torch.device(device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     gen = torch.Generator().manual_seed(1)
-    weights = torch.randn(ROWS, DIM, generator=gen)
+    weights = torch.randn(rows, DIM, generator=gen)
     base = torch.nn.Embedding.from_pretrained(weights.to(dev))
-    ranks = torch.arange(1, ROWS + 1, dtype=torch.float64).pow(-1.05)
-    perm = torch.randperm(ROWS, generator=gen)
+    ranks = torch.arange(1, rows + 1, dtype=torch.float64).pow(-1.05)
+    perm = torch.randperm(rows, generator=gen)
 
     def batch(n: int) -> torch.Tensor:
         return perm[torch.multinomial(ranks, n, replacement=True, generator=gen)].to(dev)
 
     def timed(fn: Any, batches: list[torch.Tensor]) -> tuple[float, float]:
         ts = []
-        torch.cuda.synchronize()
+        sync()
         for b in batches:
             t0 = time.perf_counter()
             fn(b)
-            torch.cuda.synchronize()
+            sync()
             ts.append(time.perf_counter() - t0)
         ts.sort()
         return ts[len(ts) // 2] * 1e6, ts[min(len(ts) - 1, int(len(ts) * 0.99))] * 1e6
 
     tag = f"ab-{os.getpid()}"
     tmp = tempfile.mkdtemp(prefix="nvec-ab-")
-    mb = SharedMemBlock.create(tag + "-lin", num_rows=ROWS, dim=DIM)
+    mb = SharedMemBlock.create(tag + "-lin", num_rows=rows, dim=DIM)
     ps = psclient.connect(f"file://{tmp}/ps", table=tag, dim=DIM, dtype=torch.float32)
-    hc = HostCache.create(tag, capacity=ROWS // 5, dim=DIM)
+    hc = HostCache.create(tag, capacity=rows // 5, dim=DIM)
     layers = {}
     try:
-        mb.write(torch.arange(ROWS), weights)
+        mb.write(torch.arange(rows), weights)
         ps.load(weights, progress=False)
-        layers["gpulayer"] = NVEmbedding(ROWS, DIM, torch.float32, LayerType.GPULayer,
+        layers["gpulayer"] = NVEmbedding(rows, DIM, torch.float32, LayerType.GPULayer,
                                          weight_init=weights, device=dev)
-        layers["linear_uvm"] = NVEmbedding(ROWS, DIM, torch.float32, LayerType.LinearUVM,
-                                           gpu_cache_size=ROWS // 10 * (DIM * 4 + 12),
+        layers["linear_uvm"] = NVEmbedding(rows, DIM, torch.float32, LayerType.LinearUVM,
+                                           gpu_cache_size=rows // 10 * (DIM * 4 + 12),
                                            storage=mb, device=dev)
-        layers["hierarchical"] = NVEmbedding(ROWS, DIM, torch.float32, LayerType.Hierarchical,
-                                             gpu_cache_size=ROWS // 20 * (DIM * 4 + 12),
+        layers["hierarchical"] = NVEmbedding(rows, DIM, torch.float32, LayerType.Hierarchical,
+                                             gpu_cache_size=rows // 20 * (DIM * 4 + 12),
                                              host_cache=hc, storage=ps, device=dev)
         for name, layer in layers.items():
             for n in SIZES:
-                for b in [batch(n) for _ in range(max(4, (8 << 20) // n))]:
+                for b in [batch(n) for _ in range(max(4, warm // n))]:
                     layer(b)
                 layer.flush()
                 batches = [batch(n) for _ in range(calls)]
@@ -115,11 +116,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--b", required=True, help="checkout B")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run")
+    ap.add_argument("--rows", type=int, default=ROWS)
+    ap.add_argument("--warm", type=int, default=8 << 20, help="keys looked up before timing")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         sys.path.insert(0, args.child)
-        _child(args.calls)
+        _child(args.calls, args.device, args.rows, args.warm)
         return 0
     rows: dict[tuple[str, str, int], list[dict[str, float]]] = {}
     for rnd in range(args.rounds):
@@ -127,7 +131,9 @@ def main(argv: list[str] | None = None) -> int:
             tree = str(Path(tree).resolve())
             env = dict(os.environ, PYTHONPATH=tree + os.pathsep + os.environ.get("PYTHONPATH", ""))
             out = subprocess.run([sys.executable, __file__, "--a", args.a, "--b", args.b,
-                                  "--calls", str(args.calls), "--child", tree],
+                                  "--calls", str(args.calls), "--device", args.device,
+                                  "--rows", str(args.rows), "--warm", str(args.warm),
+                                  "--child", tree],
                                  env=env, cwd=tree, capture_output=True, text=True, check=False)
             if out.returncode != 0:
                 print(out.stdout, out.stderr, file=sys.stderr)
@@ -137,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                 rec.update(checkout=label, round=rnd)
                 print(json.dumps(rec), flush=True)
                 rows.setdefault((rec["layer"], label, rec["keys"]), []).append(rec)
-    print(f"\n{'layer':<14}{'keys':>7}{'A p50':>9}{'B p50':>9}{'B/A':>7}{'A p99':>9}"
-          f"{'B p99':>9}{'torch p50':>11}")
+    print(f"\n{'layer':<14}{'keys':>7}{'A p50':>11}{'B p50':>11}{'B/A':>7}{'A p99':>11}"
+          f"{'B p99':>11}{'torch p50':>11}")
     for layer in ("gpulayer", "linear_uvm", "hierarchical"):
         for n in SIZES:
             a, b = rows.get((layer, "A", n)), rows.get((layer, "B", n))
@@ -148,9 +154,9 @@ def main(argv: list[str] | None = None) -> int:
             def med(recs: list[dict[str, float]], key: str) -> float:
                 return statistics.median(r[key] for r in recs)
 
-            print(f"{layer:<14}{n:>7}{med(a, 'p50_us'):>9.1f}{med(b, 'p50_us'):>9.1f}"
-                  f"{med(b, 'p50_us') / med(a, 'p50_us'):>7.2f}{med(a, 'p99_us'):>9.1f}"
-                  f"{med(b, 'p99_us'):>9.1f}{med(a + b, 'torch_p50_us'):>11.1f}")
+            print(f"{layer:<14}{n:>7}{med(a, 'p50_us'):>11.1f}{med(b, 'p50_us'):>11.1f}"
+                  f"{med(b, 'p50_us') / med(a, 'p50_us'):>7.2f}{med(a, 'p99_us'):>11.1f}"
+                  f"{med(b, 'p99_us'):>11.1f}{med(a + b, 'torch_p50_us'):>11.1f}")
     return 0
 
 
