@@ -14,6 +14,7 @@ from hostcache import BadArgumentError, GeometryMismatchError, HandleClosedError
 from hostcache.hashing import bucket_of
 from hostcache.layout import EMPTY_KEY
 from tests.conftest import fresh_name
+from tests.hostcache.twin_workers import arrays_of
 
 DIM = 4
 
@@ -403,14 +404,15 @@ def test_a_slot_mid_write_reads_as_a_miss_until_its_write_commits(table_name: st
         try:
             keys = torch.tensor([5, 6])
             hc.insert(keys, torch.ones(2, 4))
-            where, found = hc._probe(keys[:1].numpy())
-            assert bool(found.all())
-            slot = torch.from_numpy(where)
-            hc._versions[slot] += 1  # what a writer does first
+            versions = arrays_of(hc).versions  # the shared pages, through the layout
+            (slot,) = (arrays_of(hc).keys == 5).nonzero()[0]
+            assert hc.audit().mid_write == 0
+            versions[slot] += 1  # what a writer does first
+            assert hc.audit().mid_write == 1
             values, hit = hc.lookup(keys)
             assert hit.tolist() == [False, True]
             assert not values[0].any() and bool((values[1] == 1).all())
-            hc._versions[slot] += 1  # ... and last
+            versions[slot] += 1  # ... and last
             assert hc.lookup(keys)[1].tolist() == [True, True]
         finally:
             HostCache.unlink(table_name)

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hostcache import HostCache, table_loops, table_twin
 from hostcache.layout import EMPTY_KEY
 from tests.conftest import fresh_name
-from tests.hostcache.twin_workers import DIM, row_of, write_rounds
+from tests.hostcache.twin_workers import DIM, arrays_of, row_of, write_rounds
 
 
 class Table:
@@ -179,15 +179,15 @@ def test_the_twin_reads_no_torn_or_moved_row_while_another_process_writes(
             proc.start()
             try:
                 kn = keys.numpy()
+                t = arrays_of(hc)
                 out = np.empty((keys.numel(), DIM * 4), np.uint8)
                 hit = np.empty(keys.numel(), np.bool_)
                 hits = reads = 0
                 while reads < 2000 or writes.value < 300:
                     if not proc.is_alive():
                         break
-                    table_twin.lookup(hc._nkeys, hc._bucket_keys, hc._nversions, hc._nraw,
-                                      hc._npolicy, hc.geometry.num_buckets, kn, out, hit,
-                                      False)
+                    table_twin.lookup(t.keys, t.bucket_keys, t.versions, t.raw, t.policy,
+                                      hc.geometry.num_buckets, kn, out, hit, False)
                     rows = out.view(np.float32)[hit]
                     assert (rows == rows[:, :1]).all(), "a torn row"
                     assert (rows[:, 0] // 100_000 == kn[hit]).all(), "another key's row"

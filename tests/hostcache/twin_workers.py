@@ -1,12 +1,40 @@
-"""A spawned writer for tests/hostcache/test_table_twin.py (importable by the child)."""
+"""A spawned writer for tests/hostcache/test_table_twin.py (importable by the child), and
+a host cache's arrays as its loops see them, read through its public segment layout."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 DIM = 64
+
+
+class Arrays(NamedTuple):
+    """A host cache's slots as :mod:`hostcache.table_loops` takes them (numpy views of the
+    shared pages: writes through them are the table's)."""
+
+    keys: np.ndarray  #: int64 ``[slots]``
+    bucket_keys: np.ndarray  #: the same, ``[buckets, ways]``
+    versions: np.ndarray  #: int64 seqlock version per slot
+    raw: np.ndarray  #: uint8 ``[slots, row_stride]``
+    policy: np.ndarray  #: int32 eviction counter per slot
+
+
+def arrays_of(hc: Any) -> Arrays:
+    """``hc``'s slot arrays, found from its public ``buffer`` and ``geometry`` (the
+    segment layout of ``hostcache.layout``)."""
+    geo, buf = hc.geometry, hc.buffer.numpy()
+    slots = geo.slots
+
+    def at(off: int, count: int, dtype: Any) -> np.ndarray:
+        return buf[off:off + count * np.dtype(dtype).itemsize].view(dtype)
+
+    keys = at(geo.keys_off, slots, np.int64)
+    raw = at(geo.rows_off, slots * geo.row_stride, np.uint8).reshape(slots, geo.row_stride)
+    return Arrays(keys, keys.reshape(-1, geo.ways), at(geo.versions_off, slots, np.int64),
+                  raw, at(geo.counters_off, slots, np.int32))
 
 
 def row_of(keys: torch.Tensor, write: int) -> torch.Tensor:
