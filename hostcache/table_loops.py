@@ -62,10 +62,10 @@ def _bucket(key: np.int64, num_buckets: np.uint64) -> np.int64:
 @_jit
 def buckets(keys: np.ndarray, num_buckets: int) -> np.ndarray:
     """The bucket of every key (``hostcache.hashing.bucket_of``)."""
-    nb = np.uint64(num_buckets)
+    nbuckets = np.uint64(num_buckets)
     out = np.empty(keys.shape[0], np.int64)
     for i in range(keys.shape[0]):
-        out[i] = _bucket(keys[i], nb)
+        out[i] = _bucket(keys[i], nbuckets)
     return out
 
 
@@ -90,22 +90,22 @@ def dedup_last(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 @_jit
-def find(tkeys2: np.ndarray, keys: np.ndarray, bucket: np.ndarray, slot: np.ndarray,
+def find(bucket_keys: np.ndarray, keys: np.ndarray, bucket: np.ndarray, slot: np.ndarray,
          found: np.ndarray) -> None:
     """Each key's slot (way 0 of its bucket where absent) and whether it is there."""
-    ways = tkeys2.shape[1]
+    ways = bucket_keys.shape[1]
     for i in range(keys.shape[0]):
         b = bucket[i]
         k = keys[i]
         s = b * ways
-        f = False
+        present = False
         for w in range(ways):
-            if tkeys2[b, w] == k:
+            if bucket_keys[b, w] == k:
                 s += w
-                f = True
+                present = True
                 break
         slot[i] = s
-        found[i] = f
+        found[i] = present
 
 
 @intrinsic
@@ -124,7 +124,7 @@ _fence: Any = _fence_ir  # called without arguments inside the compiled loops
 
 
 @_jit
-def lookup(tkeys: np.ndarray, tkeys2: np.ndarray, versions: np.ndarray, raw: np.ndarray,
+def lookup(tkeys: np.ndarray, bucket_keys: np.ndarray, versions: np.ndarray, raw: np.ndarray,
            policy: np.ndarray, num_buckets: int, keys: np.ndarray, out: np.ndarray,
            hit: np.ndarray, count: bool) -> int:
     """A whole lookup in one call: each key's slot by its bucket's keys, then the seqlock
@@ -134,45 +134,45 @@ def lookup(tkeys: np.ndarray, tkeys2: np.ndarray, versions: np.ndarray, raw: np.
     frequencies). A hit (``hit``, bool ``[N]``): found, an even version unchanged across
     the window, the key still in place inside it. Returns how many hit."""
     n = keys.shape[0]
-    ways = tkeys2.shape[1]
-    nb = out.shape[1]
-    nbk = np.uint64(num_buckets)
+    ways = bucket_keys.shape[1]
+    row_bytes = out.shape[1]
+    nbuckets = np.uint64(num_buckets)
     slot = np.empty(n, np.int64)
     found = np.empty(n, np.bool_)
     before = np.empty(n, np.int64)
     inside = np.empty(n, np.int64)
     for i in range(n):
-        b = _bucket(keys[i], nbk)
+        b = _bucket(keys[i], nbuckets)
         s = b * ways
-        f = False
+        present = False
         for w in range(ways):
-            if tkeys2[b, w] == keys[i]:
+            if bucket_keys[b, w] == keys[i]:
                 s += w
-                f = True
+                present = True
                 break
         slot[i] = s
-        found[i] = f
+        found[i] = present
     _fence()
     for i in range(n):
         before[i] = versions[slot[i]]
     _fence()
     for i in range(n):
         s = slot[i]
-        for j in range(nb):
+        for j in range(row_bytes):
             out[i, j] = raw[s, j]
         inside[i] = tkeys[s]
     _fence()
     hits = 0
     for i in range(n):
         # NOTE: even before and unchanged after in one comparison (versions only grow)
-        h = found[i] and inside[i] == keys[i] and versions[slot[i]] == (before[i] & -2)
-        hit[i] = h
-        if h:
+        good = found[i] and inside[i] == keys[i] and versions[slot[i]] == (before[i] & -2)
+        hit[i] = good
+        if good:
             hits += 1
             if count:
                 policy[slot[i]] += 1
         else:
-            for j in range(nb):
+            for j in range(row_bytes):
                 out[i, j] = 0
     return hits
 
@@ -195,10 +195,10 @@ def bump_versions(versions: np.ndarray, slot: np.ndarray) -> None:
 def read_slots(raw: np.ndarray, slot: np.ndarray, out: np.ndarray) -> None:
     """The rows of slots ``slot`` into ``out`` (uint8 ``[M, row_bytes]``), for a writer
     holding the lock (no other writer moves them meanwhile)."""
-    nb = out.shape[1]
+    row_bytes = out.shape[1]
     for i in range(slot.shape[0]):
         s = slot[i]
-        for j in range(nb):
+        for j in range(row_bytes):
             out[i, j] = raw[s, j]
 
 
@@ -209,20 +209,20 @@ def write_slots(tkeys: np.ndarray, raw: np.ndarray, policy: np.ndarray, slot: np
     """Slot ``slot[i]`` takes ``keys[i]``, row ``rows[src[i]]`` (uint8 ``[M, row_bytes]``)
     and counter ``new_policy[i]`` (each part only when asked for); the caller made the
     versions odd first and makes them even after."""
-    nb = rows.shape[1]
+    row_bytes = rows.shape[1]
     for i in range(slot.shape[0]):
         s = slot[i]
         tkeys[s] = keys[i]
         if with_rows:
             r = src[i]
-            for j in range(nb):
+            for j in range(row_bytes):
                 raw[s, j] = rows[r, j]
         if with_policy:
             policy[s] = new_policy[i]
 
 
 @_jit
-def plan_new(tkeys2: np.ndarray, policy2: np.ndarray, keys: np.ndarray, src: np.ndarray,
+def plan_new(bucket_keys: np.ndarray, bucket_policy: np.ndarray, keys: np.ndarray, src: np.ndarray,
              bucket: np.ndarray, protected: np.ndarray
              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
     """Where absent keys go (LFU-DA): the ``r``-th new key of a bucket (in the order given)
@@ -234,7 +234,7 @@ def plan_new(tkeys2: np.ndarray, policy2: np.ndarray, keys: np.ndarray, src: np.
     Returns ``(slots, keys, src, counters, buckets, filled)``: the placed keys, the
     distinct buckets the keys fell in, and how many keys went into empty ways.
     """
-    ways = tkeys2.shape[1]
+    ways = bucket_keys.shape[1]
     n = keys.shape[0]
     order = np.argsort(bucket, kind="mergesort")
     out_slot = np.empty(n, np.int64)
@@ -244,20 +244,20 @@ def plan_new(tkeys2: np.ndarray, policy2: np.ndarray, keys: np.ndarray, src: np.
     prio = np.empty(ways, np.int64)
     way_order = np.empty(ways, np.int64)
     touched = np.empty(n, np.int64)
-    g = 0
-    m = 0
+    ntouched = 0
+    nplaced = 0
     filled = 0
     i = 0
     while i < n:
         b = bucket[order[i]]
-        touched[g] = b
-        g += 1
+        touched[ntouched] = b
+        ntouched += 1
         for w in range(ways):
             s = b * ways + w
-            if tkeys2[b, w] == _EMPTY:
+            if bucket_keys[b, w] == _EMPTY:
                 p = np.int64(-1)
             else:
-                p = np.int64(policy2[b, w])
+                p = np.int64(bucket_policy[b, w])
             at = np.searchsorted(protected, s)
             if at < protected.shape[0] and protected[at] == s:
                 p = PROTECTED
@@ -269,37 +269,38 @@ def plan_new(tkeys2: np.ndarray, policy2: np.ndarray, keys: np.ndarray, src: np.
                 j -= 1
             prio[j] = p
             way_order[j] = w
-        r = 0
+        rank = 0
         while i < n and bucket[order[i]] == b:
-            if r < ways and prio[r] != PROTECTED:
+            if rank < ways and prio[rank] != PROTECTED:
                 k = order[i]
-                out_slot[m] = b * ways + way_order[r]
-                out_key[m] = keys[k]
-                out_src[m] = src[k]
-                if prio[r] < 0:
-                    out_pol[m] = 1
+                out_slot[nplaced] = b * ways + way_order[rank]
+                out_key[nplaced] = keys[k]
+                out_src[nplaced] = src[k]
+                if prio[rank] < 0:
+                    out_pol[nplaced] = 1
                     filled += 1
                 else:
-                    out_pol[m] = np.int32(prio[r] + 1)
-                m += 1
-            r += 1
+                    out_pol[nplaced] = np.int32(prio[rank] + 1)
+                nplaced += 1
+            rank += 1
             i += 1
-    return out_slot[:m], out_key[:m], out_src[:m], out_pol[:m], touched[:g], filled
+    return (out_slot[:nplaced], out_key[:nplaced], out_src[:nplaced], out_pol[:nplaced],
+            touched[:ntouched], filled)
 
 
 @_jit
-def decay(policy2: np.ndarray, bucket: np.ndarray, cap: int) -> None:
+def decay(bucket_policy: np.ndarray, bucket: np.ndarray, cap: int) -> None:
     """Halve every counter of each given bucket where one of them passed ``cap``."""
-    ways = policy2.shape[1]
+    ways = bucket_policy.shape[1]
     for i in range(bucket.shape[0]):
         b = bucket[i]
         hot = False
         for w in range(ways):
-            if policy2[b, w] > cap:
+            if bucket_policy[b, w] > cap:
                 hot = True
         if hot:
             for w in range(ways):
-                policy2[b, w] >>= 1
+                bucket_policy[b, w] >>= 1
 
 
 _warm = False
@@ -318,10 +319,10 @@ def warm_up() -> None:
         if _warm:
             return
         ways = 8
-        tkeys2 = np.full((1, ways), _EMPTY, np.int64)
-        tkeys = tkeys2.reshape(-1)
-        policy2 = np.zeros((1, ways), np.int32)
-        policy = policy2.reshape(-1)
+        bucket_keys = np.full((1, ways), _EMPTY, np.int64)
+        tkeys = bucket_keys.reshape(-1)
+        bucket_policy = np.zeros((1, ways), np.int32)
+        policy = bucket_policy.reshape(-1)
         versions = np.zeros(ways, np.int64)
         raw = np.zeros((ways, 16), np.uint8)
         keys = np.arange(1, dtype=np.int64)
@@ -330,13 +331,13 @@ def warm_up() -> None:
         out = np.zeros((1, 8), np.uint8)
         dedup_last(keys)
         bucket = buckets(keys, 1)
-        find(tkeys2, keys, bucket, slot, found)
-        lookup(tkeys, tkeys2, versions, raw, policy, 1, keys, out, found, False)
+        find(bucket_keys, keys, bucket, slot, found)
+        lookup(tkeys, bucket_keys, versions, raw, policy, 1, keys, out, found, False)
         add_policy(policy, slot, found, 1)
         read_slots(raw, slot, out)
         none = np.zeros(0, np.int64)
-        plan = plan_new(tkeys2, policy2, none, none, none, none)
+        plan = plan_new(bucket_keys, bucket_policy, none, none, none, none)
         bump_versions(versions, plan[0])
         write_slots(tkeys, raw, policy, plan[0], plan[1], out, plan[2], plan[3], True, True)
-        decay(policy2, plan[4], 1 << 30)
+        decay(bucket_policy, plan[4], 1 << 30)
         _warm = True
