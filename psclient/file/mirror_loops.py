@@ -89,19 +89,19 @@ def lookup(skeys: np.ndarray, srows: np.ndarray, rows: np.ndarray, keys: np.ndar
            out: np.ndarray, found: np.ndarray) -> int:
     """Each key's row into ``out`` (zeros where absent) and ``found``; returns the index
     of a key whose stored value is corrupt (the caller asks the store instead), else -1."""
-    nb = out.shape[1]
+    row_bytes = out.shape[1]
     for i in range(keys.shape[0]):
         s = _find(skeys, srows, keys[i])
         if s < 0:
             found[i] = False
-            for b in range(nb):
+            for b in range(row_bytes):
                 out[i, b] = 0
             continue
         r = srows[s]
         if r < 0:  # CORRUPT (or a slot a racing writer just freed: discarded anyway)
             return i
         found[i] = True
-        for b in range(nb):
+        for b in range(row_bytes):
             out[i, b] = rows[r, b]
     return -1
 
@@ -124,7 +124,7 @@ def put(hdr: np.ndarray, skeys: np.ndarray, srows: np.ndarray, free: np.ndarray,
     creating absent keys; ``corrupt``: mark the keys :data:`CORRUPT` instead (no rows).
     The caller made room: :func:`room` for ``N`` keys."""
     mask = skeys.shape[0] - 1
-    nb = rows.shape[1]
+    row_bytes = rows.shape[1]
     for i in range(keys.shape[0]):
         k = keys[i]
         j = _home(k, mask)
@@ -159,7 +159,7 @@ def put(hdr: np.ndarray, skeys: np.ndarray, srows: np.ndarray, free: np.ndarray,
             continue
         if r < 0:
             r = _take_row(hdr, free)
-        for b in range(nb):
+        for b in range(row_bytes):
             rows[r, b] = vals[i, b]
         srows[at] = r
 
@@ -181,30 +181,30 @@ def erase(hdr: np.ndarray, skeys: np.ndarray, srows: np.ndarray, free: np.ndarra
 
 
 @_jit
-def copy_live(skeys: np.ndarray, srows: np.ndarray, rows: np.ndarray, hdr2: np.ndarray,
-              skeys2: np.ndarray, srows2: np.ndarray, rows2: np.ndarray) -> None:
+def copy_live(skeys: np.ndarray, srows: np.ndarray, rows: np.ndarray, grown_hdr: np.ndarray,
+              grown_skeys: np.ndarray, grown_srows: np.ndarray, grown_rows: np.ndarray) -> None:
     """Every live key of one table into an empty, larger one (its rows packed from 0)."""
-    mask2 = skeys2.shape[0] - 1
-    nb = rows.shape[1]
+    grown_mask = grown_skeys.shape[0] - 1
+    row_bytes = rows.shape[1]
     for s in range(skeys.shape[0]):
         r = srows[s]
         if r == EMPTY or r == TOMB:
             continue
         k = skeys[s]
-        j = _home(k, mask2)
-        while srows2[j] != EMPTY:
-            j = (j + 1) & mask2
-        skeys2[j] = k
+        j = _home(k, grown_mask)
+        while grown_srows[j] != EMPTY:
+            j = (j + 1) & grown_mask
+        grown_skeys[j] = k
         if r == CORRUPT:
-            srows2[j] = CORRUPT
+            grown_srows[j] = CORRUPT
         else:
-            r2 = hdr2[NEXT_ROW]
-            hdr2[NEXT_ROW] = r2 + 1
-            for b in range(nb):
-                rows2[r2, b] = rows[r, b]
-            srows2[j] = r2
-        hdr2[COUNT] += 1
-        hdr2[USED] += 1
+            grown_row = grown_hdr[NEXT_ROW]
+            grown_hdr[NEXT_ROW] = grown_row + 1
+            for b in range(row_bytes):
+                grown_rows[grown_row, b] = rows[r, b]
+            grown_srows[j] = grown_row
+        grown_hdr[COUNT] += 1
+        grown_hdr[USED] += 1
 
 
 def warm_up() -> None:
