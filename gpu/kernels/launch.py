@@ -29,6 +29,28 @@ import torch
 
 _INT32_MAX = (1 << 31) - 1
 
+#: every kernel a DirectLaunch was made for, by its qualified name (see loaded_variants)
+_KERNELS: dict[str, Any] = {}
+
+
+def _qualified(kernel: Any) -> str:
+    fn = getattr(kernel, "fn", kernel)  # NOTE: a JITFunction wraps the Python function
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def loaded_variants() -> dict[str, int]:
+    """The variants Triton holds loaded in this process, per kernel launched through a
+    :class:`DirectLaunch` (by the kernel's qualified name, summed over devices; a kernel
+    with none loaded is left out). For watching warm-up: a call that loads no new variant
+    leaves this unchanged."""
+    counts: dict[str, int] = {}
+    for name, kernel in list(_KERNELS.items()):
+        caches = getattr(kernel, "device_caches", None) or {}
+        n = sum(len(c[0]) for c in list(caches.values()))
+        if n:
+            counts[name] = n
+    return counts
+
 
 def _active(hook: Any) -> bool:
     """Whether a Triton launch hook would do anything (Triton 3.6 keeps an empty
@@ -51,6 +73,7 @@ class DirectLaunch:
     def __init__(self, kernel: Any, *, num_warps: int = 4) -> None:
         self._kernel = kernel
         self._num_warps = num_warps
+        _KERNELS.setdefault(_qualified(kernel), kernel)
         #: spec -> (launcher, its leading arguments, the constexprs' values after the
         #: runtime arguments, the constexprs the variant was compiled with)
         self._variants: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...], tuple[Any, ...],
@@ -63,6 +86,12 @@ class DirectLaunch:
         self._raw_stream: Any = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         #: the current CUDA device's index (cheaper than torch.cuda.current_device())
         self._current_device: Any = getattr(torch._C, "_cuda_getDevice", None)
+
+    @property
+    def variants(self) -> int:
+        """How many variants this launcher launches directly (each compiled once, through
+        the JIT)."""
+        return len(self._variants)
 
     def __call__(self, grid: tuple[int, ...], args: Sequence[Any],
                  constexprs: dict[str, Any], key: tuple[Any, ...]
@@ -176,6 +205,12 @@ class BoundLaunch:
         #: the varying arguments' specialization -> (launch, head, call template, tail)
         self._variants: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...], list[Any],
                                                     tuple[Any, ...]]] = {}
+
+    @property
+    def variants(self) -> int:
+        """How many specializations of the varying arguments this launch calls directly
+        (0: every call so far took the :class:`DirectLaunch` path)."""
+        return len(self._variants)
 
     def __call__(self, grid: int, *values: Any) -> None:
         dl = self._launch

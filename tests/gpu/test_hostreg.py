@@ -119,10 +119,27 @@ def test_table_closed_before_registration_keeps_memory_mapped(table_name: str) -
 def test_registering_twice_shares_one_registration(cache: HostCache) -> None:
     a = register(cache, device="cpu")
     b = register(cache, device="cpu")
-    assert a.address == b.address and a._pinned is b._pinned
+    assert (a.address, a.size, a.chunks) == (b.address, b.size, b.chunks)
     a.close()
+    assert a.closed and not b.closed
     assert b.rows().shape[0] == cache.geometry.slots
     b.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_registering_twice_on_cuda_shares_one_registration(cache: HostCache) -> None:
+    """CUDA refuses to register a range twice: the second registration is the first's,
+    still in place when the first handle closes and gone once the second does."""
+    a = register(cache, device="cuda")
+    b = register(cache, device="cuda")
+    base = a.chunks[0]
+    assert (a.address, a.size, a.chunks) == (b.address, b.size, b.chunks)
+    a.close()
+    assert a.registered and b.registered and pointer_is_registered(base, "cuda")
+    b.close()
+    gc.collect()
+    assert not a.registered and not pointer_is_registered(base, "cuda")
 
 
 @pytest.mark.parametrize(

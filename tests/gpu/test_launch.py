@@ -174,7 +174,7 @@ def test_a_bound_gather_with_sizes_and_alignments_in_turns(check: bool) -> None:
         assert torch.equal(got, table[keys]), (off, n)
     if check:
         launch = store[(id(table), id(err))]
-        assert launch._variants, "no call took the bound launch's direct path"
+        assert launch.variants, "no call took the bound launch's direct path"
     else:
         assert not store, "a lookup without a key flag has nothing to bind"
     if check:

@@ -172,38 +172,28 @@ def test_bad_tuning_is_refused_and_builds_nothing(field: str, value: object,
         layer_on(block, "cpu", 64, tuning={"admit_fraction": 0.5})
 
 
-def _compiled_variants() -> int:
-    """Kernel variants Triton holds loaded, over the lookup, gather and insert kernels."""
-    from gpu.kernels import cache_insert as cache_insert_kernels
-    from gpu.kernels import cache_lookup as cache_kernels
-    from gpu.kernels import gather as gather_kernels
-
-    fns = [cache_kernels._lookup_kernel, gather_kernels._gather_kernel,
-           cache_insert_kernels._insert_last_kernel, cache_insert_kernels._insert_probe_kernel,
-           cache_insert_kernels._insert_plan_kernel,
-           cache_insert_kernels._insert_decay_kernel, cache_insert_kernels._insert_apply_kernel,
-           cache_insert_kernels._scatter_rows_kernel]
-    return sum(len(caches[0]) for f in fns for caches in f.device_caches.values())
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
 def test_construction_loads_the_kernels_a_lookup_and_its_rounds_launch(
         block: SharedMemBlock) -> None:
-    """The first forward and the first rounds (filling and warm) load no kernel: the
-    layer's construction did, and left its cache empty with no statistics."""
+    """The first forward and the first rounds (filling and warm) load no kernel variant
+    (gpu.kernels.launch.loaded_variants: every kernel launched through a DirectLaunch):
+    the layer's construction did, and left its cache empty with no statistics."""
+    from gpu.kernels.launch import loaded_variants
+
     layer = layer_on(block, "cuda", 4 * ROWS)
     stats = layer.stats().gpu
     assert (stats.hits, stats.misses, stats.inserts) == (0, 0, 0)
     assert not layer.in_gpu_cache(torch.arange(ROWS, device="cuda")).any()
-    loaded = _compiled_variants()
+    loaded = loaded_variants()
+    assert loaded, "the construction loaded no kernel"
     keys = torch.arange(ROWS, device="cuda")
     for _ in range(6):  # the cache fills (a filling round), then warm rounds
         assert torch.equal(layer(keys).cpu(), block.tensor)
     layer.flush()
     torch.cuda.synchronize()
     assert layer.stats().gpu.inserts > 0
-    assert _compiled_variants() == loaded
+    assert loaded_variants() == loaded
     layer.close()
 
 
