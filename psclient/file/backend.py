@@ -289,26 +289,26 @@ class FileParameterServer(FileFeed, ParameterServer):
     def _accumulate(self, keys: np.ndarray, deltas: torch.Tensor) -> torch.Tensor:
         """One write transaction (LMDB's one writer at a time, across processes): the
         distinct keys' rows read, their summed deltas added, the rows written back."""
-        ukeys, sums, inverse = sum_duplicates(torch.from_numpy(keys), deltas, self.dtype)
-        uk = ukeys.numpy()
-        m = uk.size
-        kb = be_key_bytes(uk)  # NOTE: ascending keys: B-tree order
+        distinct, sums, inverse = sum_duplicates(torch.from_numpy(keys), deltas, self.dtype)
+        ukeys = distinct.numpy()
+        n = ukeys.size
+        kb = be_key_bytes(ukeys)  # NOTE: ascending keys: B-tree order
         zero = bytes(self._schema.row_bytes)  # NOTE: a new object: identity marks a miss
         with self._guard(), self._writing() as mirror:
             with self._env.begin(write=True, db=self._rows) as txn:
                 self._live(txn)
                 replies = list(map(txn.get, kb, repeat(zero)))
-                old, found = assemble_distinct_rows(replies, zero, np.arange(m),
-                                                    np.ones(m, dtype=bool), uk, self._schema,
+                old, found = assemble_distinct_rows(replies, zero, np.arange(n),
+                                                    np.ones(n, dtype=bool), ukeys, self._schema,
                                                     self._table)
                 hit = found.numpy()
                 new = added(old[found], sums[found])
                 if hit.any():
                     txn.cursor().putmulti(zip(compress(kb, hit), row_bytes_list(new),
                                               strict=True), overwrite=True)
-                    self._append_feed(txn, uk[hit])
+                    self._append_feed(txn, ukeys[hit])
             if mirror is not None and hit.any():
-                mirror.put(uk[hit], _raw_rows(new))
+                mirror.put(ukeys[hit], _raw_rows(new))
         return found[inverse]
 
     def _erase(self, keys: np.ndarray) -> None:
