@@ -193,20 +193,24 @@ def test_ctrl_c_during_a_file_load_ends_it_at_once_in_one_line(tmp_path: Path) -
 
 
 def test_an_interrupt_inside_a_mirror_write_is_the_callers_to_report(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        tmp_path: Path, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Ctrl-C landing in the file:// row mirror's update: the mirror goes stale (lookups read
     LMDB until the next write rebuilds it), and nothing logs a traceback for it."""
-    def interrupted(_: object) -> None:
+    from psclient.file import mirror_loops
+
+    def interrupted(*_: object) -> None:
         raise KeyboardInterrupt
 
     with psclient.connect(f"file://{tmp_path}/store", table="t", dim=2) as ps:
         ps.insert(torch.arange(4), torch.ones(4, 2))
-        mirror = ps._mirror
-        assert mirror is not None and mirror.info()["state"] == "ok"
-        with caplog.at_level(logging.DEBUG, logger="psclient"):
-            with pytest.raises(KeyboardInterrupt), mirror.writing():
-                mirror._apply(interrupted, 0)
+        assert ps.stat()["mirror"]["state"] == "ok"
+        with caplog.at_level(logging.DEBUG, logger="psclient"), monkeypatch.context() as patch:
+            patch.setattr(mirror_loops, "put", interrupted)  # lands in the mirror's put loop
+            with pytest.raises(KeyboardInterrupt):
+                ps.insert(torch.arange(4, 6), torch.full((2, 2), 2.0))
         assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
-        assert mirror.info()["state"].startswith("stale")
-        values, found = ps.lookup(torch.arange(4))
-        assert bool(found.all()) and torch.equal(values, torch.ones(4, 2))
+        assert ps.stat()["mirror"]["state"].startswith("stale")
+        values, found = ps.lookup(torch.arange(7))  # LMDB's rows: the insert was committed
+        assert found.tolist() == [True] * 6 + [False]
+        assert torch.equal(values[:6], torch.tensor([[1.0, 1.0]] * 4 + [[2.0, 2.0]] * 2))

@@ -61,11 +61,23 @@ def versioned_writer_forever(url: str, table: str, n_keys: int, seed: int, versi
             ready.set()
 
 
+#: the key :func:`mirror_writer_held` inserts (committed to LMDB, never to the mirror)
+HELD_KEY = 1000
+
+
 def mirror_writer_held(url: str, table: str, held: Any) -> None:
-    """Enter a file:// table's row-mirror write (its GEN odd, the writer lock held), say so,
-    and stay there until killed: a writer caught mid-write."""
+    """Insert :data:`HELD_KEY` into a file:// table and stop inside the row mirror's update
+    that follows LMDB's commit (its GEN odd, the writer lock held), say so, and stay there
+    until killed: a writer caught mid-write. The mirror's put loop is what hangs."""
     import threading
 
-    with psclient.connect(url, table=table) as ps, ps._mirror.writing():
+    from psclient.file import mirror_loops
+
+    def put_and_hang(*_: Any) -> int:
         held.set()
         threading.Event().wait()
+        return 0
+
+    mirror_loops.put = put_and_hang  # NOTE: this child's mirror writes hang in their loop
+    with psclient.connect(url, table=table) as ps:
+        ps.insert(torch.tensor([HELD_KEY]), torch.full((1, ps.dim), 3.0, dtype=ps.dtype))
