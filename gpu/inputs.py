@@ -27,6 +27,17 @@ def check_dtype(dtype: object, *, name: str = "data_type",
     raise BadArgumentError(f"{name} must be one of {choices}; got {dtype!r}")
 
 
+def check_row_format(dtype: object, dim: int, *, name: str = "dtype",
+                     allowed: tuple[str, ...] = DATA_TYPES) -> rows.RowFormat:
+    """How rows of ``dtype`` (checked as :func:`check_dtype` does) and ``dim`` elements are
+    stored; a :class:`BadArgumentError` for a dim no table can hold."""
+    try:
+        return rows.RowFormat(rows.dtype_name(check_dtype(dtype, name=name, allowed=allowed)),
+                              dim)
+    except rows.RowFormatError as e:
+        raise BadArgumentError(str(e)) from None
+
+
 def check_keys(keys: object, device: torch.device, *, name: str = "input") -> torch.Tensor:
     """int64 keys on the layer's device (any shape)."""
     problem = key_problem(keys, device=device, any_shape=True)

@@ -39,7 +39,7 @@ from psclient.load_checks import (
     scan_finite,
     sniff,
 )
-from psclient.schema import DTYPES
+from psclient.schema import DTYPES, dtype_name
 
 if TYPE_CHECKING:  # NOTE: for annotations only: base imports this module
     from psclient.base import ParameterServer
@@ -317,7 +317,7 @@ def check_rows(rows: RowSource, dim: int, dtype: torch.dtype, *, table: str, con
         raise BadValuesError(f"{rows.what} holds {_name(rows.dtype)} values; a table holds one of "
                              f"{', '.join(DTYPES)}")
     if not convert:
-        name = next(k for k, v in DTYPES.items() if v == dtype)
+        name = dtype_name(dtype)
         raise BadValuesError(
             f"{rows.what} holds {_name(rows.dtype)} rows, table {table!r} holds {name}: "
             f"convert them on load with {_arg(cli, 'convert=True', '--dtype ' + name)}"

@@ -10,7 +10,19 @@ import torch
 from gpu.cache.records import MissCandidates
 from gpu.cuda.devices import same_device
 from gpu.errors import BadArgumentError
+from gpu.inputs import check_dtype, check_row_format
+from nvecache.common import rows
 from nvecache.common.keys import key_problem
+
+
+def row_dtype(dtype: object, what: str = "dtype") -> torch.dtype:
+    """A torch dtype a cache row may have (any stored dtype of ``nvecache.common.rows``)."""
+    return check_dtype(dtype, name=what, allowed=tuple(rows.DTYPES))
+
+
+def row_format_of(dtype: object, dim: int) -> rows.RowFormat:
+    """The format of a cache's rows: any stored dtype of ``nvecache.common.rows``."""
+    return check_row_format(dtype, dim, allowed=tuple(rows.DTYPES))
 
 
 @dataclass(frozen=True)

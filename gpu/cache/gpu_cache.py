@@ -26,7 +26,7 @@ import torch
 
 from gpu.cache import twin
 from gpu.cache.backend import BackendName, CacheTables, make_backend
-from gpu.cache.checks import ArgumentChecks
+from gpu.cache.checks import ArgumentChecks, row_dtype, row_format_of
 from gpu.cache.records import GPUCacheStats, MissCandidates, PreparedInsert
 from gpu.cuda.devices import resolve_device
 from gpu.errors import BadArgumentError
@@ -36,7 +36,7 @@ from hostcache.layout import EMPTY_KEY
 if TYPE_CHECKING:
     from gpu.stacks.misses.miss_list import MissList
 
-__all__ = ["ROW_DTYPES", "Backend", "GPUCache", "GPUCacheStats", "MissCandidates",
+__all__ = ["Backend", "GPUCache", "GPUCacheStats", "MissCandidates",
            "PoolMode"]
 
 logger = logging.getLogger(__name__)
@@ -44,8 +44,6 @@ logger = logging.getLogger(__name__)
 Backend = BackendName
 PoolMode = Literal["sum", "mean"]
 
-#: element types a cache row may have.
-ROW_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _INT32_MAX = (1 << 31) - 1
 #: odd multiplier (2^32 / golden ratio) spreading successive lookup counts over the rows
 _GOLDEN = 0x9E3779B1
@@ -58,7 +56,7 @@ class GPUCache:
         capacity_bytes: Memory budget. Slots = ``capacity_bytes // (8 + 4 + row bytes)``
             rounded down to whole buckets; 0 slots make a disabled cache (all misses).
         dim: Row length in elements.
-        dtype: Row element type (float32, float16, bfloat16 or float64).
+        dtype: Row element type: a stored dtype of ``nvecache.common.rows.DTYPES``.
         device: ``"cpu"`` or a CUDA device.
         ways: Slots per bucket, a power of two from 1 to 64 (8: one 64-byte key load).
         backend: ``"triton"`` (kernels; on CPU tensors through Triton's interpreter),
@@ -90,9 +88,7 @@ class GPUCache:
                 f"capacity_bytes must be an int >= 0; got {capacity_bytes!r}")
         if isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0:
             raise BadArgumentError(f"dim must be an int > 0; got {dim!r}")
-        if dtype not in ROW_DTYPES:
-            raise BadArgumentError(
-                f"dtype must be one of {', '.join(map(str, ROW_DTYPES))}; got {dtype!r}")
+        row_format = row_format_of(dtype, dim)
         if isinstance(ways, bool) or not isinstance(ways, int) or not 1 <= ways <= 64 \
                 or ways & (ways - 1):
             raise BadArgumentError(f"ways must be a power of two in [1, 64]; got {ways!r}")
@@ -102,7 +98,9 @@ class GPUCache:
         self.device = dev
         self._checks = ArgumentChecks(dim, dtype, dev)
         self.ways = ways
-        self.row_bytes = dim * torch.empty((), dtype=dtype).element_size()
+        #: how a row is stored (``nvecache.common.rows``); a slot holds its payload
+        self.row_format = row_format
+        self.row_bytes = row_format.row_bytes
         self.slot_bytes = 8 + 4 + self.row_bytes
         self.num_buckets = capacity_bytes // self.slot_bytes // ways
         self.capacity = self.num_buckets * ways
@@ -267,8 +265,8 @@ class GPUCache:
         keys = self._checks.keys(keys)
         offsets, w, mv = self._checks.bags(
             keys.numel(), offsets, mode, per_sample_weights, miss_values, validate)
-        if out_dtype is not None and out_dtype not in ROW_DTYPES:
-            raise BadArgumentError(f"out_dtype must be one of {ROW_DTYPES}; got {out_dtype!r}")
+        if out_dtype is not None:
+            out_dtype = row_dtype(out_dtype, "out_dtype")
         return self._pooled(keys, offsets, mode == "mean", w, mv, None, out_dtype=out_dtype)
 
     def lookup_linear_pooled(

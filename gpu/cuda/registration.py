@@ -64,6 +64,7 @@ from gpu.errors import (
     ViewNotAvailableError,
 )
 from hostcache.layout import KIND_HOST_CACHE
+from nvecache.common import rows
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES", "MAX_CHUNK_BYTES", "PAGE", "ForkedProcessError", "HostRegError",
@@ -80,15 +81,19 @@ ViewName = Literal["rows", "keys", "versions", "counters", "ring_seq", "ring_key
 
 # -- zero-copy views ---------------------------------------------------------------------
 
-_TYPESTR = {
-    torch.float32: "<f4",
-    torch.float16: "<f2",
-    torch.float64: "<f8",
-    torch.int64: "<i8",
-    torch.int32: "<i4",
-    torch.int16: "<i2",
-    torch.uint8: "|u1",
-}
+#: the array interface's type of the layout's metadata words (keys, versions, counters, ring,
+#: header); a row's element is typed by its stored format (``nvecache.common.rows``)
+_WORD_TYPESTR = {torch.int64: "<i8", torch.int32: "<i4"}
+
+
+def _element(dtype: torch.dtype) -> tuple[str, int]:
+    """``(typestr, bytes)`` of one element of a view: a metadata word's, or a row's (a
+    bfloat16 row travels as its int16 bits, the interface speaking numpy types)."""
+    word = _WORD_TYPESTR.get(dtype)
+    if word is not None:
+        return word, int(word[2:])
+    element = rows.numpy_dtype(rows.dtype_name(dtype))
+    return element.str, element.itemsize
 
 
 class DeviceArray:
@@ -113,11 +118,10 @@ def _cuda_view(
     pinned: Pinned, offset: int, shape: tuple[int, ...], strides: tuple[int, ...],
     dtype: torch.dtype, device: torch.device,
 ) -> torch.Tensor:
-    base_dtype = torch.int16 if dtype == torch.bfloat16 else dtype
-    size = torch.empty((), dtype=dtype).element_size()
+    typestr, size = _element(dtype)
     ptr = pinned.device_address + offset
     byte_strides = tuple(s * size for s in strides)
-    holder = DeviceArray(pinned, ptr, shape, byte_strides, _TYPESTR[base_dtype])
+    holder = DeviceArray(pinned, ptr, shape, byte_strides, typestr)
     view = torch.as_tensor(holder, device=device)
     if view.data_ptr() != ptr or view.device != device:
         raise HostRegError(
@@ -125,7 +129,7 @@ def _cuda_view(
             f"it (got {view.device} at {view.data_ptr():#x}, wanted {device} at "
             f"{ptr:#x}); report this together with your torch version"
         )
-    return view.view(dtype) if dtype != base_dtype else view
+    return view if view.dtype == dtype else view.view(dtype)
 
 
 class HostRegistration:
@@ -202,7 +206,7 @@ class HostRegistration:
     ) -> torch.Tensor:
         pinned = self._live()
         if self.device.type == "cpu":
-            size = torch.empty((), dtype=dtype).element_size()
+            size = _element(dtype)[1]
             nbytes = (sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) + 1) * size
             raw = pinned.buffer[offset : offset + nbytes]
             flat = raw.view(dtype)
@@ -212,8 +216,8 @@ class HostRegistration:
     def rows(self) -> torch.Tensor:
         """``[slots, dim]`` rows in the table's dtype (row stride = the layout's, padded)."""
         g = self.geometry
-        elem = g.elem_size
-        return self._view(g.rows_off, (g.slots, g.dim), (g.row_stride // elem, 1), g.dtype)
+        fmt = g.row_format
+        return self._view(g.rows_off, (g.slots, g.dim), (fmt.stride // fmt.itemsize, 1), g.dtype)
 
     def _hc_only(self, what: str) -> None:
         if not self.is_host_cache:

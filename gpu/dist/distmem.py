@@ -63,19 +63,17 @@ from typing import Any
 
 import torch
 
-from hostcache.gate import TableGate, gate_for
-
 from gpu.cache.twin import last_occurrence
 from gpu.cuda.devices import resolve_device
 from gpu.dist.accumulate import Accumulating
-from gpu.errors import BadArgumentError, DestructionOrderError, GPUError, GroupError, VMMError
 from gpu.dist.groups import as_group, exchange_fds
 from gpu.dist.journal import check_journal_name, new_name, open_journal
 from gpu.dist.vmm import CudaVMM, HostVMM, backend
+from gpu.errors import BadArgumentError, DestructionOrderError, GPUError, GroupError, VMMError
+from gpu.inputs import check_row_format
+from hostcache.gate import TableGate, gate_for
 
 logger = logging.getLogger(__name__)
-
-DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _round_up(n: int, to: int) -> int:
@@ -156,8 +154,6 @@ class _Holder:
                                          "version": 3}
 
 
-_TYPESTR = {torch.float32: "<f4", torch.float16: "<f2", torch.int16: "<i2"}
-
 # blocks of groups, in creation order, per process: close() must go in reverse
 _OPEN: list[weakref.ref[DistMemBlock]] = []
 _OPEN_LOCK = threading.Lock()
@@ -167,7 +163,8 @@ class DistMemBlock(Accumulating):
     """A linear table sharded over several GPUs' memory, mapped as one range (see module).
 
     Args:
-        num_rows, dim, dtype: the table's geometry (fp32, fp16 or bf16).
+        num_rows, dim, dtype: the table's geometry (``dtype``: a layer dtype of
+            ``nvecache.common.rows.LAYER_DTYPES``).
         devices: the GPUs whose memory holds this process's shards (``int``, ``"cuda:N"``,
             ``torch.device`` or a list); ``"cpu"`` for the CPU twin. Default: every
             visible GPU for one process, the current GPU for a group, the CPU without CUDA.
@@ -193,15 +190,16 @@ class DistMemBlock(Accumulating):
             raise BadArgumentError(f"num_rows must be a positive int; got {num_rows!r}")
         if not isinstance(dim, int) or isinstance(dim, bool) or dim <= 0:
             raise BadArgumentError(f"dim must be a positive int; got {dim!r}")
-        if dtype not in DTYPES:
-            raise BadArgumentError(f"dtype must be one of {DTYPES}; got {dtype!r}")
+        fmt = check_row_format(dtype, dim)
         if name is not None:
             check_journal_name(name)
         g = as_group(group)
         devs = _resolve_devices(devices, solo=g.size == 1)
         kind = devs[0].type
         self.num_rows, self.dim, self.dtype = num_rows, dim, dtype
-        self.row_bytes = dim * torch.empty((), dtype=dtype).element_size()
+        #: how a row is stored (``nvecache.common.rows``): rows lie ``row_bytes`` apart
+        self.row_format = fmt
+        self.row_bytes = fmt.row_bytes
         self.devices = devs
         self.group = g
         self.rank, self.world_size = g.rank, g.size
@@ -325,15 +323,15 @@ class DistMemBlock(Accumulating):
             raw = (ctypes.c_byte * (self.num_rows * self.row_bytes)).from_address(rng.base)
             raw._range = rng  # type: ignore[attr-defined]  # NOTE: keeps the mapping alive
             return torch.frombuffer(raw, dtype=self.dtype).view(shape)
-        base = torch.int16 if self.dtype == torch.bfloat16 else self.dtype
-        holder = _Holder(rng, shape, (self.row_bytes, self.row_bytes // self.dim),
-                         _TYPESTR[base])
+        # NOTE: the interface speaks numpy dtypes (bfloat16 travels as its int16 bits)
+        fmt = self.row_format
+        holder = _Holder(rng, shape, (self.row_bytes, fmt.itemsize), fmt.numpy_dtype.str)
         with torch.cuda.device(dev):
             t = torch.as_tensor(holder, device=dev)
         if t.data_ptr() != rng.base:
             raise GPUError("torch copied the block instead of viewing it; report this with "
                            "your torch version")
-        return t.view(self.dtype) if base != self.dtype else t
+        return t if t.dtype == self.dtype else t.view(self.dtype)
 
     @property
     def tensor(self) -> torch.Tensor:

@@ -22,6 +22,7 @@ from gpu.errors import KeyNotFoundError, StorageUnavailableError
 from gpu.layer_config import InsertPolicy
 from gpu.stacks.misses.counters import MissCounters
 from gpu.stacks.misses.host_filler import HostFiller
+from nvecache.common import rows
 from psclient import PSClientError
 
 logger = logging.getLogger(__name__)
@@ -67,7 +68,10 @@ class Resolver:
         self._default = default_row
         self._host_share = policy.host
         self._touch_sample = touch_sample
-        self.row_bytes = dim * torch.empty(0, dtype=dtype).element_size()
+        #: how the table's rows are stored (``nvecache.common.rows``); rows read on the CPU
+        #: are moved as their ``row_bytes`` payload bytes
+        self.row_format = rows.RowFormat(rows.dtype_name(dtype), dim)
+        self.row_bytes = self.row_format.row_bytes
         #: the default row as raw bytes (rows read on the CPU are moved as bytes)
         self._default_bytes = (np.empty(0, np.uint8) if default_row is None else
                                default_row.detach().to("cpu", dtype).contiguous()

@@ -20,16 +20,11 @@ import torch
 from hostcache import BadArgumentError, layout
 from hostcache.segment import check_name
 from nvecache.apps.errors import ServiceConfigError
+from nvecache.common import rows
 
 LogFormat = Literal["text", "json"]
 Warmup = Literal["none", "all"] | int
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-}
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
@@ -103,9 +98,9 @@ def _mode(where: str, value: object) -> int:
 
 
 def _dtype(where: str, value: object) -> str:
-    if value not in DTYPES:
-        raise ServiceConfigError(where, f"must be one of {sorted(DTYPES)}; got {value!r}")
-    return str(value)
+    if not isinstance(value, str) or value not in rows.DTYPES:
+        raise ServiceConfigError(where, f"must be one of {sorted(rows.DTYPES)}; got {value!r}")
+    return value
 
 
 def _warmup(where: str, value: object) -> Warmup:
@@ -141,7 +136,8 @@ class TableConfig:
     dim: int
     #: host cache: rows it holds (rounded up to whole buckets); linear: number of rows.
     capacity: int
-    #: ``float32``, ``float16``, ``bfloat16`` or ``float64``.
+    #: a stored dtype name of ``nvecache.common.rows.DTYPES`` (``float32``, ``float16``,
+    #: ``bfloat16``, ``float64``).
     dtype: str = "float32"
     #: slots per bucket of a host cache (4, 8, 16 or 32); 0 for a linear table.
     ways: int = 8
@@ -166,7 +162,7 @@ class TableConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return rows.torch_dtype(self.dtype)
 
     @property
     def ps_name(self) -> str:
