@@ -66,21 +66,21 @@ def dedup_last(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return ordered[start], order[end].astype(np.int64), inverse
 
 
-def _probe(tkeys2: np.ndarray, keys: np.ndarray, bucket: np.ndarray
+def _probe(bucket_keys: np.ndarray, keys: np.ndarray, bucket: np.ndarray
            ) -> tuple[np.ndarray, np.ndarray]:
     """(slot, found): the first way of its bucket holding each key (way 0 where none)."""
-    ways = tkeys2.shape[1]
-    same = tkeys2[bucket] == keys[:, None]
+    ways = bucket_keys.shape[1]
+    same = bucket_keys[bucket] == keys[:, None]
     return bucket * ways + same.argmax(axis=1), same.any(axis=1)
 
 
-def find(tkeys2: np.ndarray, keys: np.ndarray, bucket: np.ndarray, slot: np.ndarray,
+def find(bucket_keys: np.ndarray, keys: np.ndarray, bucket: np.ndarray, slot: np.ndarray,
          found: np.ndarray) -> None:
     """Each key's slot (way 0 of its bucket where absent) and whether it is there."""
-    slot[:], found[:] = _probe(tkeys2, keys, bucket)
+    slot[:], found[:] = _probe(bucket_keys, keys, bucket)
 
 
-def lookup(tkeys: np.ndarray, tkeys2: np.ndarray, versions: np.ndarray, raw: np.ndarray,
+def lookup(tkeys: np.ndarray, bucket_keys: np.ndarray, versions: np.ndarray, raw: np.ndarray,
            policy: np.ndarray, num_buckets: int, keys: np.ndarray, out: np.ndarray,
            hit: np.ndarray, count: bool) -> int:
     """A whole lookup: each key's slot by its bucket's keys, then the seqlock window over
@@ -88,7 +88,7 @@ def lookup(tkeys: np.ndarray, tkeys2: np.ndarray, versions: np.ndarray, raw: np.
     into ``out`` (a miss's row zeroed), each hit's policy counter bumped when ``count``.
     Returns how many hit."""
     nb = out.shape[1]
-    slot, found = _probe(tkeys2, keys, buckets(keys, num_buckets))
+    slot, found = _probe(bucket_keys, keys, buckets(keys, num_buckets))
     fence()
     before = versions[slot]
     fence()
@@ -141,7 +141,7 @@ def write_slots(tkeys: np.ndarray, raw: np.ndarray, policy: np.ndarray, slot: np
         policy[slot] = new_policy
 
 
-def plan_new(tkeys2: np.ndarray, policy2: np.ndarray, keys: np.ndarray, src: np.ndarray,
+def plan_new(bucket_keys: np.ndarray, bucket_policy: np.ndarray, keys: np.ndarray, src: np.ndarray,
              bucket: np.ndarray, protected: np.ndarray
              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
     """Where absent keys go (LFU-DA), as :func:`hostcache.table_loops.plan_new`: the
@@ -150,7 +150,7 @@ def plan_new(tkeys2: np.ndarray, policy2: np.ndarray, keys: np.ndarray, src: np.
 
     Returns ``(slots, keys, src, counters, buckets, filled)``.
     """
-    ways = tkeys2.shape[1]
+    ways = bucket_keys.shape[1]
     n = keys.shape[0]
     order = np.argsort(bucket, kind="stable")
     grouped = bucket[order]
@@ -160,7 +160,7 @@ def plan_new(tkeys2: np.ndarray, policy2: np.ndarray, keys: np.ndarray, src: np.
     group = np.cumsum(start) - 1
     rank = np.arange(n) - np.flatnonzero(start)[group]  # a key's place among its bucket's
     slots = touched[:, None] * ways + np.arange(ways)
-    prio = np.where(tkeys2[touched] == _EMPTY, np.int64(-1), policy2[touched].astype(np.int64))
+    prio = np.where(bucket_keys[touched] == _EMPTY, np.int64(-1), bucket_policy[touched].astype(np.int64))
     if protected.size:
         at = np.minimum(np.searchsorted(protected, slots), protected.size - 1)
         prio[protected[at] == slots] = PROTECTED
@@ -177,11 +177,11 @@ def plan_new(tkeys2: np.ndarray, policy2: np.ndarray, keys: np.ndarray, src: np.
             int(np.count_nonzero(p < 0)))
 
 
-def decay(policy2: np.ndarray, bucket: np.ndarray, cap: int) -> None:
+def decay(bucket_policy: np.ndarray, bucket: np.ndarray, cap: int) -> None:
     """Halve every counter of each given bucket (distinct, as :func:`plan_new` gives
     them) where one of them passed ``cap``."""
-    hot = bucket[(policy2[bucket] > cap).any(axis=1)]
-    policy2[hot] >>= 1
+    hot = bucket[(bucket_policy[bucket] > cap).any(axis=1)]
+    bucket_policy[hot] >>= 1
 
 
 #: the compiled loops once ready, this twin until then
