@@ -88,8 +88,8 @@ def swap_commands(keys: np.ndarray, old: torch.Tensor, new: torch.Tensor,
     ``EVAL`` of :data:`~psclient.redis.scripts.ACCUMULATE` per chunk of ``chunk_keys`` keys
     of a partition, over the keys sorted by partition (``keys[order]``).
 
-    Each command names a receipt key of its own in its partition's slot, ``psc:{T:p}:acc:``
-    + a random batch id + the command's first key's place; it expires by itself.
+    Each command has a receipt id of its own: a random batch id and the command's first
+    key's place.
     """
     order, bounds = group_by_partition(keys, len(part_keys))
     first, second = (t.view(torch.uint8).numpy().reshape(keys.size, -1)[order]
@@ -97,7 +97,7 @@ def swap_commands(keys: np.ndarray, old: torch.Tensor, new: torch.Tensor,
     rec = resp.field_row_pair_records(keys[order], first, second)
     size = rec.dtype.itemsize
     raw = resp.as_buffer(rec)  # NOTE: one buffer; commands send slices of it (no copy)
-    lead = resp.bulk(b"EVAL") + resp.bulk(scripts.ACCUMULATE) + resp.bulk(b"6")
+    lead = resp.bulk(b"EVAL") + resp.bulk(scripts.ACCUMULATE) + resp.bulk(b"7")
     rest = b"".join(resp.bulk(str(a).encode())
                     for a in (opts["changes_maxlen"], token, scripts.RECEIPT_MS))
     batch = os.urandom(8).hex().encode()
@@ -109,7 +109,7 @@ def swap_commands(keys: np.ndarray, old: torch.Tensor, new: torch.Tensor,
         named = b"".join(map(resp.bulk, scripts.partition_keys(pk)))
         for s in range(bl[p], bl[p + 1], ck):
             e = min(bl[p + 1], s + ck)
-            receipt = resp.bulk(b"%b:acc:%b-%d" % (pk, batch, s))
-            head = b"*%d\r\n%b%b%b%b" % (12 + 3 * (e - s), lead, named, receipt, rest)
+            receipt = resp.bulk(b"%b-%d" % (batch, s))
+            head = b"*%d\r\n%b%b%b%b" % (14 + 3 * (e - s), lead, named, rest, receipt)
             cmds.append(Cmd(p, s, e, [head, raw[s * size:e * size]]))
     return order, cmds

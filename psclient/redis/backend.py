@@ -8,7 +8,7 @@ Layout 2 of table ``T`` (prefix ``psc``, ``P`` partitions fixed at creation)::
     psc:{T:p}:changes       stream   partition p's change feed (psclient.redis.scripts)
     psc:{T:p}:last          string   the ID of that stream's newest entry
     psc:{T:p}:live          string   the table's existence marker in p's slot (writes check it)
-    psc:{T:p}:acc:<id>      string   an accumulate command's receipt (expires by itself)
+    psc:{T:p}:acc, :accz    hash, zset  accumulate's receipts (psclient.redis.scripts)
     psc:{T}:bell            channel  (cluster) the writers' doorbell for blocked followers
 
 Key ``k`` lives in partition ``fmix64(k) % P``. The hash tag ``{T:p}`` puts a partition, its

@@ -9,11 +9,14 @@ the chunk's keys, a plain ``HSET`` of its rows, ``EXEC``. The scripts' keys::
     KEYS[3] = psc:{T:p}:last       string  the ID of the stream's newest entry
     KEYS[4] = psc:{T:p}:live       string  the table's existence marker in this slot
     KEYS[5] = psc:{T:p}:held       hash    (insert only, for an instant) see below
+    KEYS[6] = psc:{T:p}:acc        hash    (accumulate only) receipts: id -> flags
+    KEYS[7] = psc:{T:p}:accz       zset    (accumulate only) receipts by time
     ARGV[1] = MAXLEN of the stream (approximate trim, ``changes_maxlen``)
     ARGV[2] = the table's token (its creation time, ``TableSchema.token``)
     ARGV[3..] = key fields (8 little-endian bytes), each followed by its row for writes
-                (accumulate: ARGV[3] the receipt's lifetime, then each field followed by
-                the row its writer read and the row to write)
+                (accumulate: ARGV[3] the receipts' lifetime, ARGV[4] this command's
+                receipt id, then each field followed by the row its writer read and the
+                row to write)
 
 The keys share the hash tag ``{T:p}``, so they live in one cluster slot and the step runs on
 one node: Redis runs a script, or a ``MULTI``/``EXEC`` block, to its end before any other
@@ -115,18 +118,20 @@ if #hit > 0 then notice('k', table.concat(hit)) end
 return table.concat(out)
 """
 
-#: accumulate's compare-and-set (KEYS: a partition's five, then the command's receipt):
-#: write a key's new row only where the row stored is still the one its writer read and
-#: added to; notice the keys written. Returns one flag per key: '1' written, '0' missing
-#: (nothing created), 'r' changed since the read (the writer reads it again and retries
-#: that key), so no concurrent addition is ever lost. The flags are kept as the receipt for
-#: :data:`RECEIPT_MS`: the same command sent again (a connection lost before its reply came,
-#: and the pipeline resent) answers them again instead of adding twice.
+#: accumulate's compare-and-set (KEYS: :func:`partition_keys`; ARGV[3] :data:`RECEIPT_MS`,
+#: ARGV[4] the command's receipt id): write a key's new row only where the row stored is
+#: still the one its writer read and added to; notice the keys written. Returns one flag
+#: per key: '1' written, '0' missing (nothing created), 'r' changed since the read (the
+#: writer reads it again and retries that key), so no concurrent addition is ever lost.
+#: The flags are kept as the command's receipt (``:acc`` by id, ``:accz`` by time; each
+#: call removes receipts older than :data:`RECEIPT_MS`): the same command sent again (a
+#: connection lost before its reply came, and the pipeline resent) answers them again
+#: instead of adding twice.
 ACCUMULATE = _NOTICE + _REFUSE + b"""
-local done = redis.call('GET', KEYS[6])
+local done = redis.call('HGET', KEYS[6], ARGV[4])
 if done then return done end
 local h, out, hit = KEYS[1], {}, {}
-for i = 4, #ARGV, 3 do
+for i = 5, #ARGV, 3 do
   local cur = redis.call('HGET', h, ARGV[i])
   if not cur then
     out[#out + 1] = '0'
@@ -140,11 +145,21 @@ for i = 4, #ARGV, 3 do
 end
 if #hit > 0 then notice('k', table.concat(hit)) end
 local flags = table.concat(out)
-redis.call('SET', KEYS[6], flags, 'PX', ARGV[3])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local old = redis.call('ZRANGEBYSCORE', KEYS[7], '-inf', now - tonumber(ARGV[3]),
+                       'LIMIT', 0, 64)
+if #old > 0 then
+  redis.call('HDEL', KEYS[6], unpack(old))
+  redis.call('ZREM', KEYS[7], unpack(old))
+end
+redis.call('HSET', KEYS[6], ARGV[4], flags)
+redis.call('ZADD', KEYS[7], string.format('%d', now), ARGV[4])
 return flags
 """
 
-#: how long an accumulate command's receipt stays (ms): longer than a pipeline's resends
+#: how long an accumulate command's receipt stays at least (ms): longer than a
+#: pipeline's resends
 RECEIPT_MS = 60_000
 
 #: erase: delete the keys; notice those that existed. Returns how many were deleted.
@@ -164,16 +179,18 @@ notice('c', '')
 return 1
 """
 
-#: drop one partition (KEYS: hash, changes, last, live, held; ARGV: the token, or '' for a
+#: drop one partition (KEYS: :func:`partition_keys`; ARGV: the token, or '' for a
 #: partition found without a marker): only where the marker is that token or missing
 DROP_PART = """
 local cur = redis.call('GET', KEYS[4])
 if cur and cur ~= ARGV[1] then return 0 end
-return redis.call('UNLINK', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5])
+return redis.call('UNLINK', unpack(KEYS))
 """
 
 
 def partition_keys(part_key: bytes) -> list[bytes]:
-    """A partition's keys, as :data:`DROP_PART` takes them."""
+    """A partition's keys, as :data:`DROP_PART` and :data:`ACCUMULATE` take them: its hash,
+    change feed, the feed's last ID, the table's marker, insert's ``:held``, and
+    accumulate's receipts (``:acc``, ``:accz``)."""
     return [part_key, part_key + b":changes", part_key + b":last", part_key + b":live",
-            part_key + b":held"]
+            part_key + b":held", part_key + b":acc", part_key + b":accz"]

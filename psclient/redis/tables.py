@@ -116,7 +116,7 @@ _MARK = """
 local cur = redis.call('GET', KEYS[4])
 if cur == ARGV[1] then return 1 end
 if cur and (tonumber(cur) or 0) > tonumber(ARGV[1]) then return 0 end
-redis.call('UNLINK', KEYS[1], KEYS[2], KEYS[3])
+redis.call('UNLINK', KEYS[1], KEYS[2], KEYS[3], KEYS[5], KEYS[6])
 redis.call('SET', KEYS[4], ARGV[1])
 return 1
 """
@@ -237,7 +237,8 @@ class RedisTableLife:
         try:
             token = self._schema.token
             marked = self._per_part(_MARK, lambda k: [k, k + b":changes", k + b":last",
-                                                      k + b":live"], token)
+                                                      k + b":live", k + b":acc",
+                                                      k + b":accz"], token)
             if not all(int(m) == 1 for m in marked):
                 raise self._dropped("was dropped and created anew while this client created "
                                     "it")
