@@ -76,8 +76,8 @@ def _drop_orphans(url: str, table: str, options: dict[str, Any], cluster: bool
         for p in parts:
             part = f"{prefix}:{{{table}:{p}}}".encode()
             token = client.get(part + b":live") or b""
-            keys = partition_keys(part)
-            gone += int(client.eval(DROP_PART, len(keys), *keys, token))
+            named = partition_keys(part)
+            gone += int(client.eval(DROP_PART, len(named), *named, token))
         top = f"{prefix}:{{{table}}}"
         gone += int(client.eval(_DROP_TOP, 3, f"{top}:schema", f"{top}:state",
                                 f"{top}:changes"))
