@@ -160,7 +160,8 @@ def plan_new(bucket_keys: np.ndarray, bucket_policy: np.ndarray, keys: np.ndarra
     group = np.cumsum(start) - 1
     rank = np.arange(n) - np.flatnonzero(start)[group]  # a key's place among its bucket's
     slots = touched[:, None] * ways + np.arange(ways)
-    prio = np.where(bucket_keys[touched] == _EMPTY, np.int64(-1), bucket_policy[touched].astype(np.int64))
+    prio = np.where(bucket_keys[touched] == _EMPTY, np.int64(-1),
+                    bucket_policy[touched].astype(np.int64))
     if protected.size:
         at = np.minimum(np.searchsorted(protected, slots), protected.size - 1)
         prio[protected[at] == slots] = PROTECTED
