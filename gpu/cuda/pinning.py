@@ -9,11 +9,13 @@ The part of :mod:`gpu.cuda.registration` that owns CUDA state (the views live th
   part-way; the chunks' device addresses must be contiguous;
 * :class:`Pinned`: one registration of one mapping, shared by every handle and view of
   it in this process (:func:`shared_pinned`), unregistered exactly once when the last of
-  them is gone. It holds the table's buffer, so the mapping outlives the registration.
+  them is gone. It holds the table's buffer, so the mapping outlives the registration
+  (also one CUDA refused to undo at once: it is retried on the next registration).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -119,29 +121,52 @@ def register_chunks(base: int, size: int, chunk_bytes: int, name: str) -> tuple[
 
 
 def unregister_chunks(chunks: list[int], name: str, *, raise_errors: bool) -> None:
-    """``cudaHostUnregister`` every chunk (last first) and empty ``chunks``."""
+    """``cudaHostUnregister`` every chunk (last first); ``chunks`` keeps those CUDA refused."""
     first: BaseException | None = None
+    refused = []
     for addr in reversed(chunks):
         try:
             _cuda.call("cudaHostUnregister", addr, detail=f"table {name!r}")
         except GPUError as e:
-            logger.error("table %s: unregistering %#x failed: %s", name, addr, e)
+            logger.warning("table %s: unregistering %#x failed: %s", name, addr, e)
             first = first or e
-    chunks.clear()
+            refused.append(addr)
+    chunks[:] = refused[::-1]
     if first is not None and raise_errors:
         raise first
 
 
+#: finalised registrations CUDA refused to undo (a CUDA graph being captured in global mode
+#: refuses cudaHostUnregister on every thread, and a garbage collection can drop the last
+#: handle meanwhile): their mappings are kept, never unmapped while registered (a later
+#: mapping at the same address could not be registered), and retried on the next register
+_UNFINISHED: list[dict[str, Any]] = []
+
+
+def retry_unfinished() -> None:
+    """Undo the registrations CUDA refused to undo before; let their mappings go."""
+    for state in list(_UNFINISHED):
+        unregister_chunks(state["chunks"], state["name"], raise_errors=False)
+        if not state["chunks"]:
+            state["buffer"] = None  # now the mapping may go
+            with contextlib.suppress(ValueError):
+                _UNFINISHED.remove(state)
+
+
 def _finalize_pinned(state: dict[str, Any]) -> None:
-    """Unregister (once) and let go of the buffer; runs when the last reference is gone."""
+    """Unregister (once) and let go of the buffer; runs when the last reference is gone.
+
+    A registration CUDA refuses to undo now keeps its buffer (the mapping stays) and waits
+    in :data:`_UNFINISHED` for the next :func:`shared_pinned`."""
     chunks: list[int] = state["chunks"]
-    try:
-        if chunks and os.getpid() == state["pid"]:
-            unregister_chunks(chunks, state["name"], raise_errors=False)
-            logger.debug("table %s: unregistered from CUDA", state["name"])
-    finally:
-        chunks.clear()
-        state["buffer"] = None  # now the mapping may go
+    if chunks and os.getpid() == state["pid"]:
+        unregister_chunks(chunks, state["name"], raise_errors=False)
+        if chunks:
+            _UNFINISHED.append(state)
+            return
+        logger.debug("table %s: unregistered from CUDA", state["name"])
+    chunks.clear()
+    state["buffer"] = None  # now the mapping may go
 
 
 class Pinned:
@@ -196,6 +221,8 @@ _LIVE: dict[tuple[int, int, str], weakref.ref[Pinned]] = {}
 def shared_pinned(name: str, buffer: torch.Tensor, device: torch.device, chunk: int) -> Pinned:
     """The live registration of ``buffer``'s mapping in this process, or a new one."""
     key = (int(buffer.data_ptr()), int(buffer.numel()), device.type)
+    if device.type == "cuda":
+        retry_unfinished()
     with _STATE_LOCK:
         ref = _LIVE.get(key)
         pinned = ref() if ref is not None else None

@@ -142,6 +142,46 @@ def test_registering_twice_on_cuda_shares_one_registration(cache: HostCache) -> 
     assert not a.registered and not pointer_is_registered(base, "cuda")
 
 
+@pytest.mark.gpu
+@needs_cuda
+def test_a_registration_dropped_while_a_graph_is_captured_never_strands_its_address(
+        table_name: str) -> None:
+    """A CUDA graph captured in global mode refuses cudaHostUnregister on every thread, and
+    a garbage collection can drop a registration's last handle meanwhile: its mapping must
+    stay until the registration is undone, so that no later mapping at that address meets
+    a registration of memory gone (cudaErrorHostMemoryAlreadyRegistered)."""
+    x = torch.zeros(8, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    names = [f"{table_name}-{i}" for i in range(3)]
+    blocks = [SharedMemBlock.create(name, num_rows=64, dim=16) for name in names]
+    regs = [register(mb, device="cuda") for mb in blocks]
+    bases = [reg.chunks[0] for reg in regs]
+    with torch.cuda.graph(graph):  # NOTE: torch's default: global capture mode
+        y = x + 1
+        for name, mb in zip(names, blocks, strict=True):
+            regs.pop(0).close()
+            gc.collect()
+            mb.close()
+            SharedMemBlock.unlink(name)
+    del blocks
+    gc.collect()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, x + 1)
+    # NOTE: new mappings of the same size land at the addresses just freed, if any were
+    for i in range(2 * len(names)):
+        name = f"{table_name}-again-{i}"
+        mb = SharedMemBlock.create(name, num_rows=64, dim=16)
+        try:
+            with register(mb, device="cuda") as reg:
+                assert pointer_is_registered(reg.chunks[0], "cuda")
+        finally:
+            mb.close()
+            SharedMemBlock.unlink(name)
+    gc.collect()
+    assert not any(pointer_is_registered(base, "cuda") for base in bases)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
