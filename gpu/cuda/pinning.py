@@ -145,6 +145,8 @@ _UNFINISHED: list[dict[str, Any]] = []
 
 def retry_unfinished() -> None:
     """Undo the registrations CUDA refused to undo before; let their mappings go."""
+    if not _UNFINISHED or torch.cuda.is_current_stream_capturing():
+        return
     for state in list(_UNFINISHED):
         unregister_chunks(state["chunks"], state["name"], raise_errors=False)
         if not state["chunks"]:
@@ -160,7 +162,9 @@ def _finalize_pinned(state: dict[str, Any]) -> None:
     in :data:`_UNFINISHED` for the next :func:`shared_pinned`."""
     chunks: list[int] = state["chunks"]
     if chunks and os.getpid() == state["pid"]:
-        unregister_chunks(chunks, state["name"], raise_errors=False)
+        # NOTE: a graph capture on this thread: the call would fail and invalidate it
+        if not torch.cuda.is_current_stream_capturing():
+            unregister_chunks(chunks, state["name"], raise_errors=False)
         if chunks:
             _UNFINISHED.append(state)
             return
