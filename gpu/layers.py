@@ -102,6 +102,11 @@ class _NVBase(torch.nn.Module):
         self.validate = bool(validate)
         self._tiers.validate = self.validate
         self._op = ops.register(self._tiers)
+        #: the op a compiled forward takes (gpu.ops): False once closed, so it traces again
+        self._graph_safe = ops.graph_safe(self._op)
+        #: the layer's id as data in a compiled or exported graph (gpu.ops, gpu.export)
+        self.register_buffer("nvecache_id", ops.id_buffer(self._op, self.device),
+                             persistent=False)
 
     def synchronize(self) -> None:
         """Wait for this layer's queued lookups, then raise a bad key any of them met.
@@ -266,6 +271,7 @@ class _NVBase(torch.nn.Module):
         # NOTE: the stand-in first: later calls raise, eager or compiled (gpu.ops)
         self._tiers = ClosedStack(f"{type(self).__name__} ({self.layer_type.name})", tiers)
         self._op = ops.unregister(self._op, self._tiers)
+        self._graph_safe = False
         owned, self._owned = self._owned, []
         try:
             if self.device.type == "cuda":
@@ -325,7 +331,8 @@ class NVEmbedding(_NVBase):
         as ``torch.nn.functional.embedding``."""
         keys = check_keys(input, self.device)
         if torch.compiler.is_compiling():  # one custom op: no graph break (gpu.ops)
-            rows = ops.rows(keys.reshape(-1).contiguous(), self._op)
+            rows = ops.rows(keys.reshape(-1).contiguous(), self.nvecache_id,
+                            self.embedding_size, self.data_type, safe=self._graph_safe)
         elif keys.dim() == 1 and keys.is_contiguous():  # NOTE: no reshape or view to pay
             return self._tiers.rows(keys)
         else:
@@ -356,6 +363,7 @@ class NVEmbeddingBag(_NVBase):
                                    self.include_last_offset, self.data_type, self.device,
                                    self.validate)
         if torch.compiler.is_compiling():  # one custom op: no graph break (gpu.ops)
-            return ops.pooled(keys, full, weights, self._op, self.mode)
+            return ops.pooled(keys, full, weights, self.nvecache_id, self.mode,
+                              self.embedding_size, self.data_type)
         with torch.no_grad():
             return self._tiers.pooled(keys, full, weights, self.mode)

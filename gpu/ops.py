@@ -1,24 +1,37 @@
 """The layers' lookups as torch custom ops, so ``torch.compile(model, fullgraph=True)``
-traces a model holding them without a graph break.
+traces a model holding them without a graph break, and ``torch.export`` saves a program
+that a fresh process can load (``gpu.export``).
 
-``nvecache::rows`` and ``nvecache::pooled`` take the keys (and bags) plus a handle: a
-small int naming the layer's tier stack in this process (:func:`register`). Their fake
-implementations give the output's shape and dtype, so the compiler never runs a lookup
-while tracing. Eager calls do not go through the ops (a custom op's dispatch costs
-host time a serving call does not need); a layer's ``forward`` takes them only while
-``torch.compiler.is_compiling()``.
+``nvecache::table_rows``, ``nvecache::stack_rows`` and ``nvecache::pooled`` take the keys
+(and bags), the layer's id buffer and the layer's geometry (``dim``, ``dtype``). The id
+buffer is a one-element int64 tensor registered on the layer (:func:`id_buffer`); it holds
+the id under which :func:`register` keeps the layer's tier stack in this process. Being a
+buffer, not a constant, the id travels with the program as data: a program loaded in
+another process is pointed at that process's layers by writing their ids into it
+(:func:`bind`), without tracing again. Ids are drawn from a per-process random base, so
+an id written by another process names no layer here and raises a typed error. The fake
+implementations take the output's shape and dtype from the arguments, so the compiler
+never runs a lookup while tracing. Eager calls do not go through the ops (a custom op's
+dispatch costs host time a serving call does not need); a layer's ``forward`` takes them
+only while ``torch.compiler.is_compiling()`` (compile and export).
+
+The id is read from the buffer once per write of it: :func:`bind` remembers the value on
+the tensor with the buffer's version counter, so a buffer on a CUDA device costs no
+device sync per call.
 
 CUDA graphs: a GPULayer's lookup is one kernel, safe to capture, so
 ``torch.compile(mode="reduce-overhead")`` replays it. The other stacks do host work per
 call (following the shared table's changes, admissions), which a replay would skip: their
 ops carry ``torch.Tag.cudagraph_unsafe`` where torch has it, so the compiler keeps them out
-of its graphs. A closed layer takes a new handle (:func:`unregister`): a compiled model
-traces it again instead of replaying a graph of its lookup, and the op raises.
+of its graphs. A closed layer's id names its closed stand-in (:func:`unregister`), whose
+calls raise; the layer then takes the capturable op no more (a compiled model guards on
+that choice and traces again, so a CUDA graph of the lookup is never replayed).
 """
 
 from __future__ import annotations
 
 import itertools
+import secrets
 import threading
 import weakref
 from typing import Any
@@ -28,55 +41,83 @@ import torch
 from gpu.errors import BadArgumentError
 
 _lock = threading.Lock()
-_next = itertools.count(1)
+#: ids of this process: a random base, so another process's ids name no layer here
+_next = itertools.count((secrets.randbits(30) << 20) + 1)
 _stacks: dict[int, weakref.ReferenceType[Any]] = {}
 _meta: dict[int, tuple[int, torch.dtype, bool]] = {}
 
 _UNSAFE = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
+#: the attribute on an id buffer holding ``(version, id)`` of its last write by bind()
+_SEEN = "_nvecache_layer_id"
+
+
+def _track(handle: int, stack: Any, graph_safe: bool) -> None:
+    def forget(_: object, h: int = handle) -> None:
+        _stacks.pop(h, None)
+        _meta.pop(h, None)
+
+    _stacks[handle] = weakref.ref(stack, forget)
+    _meta[handle] = (stack.dim, stack.dtype, graph_safe)
 
 
 def register(stack: Any) -> int:
-    """A handle for ``stack`` (a :class:`gpu.stacks.protocol.LayerStack`, with its
+    """An id for ``stack`` (a :class:`gpu.stacks.protocol.LayerStack`, with its
     ``dim``, ``dtype`` and ``layer_type``);
     forgotten when the stack is garbage collected (a closed layer's: :func:`unregister`)."""
     with _lock:
         handle = next(_next)
-        _meta[handle] = (stack.dim, stack.dtype, stack.layer_type == "GPULayer")
-
-        def forget(_: object, h: int = handle) -> None:
-            _stacks.pop(h, None)
-            _meta.pop(h, None)
-
-        _stacks[handle] = weakref.ref(stack, forget)
+        _track(handle, stack, stack.layer_type == "GPULayer")
     return handle
 
 
 def unregister(handle: int, closed: Any) -> int:
-    """Forget the stack behind ``handle``: its layer was closed, and ``closed`` is the
-    layer's stand-in, whose ``rows``/``pooled`` raise its closed error.
-
-    ``handle`` names ``closed`` from now on, and so does the handle returned, the layer's
-    new one: a compiled model guards on the layer's handle, so it traces again (a CUDA
-    graph holding the closed layer's lookup is never replayed) and its op raises. Both are
-    forgotten when ``closed`` is garbage collected.
-    """
+    """Point ``handle`` at ``closed``, the closed layer's stand-in, whose ``rows`` and
+    ``pooled`` raise its closed error; returns ``handle``. Forgotten when ``closed`` is
+    garbage collected."""
     with _lock:
         if handle in _stacks:
+            _track(handle, closed, False)
+    return handle
 
-            def forget(_: object, h: int = handle) -> None:
-                _stacks.pop(h, None)
-                _meta.pop(h, None)
 
-            _stacks[handle] = weakref.ref(closed, forget)
-    return register(closed)
+def graph_safe(handle: int) -> bool:
+    """Whether the layer of ``handle`` takes the op a CUDA graph may capture (an open
+    GPULayer)."""
+    meta = _meta.get(handle)
+    return bool(meta and meta[2])
+
+
+def id_buffer(handle: int, device: torch.device) -> torch.Tensor:
+    """The one-element int64 buffer a layer registers, holding ``handle``."""
+    buf = torch.tensor([handle], dtype=torch.int64, device=device)
+    bind(buf, handle)
+    return buf
+
+
+def bind(buf: torch.Tensor, handle: int) -> None:
+    """Write ``handle`` into the id buffer ``buf`` (a loaded program's, or a layer's)."""
+    with torch.no_grad():
+        buf.fill_(handle)
+    setattr(buf, _SEEN, (buf._version, handle))
+
+
+def _handle_of(layer: torch.Tensor) -> int:
+    seen = getattr(layer, _SEEN, None)
+    if seen is not None and seen[0] == layer._version:
+        return int(seen[1])
+    handle = int(layer.reshape(-1)[0])  # NOTE: a buffer not written by bind(): read once
+    setattr(layer, _SEEN, (layer._version, handle))
+    return handle
 
 
 def _gone(handle: int) -> BadArgumentError:
     return BadArgumentError(f"no layer with handle {handle} in this process (it was "
-                            "garbage collected): build the model again")
+                            "garbage collected, or the program was saved by another "
+                            "process: load it with gpu.export.load): build the model again")
 
 
-def _stack(handle: int) -> Any:
+def _stack(layer: torch.Tensor) -> Any:
+    handle = _handle_of(layer)
     ref = _stacks.get(handle)
     stack = ref() if ref is not None else None
     if stack is None:
@@ -91,49 +132,76 @@ def _geometry(handle: int) -> tuple[int, torch.dtype, bool]:
     return meta
 
 
-def rows(keys: torch.Tensor, handle: int) -> torch.Tensor:
+def _as_buffer(handle: int | torch.Tensor, keys: torch.Tensor
+               ) -> tuple[torch.Tensor, int, torch.dtype, bool]:
+    """An int handle (a direct call) as an id buffer plus its layer's geometry."""
+    if isinstance(handle, torch.Tensor):
+        raise BadArgumentError("pass dim= and dtype= with an id buffer")
+    dim, dtype, safe = _geometry(handle)
+    return id_buffer(handle, keys.device), dim, dtype, safe
+
+
+def rows(keys: torch.Tensor, layer: int | torch.Tensor, dim: int | None = None,
+         dtype: torch.dtype | None = None, *, safe: bool | None = None) -> torch.Tensor:
     """Rows ``[N, dim]`` of flat int64 ``keys`` from the layer's stack, through the op
-    that fits it (a GPULayer's may be captured in a CUDA graph)."""
-    if _geometry(handle)[2]:
-        return table_rows(keys, handle)
-    return stack_rows(keys, handle)
+    that fits it (``safe``: a GPULayer's, which may be captured in a CUDA graph).
+
+    ``layer`` is the layer's id buffer (with its ``dim`` and ``dtype``), or its int id."""
+    if dim is None or dtype is None or safe is None:
+        layer, dim, dtype, safe = _as_buffer(layer, keys)
+    assert isinstance(layer, torch.Tensor)
+    op = table_rows if safe else stack_rows
+    return op(keys, layer, dim, dtype)
 
 
 @torch.library.custom_op("nvecache::table_rows", mutates_args=())
-def table_rows(keys: torch.Tensor, handle: int) -> torch.Tensor:
+def table_rows(keys: torch.Tensor, layer: torch.Tensor, dim: int,
+               dtype: torch.dtype) -> torch.Tensor:
     """A GPULayer's lookup: one kernel, no host work a CUDA graph replay would skip."""
     with torch.no_grad():
-        return _stack(handle).rows(keys)
+        return _stack(layer).rows(keys)
 
 
 @torch.library.custom_op("nvecache::stack_rows", mutates_args=(), tags=_UNSAFE)
-def stack_rows(keys: torch.Tensor, handle: int) -> torch.Tensor:
+def stack_rows(keys: torch.Tensor, layer: torch.Tensor, dim: int,
+               dtype: torch.dtype) -> torch.Tensor:
     """A cached stack's lookup (host work per call: not for CUDA graphs)."""
     with torch.no_grad():
-        return _stack(handle).rows(keys)
+        return _stack(layer).rows(keys)
 
 
 @table_rows.register_fake
-def _table_rows_fake(keys: torch.Tensor, handle: int) -> torch.Tensor:
-    dim, dtype, _ = _geometry(handle)
+def _table_rows_fake(keys: torch.Tensor, layer: torch.Tensor, dim: int,
+                     dtype: torch.dtype) -> torch.Tensor:
     return keys.new_empty((keys.shape[0], dim), dtype=dtype)
 
 
 @stack_rows.register_fake
-def _stack_rows_fake(keys: torch.Tensor, handle: int) -> torch.Tensor:
-    return _table_rows_fake(keys, handle)
+def _stack_rows_fake(keys: torch.Tensor, layer: torch.Tensor, dim: int,
+                     dtype: torch.dtype) -> torch.Tensor:
+    return keys.new_empty((keys.shape[0], dim), dtype=dtype)
+
+
+def pooled(keys: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
+           layer: int | torch.Tensor, mode: str, dim: int | None = None,
+           dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Pooled rows ``[B, dim]`` of bags ``offsets`` (``[B + 1]``, last offset included);
+    ``layer`` as :func:`rows` takes it."""
+    if dim is None or dtype is None:
+        layer, dim, dtype, _ = _as_buffer(layer, keys)
+    assert isinstance(layer, torch.Tensor)
+    return pooled_op(keys, offsets, weights, layer, mode, dim, dtype)
 
 
 @torch.library.custom_op("nvecache::pooled", mutates_args=(), tags=_UNSAFE)
-def pooled(keys: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
-           handle: int, mode: str) -> torch.Tensor:
+def pooled_op(keys: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
+              layer: torch.Tensor, mode: str, dim: int, dtype: torch.dtype) -> torch.Tensor:
     """Pooled rows ``[B, dim]`` of bags ``offsets`` (``[B + 1]``, last offset included)."""
     with torch.no_grad():
-        return _stack(handle).pooled(keys, offsets, weights, mode)
+        return _stack(layer).pooled(keys, offsets, weights, mode)
 
 
-@pooled.register_fake
+@pooled_op.register_fake
 def _pooled_fake(keys: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
-                 handle: int, mode: str) -> torch.Tensor:
-    dim, dtype, _ = _geometry(handle)
+                 layer: torch.Tensor, mode: str, dim: int, dtype: torch.dtype) -> torch.Tensor:
     return keys.new_empty((offsets.shape[0] - 1, dim), dtype=dtype)
