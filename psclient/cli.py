@@ -6,6 +6,8 @@
     psclient load URL --table T FILE [--tensor NAME] [--format npy|safetensors|raw]
                   [--keys FILE] [--dim D] [--dtype DTYPE] [--batch-size N]
                   [--duplicates refuse|last] [--allow-nonfinite] [--progress|--no-progress]
+    psclient dump URL --table T FILE [--format safetensors|npy] [--keys FILE]
+                  [--progress|--no-progress]
     psclient stat URL --table T [--json]
     psclient drop URL --table T
     psclient upgrade URL --table T
@@ -41,11 +43,22 @@ from psclient.registry import connect, drop_orphans, list_orphans, list_tables, 
 from psclient.schema import DTYPES, dtype_name
 
 if TYPE_CHECKING:
-    from psclient.loader import check_finite_rows, check_rows, file_format, open_keys, open_rows
-else:  # NOTE: torch and the file readers load when a command needs them
-    check_finite_rows, check_rows, file_format, open_keys, open_rows = (
+    from psclient.dump import default_keys_path, dump_table
+    from psclient.loader import (
+        check_finite_rows,
+        check_rows,
+        file_format,
+        file_keys,
+        open_keys,
+        open_rows,
+    )
+else:  # NOTE: torch and the file readers and writers load when a command needs them
+    check_finite_rows, check_rows, file_format, file_keys, open_keys, open_rows = (
         deferred("psclient.loader", f)
-        for f in ("check_finite_rows", "check_rows", "file_format", "open_keys", "open_rows"))
+        for f in ("check_finite_rows", "check_rows", "file_format", "file_keys", "open_keys",
+                  "open_rows"))
+    default_keys_path, dump_table = (deferred("psclient.dump", f)
+                                     for f in ("default_keys_path", "dump_table"))
 
 PROG = "psclient"
 EXIT_ERROR = 1
@@ -106,6 +119,23 @@ def _parser() -> argparse.ArgumentParser:
     ld.add_argument("--progress", action="store_true",
                     help="show the progress bar even when stderr is not a terminal")
     ld.add_argument("--no-progress", action="store_true", help="no progress bar")
+    du = sub.add_parser(
+        "dump", epilog=_URLS, formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="write a table's keys and rows to a .safetensors or .npy file",
+        description="Write every key and row of table T to FILE: a .safetensors file (rows "
+        "as 'weight', keys as 'keys') or .npy rows with their keys in a second .npy (--keys, "
+        "default NAME.keys.npy). The file is written beside and renamed into place. "
+        "`psclient load` reads it back.")
+    du.add_argument("url", metavar="URL", help="the store (see store URLs below)")
+    du.add_argument("--table", required=True, metavar="T", help="the table to dump")
+    du.add_argument("file", metavar="FILE", help="where to write: .safetensors or .npy")
+    du.add_argument("--format", choices=["safetensors", "npy"],
+                    help="the file's format (default: by its suffix)")
+    du.add_argument("--keys", metavar="FILE", help="with .npy: where the keys go "
+                    "(default: FILE's name with .keys.npy)")
+    du.add_argument("--progress", action="store_true",
+                    help="show the progress bar even when stderr is not a terminal")
+    du.add_argument("--no-progress", action="store_true", help="no progress bar")
     st = sub.add_parser("stat", help="schema, row count and backend details of a table",
                         epilog=_URLS, formatter_class=argparse.RawDescriptionHelpFormatter)
     st.add_argument("url", metavar="URL", help="the store (see store URLs below)")
@@ -182,8 +212,8 @@ def _load(args: argparse.Namespace) -> int:
     rows = open_rows(args.file, args.tensor, format=fmt, dim=dim, dtype=DTYPES[dtype], cli=True)
     check_rows(rows, dim, DTYPES[dtype], table=args.table, convert=args.dtype is not None,
                cli=True)
-    ks = None if args.keys is None else open_keys(args.keys, rows.n, cli=True,
-                                                  duplicates=args.duplicates)
+    keys = file_keys(args.file, args.keys, fmt, args.tensor)
+    ks = None if keys is None else open_keys(keys, rows.n, cli=True, duplicates=args.duplicates)
     if not args.allow_nonfinite:  # NOTE: every row read once, before the table is created
         check_finite_rows(rows, DTYPES[dtype], ks, batch_size=args.batch_size, cli=True)
     # NOTE: a new table is created `loading`, a loading one joined; the load's end publishes
@@ -205,6 +235,20 @@ def _load(args: argparse.Namespace) -> int:
     if state["state"] == LOADING:
         others = "; ".join(f"pid {x['pid']} on {x['host']}" for x in state["loads"])
         print(f"table {args.table} stays loading until the other loads end ({others})")
+    return 0
+
+
+def _dump(args: argparse.Namespace) -> int:
+    if args.keys is not None and default_keys_path(args.file, args.format) is None:
+        raise BadArgumentError("--keys is for .npy rows: a .safetensors file holds its keys")
+    with _open(args.url, args.table) as ps:
+        t0 = time.perf_counter()
+        n = dump_table(ps, args.file, keys_path=args.keys, format=args.format, cli=True,
+                       progress=False if args.no_progress else True if args.progress else None)
+        dt = time.perf_counter() - t0
+    where = args.keys or default_keys_path(args.file, args.format)
+    keys = "" if where is None else f" (keys in {where})"
+    print(f"dumped {n} rows of {args.table} to {args.file}{keys} in {dt:.2f} s")
     return 0
 
 
@@ -358,11 +402,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # --help/--version (0) or a bad command line (2), already printed
         return e.code if isinstance(e.code, int) else EXIT_USAGE
     if args.cmd is None:
-        print(f"{PROG}: error: give a command: ls, load, stat, drop or upgrade "
+        print(f"{PROG}: error: give a command: ls, load, dump, stat, drop or upgrade "
               f"(see `{PROG} --help`)", file=sys.stderr)
         return EXIT_USAGE
     try:
-        return {"ls": _ls, "load": _load, "stat": _stat, "drop": _drop,
+        return {"ls": _ls, "load": _load, "dump": _dump, "stat": _stat, "drop": _drop,
                 "upgrade": _upgrade}[args.cmd](args)
     except PSClientError as e:
         print(f"{PROG}: error: {' '.join(str(e).split())}", file=sys.stderr)

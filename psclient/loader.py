@@ -3,8 +3,10 @@
 Sources are opened without reading their rows (files are memory-mapped) and read chunk by
 chunk. A raw binary file is rows of the table's ``dim`` and dtype back to back, in the
 machine's (little-endian) byte order, with no header: its size must be a whole number of
-rows. Keys default to ``0..N-1``; a keys source (a tensor, an int ``.npy`` or a raw file of
-little-endian int64) gives one key per row instead.
+rows. Keys default to ``0..N-1``, or to the ``keys`` tensor of a ``.safetensors`` file that
+holds one beside its rows (as ``psclient dump`` writes them); a keys source (a tensor, an
+int ``.npy``, a ``.safetensors`` file's ``keys`` or a raw file of little-endian int64) gives
+one key per row instead.
 
 A file is read as the format it is given (or its suffix names) only if its first bytes say
 it is one: an ``.npz`` archive, a torch ``.pt`` file or anything else is refused with a line
@@ -49,6 +51,9 @@ log = logging.getLogger(__name__)
 #: file formats :func:`open_rows` reads; ``None`` picks one by the file's suffix
 FileFormat = Literal["npy", "safetensors", "raw"]
 FORMATS: tuple[str, ...] = ("npy", "safetensors", "raw")
+#: the tensor of a ``.safetensors`` file that holds its rows' keys (as ``psclient dump``
+#: writes them)
+KEYS_TENSOR = "keys"
 #: suffixes read as raw binary rows when no format is given
 RAW_SUFFIXES = (".bin", ".raw")
 
@@ -233,14 +238,18 @@ def _open_safetensors(path: Path, tensor: str | None, cli: bool) -> RowSource:
         raise BadArgumentError(f"{str(path)!r} is not a .safetensors file: {e}") from e
     names = list(f.keys())
     if tensor is None:
+        rows = [n for n in names if n != KEYS_TENSOR]
+        if len(rows) == 1 and len(names) == 2:  # NOTE: rows and their keys: the rows
+            names = rows
         if len(names) != 1:
             raise BadArgumentError(
                 f"{str(path)!r} holds tensors {names}: name one with "
                 f"{_arg(cli, 'tensor=NAME', '--tensor NAME')}"
             )
         tensor = names[0]
-    if tensor not in names:
-        raise BadArgumentError(f"{str(path)!r} has no tensor {tensor!r}; it holds {names}")
+    if tensor not in f.keys():
+        raise BadArgumentError(f"{str(path)!r} has no tensor {tensor!r}; it holds "
+                               f"{list(f.keys())}")
     sl = f.get_slice(tensor)
     shape = sl.get_shape()
     if len(shape) != 2:
@@ -248,6 +257,36 @@ def _open_safetensors(path: Path, tensor: str | None, cli: bool) -> RowSource:
     dt = f.get_slice(tensor)[0:0].dtype
     return RowSource(shape[0], shape[1], dt, lambda a, b: sl[a:b].contiguous(),
                      f"tensor {tensor!r} of {str(path)!r}")
+
+
+def _safetensors_keys(path: Path, what: str) -> np.ndarray:
+    """The ``keys`` tensor of a ``.safetensors`` file, read whole (8 bytes a row)."""
+    try:
+        with safe_open(str(path), framework="np") as f:
+            if KEYS_TENSOR not in f.keys():
+                raise BadKeysError(f"{what} has no {KEYS_TENSOR!r} tensor; it holds "
+                                   f"{list(f.keys())}")
+            return np.asarray(f.get_tensor(KEYS_TENSOR))
+    except (SafetensorError, OSError) as e:
+        raise BadKeysError(f"{what} cannot be read: {e}") from e
+
+
+def file_keys(source: object, keys: object, fmt: str | None, tensor: str | None = None
+              ) -> object:
+    """The keys of a load: ``keys`` if given, else the source itself where it is a
+    ``.safetensors`` file that holds a ``keys`` tensor beside the rows read (``tensor``),
+    else None (row ``i`` gets key ``i``)."""
+    if keys is not None or not isinstance(source, (str, Path)):
+        return keys
+    path = Path(source)
+    if (tensor == KEYS_TENSOR or not path.is_file() or sniff(path) != "safetensors"
+            or fmt not in (None, "safetensors")):
+        return None
+    try:
+        with safe_open(str(path), framework="np") as f:
+            return source if KEYS_TENSOR in f.keys() else None
+    except (SafetensorError, OSError):
+        return None
 
 
 def open_keys(source: object, n: int, *, cli: bool = False,
@@ -270,9 +309,11 @@ def open_keys(source: object, n: int, *, cli: bool = False,
         path = _file(source)
         what = f"keys file {str(path)!r}"
         found = sniff(path)
-        if path.suffix.lower() == ".npy":
+        if found == "safetensors":
+            arr = _safetensors_keys(path, what)
+        elif path.suffix.lower() == ".npy":
             arr = _load_npy(path, found, what, cli)
-        elif found in ("npy", "zip", "safetensors"):
+        elif found in ("npy", "zip"):
             raise not_a(path, "raw", found, what=what, cli=cli)
         else:
             size = path.stat().st_size
@@ -347,6 +388,7 @@ def _chunks(ps: ParameterServer, source: object, keys: object, tensor: str | Non
     if isinstance(source, (torch.Tensor, np.ndarray, str, Path)):
         rows = open_rows(source, tensor, format=fmt, dim=ps.dim, dtype=ps.dtype)
         check_rows(rows, ps.dim, ps.dtype, table=ps.table, convert=convert)
+        keys = file_keys(source, keys, fmt, tensor)
         ks = None if keys is None else open_keys(keys, rows.n, duplicates=duplicates)
         dtype = ps.dtype
         if not allow_nonfinite:
