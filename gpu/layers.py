@@ -32,7 +32,7 @@ from typing import Any, Self
 
 import torch
 
-from gpu import ops
+from gpu import ops, state
 from gpu.cuda.devices import resolve_device
 from gpu.errors import BadArgumentError
 from gpu.inputs import bags, check_dtype, check_keys, check_values
@@ -107,6 +107,14 @@ class _NVBase(torch.nn.Module):
         #: the layer's id as data in a compiled or exported graph (gpu.ops, gpu.export)
         self.register_buffer("nvecache_id", ops.id_buffer(self._op, self.device),
                              persistent=False)
+
+    # NOTE: checkpoints (gpu.state): ``<prefix>weight`` is a view of a linear table (no
+    # copy), a Hierarchical layer's ``<prefix>_extra_state`` names its tables; loading
+    # writes rows through the layer's write path, in chunks
+    _save_to_state_dict = state.save_to_state_dict
+    _load_from_state_dict = state.load_from_state_dict
+    get_extra_state = state.get_extra_state
+    set_extra_state = state.set_extra_state
 
     def synchronize(self) -> None:
         """Wait for this layer's queued lookups, then raise a bad key any of them met.

@@ -37,7 +37,17 @@ from gpu.stacks.misses.resolver import Resolver, touch_sample
 from gpu.stacks.protocol import Tier
 from gpu.tier_config import TierConfig
 
-__all__ = ["HierarchicalStack", "touch_sample"]
+__all__ = ["HierarchicalStack", "ps_location", "touch_sample"]
+
+
+def ps_location(ps: Any) -> str | None:
+    """Where a parameter server's table is: its URL (a password left out) or, for
+    ``file://``, its directory; None when the client does not tell."""
+    url = getattr(ps, "_url", None)  # NOTE: redis backends keep it redacted
+    if isinstance(url, str):
+        return url
+    path = getattr(ps, "_path", None)  # file://
+    return f"file://{path}" if isinstance(path, str) else None
 
 
 class HierarchicalStack(TierWrites, CachedStack):
@@ -150,6 +160,29 @@ class HierarchicalStack(TierWrites, CachedStack):
         node = self.host_cache.stats() if self.host_cache is not None else None
         return LayerStats(self.layer_type, self.gpu_stats(), host, ps, c.default_rows, node,
                           self.follower.invalidated_keys, self.follower.full_invalidations)
+
+    def table_names(self) -> dict[str, object]:
+        """The tables this stack reads, by name (see
+        :class:`gpu.stacks.protocol.NamedState`); no row is read."""
+        names: dict[str, object] = {"dim": self.dim, "dtype": str(self.dtype)}
+        if self.host_cache is not None:
+            names["host_cache"] = self.host_cache.name
+        if self.ps is not None:
+            names["table"] = self.ps.table
+            names["url"] = ps_location(self.ps)
+        return names
+
+    def table_label(self) -> str:
+        """The tables as an error names them."""
+        names = self.table_names()
+        parts = [f"host cache {names['host_cache']!r}"] if "host_cache" in names else []
+        if "table" in names:
+            parts.append(f"parameter-server table {names['table']!r}")
+        return " over ".join(parts)
+
+    def write_rows(self, start: int, values: torch.Tensor) -> None:
+        """Insert rows of keys ``start ..`` into every tier (the parameter server first)."""
+        self.insert(torch.arange(start, start + values.shape[0]), values)
 
     def check_pending(self) -> None:
         """Nothing to raise: keys are checked before every lookup."""

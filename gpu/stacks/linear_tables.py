@@ -170,6 +170,30 @@ class LinearTable:
         self._written(keys)
         return torch.ones(keys.numel(), dtype=torch.bool, device=keys.device)
 
+    def table_view(self) -> torch.Tensor:
+        """The table's rows where they live (see :class:`gpu.stacks.protocol.LinearState`)."""
+        return self.table
+
+    def table_label(self) -> str:
+        """The table as an error names it."""
+        if self._block is None:
+            return f"the layer's own table on {self.table.device}"
+        return f"{type(self._block).__name__} {self._block.name!r}"
+
+    def write_rows(self, start: int, values: torch.Tensor) -> None:
+        """Write rows ``start ..`` through :meth:`update` (announced to every process)."""
+        self.update(torch.arange(start, start + values.shape[0]), values)
+
+    def rows_changed(self, start: int, stop: int) -> None:
+        """Announce rows written in place through :meth:`table_view`: every process's GPU
+        cache drops them (a block's feed), this one's at once."""
+        keys = torch.arange(start, stop)
+        if self.table.is_cuda:
+            torch.cuda.synchronize(self.table.device)  # the writes are in place first
+        if self._block is not None:
+            self._block.invalidate(keys)
+        self._written(keys)
+
     def _release_table(self) -> None:
         """Undo the table's registration and the block's user record."""
         if self._reg is not None:

@@ -103,6 +103,51 @@ class LayerStack(Protocol):
         ...
 
 
+@runtime_checkable
+class LinearState(Protocol):
+    """What a stack over one linear table (GPULayer, LinearUVM) hands out for checkpoints
+    (:mod:`gpu.state`): the table's rows as a tensor, with no copy, and the writes a load
+    goes through."""
+
+    def table_view(self) -> torch.Tensor:
+        """The table's ``[num_rows, dim]`` rows where they live (the layer's own tensor, a
+        ``SharedMemBlock``'s or ``DistMemBlock``'s rows): a view, no copy."""
+        ...
+
+    def table_label(self) -> str:
+        """The table as an error names it (its kind and name)."""
+        ...
+
+    def write_rows(self, start: int, values: torch.Tensor) -> None:
+        """Write rows ``start .. start + len(values)`` through the layer's write path (every
+        process's GPU cache drops them)."""
+        ...
+
+    def rows_changed(self, start: int, stop: int) -> None:
+        """Rows ``start .. stop`` were written through :meth:`table_view` (in place, e.g. by
+        ``torch.distributed.checkpoint.load``): announce them as a write would."""
+        ...
+
+
+@runtime_checkable
+class NamedState(Protocol):
+    """What a Hierarchical stack hands out for checkpoints: the names of its tables (its
+    rows stay where they are), and the write a load of rows goes through."""
+
+    def table_names(self) -> dict[str, object]:
+        """The tables the stack reads, by name: ``host_cache``, ``url``, ``table`` (each
+        present when the stack has that tier), ``dim``, ``dtype``."""
+        ...
+
+    def table_label(self) -> str:
+        """The tables as an error names them."""
+        ...
+
+    def write_rows(self, start: int, values: torch.Tensor) -> None:
+        """Insert rows of keys ``start .. start + len(values)`` into every tier."""
+        ...
+
+
 def check_tier(tier: object, tiers: tuple[Tier, ...]) -> Tier | None:
     """``tier`` if it is None or one of ``tiers``, else a BadArgumentError naming them.
 

@@ -1,0 +1,241 @@
+"""Checkpoints of the layers: ``state_dict`` / ``load_state_dict``, torch's and DCP's.
+
+A GPULayer's or LinearUVM layer's state is ``<prefix>weight``: its linear table's rows as
+a tensor where they live (the layer's own tensor, a ``SharedMemBlock``'s rows, a
+``DistMemBlock``'s rows), a view, no copy; ``torch.distributed.checkpoint`` saves it and
+loads into it in place. A Hierarchical layer's state is ``<prefix>_extra_state``: the names
+of its tables (host cache, parameter-server URL and table), no rows.
+
+Loading writes rows through the layer's write path (a shared table's write is announced to
+every process, whose GPU caches drop the rows), a chunk at a time: the memory a load adds
+is one chunk, whatever the table's size, with a progress bar on a terminal for large
+tables. Every check (shape, dtype, finiteness, the tables named) runs before the first
+row is written, so a checkpoint that does not fit raises :class:`StateDictError` naming
+the table and leaves it as it was. A ``weight`` that is the layer's own view (after
+``dcp.load`` filled it in place) is not copied: its rows are announced as written.
+
+A checkpoint of ``torch.nn.Embedding`` / ``nn.EmbeddingBag`` has the same key, ``weight``,
+and loads into any layer of the same shape and dtype (a Hierarchical layer: inserted into
+its tiers, the parameter server first). TorchRec's names map through :func:`from_torchrec`.
+
+The layer classes (:mod:`gpu.layers`) take their ``_save_to_state_dict``,
+``_load_from_state_dict``, ``get_extra_state`` and ``set_extra_state`` from here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from gpu.errors import BadArgumentError, LayerClosedError
+from gpu.stacks.protocol import LinearState, NamedState
+
+if TYPE_CHECKING:
+    from gpu.layers import _NVBase
+
+logger = logging.getLogger(__name__)
+
+#: bytes of rows a load holds at once (beside the table and the checkpoint)
+CHUNK_BYTES = 64 << 20
+#: tables from this size show a progress bar while they load (on a terminal only)
+PROGRESS_BYTES = 1 << 30
+#: the version of the extra state's layout
+FORMAT = 1
+
+WEIGHT = "weight"
+EXTRA = "_extra_state"
+
+
+class StateDictError(BadArgumentError):
+    """A checkpoint does not fit a layer (shape, dtype, layer type, the tables it names,
+    rows that are not finite); nothing of the layer was written."""
+
+
+def _stack(layer: _NVBase) -> Any:
+    """The layer's stack, or LayerClosedError for a closed layer."""
+    stack = layer._tiers
+    if not isinstance(stack, LinearState | NamedState):
+        stack.check_pending()  # NOTE: a closed layer's stand-in raises LayerClosedError
+        raise LayerClosedError(f"{type(layer).__name__} has no table to checkpoint")
+    return stack
+
+
+def get_extra_state(layer: _NVBase) -> dict[str, Any]:
+    """What a layer is, and for a Hierarchical layer the names of its tables (no rows)."""
+    stack = _stack(layer)
+    state: dict[str, Any] = {"format": FORMAT, "layer_type": layer.layer_type.name,
+                             "num_embeddings": layer.num_embeddings,
+                             "embedding_size": layer.embedding_size,
+                             "dtype": str(layer.data_type)}
+    if isinstance(stack, NamedState):
+        state.update(stack.table_names())
+    return state
+
+
+def _mismatch(layer: _NVBase, stack: Any, what: str) -> StateDictError:
+    return StateDictError(f"checkpoint does not fit {type(layer).__name__} "
+                          f"({layer.layer_type.name}) over {stack.table_label()}: {what}; "
+                          "nothing was written (load a checkpoint of this table)")
+
+
+def set_extra_state(layer: _NVBase, state: Any) -> None:
+    """Check a saved extra state against the layer: same layer type, row geometry and
+    parameter-server table. A host cache or URL of another name is fine (a node's cache,
+    a server's address); nothing is written."""
+    stack = _stack(layer)
+    if not isinstance(state, Mapping) or state.get("format") != FORMAT:
+        raise _mismatch(layer, stack, f"its extra state is not a layer's (format {FORMAT})")
+    mine = get_extra_state(layer)
+    for field in ("layer_type", "embedding_size", "dtype", "table"):
+        if field in mine and field in state and state[field] != mine[field]:
+            raise _mismatch(layer, stack, f"{field} is {state[field]!r}, the layer's "
+                                          f"{mine[field]!r}")
+    if "table" in state and "table" not in mine:
+        raise _mismatch(layer, stack, f"it names parameter-server table {state['table']!r}; "
+                                      "the layer has no parameter server")
+    for field in ("host_cache", "url"):
+        if state.get(field) != mine.get(field):
+            logger.info("checkpoint's %s is %r, this layer's %r", field, state.get(field),
+                        mine.get(field))
+
+
+def save_to_state_dict(layer: _NVBase, destination: dict[str, Any], prefix: str,
+                       keep_vars: bool) -> None:
+    """``<prefix>weight`` (a linear table's view, no copy) or ``<prefix>_extra_state``."""
+    stack = _stack(layer)
+    if isinstance(stack, LinearState):
+        destination[prefix + WEIGHT] = stack.table_view()
+    else:
+        destination[prefix + EXTRA] = get_extra_state(layer)
+
+
+def _spans(rows: int, row_bytes: int) -> Iterator[tuple[int, int]]:
+    step = max(1, CHUNK_BYTES // max(1, row_bytes))
+    for start in range(0, rows, step):
+        yield start, min(rows, start + step)
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.device == b.device and a.data_ptr() == b.data_ptr() and a.shape == b.shape
+            and a.stride() == b.stride() and a.dtype == b.dtype)
+
+
+def check_rows(layer: _NVBase, value: Any, key: str) -> torch.Tensor:
+    """``value`` as the layer's rows, or StateDictError naming the table; reads the rows
+    once (a chunk at a time) for NaN and infinities, writes nothing."""
+    stack = _stack(layer)
+    if not isinstance(value, torch.Tensor):
+        raise _mismatch(layer, stack, f"{key} is a {type(value).__name__}, not a tensor")
+    want = (layer.num_embeddings, layer.embedding_size)
+    if tuple(value.shape) != want or value.dtype != layer.data_type:
+        raise _mismatch(layer, stack, f"{key} is {list(value.shape)} {value.dtype}, the "
+                                      f"layer's table [{want[0]}, {want[1]}] "
+                                      f"{layer.data_type}")
+    if isinstance(stack, LinearState) and _same_memory(value, stack.table_view()):
+        return value  # NOTE: the rows are the table's already
+    for start, stop in _spans(want[0], want[1] * value.element_size()):
+        if not bool(torch.isfinite(value[start:stop]).all()):
+            raise _mismatch(layer, stack, f"{key} holds NaN or an infinity in rows "
+                                          f"{start}..{stop}")
+    return value
+
+
+def load_rows(layer: _NVBase, value: torch.Tensor, key: str) -> None:
+    """Write checked rows (:func:`check_rows`) into the layer's table, a chunk at a time,
+    through its write path; a progress bar on a terminal for a large table."""
+    from tqdm import tqdm
+
+    stack = _stack(layer)
+    rows, row_bytes = value.shape[0], value.shape[1] * value.element_size()
+    inplace = isinstance(stack, LinearState) and _same_memory(value, stack.table_view())
+    big = rows * row_bytes >= PROGRESS_BYTES
+    with torch.no_grad(), tqdm(total=rows, unit="row", unit_scale=True, leave=False,
+                               desc=f"loading {key}", disable=None if big else True) as bar:
+        for start, stop in _spans(rows, row_bytes):
+            if inplace:
+                stack.rows_changed(start, stop)
+            else:
+                stack.write_rows(start, value[start:stop].contiguous())
+            bar.update(stop - start)
+
+
+def load_from_state_dict(layer: _NVBase, state_dict: Mapping[str, Any], prefix: str,
+                         local_metadata: dict[str, Any], strict: bool,
+                         missing_keys: list[str], unexpected_keys: list[str],
+                         error_msgs: list[str]) -> None:
+    """torch's per-module load: check every entry of the layer, then write its rows."""
+    stack = _stack(layer)
+    wkey, xkey = prefix + WEIGHT, prefix + EXTRA
+    if xkey in state_dict:
+        set_extra_state(layer, state_dict[xkey])
+    value = state_dict.get(wkey)
+    if value is not None:
+        load_rows(layer, check_rows(layer, value, wkey), wkey)
+    elif isinstance(stack, LinearState):
+        missing_keys.append(wkey)
+    elif xkey not in state_dict:
+        missing_keys.append(xkey)
+    if strict:
+        for k in state_dict:
+            if k.startswith(prefix) and k not in (wkey, xkey) and \
+                    k[len(prefix):].split(".", 1)[0] not in layer._modules:
+                unexpected_keys.append(k)
+
+
+def _layer_entries(model: torch.nn.Module) -> Iterator[tuple[str, _NVBase]]:
+    from gpu.layers import _NVBase
+
+    for name, module in model.named_modules():
+        if isinstance(module, _NVBase):
+            yield (name + "." if name else ""), module
+
+
+def check_state_dict(model: torch.nn.Module, state_dict: Mapping[str, Any]) -> None:
+    """Check every layer's entries of ``state_dict`` against the layers of ``model``
+    (shape, dtype, finiteness, tables named) without writing anything: call it before
+    ``model.load_state_dict`` so that a checkpoint that does not fit a later layer leaves
+    the earlier ones unwritten too.
+
+    Raises:
+        StateDictError: an entry does not fit its layer (the first one met).
+    """
+    for prefix, layer in _layer_entries(model):
+        if prefix + EXTRA in state_dict:
+            set_extra_state(layer, state_dict[prefix + EXTRA])
+        if prefix + WEIGHT in state_dict:
+            check_rows(layer, state_dict[prefix + WEIGHT], prefix + WEIGHT)
+
+
+#: the TorchRec modules' state_dict names of a table's rows
+TORCHREC_GROUPS = ("embedding_bags", "embeddings")
+
+
+def from_torchrec(state_dict: Mapping[str, Any], layers: Mapping[str, _NVBase]) -> list[str]:
+    """Load tables of a TorchRec ``EmbeddingBagCollection`` / ``EmbeddingCollection``
+    state dict into layers: ``[<module>.]embedding_bags.<table>.weight`` (or
+    ``embeddings.<table>.weight``) into ``layers[<table>]``. Every table is found and
+    checked before any is written.
+
+    Returns:
+        The state-dict keys loaded, in the order of ``layers``.
+
+    Raises:
+        StateDictError: a table of ``layers`` is not in ``state_dict`` (or twice), or its
+            rows do not fit its layer; no layer was written.
+    """
+    found: dict[str, str] = {}
+    for table, layer in layers.items():
+        tails = [f"{group}.{table}.{WEIGHT}" for group in TORCHREC_GROUPS]
+        keys = [k for k in state_dict if any(k == t or k.endswith("." + t) for t in tails)]
+        if len(keys) != 1:
+            got = "no key" if not keys else f"keys {keys}"
+            raise StateDictError(f"TorchRec table {table!r}: the state dict has {got} ending "
+                                 f"in {' or '.join(tails)}; nothing was written")
+        check_rows(layer, state_dict[keys[0]], keys[0])
+        found[table] = keys[0]
+    for table, layer in layers.items():
+        load_rows(layer, state_dict[found[table]], found[table])
+    return list(found.values())
