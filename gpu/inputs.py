@@ -72,6 +72,21 @@ def _even_offsets(nbags: int, per_bag: int, device: torch.device) -> torch.Tenso
     return full
 
 
+def _check_traced_offsets(full: torch.Tensor, n: int, include_last_offset: bool) -> None:
+    """The offsets checks of :func:`bags` while tracing (compile, export): torch._check
+    on the values, which a traced program asserts when it runs, instead of a Python
+    branch on them (a branch on data is refused by export)."""
+    first = full[0].item()
+    torch._check(first == 0, lambda: "offsets must start at 0")
+    torch._check(full.max().item() <= n, lambda: "offsets go past the input")
+    if include_last_offset:
+        torch._check(full[-1].item() == n, lambda: "the last offset must be the input's "
+                     "length with include_last_offset=True")
+    if full.shape[0] > 1:
+        torch._check((full[1:] < full[:-1]).sum().item() == 0,
+                     lambda: "offsets must be non-decreasing")
+
+
 def bags(
     keys: torch.Tensor,
     offsets: torch.Tensor | None,
@@ -109,10 +124,14 @@ def bags(
             full = offsets
             if offsets.numel() < 1:
                 raise BadArgumentError("offsets must hold at least one value")
-        else:
+        elif not torch.compiler.is_compiling():
             full = torch.nn.functional.pad(offsets, (0, 1), value=n)  # no host round trip
+        else:  # NOTE: pad's value would make the input's length a constant of the graph
+            full = torch.cat([offsets, offsets.new_ones(1) * n])
         if not validate and device.type != "cpu":
             pass  # NOTE: the caller opted out of the host syncs; kernels clamp bag bounds
+        elif torch.compiler.is_compiling():
+            _check_traced_offsets(full, n, include_last_offset)
         elif int(full[0]) != 0:
             raise BadArgumentError(f"offsets must start at 0; got {int(full[0])}")
         elif int(offsets.max()) > n or (include_last_offset and int(full[-1]) != n):
