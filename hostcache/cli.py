@@ -42,10 +42,11 @@ from nvecache.common.rows import DTYPES
 
 if TYPE_CHECKING:
     from hostcache import cli_view as view
-    from hostcache import layout, segment
+    from hostcache import files, layout, segment
     from hostcache.table import init_segment
 else:  # NOTE: numpy and the segment code load with a command that reads a table (not --help)
     view = lazy_import("hostcache.cli_view", globals(), "view")
+    files = lazy_import("hostcache.files", globals())  # NOTE: torch and safetensors: save/restore
     layout = lazy_import("hostcache.layout", globals())
     segment = lazy_import("hostcache.segment", globals())
     init_segment = deferred("hostcache.table", "init_segment")
@@ -295,12 +296,48 @@ def _rm(args: argparse.Namespace, out: TextIO) -> int:
     return EXIT_OK
 
 
+def _save_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", help="table name")
+    p.add_argument("file", help="the .safetensors file to write (rows as 'weight', keys as "
+                   "'keys'); written beside and renamed into place")
+
+
+def _save(args: argparse.Namespace, out: TextIO) -> int:
+    segment.check_name(args.name)
+    n = files.save(args.name, args.file)
+    print(f"saved {n:,} rows of {args.name} to {args.file}", file=out)
+    return EXIT_OK
+
+
+def _restore_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", help="table name: created from the file's geometry if it does "
+                   "not exist")
+    p.add_argument("file", help="a .safetensors file `hostcache save` wrote")
+    p.add_argument("--no-create", action="store_true",
+                   help="restore only into an existing table")
+    p.add_argument("--allow-nonfinite", action="store_true",
+                   help="restore rows holding NaN or infinite values (refused by default)")
+
+
+def _restore(args: argparse.Namespace, out: TextIO) -> int:
+    segment.check_name(args.name)
+    table = files.restore(args.name, args.file, create=not args.no_create,
+                          allow_nonfinite=args.allow_nonfinite)
+    with table:
+        kind = layout.KIND_NAMES[table.geometry.kind]
+    print(f"restored {args.file} into {kind} table {args.name}", file=out)
+    return EXIT_OK
+
+
 #: the table commands, in the order ``--help`` lists them (nvecache.apps.cli adds serve and demo).
 COMMANDS: tuple[Command, ...] = (
     Command("ls", "list this node's tables", _ls_args, _ls),
     Command("stat", "one table's geometry, node-wide counters and processes", _stat_args, _stat),
     Command("create", "create a table and leave it on the node", _create_args, _create),
     Command("rm", "remove a table from the node", _rm_args, _rm),
+    Command("save", "write a table's keys and rows to a .safetensors file", _save_args, _save),
+    Command("restore", "write a saved table's rows into a table (created if need be)",
+            _restore_args, _restore),
 )
 
 

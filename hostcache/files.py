@@ -1,0 +1,256 @@
+"""Save a shared table's keys and rows to a ``.safetensors`` file, and restore them.
+
+A file holds the rows as ``weight`` (``[N, dim]``, the table's dtype) and their keys as
+``keys`` (``[N]`` int64: a :class:`~hostcache.HostCache`'s cached keys, a
+:class:`~hostcache.SharedMemBlock`'s row indices), and in its metadata the table's kind and
+geometry (``kind``, ``dim``, ``dtype``, ``capacity``, ``ways``, ``policy``), so a restore
+can create the table anew. It is the format ``psclient dump`` writes, so ``psclient load``
+reads a saved table too.
+
+:func:`save` reads the table chunk by chunk (a cache's rows through its seqlocked lookup,
+never a torn row; keys evicted meanwhile are left out) and writes beside the destination,
+renamed into place at the end: an error leaves the old file, or none. :func:`restore`
+checks the whole file against the table (kind, dim, dtype, rows that fit, no NaN or
+infinity) before its first write and then writes chunk by chunk, each write telling every process's GPU cache to drop
+the rows as any update does; a table it created is removed again if the restore fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from hostcache import layout
+from hostcache.cache import HostCache
+from hostcache.errors import (
+    BadArgumentError,
+    GeometryMismatchError,
+    NonFiniteValuesError,
+    SegmentExistsError,
+    SegmentNotFoundError,
+)
+from hostcache.memblock import SharedMemBlock
+from hostcache.segment import attach as attach_segment
+from nvecache.common.finite import nonfinite_rows
+from psclient.formats import KEYS_NAME, ROWS_NAME, RowsWriter
+
+if TYPE_CHECKING:
+    from hostcache.table import SharedTable
+
+#: rows read or written at a time
+CHUNK_ROWS = 65536
+_KINDS = {"hostcache": HostCache, "linear": SharedMemBlock}
+
+
+def _kind(table: SharedTable) -> str:
+    return layout.KIND_NAMES[table.geometry.kind]
+
+
+def _chunks(table: SharedTable, chunk: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    if isinstance(table, SharedMemBlock):
+        rows = table.tensor
+        for a in range(0, table.num_rows, chunk):
+            b = min(table.num_rows, a + chunk)
+            yield torch.arange(a, b, dtype=torch.int64), rows[a:b].contiguous()
+        return
+    assert isinstance(table, HostCache)
+    held = table._nkeys.copy()  # NOTE: one pass over the key slots; rows read seqlocked
+    held = held[held != layout.EMPTY_KEY]
+    for a in range(0, held.size, chunk):
+        keys = torch.from_numpy(held[a:a + chunk])
+        values, hit = table.lookup(keys, count=False)
+        yield keys[hit], values[hit]
+
+
+def _raw(rows: torch.Tensor) -> np.ndarray:
+    return rows.contiguous().view(torch.uint8).numpy()
+
+
+def open_table(name: str) -> SharedTable:
+    """Attach the named table with the class of its kind.
+
+    Raises:
+        SegmentNotFoundError: no table of that name on this node.
+    """
+    try:
+        mapping, geo = attach_segment(name)
+    except SegmentNotFoundError as e:
+        raise SegmentNotFoundError(f"no table named {name!r} on this node: `hostcache ls` "
+                                   "lists them") from e
+    mapping.close()
+    return _KINDS[layout.KIND_NAMES[geo.kind]].attach(name)
+
+
+def save(table: SharedTable | str, path: str | Path, *, chunk: int = CHUNK_ROWS) -> int:
+    """Write ``table``'s keys and rows (a handle or a table name) to ``path``, a
+    ``.safetensors`` file; returns the rows written.
+
+    Raises:
+        SegmentNotFoundError: no table of that name.
+        BadArgumentError: ``path`` cannot be written (its folder is missing or read-only,
+            the disk is full); nothing is left of the new file.
+    """
+    if isinstance(table, str):
+        with open_table(table) as handle:
+            return save(handle, path, chunk=chunk)
+    geo = table.geometry
+    meta = {"kind": _kind(table), "table": table.name, "dim": str(geo.dim),
+            "dtype": geo.dtype_name, "capacity": str(geo.capacity), "ways": str(geo.ways),
+            "policy": geo.policy, "written_by": "hostcache save"}
+    try:
+        with RowsWriter(path, dim=geo.dim, dtype=geo.dtype_name, fmt="safetensors",
+                        metadata=meta) as writer:
+            for keys, rows in _chunks(table, chunk):
+                writer.write(keys.numpy(), _raw(rows))
+    except OSError as e:
+        raise BadArgumentError(f"cannot write {str(path)!r}: {e.strerror or e}; nothing was "
+                               "written: save to a folder that exists and that you can "
+                               "write") from None
+    except ValueError as e:
+        raise BadArgumentError(f"cannot write {str(path)!r}: {e}") from None
+    return writer.rows
+
+
+class _Saved:
+    """A saved file, opened: its metadata, keys and a lazy view of its rows."""
+
+    def __init__(self, path: Path) -> None:
+        from safetensors import SafetensorError, safe_open
+
+        what = repr(str(path))
+        if not path.is_file():
+            raise BadArgumentError(f"no such file: {what}")
+        try:
+            self._f = safe_open(str(path), framework="pt")
+        except (SafetensorError, OSError) as e:
+            raise BadArgumentError(f"{what} is not a saved table (not a .safetensors "
+                                   f"file: {e}): restore a file `hostcache save` wrote") from e
+        names = set(self._f.keys())
+        if not {ROWS_NAME, KEYS_NAME} <= names:
+            raise BadArgumentError(f"{what} holds tensors {sorted(names)}, not a table's "
+                                   f"{ROWS_NAME!r} and {KEYS_NAME!r}: restore a file "
+                                   "`hostcache save` or `psclient dump` wrote")
+        self.meta = self._f.metadata() or {}
+        self.rows = self._f.get_slice(ROWS_NAME)
+        shape = self.rows.get_shape()
+        self.keys = self._f.get_tensor(KEYS_NAME)
+        if len(shape) != 2 or self.keys.dim() != 1 or self.keys.numel() != shape[0] \
+                or self.keys.dtype != torch.int64:
+            raise BadArgumentError(f"{what}: rows {shape} and keys {list(self.keys.shape)} "
+                                   f"{self.keys.dtype} do not make a table ([N, dim] rows, "
+                                   "[N] int64 keys)")
+        self.n, self.dim = shape
+        self.dtype = self.rows[0:0].dtype
+        self.what = what
+
+    def kind(self) -> str:
+        return self.meta.get("kind", "hostcache")
+
+    def geometry(self) -> str:
+        return f"dim {self.dim}, {str(self.dtype).removeprefix('torch.')}"
+
+
+def _check_fits(saved: _Saved, table: SharedTable, name: str) -> None:
+    geo = table.geometry
+    if saved.kind() != _kind(table) or saved.dim != geo.dim or saved.dtype != geo.dtype:
+        raise GeometryMismatchError(
+            f"{saved.what} holds a {saved.kind()} table of {saved.geometry()}, table {name!r} "
+            f"is a {_kind(table)} table of dim {geo.dim}, {geo.dtype_name}: restore into "
+            "another name (it is created) or remove the table first (hostcache rm)")
+    keys = saved.keys
+    if isinstance(table, SharedMemBlock) and saved.n and (
+            int(keys.min()) < 0 or int(keys.max()) >= table.num_rows):
+        raise GeometryMismatchError(
+            f"{saved.what} holds rows {int(keys.min())}..{int(keys.max())}, table {name!r} "
+            f"has {table.num_rows} rows: restore into a table of at least "
+            f"{int(keys.max()) + 1} rows")
+    if isinstance(table, HostCache) and saved.n > geo.capacity:
+        raise GeometryMismatchError(
+            f"{saved.what} holds {saved.n} rows, cache {name!r} holds {geo.capacity}: "
+            "restore into a cache of that capacity or more")
+
+
+def _check_finite(saved: _Saved, chunk: int) -> None:
+    """Every saved row read once: NaN and infinities refused before the first write."""
+    bad = 0
+    first = -1
+    for a in range(0, saved.n, chunk):
+        rows = nonfinite_rows(saved.rows[a:min(saved.n, a + chunk)])
+        if rows is not None:
+            at = torch.nonzero(rows)[:, 0]
+            first = a + int(at[0]) if first < 0 else first
+            bad += at.numel()
+    if bad:
+        raise NonFiniteValuesError(
+            f"{saved.what}: {bad} of {saved.n} rows hold NaN or infinite values (the first: "
+            f"key {int(saved.keys[first])}); nothing was written: fix the file, or restore "
+            "it anyway with allow_nonfinite=True (--allow-nonfinite)")
+
+
+def _create(saved: _Saved, name: str) -> SharedTable:
+    meta = saved.meta
+    if saved.kind() == "linear":
+        rows = int(meta.get("capacity", 0)) or (int(saved.keys.max()) + 1 if saved.n else 1)
+        return SharedMemBlock.create(name, num_rows=max(rows, 1), dim=saved.dim,
+                                     dtype=saved.dtype)
+    ways = int(meta.get("ways", 0)) or 8
+    capacity = max(int(meta.get("capacity", 0)), saved.n, 1)
+    return HostCache.create(name, capacity=capacity, dim=saved.dim, dtype=saved.dtype,
+                            ways=ways, policy=meta.get("policy", "lfu-da"))
+
+
+def restore(name: str, path: str | Path, *, create: bool = True, chunk: int = CHUNK_ROWS,
+            allow_nonfinite: bool = False) -> SharedTable:
+    """Write the rows saved in ``path`` into table ``name``; returns its handle (close it).
+
+    The table is created from the file's geometry where it does not exist (and
+    ``create``); an existing one must be of the same kind, dim and dtype, and hold the
+    file's rows (a linear table: every saved row index; a cache: the capacity).
+
+    Raises:
+        BadArgumentError: no such file, or not a saved table.
+        SegmentNotFoundError: no table ``name`` and not ``create``.
+        GeometryMismatchError: the table does not fit the file; nothing was written.
+        NonFiniteValuesError: a saved row holds NaN or an infinity and not
+            ``allow_nonfinite`` (every row is read once before the first write); nothing
+            was written.
+    """
+    saved = _Saved(Path(path))
+    if saved.kind() not in _KINDS:
+        raise BadArgumentError(f"{saved.what} is of table kind {saved.kind()!r}: a saved "
+                               f"table is one of {', '.join(_KINDS)}")
+    created = False
+    try:
+        table = open_table(name)
+    except SegmentNotFoundError:
+        if not create:
+            raise
+        try:
+            table = _create(saved, name)
+        except SegmentExistsError:  # NOTE: created by another process meanwhile
+            table = open_table(name)
+        else:
+            created = True
+    try:
+        _check_fits(saved, table, name)
+        if not allow_nonfinite:
+            _check_finite(saved, chunk)
+        for a in range(0, saved.n, chunk):
+            b = min(saved.n, a + chunk)
+            keys, rows = saved.keys[a:b], saved.rows[a:b]
+            if isinstance(table, SharedMemBlock):
+                table.write(keys, rows, allow_nonfinite=allow_nonfinite)
+            else:
+                table.insert(keys, rows, allow_nonfinite=allow_nonfinite)
+    except BaseException:
+        table.close()
+        if created:
+            with contextlib.suppress(SegmentNotFoundError):
+                SharedMemBlock.unlink(name)
+        raise
+    return table
