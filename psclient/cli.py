@@ -402,7 +402,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # --help/--version (0) or a bad command line (2), already printed
         return e.code if isinstance(e.code, int) else EXIT_USAGE
     if args.cmd is None:
-        print(f"{PROG}: error: give a command: ls, load, dump, stat, drop or upgrade "
+        print(f"{PROG}: error: give a command: ls, load, stat, drop, upgrade or dump "
               f"(see `{PROG} --help`)", file=sys.stderr)
         return EXIT_USAGE
     try:
