@@ -1,0 +1,208 @@
+"""gpu.export: a model saved by one process loads in a FRESH process (a subprocess) and
+gives the eager outputs, for every layer type and both layer classes, with batch sizes
+other than the example's; the load errors are typed and name the table."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import psclient
+from gpu import LayerType, NVEmbedding, NVEmbeddingBag
+from gpu import export as gx
+from hostcache import HostCache, SharedMemBlock
+from tests.conftest import fresh_name
+
+ROWS, DIM = 64, 8
+CUDA = torch.cuda.is_available()
+LAYER_TYPES = [LayerType.GPULayer, LayerType.LinearUVM, LayerType.Hierarchical]
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu,
+    pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (torch.cuda.is_available() is False)"),
+])])
+def device(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def weights() -> torch.Tensor:
+    return torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(7))
+
+
+@contextlib.contextmanager
+def tables(layer_type: LayerType, tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """Layer arguments over tables the test owns (removed at the end)."""
+    name = fresh_name()
+    w = weights()
+    if layer_type is LayerType.GPULayer:
+        yield {"weight_init": w}
+    elif layer_type is LayerType.LinearUVM:
+        with SharedMemBlock.create(name, num_rows=ROWS, dim=DIM) as mb:
+            try:
+                mb.write(torch.arange(ROWS), w)
+                yield {"storage": mb, "gpu_cache_size": 16 * 64}
+            finally:
+                SharedMemBlock.unlink(name)
+    else:
+        with HostCache.create(name, capacity=32, dim=DIM, ways=4) as hc:
+            try:
+                with psclient.connect(f"file://{tmp_path}/{name}", table=name, dim=DIM,
+                                      dtype=torch.float32) as ps:
+                    ps.load(w, progress=False)
+                    yield {"host_cache": hc, "storage": ps, "gpu_cache_size": 16 * 64}
+            finally:
+                HostCache.unlink(name)
+
+
+class Model(torch.nn.Module):
+    """An embedding and a bag over the same table, then a dense layer."""
+
+    def __init__(self, emb: NVEmbedding, bag: NVEmbeddingBag) -> None:
+        super().__init__()
+        self.emb, self.bag = emb, bag
+        self.dense = torch.nn.Linear(DIM, 3)
+        torch.nn.init.constant_(self.dense.weight, 0.25)
+        torch.nn.init.zeros_(self.dense.bias)
+
+    def forward(self, keys: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return self.dense(self.bag(keys, offsets)) + self.dense(self.emb(keys)).sum(0)
+
+
+def batches(device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Keys and offsets (1-D input) of several batch sizes, the example's first."""
+    return [(torch.tensor([1, 2, 3, 4, 5]), torch.tensor([0, 2])),
+            (torch.arange(9) * 7 % ROWS, torch.tensor([0, 3, 3, 6])),
+            (torch.arange(40) % ROWS, torch.arange(0, 40, 5))]
+
+
+#: run in a fresh interpreter: load, call on each batch, save the outputs
+CHILD = """
+import sys, torch
+import gpu.export as gx
+path, device, out = sys.argv[1], sys.argv[2], sys.argv[3]
+batches = torch.load(out + ".in")
+with gx.load(path, device=device) as model:
+    got = [model(k.to(device), o.to(device)).cpu() for k, o in batches]
+torch.save(got, out)
+"""
+
+
+def load_in_fresh_process(path: Path, device: str, batches: list[Any], tmp_path: Path
+                          ) -> list[torch.Tensor]:
+    out = tmp_path / "outputs.pt"
+    torch.save(batches, str(out) + ".in")
+    done = subprocess.run([sys.executable, "-c", CHILD, str(path), device, str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("layer_type", LAYER_TYPES)
+def test_export_loads_in_a_fresh_process_and_equals_eager(tmp_path: Path, device: str,
+                                                          layer_type: LayerType) -> None:
+    with tables(layer_type, tmp_path) as kw:
+        model = Model(NVEmbedding(ROWS, DIM, torch.float32, layer_type, device=device, **kw),
+                      NVEmbeddingBag(ROWS, DIM, torch.float32, layer_type, device=device,
+                                     mode="sum", **kw)).to(device)
+        data = batches(device)
+        want = [model(k.to(device), o.to(device)).cpu() for k, o in data]
+        k0, o0 = data[0]
+        path = gx.save(model, (k0.to(device), o0.to(device)), tmp_path / "exported")
+        meta = json.loads((path / "metadata.json").read_text())
+        assert [e["layer_type"] for e in meta["layers"]] == [layer_type.name] * 2
+        assert (path / "tables.safetensors").exists() == (layer_type is LayerType.GPULayer)
+        got = load_in_fresh_process(path, device, data, tmp_path)
+        model.emb.close()
+        model.bag.close()
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+
+
+def test_a_saved_program_without_load_raises_a_typed_error(tmp_path: Path) -> None:
+    """The program's ids are the saving process's: torch.export.load alone names no layer."""
+    with tables(LayerType.GPULayer, tmp_path) as kw:
+        model = Model(NVEmbedding(ROWS, DIM, torch.float32, LayerType.GPULayer, **kw,
+                                  device="cpu"),
+                      NVEmbeddingBag(ROWS, DIM, torch.float32, LayerType.GPULayer, **kw,
+                                     device="cpu"))
+        k, o = batches("cpu")[0]
+        path = gx.save(model, (k, o), tmp_path / "exported")
+    code = ("import torch, gpu\n"
+            f"p = torch.export.load({str(path / 'program.pt2')!r}).module()\n"
+            "try:\n    p(torch.tensor([1, 2]), torch.tensor([0, 1]))\n"
+            "except gpu.BadArgumentError as e:\n    print('typed:', e)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert "typed: no layer with handle" in done.stdout, done.stderr[-2000:]
+
+
+def _gpu_model(tmp_path: Path, block: SharedMemBlock) -> Model:
+    kw = {"storage": block, "device": "cpu"}
+    return Model(NVEmbedding(ROWS, DIM, torch.float32, LayerType.GPULayer, **kw),
+                 NVEmbeddingBag(ROWS, DIM, torch.float32, LayerType.GPULayer, **kw))
+
+
+def test_load_errors_are_typed_and_name_the_table(tmp_path: Path) -> None:
+    name = fresh_name()
+    k, o = batches("cpu")[0]
+    with SharedMemBlock.create(name, num_rows=ROWS, dim=DIM) as mb:
+        try:
+            mb.write(torch.arange(ROWS), weights())
+            model = _gpu_model(tmp_path, mb)
+            path = gx.save(model, (k, o), tmp_path / "exported")
+            with gx.load(path) as loaded:  # the table is there: loads, equals eager
+                torch.testing.assert_close(loaded(k, o), model(k, o))
+        finally:
+            SharedMemBlock.unlink(name)
+    # the shared table is gone
+    with pytest.raises(gx.MissingTableError, match=f"SharedMemBlock '{name}'") as e:
+        gx.load(path)
+    assert "\n" not in str(e.value)
+    # a table of that name with another geometry
+    with SharedMemBlock.create(name, num_rows=ROWS, dim=DIM * 2):
+        try:
+            with pytest.raises(gx.ShapeMismatchError, match=f"SharedMemBlock '{name}'.*dim=16"):
+                gx.load(path)
+        finally:
+            SharedMemBlock.unlink(name)
+    # a newer format version
+    meta_file = path / "metadata.json"
+    meta = json.loads(meta_file.read_text())
+    meta["version"] += 1
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(gx.FormatVersionError, match="format version 2"):
+        gx.load(path)
+
+
+def test_private_table_of_another_shape_is_refused(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    with tables(LayerType.GPULayer, tmp_path) as kw:
+        model = Model(NVEmbedding(ROWS, DIM, torch.float32, LayerType.GPULayer, **kw,
+                                  device="cpu"),
+                      NVEmbeddingBag(ROWS, DIM, torch.float32, LayerType.GPULayer, **kw,
+                                     device="cpu"))
+        k, o = batches("cpu")[0]
+        path = gx.save(model, (k, o), tmp_path / "exported")
+    save_file({"emb": torch.zeros(ROWS + 1, DIM), "bag": torch.zeros(ROWS, DIM)},
+              str(path / "tables.safetensors"))
+    with pytest.raises(gx.ShapeMismatchError, match="private table 'emb'.*rows=65"):
+        gx.load(path)
+
+
+def test_aot_is_refused_with_a_typed_error(tmp_path: Path) -> None:
+    with tables(LayerType.GPULayer, tmp_path) as kw:
+        layer = NVEmbedding(ROWS, DIM, torch.float32, LayerType.GPULayer, device="cpu", **kw)
+        with pytest.raises(gx.ExportError, match="aot=True"):
+            gx.save(layer, (torch.tensor([1]),), tmp_path / "x", aot=True)
+        layer.close()
