@@ -119,12 +119,12 @@ def tables(kind: str, device: str) -> Iterator[Tables]:
         yield Tables(kind, device, stack)
 
 
-def quiet_dcp() -> Any:
+@contextlib.contextmanager
+def quiet_dcp() -> Iterator[None]:
     """dcp warns that it assumes one process (no process group): that is the intent."""
-    ctx = warnings.catch_warnings()
-    ctx.__enter__()
-    warnings.filterwarnings("ignore", message=".*single process.*")
-    return ctx
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*single process.*")
+        yield
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -200,8 +200,7 @@ def test_dcp_round_trip_into_a_fresh_layer_over_fresh_tables(
         model = Model(make_layer(cls, layer_type, t.args(), device))
         model.load_state_dict(Model(ref).state_dict())
         want = lookup(model.emb, device)
-        ctx = quiet_dcp()
-        try:
+        with quiet_dcp():
             dcp.save(model.state_dict(), checkpoint_id=ckpt)
             # fresh tables (Hierarchical: a fresh host cache over the parameter server the
             # checkpoint names), a fresh layer and model whose rows differ
@@ -211,8 +210,6 @@ def test_dcp_round_trip_into_a_fresh_layer_over_fresh_tables(
                 fresh.emb.flush()  # its GPU cache holds the old rows (LinearUVM)
             sd = fresh.state_dict()
             dcp.load(sd, checkpoint_id=ckpt)
-        finally:
-            ctx.__exit__(None, None, None)
         fresh.load_state_dict(sd, strict=True)
         assert torch.equal(lookup(fresh.emb, device), want)
         assert torch.equal(fresh.dense.weight, model.dense.weight)
@@ -331,3 +328,36 @@ def test_from_torchrec_maps_embedding_bag_collection_names(device: str) -> None:
     assert torch.equal(lookup(layers["user"], device), item)
     for layer in layers.values():
         layer.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dcp_round_trip_of_padded_rows(device: str) -> None:
+    # 3 fp32 elements a row: a SharedMemBlock pads rows to 16 bytes, its view is strided
+    rows, dim = 50, 3
+    torch.manual_seed(4)
+    trained = torch.nn.Embedding(rows, dim)
+    with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory() as ckpt:
+        blocks = []
+        for _ in range(2):
+            mb = SharedMemBlock.create(fresh_name(), num_rows=rows, dim=dim)
+            stack.callback(SharedMemBlock.unlink, mb.name)
+            stack.callback(mb.close)
+            blocks.append(mb)
+        saved = NVEmbedding(rows, dim, torch.float32, LayerType.GPULayer, storage=blocks[0],
+                            device=device)
+        assert saved.state_dict()["weight"].stride(0) == 4
+        saved.load_state_dict(trained.state_dict())
+        fresh = NVEmbedding(rows, dim, torch.float32, LayerType.LinearUVM,
+                            gpu_cache_size=rows * 64, storage=blocks[1], device=device)
+        fresh(torch.arange(rows, device=device))
+        fresh.flush()  # its cache holds the zero rows
+        with quiet_dcp():
+            dcp.save(saved.state_dict(), checkpoint_id=ckpt)
+            sd = fresh.state_dict()
+            dcp.load(sd, checkpoint_id=ckpt)
+        fresh.load_state_dict(sd)
+        assert torch.equal(fresh(torch.arange(rows, device=device)).cpu(),
+                           trained.weight.detach())
+        assert torch.equal(blocks[1].read(torch.arange(rows)), trained.weight.detach())
+        saved.close()
+        fresh.close()
