@@ -11,8 +11,9 @@ reads a saved table too.
 never a torn row; keys evicted meanwhile are left out) and writes beside the destination,
 renamed into place at the end: an error leaves the old file, or none. :func:`restore`
 checks the whole file against the table (kind, dim, dtype, rows that fit, no NaN or
-infinity) before its first write and then writes chunk by chunk, each write telling every process's GPU cache to drop
-the rows as any update does; a table it created is removed again if the restore fails.
+infinity) before its first write and then writes chunk by chunk, each write telling every
+process's GPU cache to drop the rows as any update does; a table it created is removed
+again if the restore fails.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ if TYPE_CHECKING:
 
 #: rows read or written at a time
 CHUNK_ROWS = 65536
-_KINDS = {"hostcache": HostCache, "linear": SharedMemBlock}
+_KINDS: dict[str, type[HostCache] | type[SharedMemBlock]] = {
+    "hostcache": HostCache, "linear": SharedMemBlock}
 
 
 def _kind(table: SharedTable) -> str:
@@ -246,6 +248,7 @@ def restore(name: str, path: str | Path, *, create: bool = True, chunk: int = CH
             if isinstance(table, SharedMemBlock):
                 table.write(keys, rows, allow_nonfinite=allow_nonfinite)
             else:
+                assert isinstance(table, HostCache)
                 table.insert(keys, rows, allow_nonfinite=allow_nonfinite)
     except BaseException:
         table.close()

@@ -146,12 +146,14 @@ class RowsWriter:
         """Append ``keys`` (int64, ``[n]``) and their ``rows`` (``[n, dim]`` of the dtype, or
         ``[n, row_bytes]`` uint8 raw rows; bfloat16 as its 16-bit patterns)."""
         keys = np.ascontiguousarray(keys, dtype="<i8")
+        if keys.size == 0:
+            return
         raw = np.ascontiguousarray(rows)
         if self.fmt == "npy" and self.dtype == "bfloat16":
             bits = raw.view(np.uint16).reshape(len(keys), self.dim).astype(np.uint32) << 16
             raw = bits.view("<f4")
-        self._rows_f.write(memoryview(raw).cast("B"))
-        self._keys_f.write(memoryview(keys).cast("B"))
+        self._rows_f.write(raw.data.cast("B"))
+        self._keys_f.write(keys.data.cast("B"))
         self.rows += len(keys)
 
     def commit(self) -> None:
