@@ -22,6 +22,11 @@ class NonFiniteValuesError(BadArgumentError):
     ``allow_nonfinite=True`` to write them anyway."""
 
 
+class StateDictError(BadArgumentError):
+    """A checkpoint does not fit a layer (shape, dtype, layer type, the tables it names,
+    rows that are not finite); nothing of the layer was written (``gpu.state``)."""
+
+
 class CUDAUnavailableError(GPUError):
     """A CUDA device was asked for but torch.cuda is not available in this process."""
 

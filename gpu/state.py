@@ -30,13 +30,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gpu.errors import BadArgumentError, LayerClosedError
+from gpu.errors import LayerClosedError, StateDictError
 from gpu.stacks.protocol import LinearState, NamedState
 
 if TYPE_CHECKING:
     from gpu.layers import _NVBase
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["StateDictError", "check_state_dict", "from_torchrec"]
 
 #: bytes of rows a load holds at once (beside the table and the checkpoint)
 CHUNK_BYTES = 64 << 20
@@ -47,11 +49,6 @@ FORMAT = 1
 
 WEIGHT = "weight"
 EXTRA = "_extra_state"
-
-
-class StateDictError(BadArgumentError):
-    """A checkpoint does not fit a layer (shape, dtype, layer type, the tables it names,
-    rows that are not finite); nothing of the layer was written."""
 
 
 def _stack(layer: _NVBase) -> Any:
