@@ -90,6 +90,9 @@ def make_layer(cls: type, layer_type: LayerType, args: dict[str, Any], device: s
 class Model(torch.nn.Module):
     """A model as a user's: a dense layer and an embedding layer named ``emb``."""
 
+    dense: torch.nn.Linear
+    emb: Any
+
     def __init__(self, emb: torch.nn.Module) -> None:
         super().__init__()
         self.dense = torch.nn.Linear(DIM, 2)
