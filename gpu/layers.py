@@ -65,6 +65,9 @@ def _close_all(tables: list[Any]) -> None:
 
 
 class _NVBase(torch.nn.Module):
+    #: the layer's id buffer (gpu.ops): registered in __init__
+    nvecache_id: torch.Tensor
+
     def __init__(
         self, num_embeddings: int, embedding_size: int, data_type: torch.dtype,
         layer_type: LayerType, *, gpu_cache_size: int = 0, host_cache: Any = None,

@@ -25,6 +25,7 @@ from typing import Any, Self
 import torch
 
 from gpu import ops
+from gpu.cuda.devices import resolve_device
 from gpu.errors import BadArgumentError
 from gpu.export import metadata as md
 from gpu.export.errors import (
@@ -269,7 +270,7 @@ def load(path: str | os.PathLike[str], *, device: object = None) -> LoadedModel:
     layers: dict[str, _NVBase] = {}
     try:
         for entry in entries:
-            dev = torch.device(device) if device is not None else torch.device(entry["device"])
+            dev = resolve_device(device if device is not None else entry["device"])
             kw = _layer_args(entry, private, dev, opened)
             cls = _CLASSES[entry["class"]]
             layers[entry["path"]] = cls(entry["num_embeddings"], entry["embedding_size"],

@@ -42,7 +42,8 @@ def tuning_of(d: dict[str, Any] | None) -> TierConfig:
         return DEFAULT
     d = dict(d)
     tiles = d.pop("tiles", None)
-    return TierConfig(**d, **({"tiles": Tiles(**tiles)} if tiles else {}))
+    config = TierConfig(**d)
+    return dataclasses.replace(config, tiles=Tiles(**tiles)) if tiles else config
 
 
 def _ps_url(ps: Any) -> str:
