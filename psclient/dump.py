@@ -48,10 +48,31 @@ def _rows_of(ps: ParameterServer, raw: bytes, n: int) -> np.ndarray:
     return np.frombuffer(raw, dtype=np.uint8).reshape(n, row_bytes)
 
 
+class _Seen:
+    """The keys written so far, as sorted runs merged like a binary counter (each key is
+    merged about log2(N) times), to drop the keys HSCAN returns again."""
+
+    def __init__(self) -> None:
+        self._runs: list[np.ndarray] = []
+
+    def fresh(self, keys: np.ndarray) -> np.ndarray:
+        """Which of ``keys`` (distinct) were not seen before; records them."""
+        new = np.ones(keys.size, dtype=bool)
+        for run in self._runs:  # NOTE: O(log N) runs, each searched for the whole chunk
+            at = np.minimum(np.searchsorted(run, keys), run.size - 1)
+            new &= run[at] != keys
+        add = np.sort(keys[new])
+        while self._runs and self._runs[-1].size <= add.size:
+            add = np.sort(np.concatenate([self._runs.pop(), add]))
+        if add.size:
+            self._runs.append(add)
+        return new
+
+
 def _redis_chunks(ps: Any) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     client = ps.client
     for part in ps.part_keys:
-        seen = np.empty(0, dtype=np.int64)
+        seen = _Seen()
         cursor = 0
         while True:
             cursor, found = client.hscan(part, cursor, count=_SCAN_COUNT)
@@ -62,9 +83,8 @@ def _redis_chunks(ps: Any) -> Iterator[tuple[np.ndarray, np.ndarray]]:
                                             "field that is not a key; the table is damaged")
                 keys = np.frombuffer(b"".join(fields), dtype="<i8").astype(np.int64)
                 rows = _rows_of(ps, b"".join(found[f] for f in fields), len(fields))
-                new = ~np.isin(keys, seen)  # NOTE: HSCAN may return a key twice
+                new = seen.fresh(keys)  # NOTE: HSCAN may return a key twice
                 keys, rows = keys[new], rows[new]
-                seen = np.union1d(seen, keys)
                 if keys.size:
                     yield keys, rows
             if int(cursor) == 0:

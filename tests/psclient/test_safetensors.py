@@ -199,3 +199,13 @@ def test_dump_errors_are_one_line_and_leave_nothing(
     assert rc == 0 and leftovers(out) == []
     with safe_open(str(out / "old.safetensors"), "pt") as f:
         assert f.get_tensor("weight").shape == (100, 3)
+
+
+def test_a_key_scanned_twice_is_written_once() -> None:
+    from psclient.dump import _Seen
+
+    seen, rng, before = _Seen(), np.random.default_rng(0), np.empty(0, dtype=np.int64)
+    for _ in range(100):
+        keys = np.unique(rng.integers(0, 3000, 64))
+        assert np.array_equal(seen.fresh(keys), ~np.isin(keys, before))
+        before = np.union1d(before, keys)
