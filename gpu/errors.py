@@ -116,3 +116,25 @@ class VMMError(GPUError):
 
 class PeerAccessError(VMMError):
     """A device cannot reach another device's memory (no peer access between them)."""
+
+
+# -- exported models (gpu.export) ---------------------------------------------------------
+
+
+class ExportError(GPUError):
+    """A model could not be exported, or an export directory could not be loaded."""
+
+
+class MissingTableError(ExportError):
+    """A shared table the exported model reads (a SharedMemBlock, a host cache, a
+    parameter-server table) does not exist on this node; nothing was loaded."""
+
+
+class FormatVersionError(ExportError):
+    """The export directory was written by a newer version of the format than this
+    library reads; nothing was loaded."""
+
+
+class ShapeMismatchError(ExportError, BadArgumentError):
+    """A table's geometry (rows, dim, dtype) is not the one the exported model was built
+    over; nothing was loaded."""

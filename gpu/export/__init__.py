@@ -26,14 +26,14 @@ import torch
 
 from gpu import ops
 from gpu.cuda.devices import resolve_device
-from gpu.errors import BadArgumentError
-from gpu.export import metadata as md
-from gpu.export.errors import (
+from gpu.errors import (
+    BadArgumentError,
     ExportError,
     FormatVersionError,
     MissingTableError,
     ShapeMismatchError,
 )
+from gpu.export import metadata as md
 from gpu.layer_config import LayerType
 from gpu.layers import NVEmbedding, NVEmbeddingBag, _NVBase
 from hostcache import HostCache, SharedMemBlock

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from gpu.dist.distmem import DistMemBlock
-from gpu.export.errors import ExportError
+from gpu.errors import ExportError
 from gpu.kernels.tiles import Tiles
 from gpu.layer_config import InsertPolicy, LayerType
 from gpu.tier_config import DEFAULT, TierConfig

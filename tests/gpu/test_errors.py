@@ -40,9 +40,9 @@ def test_old_names_are_the_classes_of_gpu_errors(module: str, name: str) -> None
 
 
 def test_every_error_of_the_package_is_defined_in_gpu_errors() -> None:
-    for info in pkgutil.iter_modules(gpu.__path__):
-        if info.name not in KERNEL_MODULES:
-            importlib.import_module(f"gpu.{info.name}")
+    for info in pkgutil.walk_packages(gpu.__path__, "gpu."):
+        if info.name.rsplit(".", 1)[-1] not in KERNEL_MODULES:
+            importlib.import_module(info.name)
     seen, todo = set(), [errors.GPUError]
     while todo:
         cls = todo.pop()
