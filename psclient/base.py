@@ -27,6 +27,7 @@ from psclient.errors import (
     TableDroppedError,
 )
 from psclient.feed import FeedBatch
+from psclient.handle_files import HandleFiles
 from psclient.loads import Load, TableState
 from psclient.schema import TableSchema
 
@@ -41,7 +42,7 @@ else:  # NOTE: torch (and the file readers of load()) load when rows are first h
 log = logging.getLogger(__name__)
 
 
-class ParameterServer(ABC):
+class ParameterServer(HandleFiles, ABC):
     """A table of int64 keys -> rows of ``dim`` elements of ``dtype``, shared by all nodes.
 
     Use :func:`psclient.connect` to get one. Every method works on a batch of keys.
@@ -51,6 +52,8 @@ class ParameterServer(ABC):
 
     _closed = True  # class-level defaults so close()/repr work after a failed __init__
     _table = "<unopened>"
+    #: the store's URL without a password or query; every backend sets it
+    _url = ""
     _schema: TableSchema
     #: this handle's registration with a ``loading`` table (``connect(loading=True)``),
     #: until its load ends
@@ -68,6 +71,12 @@ class ParameterServer(ABC):
     def table(self) -> str:
         """The table name."""
         return self._table
+
+    @property
+    def url(self) -> str:
+        """The store's URL without a password or query (``file:///dir``,
+        ``redis://host:6379/0``): what :func:`psclient.connect` opens this table from."""
+        return self._url
 
     @property
     def dim(self) -> int:
@@ -285,7 +294,8 @@ class ParameterServer(ABC):
                 array, a ``.npy`` file of integers, or a raw file of little-endian int64.
             tensor: the tensor's name inside a ``.safetensors`` file (optional if it holds
                 exactly one tensor).
-            format: ``"npy"``, ``"safetensors"`` or ``"raw"``; default: by the suffix.
+            format: ``"npy"``, ``"safetensors"``, ``"raw"`` or ``"dcp"``; default: by the
+                suffix (a directory: a ``torch.distributed.checkpoint``, ``"dcp"``).
             convert: cast rows of another dtype to the table's (else a dtype difference
                 raises).
             batch_size: rows per insert.

@@ -3,7 +3,7 @@
 ::
 
     psclient ls URL [--json]
-    psclient load URL --table T FILE [--tensor NAME] [--format npy|safetensors|raw]
+    psclient load URL --table T FILE [--tensor NAME] [--format npy|safetensors|raw|dcp]
                   [--keys FILE] [--dim D] [--dtype DTYPE] [--batch-size N]
                   [--duplicates refuse|last] [--allow-nonfinite] [--progress|--no-progress]
     psclient dump URL --table T FILE [--format safetensors|npy] [--keys FILE]
@@ -92,16 +92,18 @@ def _parser() -> argparse.ArgumentParser:
     ls.add_argument("--json", action="store_true", help="print a JSON list")
     ld = sub.add_parser(
         "load", epilog=_URLS, formatter_class=argparse.RawDescriptionHelpFormatter,
-        help="bulk-load rows from a .npy, .safetensors or raw binary file",
+        help="bulk-load rows from a .npy, .safetensors or raw binary file, or a DCP checkpoint",
         description="Insert every row of FILE into table T, creating the table if needed "
         "(from the file's row length and dtype unless --dim/--dtype say otherwise). Row i "
         "gets key i, or the i-th key of --keys.")
     ld.add_argument("url", metavar="URL", help="the store (see store URLs below)")
     ld.add_argument("--table", required=True, metavar="T", help="the table to load into")
     ld.add_argument("file", metavar="FILE", help="a .npy or .safetensors file of [N, dim] "
-                    "rows, or a raw file (.bin/.raw) of rows back to back, little-endian")
-    ld.add_argument("--tensor", metavar="NAME", help="the tensor inside a .safetensors file")
-    ld.add_argument("--format", choices=["npy", "safetensors", "raw"],
+                    "rows, a raw file (.bin/.raw) of rows back to back, little-endian, or a "
+                    "torch.distributed.checkpoint directory")
+    ld.add_argument("--tensor", metavar="NAME", help="the tensor inside a .safetensors file, "
+                    "or its fully qualified name in a DCP checkpoint (e.g. emb.weight)")
+    ld.add_argument("--format", choices=["npy", "safetensors", "raw", "dcp"],
                     help="the file's format (default: by its suffix)")
     ld.add_argument("--keys", metavar="FILE", help="one key per row: a .npy of integers or "
                     "a raw file of little-endian int64 (default: row i gets key i)")

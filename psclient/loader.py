@@ -1,4 +1,5 @@
-"""Bulk loading: a tensor, a ``.npy`` / ``.safetensors`` / raw binary file, or an iterator.
+"""Bulk loading: a tensor, a ``.npy`` / ``.safetensors`` / raw binary file, a DCP checkpoint
+directory, or an iterator.
 
 Sources are opened without reading their rows (files are memory-mapped) and read chunk by
 chunk. A raw binary file is rows of the table's ``dim`` and dtype back to back, in the
@@ -6,7 +7,9 @@ machine's (little-endian) byte order, with no header: its size must be a whole n
 rows. Keys default to ``0..N-1``, or to the ``keys`` tensor of a ``.safetensors`` file that
 holds one beside its rows (as ``psclient dump`` writes them); a keys source (a tensor, an
 int ``.npy``, a ``.safetensors`` file's ``keys`` or a raw file of little-endian int64) gives
-one key per row instead.
+one key per row instead. A ``torch.distributed.checkpoint`` directory gives the 2-D tensor
+named by its fully qualified name (``tensor="emb.weight"``), or its only 2-D tensor, read
+piece by piece (:mod:`psclient.dcp_source`).
 
 A file is read as the format it is given (or its suffix names) only if its first bytes say
 it is one: an ``.npz`` archive, a torch ``.pt`` file or anything else is refused with a line
@@ -32,6 +35,7 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from psclient.codec import check_keys
+from psclient.dcp_source import open_dcp
 from psclient.errors import BadArgumentError, BadKeysError, BadValuesError
 from psclient.load_checks import (
     StreamCensus,
@@ -49,8 +53,8 @@ if TYPE_CHECKING:  # NOTE: for annotations only: base imports this module
 log = logging.getLogger(__name__)
 
 #: file formats :func:`open_rows` reads; ``None`` picks one by the file's suffix
-FileFormat = Literal["npy", "safetensors", "raw"]
-FORMATS: tuple[str, ...] = ("npy", "safetensors", "raw")
+FileFormat = Literal["npy", "safetensors", "raw", "dcp"]
+FORMATS: tuple[str, ...] = ("npy", "safetensors", "raw", "dcp")
 #: the tensor of a ``.safetensors`` file that holds its rows' keys (as ``psclient dump``
 #: writes them)
 KEYS_TENSOR = "keys"
@@ -119,7 +123,7 @@ def _file(source: str | Path) -> Path:
 
 def file_format(path: str | Path, fmt: str | None, *, cli: bool = False) -> str:
     """The format of a rows file: ``fmt`` if given, else by suffix (``.npy``,
-    ``.safetensors``; ``.bin``/``.raw`` are raw rows).
+    ``.safetensors``; ``.bin``/``.raw`` are raw rows); a directory is a DCP checkpoint.
 
     Raises:
         BadArgumentError: an unknown format, or a suffix that names none.
@@ -128,6 +132,8 @@ def file_format(path: str | Path, fmt: str | None, *, cli: bool = False) -> str:
         if fmt not in FORMATS:
             raise BadArgumentError(f"unknown file format {fmt!r}: use one of {', '.join(FORMATS)}")
         return fmt
+    if Path(path).is_dir():
+        return "dcp"
     suffix = Path(path).suffix.lower()
     if suffix in (".npy", ".safetensors"):
         return suffix[1:]
@@ -149,8 +155,10 @@ def open_rows(source: object, tensor: str | None = None, *, format: str | None =
 
     Args:
         source: a ``[N, dim]`` tensor or array, or a path.
-        tensor: the tensor's name inside a ``.safetensors`` file.
-        format: ``npy``, ``safetensors`` or ``raw``; default: by the file's suffix.
+        tensor: the tensor's name inside a ``.safetensors`` file, or its fully qualified
+            name in a DCP checkpoint.
+        format: ``npy``, ``safetensors``, ``raw`` or ``dcp``; default: by the file's suffix
+            (a directory: ``dcp``).
         dim, dtype: the geometry of a raw file's rows (required for raw files).
         cli: name arguments as the ``psclient`` command's flags in messages.
 
@@ -167,8 +175,14 @@ def open_rows(source: object, tensor: str | None = None, *, format: str | None =
         return RowSource(t.shape[0], t.shape[1], t.dtype, lambda a, b: t[a:b].cpu().contiguous(),
                          "the source tensor")
     if isinstance(source, (str, Path)):
+        if format == "dcp" or (format is None and Path(source).is_dir()):
+            n, width, dt, get, what = open_dcp(source, tensor, cli=cli)
+            return RowSource(n, width, dt, get, what)
         path = _file(source)
         fmt = file_format(path, format, cli=cli)
+        if fmt == "dcp":
+            raise BadArgumentError(f"{str(path)!r} is a file: a DCP checkpoint is the "
+                                   "directory torch.distributed.checkpoint.save wrote")
         found = sniff(path)
         if fmt == "npy":
             return _open_npy(path, found, cli)
