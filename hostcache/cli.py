@@ -312,7 +312,10 @@ def _save(args: argparse.Namespace, out: TextIO) -> int:
 def _restore_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", help="table name: created from the file's geometry if it does "
                    "not exist")
-    p.add_argument("file", help="a .safetensors file `hostcache save` wrote")
+    p.add_argument("file", help="a .safetensors file `hostcache save` wrote, or a "
+                   "torch.distributed.checkpoint directory (restored into a linear table)")
+    p.add_argument("--tensor", metavar="NAME", help="the 2-D tensor of a DCP checkpoint, by "
+                   "its fully qualified name (e.g. emb.weight); needed where it holds several")
     p.add_argument("--no-create", action="store_true",
                    help="restore only into an existing table")
     p.add_argument("--allow-nonfinite", action="store_true",
@@ -322,7 +325,7 @@ def _restore_args(p: argparse.ArgumentParser) -> None:
 def _restore(args: argparse.Namespace, out: TextIO) -> int:
     segment.check_name(args.name)
     table = files.restore(args.name, args.file, create=not args.no_create,
-                          allow_nonfinite=args.allow_nonfinite)
+                          allow_nonfinite=args.allow_nonfinite, tensor=args.tensor)
     with table:
         kind = layout.KIND_NAMES[table.geometry.kind]
     print(f"restored {args.file} into {kind} table {args.name}", file=out)

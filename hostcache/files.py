@@ -14,6 +14,11 @@ checks the whole file against the table (kind, dim, dtype, rows that fit, no NaN
 infinity) before its first write and then writes chunk by chunk, each write telling every
 process's GPU cache to drop the rows as any update does; a table it created is removed
 again if the restore fails.
+
+:func:`load_rows` streams the rows of any file ``psclient load`` reads (a ``.safetensors``
+tensor, ``.npy``, raw rows, or a ``torch.distributed.checkpoint`` directory) into a
+:class:`~hostcache.SharedMemBlock`, row ``i`` of the file to row ``i`` of the block, one
+chunk in memory at a time; :func:`restore` of a DCP directory goes through it.
 """
 
 from __future__ import annotations
@@ -38,10 +43,12 @@ from hostcache.errors import (
 from hostcache.memblock import SharedMemBlock
 from hostcache.segment import attach as attach_segment
 from nvecache.common.finite import nonfinite_rows
+from psclient.errors import PSClientError
 from psclient.formats import KEYS_NAME, ROWS_NAME, RowsWriter
 
 if TYPE_CHECKING:
     from hostcache.table import SharedTable
+    from psclient.loader import RowSource
 
 #: rows read or written at a time
 CHUNK_ROWS = 65536
@@ -207,12 +214,16 @@ def _create(saved: _Saved, name: str) -> SharedTable:
 
 
 def restore(name: str, path: str | Path, *, create: bool = True, chunk: int = CHUNK_ROWS,
-            allow_nonfinite: bool = False) -> SharedTable:
+            allow_nonfinite: bool = False, tensor: str | None = None) -> SharedTable:
     """Write the rows saved in ``path`` into table ``name``; returns its handle (close it).
 
     The table is created from the file's geometry where it does not exist (and
     ``create``); an existing one must be of the same kind, dim and dtype, and hold the
     file's rows (a linear table: every saved row index; a cache: the capacity).
+
+    ``path`` may also be a ``torch.distributed.checkpoint`` directory: its 2-D tensor
+    ``tensor`` (a fully qualified name; may be left out where it holds one) is restored
+    into a linear table of that many rows, row ``i`` to row ``i`` (:func:`load_rows`).
 
     Raises:
         BadArgumentError: no such file, or not a saved table.
@@ -222,6 +233,9 @@ def restore(name: str, path: str | Path, *, create: bool = True, chunk: int = CH
             ``allow_nonfinite`` (every row is read once before the first write); nothing
             was written.
     """
+    if Path(path).is_dir():
+        return _restore_dir(name, Path(path), create=create, chunk=chunk,
+                            allow_nonfinite=allow_nonfinite, tensor=tensor)
     saved = _Saved(Path(path))
     if saved.kind() not in _KINDS:
         raise BadArgumentError(f"{saved.what} is of table kind {saved.kind()!r}: a saved "
@@ -250,6 +264,107 @@ def restore(name: str, path: str | Path, *, create: bool = True, chunk: int = CH
             else:
                 assert isinstance(table, HostCache)
                 table.insert(keys, rows, allow_nonfinite=allow_nonfinite)
+    except BaseException:
+        table.close()
+        if created:
+            with contextlib.suppress(SegmentNotFoundError):
+                SharedMemBlock.unlink(name)
+        raise
+    return table
+
+
+def _open_source(path: str | Path, tensor: str | None, fmt: str | None,
+                 dim: int | None = None, dtype: torch.dtype | None = None) -> RowSource:
+    """``psclient``'s reader of a rows file; its errors raised as this package's."""
+    from psclient.loader import open_rows
+
+    try:
+        return open_rows(path, tensor, format=fmt, dim=dim, dtype=dtype)
+    except PSClientError as e:
+        raise BadArgumentError(str(e)) from None
+
+
+def load_rows(block: SharedMemBlock, path: str | Path, *, tensor: str | None = None,
+              format: str | None = None, chunk: int = CHUNK_ROWS,  # noqa: A002
+              allow_nonfinite: bool = False, progress: bool | None = None) -> int:
+    """Write the rows of a file into ``block``, row ``i`` of the file to row ``i``, one
+    chunk of ``chunk`` rows in memory at a time; returns the rows written.
+
+    Args:
+        block: the linear table to write (its first rows; the rest are left as they are).
+        path: a ``.safetensors`` / ``.npy`` file, raw rows (``.bin``/``.raw``, of the
+            block's dim and dtype), or a ``torch.distributed.checkpoint`` directory.
+        tensor: the tensor of a ``.safetensors`` file or DCP checkpoint (optional where
+            there is one).
+        format: ``npy``, ``safetensors``, ``raw`` or ``dcp``; default: by the name.
+        chunk: rows read and written at a time.
+        allow_nonfinite: write rows holding NaN or infinite values too; else every row is
+            read once before the first write and such rows are refused.
+        progress: a tqdm progress bar on stderr; default: only when stderr is a terminal.
+
+    Raises:
+        BadArgumentError: no such file, not a readable source, or a bad ``chunk``.
+        GeometryMismatchError: the rows are of another dim or dtype, or more than the
+            block holds; nothing was written.
+        NonFiniteValuesError: a row holds NaN or an infinity; nothing was written.
+    """
+    from tqdm import tqdm
+
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0:
+        raise BadArgumentError(f"chunk must be a positive int, got {chunk!r}")
+    rows = _open_source(path, tensor, format, block.dim, block.dtype)
+    if rows.dim != block.dim or rows.dtype != block.dtype or rows.n > block.num_rows:
+        raise GeometryMismatchError(
+            f"{rows.what} holds {rows.n} rows of dim {rows.dim}, "
+            f"{str(rows.dtype).removeprefix('torch.')}; table {block.name!r} holds "
+            f"{block.num_rows} rows of dim {block.dim}, {block.geometry.dtype_name}: load it "
+            "into a table of that geometry")
+    if not allow_nonfinite:
+        bad, first = 0, -1
+        for a in range(0, rows.n, chunk):
+            at = nonfinite_rows(rows.get(a, min(rows.n, a + chunk)))
+            if at is not None:
+                idx = torch.nonzero(at)[:, 0]
+                first = a + int(idx[0]) if first < 0 else first
+                bad += idx.numel()
+        if bad:
+            raise NonFiniteValuesError(
+                f"{rows.what}: {bad} of {rows.n} rows hold NaN or infinite values (the "
+                f"first: row {first}); nothing was written: fix the file, or load it anyway "
+                "with allow_nonfinite=True")
+    with tqdm(total=rows.n, unit="rows", unit_scale=True, desc=f"load {block.name}",
+              disable=None if progress is None else not progress) as bar:
+        for a in range(0, rows.n, chunk):
+            b = min(rows.n, a + chunk)
+            block.write(torch.arange(a, b, dtype=torch.int64), rows.get(a, b),
+                        allow_nonfinite=True)  # NOTE: checked above, or allowed
+            bar.update(b - a)
+    return rows.n
+
+
+def _restore_dir(name: str, path: Path, *, create: bool, chunk: int, allow_nonfinite: bool,
+                 tensor: str | None) -> SharedTable:
+    rows = _open_source(path, tensor, "dcp")
+    created = False
+    try:
+        table = open_table(name)
+    except SegmentNotFoundError:
+        if not create:
+            raise
+        try:
+            table = SharedMemBlock.create(name, num_rows=max(rows.n, 1), dim=rows.dim,
+                                          dtype=rows.dtype)
+        except SegmentExistsError:  # NOTE: created by another process meanwhile
+            table = open_table(name)
+        else:
+            created = True
+    try:
+        if not isinstance(table, SharedMemBlock):
+            raise GeometryMismatchError(
+                f"table {name!r} is a {_kind(table)} table; a DCP checkpoint's rows restore "
+                "into a linear table: restore into another name (it is created)")
+        load_rows(table, path, tensor=tensor, format="dcp", chunk=chunk,
+                  allow_nonfinite=allow_nonfinite)
     except BaseException:
         table.close()
         if created:
