@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import enum
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from gpu.errors import BadArgumentError
 from hostcache.table import HitRate
 from nvecache.common import rows
+
+if TYPE_CHECKING:
+    import torch
+
+    from gpu.tier_config import TierConfig
 
 PoolingMode = Literal["sum", "mean", "max"]
 
@@ -52,6 +57,51 @@ class InsertPolicy:
                 raise BadArgumentError(
                     f"InsertPolicy.{field} must be a probability in [0, 1]; got {value!r}"
                 )
+
+
+#: where a table a layer reads lives: ``"own"`` (the layer's private table),
+#: ``"memblock"`` (a ``hostcache.SharedMemBlock``), ``"distmem"`` (a ``gpu.DistMemBlock``),
+#: ``"hostcache"`` (a shared ``hostcache.HostCache``), ``"ps"`` (a parameter-server table)
+TableKind = Literal["own", "memblock", "distmem", "hostcache", "ps"]
+
+
+@dataclass(frozen=True)
+class TableRef:
+    """One table a layer reads, by identity (no rows)."""
+
+    kind: TableKind
+    #: the table's name: the block's or host cache's segment name, the parameter server's
+    #: table; ``""`` for the layer's own table
+    name: str = ""
+    #: a parameter server's URL without a password (``ParameterServer.url``), else None
+    url: str | None = None
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """How a layer was built: its construction arguments as it resolved them (``layer.spec``).
+
+    A host cache given by name and a parameter server given by URL appear as the tables
+    they opened; ``insert_policy`` and ``tuning`` are the defaults where none was passed.
+    """
+
+    layer_type: LayerType
+    num_embeddings: int
+    embedding_size: int
+    data_type: torch.dtype
+    device: torch.device
+    #: bytes of the GPU cache asked for (0: none)
+    gpu_cache_size: int
+    insert_policy: InsertPolicy
+    tuning: TierConfig
+    #: a Hierarchical layer's row for keys in no tier (``embedding_size`` floats), or None
+    default_row: tuple[float, ...] | None
+    #: the tables the layer reads, nearest first
+    tables: tuple[TableRef, ...]
+
+    def table(self, kind: TableKind) -> TableRef | None:
+        """The layer's table of ``kind``, or None when it has none."""
+        return next((t for t in self.tables if t.kind == kind), None)
 
 
 @dataclass(frozen=True)

@@ -36,8 +36,8 @@ from gpu import ops, state
 from gpu.cuda.devices import resolve_device
 from gpu.errors import BadArgumentError
 from gpu.inputs import bags, check_dtype, check_keys, check_values
-from gpu.layer_config import InsertPolicy, LayerStats, LayerType, PoolingMode
-from gpu.stacks.builders import build_stack
+from gpu.layer_config import InsertPolicy, LayerSpec, LayerStats, LayerType, PoolingMode
+from gpu.stacks.builders import build_layer
 from gpu.stacks.closed import ClosedStack
 from gpu.stacks.protocol import LayerStack, Tier, check_tier
 from gpu.tier_config import TierConfig
@@ -94,7 +94,8 @@ class _NVBase(torch.nn.Module):
         #: set by close(): the stack is then a ClosedStack
         self._closed = False
         try:
-            self._tiers: LayerStack = build_stack(
+            self._tiers: LayerStack
+            self._tiers, spec = build_layer(
                 layer_type, num_embeddings, embedding_size, data_type, self.device,
                 gpu_cache_size=gpu_cache_size, host_cache=host_cache, storage=storage,
                 weight_init=weight_init, table=table, default_row=default_row,
@@ -102,6 +103,9 @@ class _NVBase(torch.nn.Module):
         except BaseException:
             _close_all(self._owned)  # NOTE: a failed build keeps nothing open
             raise
+        #: how the layer was built: its arguments as resolved and its tables by identity
+        #: (a record: it stays after close())
+        self.spec: LayerSpec = spec
         self.validate = bool(validate)
         self._tiers.validate = self.validate
         self._op = ops.register(self._tiers)

@@ -61,14 +61,21 @@ def _stack(layer: _NVBase) -> Any:
 
 
 def get_extra_state(layer: _NVBase) -> dict[str, Any]:
-    """What a layer is, and for a Hierarchical layer the names of its tables (no rows)."""
-    stack = _stack(layer)
-    state: dict[str, Any] = {"format": FORMAT, "layer_type": layer.layer_type.name,
-                             "num_embeddings": layer.num_embeddings,
-                             "embedding_size": layer.embedding_size,
-                             "dtype": str(layer.data_type)}
-    if isinstance(stack, NamedState):
-        state.update(stack.table_names())
+    """What a layer is, and for a Hierarchical layer the names of its tables (no rows),
+    from its construction record (``layer.spec``)."""
+    _stack(layer)  # NOTE: a closed layer raises LayerClosedError
+    spec = layer.spec
+    state: dict[str, Any] = {"format": FORMAT, "layer_type": spec.layer_type.name,
+                             "num_embeddings": spec.num_embeddings,
+                             "embedding_size": spec.embedding_size,
+                             "dtype": str(spec.data_type)}
+    hc, ps = spec.table("hostcache"), spec.table("ps")
+    if hc is not None or ps is not None:
+        state.update(dim=spec.embedding_size, dtype=str(spec.data_type))
+    if hc is not None:
+        state["host_cache"] = hc.name
+    if ps is not None:
+        state.update(table=ps.name, url=ps.url or None)
     return state
 
 

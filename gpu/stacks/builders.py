@@ -16,7 +16,7 @@ import torch
 
 from gpu.dist.distmem import DistMemBlock
 from gpu.errors import BadArgumentError
-from gpu.layer_config import InsertPolicy, LayerType
+from gpu.layer_config import InsertPolicy, LayerSpec, LayerType, TableRef
 from gpu.stacks.gpu_layer import DeviceTable
 from gpu.stacks.hierarchical import HierarchicalStack
 from gpu.stacks.linear_tables import table_gate, write_linear, write_tensor
@@ -48,6 +48,10 @@ class StackSpec:
     config: TierConfig
     #: tables the builder opened itself (by name or URL): the layer closes them
     owned: list[Any] = field(default_factory=list)
+    #: the tables the stack reads, by identity, nearest first (set by the builder)
+    tables: list[TableRef] = field(default_factory=list)
+    #: the checked default row (Hierarchical), set by the builder
+    default: torch.Tensor | None = None
 
 
 def check_geometry(what: str, dim: int, dtype: torch.dtype, want_dim: int,
@@ -94,12 +98,16 @@ def _init(spec: StackSpec) -> torch.Tensor | None:
 
 
 def _linear_block(spec: StackSpec) -> bool:
-    """Whether ``spec.storage`` is a shared linear table of the layer's geometry."""
+    """Whether ``spec.storage`` is a shared linear table of the layer's geometry; records
+    the table the stack reads (``spec.tables``)."""
     storage = spec.storage
     if not isinstance(storage, LINEAR_BLOCKS):
+        spec.tables[:] = [TableRef("own")]
         return False
     check_geometry("storage", storage.dim, storage.dtype, spec.dim, spec.dtype,
                    storage.num_rows, spec.num_rows)
+    spec.tables[:] = [TableRef("memblock" if isinstance(storage, SharedMemBlock) else "distmem",
+                               storage.name)]
     return True
 
 
@@ -188,9 +196,12 @@ def build_hierarchical(spec: StackSpec) -> HierarchicalStack:
                        storage.dtype, spec.dim, spec.dtype)
     if host_cache is None and storage is None:
         raise BadArgumentError("a Hierarchical layer needs a host_cache, a storage, or both")
+    spec.default = _default_row(spec)
+    spec.tables[:] = ([TableRef("hostcache", host_cache.name)] if host_cache is not None
+                      else []) + ([TableRef("ps", storage.table, storage.url)]
+                                  if storage is not None else [])
     return HierarchicalStack(host_cache, storage, spec.dim, spec.dtype, spec.device,
-                             spec.gpu_cache_size, spec.policy, _default_row(spec),
-                             spec.config)
+                             spec.gpu_cache_size, spec.policy, spec.default, spec.config)
 
 
 #: one builder per layer type
@@ -202,13 +213,21 @@ BUILDERS: dict[LayerType, Callable[[StackSpec], LayerStack]] = {
 
 
 def build_stack(layer_type: LayerType, num_rows: int, dim: int, dtype: torch.dtype,
+                device: torch.device, **kwargs: Any) -> LayerStack:
+    """The stack of a layer of ``layer_type`` (the keyword arguments of
+    :func:`build_layer`, whose stack it returns)."""
+    return build_layer(layer_type, num_rows, dim, dtype, device, **kwargs)[0]
+
+
+def build_layer(layer_type: LayerType, num_rows: int, dim: int, dtype: torch.dtype,
                 device: torch.device, *, gpu_cache_size: int, host_cache: Any, storage: Any,
                 weight_init: Any, table: str | None, default_row: Any,
                 insert_policy: InsertPolicy | None, tuning: TierConfig | None,
-                owned: list[Any]) -> LayerStack:
-    """The stack of a layer of ``layer_type``; the tables it opens itself (a host cache
-    attached by name, a parameter server connected from a URL) are appended to ``owned``:
-    the layer closes them, also when this raises.
+                owned: list[Any]) -> tuple[LayerStack, LayerSpec]:
+    """The stack of a layer of ``layer_type``, and the record of how it was built (its
+    arguments as resolved, its tables by identity); the tables it opens itself (a host
+    cache attached by name, a parameter server connected from a URL) are appended to
+    ``owned``: the layer closes them, also when this raises.
 
     Raises:
         BadArgumentError: an argument the layer type does not take, or of the wrong kind
@@ -231,4 +250,8 @@ def build_stack(layer_type: LayerType, num_rows: int, dim: int, dtype: torch.dty
                                "table has every row)")
     spec = StackSpec(num_rows, dim, dtype, device, gpu_cache_size, host_cache, storage,
                      weight_init, table, default_row, policy, config, owned)
-    return builder(spec)
+    stack = builder(spec)
+    default = (None if spec.default is None
+               else tuple(float(x) for x in spec.default.detach().cpu().float().tolist()))
+    return stack, LayerSpec(layer_type, num_rows, dim, dtype, device, gpu_cache_size, policy,
+                            config, default, tuple(spec.tables))

@@ -41,13 +41,10 @@ __all__ = ["HierarchicalStack", "ps_location", "touch_sample"]
 
 
 def ps_location(ps: Any) -> str | None:
-    """Where a parameter server's table is: its URL (a password left out) or, for
-    ``file://``, its directory; None when the client does not tell."""
-    url = getattr(ps, "_url", None)  # NOTE: redis backends keep it redacted
-    if isinstance(url, str):
-        return url
-    path = getattr(ps, "_path", None)  # file://
-    return f"file://{path}" if isinstance(path, str) else None
+    """Where a parameter server's table is: its URL without a password
+    (``ParameterServer.url``); None when the client does not tell."""
+    url = getattr(ps, "url", None)  # NOTE: ParameterServer.url, without a password
+    return url if isinstance(url, str) and url else None
 
 
 class HierarchicalStack(TierWrites, CachedStack):

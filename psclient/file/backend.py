@@ -37,6 +37,7 @@ from collections.abc import Iterator
 from itertools import compress, repeat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
 import lmdb
 import numpy as np
@@ -86,6 +87,7 @@ class FileParameterServer(FileFeed, ParameterServer):
     def __init__(self, path: str, table: str, dim: int | None, dtype: str | None,
                  opts: dict[str, Any], mode: str = "open") -> None:
         self._path = path
+        self._url = "file://" + quote(path)
         self._opts = {**_DEFAULTS, **opts}
         for name in ("changes_maxlen", "feed_entry_keys", "max_dbs", "map_size"):
             if self._opts[name] <= 0:
