@@ -34,6 +34,7 @@ from hostcache.table import (
     C_UPDATES,
     SharedTable,
 )
+from hostcache.table_files import TableFiles
 from hostcache.table_twin import GATE as LOOPS
 from hostcache.validate import check_cache_keys, check_finite, check_values
 from nvecache.common.accumulate import added, check_deltas, sum_duplicates
@@ -76,7 +77,7 @@ def _row_bytes(rows: torch.Tensor) -> np.ndarray:
     return rows.contiguous().view(torch.uint8).numpy()
 
 
-class HostCache(SharedTable):
+class HostCache(TableFiles, SharedTable):
     """One embedding cache shared by every process of the node.
 
     Create it once (``HostCache.create``) and attach it anywhere (``HostCache.attach``);

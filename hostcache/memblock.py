@@ -20,11 +20,12 @@ from hostcache.errors import BadArgumentError, NonFiniteValuesError
 from hostcache.gate import TableGate, gate_for
 from hostcache.segment import Mapping, check_mode
 from hostcache.table import C_HITS, C_LOOKUPS, C_UPDATES, SharedTable
+from hostcache.table_files import TableFiles
 from hostcache.validate import check_finite, check_indices, check_keys, check_values, dedup_last
 from nvecache.common.accumulate import add_at, check_deltas
 
 
-class SharedMemBlock(SharedTable):
+class SharedMemBlock(TableFiles, SharedTable):
     """A ``[num_rows, dim]`` table every process of the node maps."""
 
     KIND = layout.KIND_LINEAR
