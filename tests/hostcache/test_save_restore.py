@@ -171,3 +171,34 @@ def test_errors_are_typed_one_line_and_write_nothing(
     rc, _, err = run(capsys, "save", names[0], str(blocker))
     assert rc == 2 and "cannot write" in err and err.count("\n") == 1
     assert leftovers(tmp_path) == []
+
+
+def test_table_methods_save_and_restore(names: list[str], tmp_path: Path) -> None:
+    """``table.save(path)`` and ``Class.restore(name, path)`` are hostcache.files' save and
+    restore; a file of the other kind is refused before any table is created."""
+    rows = torch.randn(40, 6).to(torch.float16)
+    lin, hcf = tmp_path / "lin.safetensors", tmp_path / "hc.safetensors"
+    with SharedMemBlock.create(name(names), num_rows=40, dim=6, dtype=torch.float16) as block:
+        block.write(torch.arange(40), rows)
+        assert block.save(lin) == 40
+    keys = torch.arange(100, 130)
+    with HostCache.create(name(names), capacity=256, dim=6, dtype=torch.float16) as hc:
+        hc.insert(keys, rows[:30])
+        assert hc.save(hcf, chunk=7) == int(hc.contains(keys).sum()) > 0
+    with SharedMemBlock.restore(name(names), lin) as back:
+        assert type(back) is SharedMemBlock and torch.equal(back.tensor, rows)
+        cursor = back.change_cursor
+        with SharedMemBlock.restore(back.name, lin, create=False, chunk=16) as same:
+            assert same.name == back.name
+        assert back.change_cursor > cursor  # NOTE: written again, announced
+    with HostCache.restore(name(names), hcf) as cache:
+        assert type(cache) is HostCache
+        values, hit = cache.lookup(keys, count=False)
+        assert bool(hit.any()) and torch.equal(values[hit], rows[:30][hit])
+    for cls, wrong in ((HostCache, lin), (SharedMemBlock, hcf)):
+        new = name(names)
+        with pytest.raises(GeometryMismatchError, match="not a " + cls.__name__):
+            cls.restore(new, wrong)
+        with pytest.raises(SegmentNotFoundError):
+            SharedMemBlock.attach(new)  # NOTE: nothing was created
+    assert leftovers(tmp_path) == []
