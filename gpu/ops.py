@@ -30,10 +30,12 @@ that choice and traces again, so a CUDA graph of the lookup is never replayed).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import secrets
 import threading
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -45,6 +47,9 @@ _lock = threading.Lock()
 _next = itertools.count((secrets.randbits(30) << 20) + 1)
 _stacks: dict[int, weakref.ReferenceType[Any]] = {}
 _meta: dict[int, tuple[int, torch.dtype, bool]] = {}
+
+#: within typed_errors(): the error an op raised in this thread
+_failure = threading.local()
 
 _UNSAFE = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
 #: the attribute on an id buffer holding ``(version, id)`` of its last write by bind()
@@ -125,6 +130,35 @@ def _stack(layer: torch.Tensor) -> Any:
     return stack
 
 
+def _call(layer: torch.Tensor, method: str, *args: Any) -> torch.Tensor:
+    """``method`` of the layer's stack on ``args``; within :func:`typed_errors`, an error
+    it raises is kept for the caller."""
+    try:
+        with torch.no_grad():
+            return getattr(_stack(layer), method)(*args)
+    except BaseException as e:
+        if getattr(_failure, "capture", False):
+            _failure.error = e
+        raise
+
+
+@contextlib.contextmanager
+def typed_errors() -> Iterator[None]:
+    """Run a caller that reports the ops' errors as a ``RuntimeError`` with their text
+    only (an AOTInductor package calls the ops from C++): the error an op raised within
+    is raised again as itself."""
+    _failure.error, _failure.capture = None, True
+    try:
+        yield
+    except RuntimeError:
+        error = _failure.error
+        if error is None:
+            raise
+        raise error from None
+    finally:
+        _failure.error, _failure.capture = None, False
+
+
 def _geometry(handle: int) -> tuple[int, torch.dtype, bool]:
     meta = _meta.get(handle)
     if meta is None:
@@ -158,16 +192,14 @@ def rows(keys: torch.Tensor, layer: int | torch.Tensor, dim: int | None = None,
 def table_rows(keys: torch.Tensor, layer: torch.Tensor, dim: int,
                dtype: torch.dtype) -> torch.Tensor:
     """A GPULayer's lookup: one kernel, no host work a CUDA graph replay would skip."""
-    with torch.no_grad():
-        return _stack(layer).rows(keys)
+    return _call(layer, "rows", keys)
 
 
 @torch.library.custom_op("nvecache::stack_rows", mutates_args=(), tags=_UNSAFE)
 def stack_rows(keys: torch.Tensor, layer: torch.Tensor, dim: int,
                dtype: torch.dtype) -> torch.Tensor:
     """A cached stack's lookup (host work per call: not for CUDA graphs)."""
-    with torch.no_grad():
-        return _stack(layer).rows(keys)
+    return _call(layer, "rows", keys)
 
 
 @table_rows.register_fake
@@ -197,8 +229,7 @@ def pooled(keys: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | No
 def pooled_op(keys: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
               layer: torch.Tensor, mode: str, dim: int, dtype: torch.dtype) -> torch.Tensor:
     """Pooled rows ``[B, dim]`` of bags ``offsets`` (``[B + 1]``, last offset included)."""
-    with torch.no_grad():
-        return _stack(layer).pooled(keys, offsets, weights, mode)
+    return _call(layer, "pooled", keys, offsets, weights, mode)
 
 
 @pooled_op.register_fake

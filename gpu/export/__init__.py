@@ -11,7 +11,9 @@ tables with every other replica.
 
 The program calls the layers through the ops of :mod:`gpu.ops`, which find their layer
 through the layer's id buffer; :func:`load` builds the layers again and writes their ids
-into the loaded program's buffers.
+into the loaded program's buffers. With ``aot=True`` the directory holds an AOTInductor
+package (``package.pt2``, :mod:`gpu.export.aot`) in place of the program; :func:`load`
+points the package's id constants at the layers it built.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from gpu.errors import (
     MissingTableError,
     ShapeMismatchError,
 )
+from gpu.export import aot as aoti
 from gpu.export import metadata as md
 from gpu.layer_config import LayerType
 from gpu.layers import NVEmbedding, NVEmbeddingBag, _NVBase
@@ -62,7 +65,9 @@ def save(model: torch.nn.Module, example_args: tuple[Any, ...], path: str | os.P
         model: a module holding NVEmbedding / NVEmbeddingBag layers (open ones).
         example_args: positional arguments of one call.
         path: the directory to write (created; files of an earlier export are replaced).
-        aot: an AOTInductor package instead of the program: not supported yet.
+        aot: write an AOTInductor package (``package.pt2``, compiled for the device of
+            the example arguments) instead of the program; the layers' lookups stay calls
+            into Python.
         dynamic: let every tensor argument's first dimension (the batch) vary.
 
     Returns:
@@ -70,11 +75,8 @@ def save(model: torch.nn.Module, example_args: tuple[Any, ...], path: str | os.P
 
     Raises:
         ExportError: a layer is closed or reads a table that cannot be exported (a
-            DistMemBlock), or ``aot=True``.
+            DistMemBlock), or AOTInductor could not compile the model.
     """
-    if aot:
-        raise ExportError("aot=True (an AOTInductor package) is not supported yet: save "
-                          "with aot=False")
     if not isinstance(example_args, tuple):
         raise BadArgumentError("example_args must be a tuple of the model's positional "
                                "arguments")
@@ -89,7 +91,12 @@ def save(model: torch.nn.Module, example_args: tuple[Any, ...], path: str | os.P
     program = torch.export.export(model, example_args, dynamic_shapes=shapes)
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    torch.export.save(program, out / md.PROGRAM)
+    written, stale = (aoti.PACKAGE, md.PROGRAM) if aot else (md.PROGRAM, aoti.PACKAGE)
+    if aot:
+        aoti.compile_package(program, out / written, [e["id_buffer"] for e in entries])
+    else:
+        torch.export.save(program, out / written)
+    (out / stale).unlink(missing_ok=True)
     tables = out / md.TABLES
     if private:
         from safetensors.torch import save_file
@@ -97,7 +104,8 @@ def save(model: torch.nn.Module, example_args: tuple[Any, ...], path: str | os.P
     elif tables.exists():
         tables.unlink()
     meta = {"format": md.FORMAT, "version": md.FORMAT_VERSION, "torch": torch.__version__,
-            "program": md.PROGRAM, "layers": entries}
+            "aot": aot, "program": None if aot else md.PROGRAM,
+            "package": aoti.PACKAGE if aot else None, "layers": entries}
     (out / md.METADATA).write_text(json.dumps(meta, indent=1))
     return out
 
@@ -276,17 +284,28 @@ def load(path: str | os.PathLike[str], *, device: object = None) -> LoadedModel:
             layers[entry["path"]] = cls(entry["num_embeddings"], entry["embedding_size"],
                                         md.dtype_of(entry), LayerType[entry["layer_type"]],
                                         **kw)
-        program = torch.export.load(root / meta["program"]).module()
-        for entry in entries:
-            try:
-                buf = program.get_buffer(entry["id_buffer"])
-            except AttributeError:
-                raise ExportError(f"the program in {root} has no buffer "
-                                  f"{entry['id_buffer']!r} for layer {entry['path']!r}") \
-                    from None
-            ops.bind(buf, layers[entry["path"]]._op)
+        if meta.get("package"):
+            program: torch.nn.Module = aoti.Package(
+                root / meta["package"], layers, {e["path"]: e["id_buffer"] for e in entries},
+                None if device is None else resolve_device(device))
+        else:
+            program = _program(root / meta["program"], entries, layers)
     except BaseException:
         with contextlib.suppress(Exception):
             _close(list(layers.values()) + opened)
         raise
     return LoadedModel(program, layers, opened)
+
+
+def _program(file: Path, entries: list[dict[str, Any]], layers: dict[str, _NVBase]
+             ) -> torch.nn.Module:
+    """The torch.export program of ``file`` with its id buffers bound to ``layers``."""
+    program = torch.export.load(file).module()
+    for entry in entries:
+        try:
+            buf = program.get_buffer(entry["id_buffer"])
+        except AttributeError:
+            raise ExportError(f"the program {file} has no buffer {entry['id_buffer']!r} "
+                              f"for layer {entry['path']!r}") from None
+        ops.bind(buf, layers[entry["path"]]._op)
+    return program
