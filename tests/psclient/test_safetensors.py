@@ -209,3 +209,25 @@ def test_a_key_scanned_twice_is_written_once() -> None:
         keys = np.unique(rng.integers(0, 3000, 64))
         assert np.array_equal(seen.fresh(keys), ~np.isin(keys, before))
         before = np.union1d(before, keys)
+
+
+def test_handle_dump_and_url_reconnect(store: str, table_name: str, tmp_path: Path) -> None:
+    """``ps.dump`` is dump_table; ``ps.url`` (no password, no query) opens the same table."""
+    keys, rows = sample(123, 5, torch.bfloat16)
+    sep = "&" if "?" in store else "?"
+    with opened_tables(store + f"{sep}changes_maxlen=77", table_name) as make:
+        src = make(dim=5, dtype="bfloat16")
+        src.load(rows, keys=keys, progress=False)
+        assert "?" not in src.url and "changes_maxlen" not in src.url
+        assert src.url.split("://")[0] == store.split("://")[0]
+        with psclient.connect(src.url, table=table_name) as again:
+            values, found = again.lookup(keys)
+            assert bool(found.all()) and torch.equal(values, rows)
+        assert src.dump(tmp_path / "d.safetensors", progress=False) == 123
+        assert src.dump(tmp_path / "d.npy", format="npy", progress=False) == 123
+        back = make("b", dim=5, dtype="bfloat16")
+        assert back.load(tmp_path / "d.safetensors", progress=False) == 123
+        assert torch.equal(stored(store, table_name + "b", keys), rows)
+        with pytest.raises(BadArgumentError, match="format"):
+            src.dump(tmp_path / "d.bin", progress=False)
+    assert (tmp_path / "d.keys.npy").exists() and leftovers(tmp_path) == []
