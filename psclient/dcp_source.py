@@ -13,7 +13,9 @@ storage record holds the piece's bytes uncompressed; its shape, strides and stor
 come from ``torch.load(..., map_location="meta")`` (no bytes read), the record's place
 from the archive's directory, and the rows are then memory-mapped. A piece of raw bytes
 (the safetensors serialization) is mapped as it is. Rows ``a..b`` are assembled from the
-pieces that hold them, so memory is bounded by the rows asked for.
+pieces that hold them, so memory is bounded by the rows asked for: a piece of whole rows
+stored back to back (a row shard, or a table saved from one process) is read straight into
+the chunk; other pieces (column shards, a transposed tensor) are copied from the mapping.
 
 Pieces written through a storage transform (compression and other DCP extensions) are
 refused with a message that says to save the checkpoint without them.
@@ -78,8 +80,9 @@ class _Slice(io.RawIOBase):
 
 
 def _piece(path: Path, offset: int, length: int, dtype: torch.dtype, sizes: list[int],
-           what: str) -> np.ndarray:
-    """A stored piece of ``sizes`` x ``dtype``, memory-mapped (no bytes read)."""
+           what: str) -> tuple[np.ndarray, int | None]:
+    """A stored piece of ``sizes`` x ``dtype``, memory-mapped (no bytes read), and the byte
+    offset of its first row where its rows lie back to back (else None)."""
     itemsize = dtype.itemsize
     nbytes = itemsize * int(np.prod(sizes)) if sizes else itemsize
     np_dt = _raw(dtype)
@@ -91,7 +94,8 @@ def _piece(path: Path, offset: int, length: int, dtype: torch.dtype, sizes: list
                 raise BadArgumentError(
                     f"{what}: a stored piece of {length} bytes is neither a torch.save record nor "
                     f"{nbytes} raw bytes: save the checkpoint with DCP's FileSystemWriter")
-            return np.memmap(path, dtype=np_dt, mode="r", offset=offset, shape=tuple(sizes))
+            return np.memmap(path, dtype=np_dt, mode="r", offset=offset,
+                             shape=tuple(sizes)), offset
         try:
             meta = torch.load(io.BufferedReader(_Slice(f, offset, length)),
                               map_location="meta", weights_only=True)
@@ -114,9 +118,11 @@ def _piece(path: Path, offset: int, length: int, dtype: torch.dtype, sizes: list
                                "checkpoint is damaged")
     flat = np.memmap(path, dtype=np_dt, mode="r", offset=start,
                      shape=(info.file_size // itemsize,))
-    return np.lib.stride_tricks.as_strided(
+    view = np.lib.stride_tricks.as_strided(
         flat[meta.storage_offset():], shape=tuple(sizes),
         strides=tuple(s * itemsize for s in meta.stride()), writeable=False)
+    packed = meta.is_contiguous()
+    return view, start + meta.storage_offset() * itemsize if packed else None
 
 
 def _raw(dtype: torch.dtype) -> np.dtype:
@@ -152,6 +158,10 @@ def open_dcp(path: str | Path, tensor: str | None, *, cli: bool = False
     from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
     root = Path(path)
+    if root.is_file():
+        raise BadArgumentError(
+            f"{str(root)!r} is a file, not a DCP checkpoint directory: give the folder "
+            "torch.distributed.checkpoint.save wrote")
     if not is_dcp_dir(root):
         raise BadArgumentError(
             f"{str(root)!r} is not a DCP checkpoint directory (no {METADATA_FILE} file in it): "
@@ -181,7 +191,7 @@ def open_dcp(path: str | Path, tensor: str | None, *, cli: bool = False
         raise BadValuesError(f"{what} is {list(entry.size)}, need [N, dim]")
     n, dim = int(entry.size[0]), int(entry.size[1])
     dtype = entry.properties.dtype
-    pieces: list[tuple[int, int, int, int, np.ndarray]] = []
+    pieces: list[tuple[int, int, int, int, np.ndarray, Path, int | None]] = []
     covered = 0
     for chunk in entry.chunks:
         info = md.storage_data.get(MetadataIndex(tensor, chunk.offsets))
@@ -195,23 +205,39 @@ def open_dcp(path: str | Path, tensor: str | None, *, cli: bool = False
         r0, c0 = int(chunk.offsets[0]), int(chunk.offsets[1])
         rows, cols = int(chunk.sizes[0]), int(chunk.sizes[1])
         covered += rows * cols
-        arr = _piece(root / info.relative_path, int(info.offset), int(info.length), dtype,
-                     [rows, cols], what)
-        pieces.append((r0, r0 + rows, c0, c0 + cols, arr))
+        file = root / info.relative_path
+        arr, start = _piece(file, int(info.offset), int(info.length), dtype, [rows, cols], what)
+        whole = start if (c0, cols) == (0, dim) else None  # NOTE: whole rows: read in place
+        pieces.append((r0, r0 + rows, c0, c0 + cols, arr, file, whole))
     if covered != n * dim:
         raise BadArgumentError(f"{what}: its stored pieces hold {covered} of {n * dim} "
                                "elements: the checkpoint is incomplete")
     pieces.sort(key=lambda p: (p[0], p[2]))
     starts = np.array([p[0] for p in pieces], dtype=np.int64)
     v = _raw(dtype)
+    row_bytes = dim * dtype.itemsize
 
     def get(a: int, b: int) -> torch.Tensor:
         out = np.empty((max(0, b - a), dim), dtype=v)
         last = int(np.searchsorted(starts, b, side="left"))
-        for r0, r1, c0, c1, arr in pieces[:last]:  # NOTE: one copy per stored piece, not per row
+        for r0, r1, c0, c1, arr, file, whole in pieces[:last]:  # NOTE: per piece, not per row
             lo, hi = max(a, r0), min(b, r1)
-            if lo < hi:
+            if lo >= hi:
+                continue
+            if whole is None:
                 out[lo - a:hi - a, c0:c1] = arr[lo - r0:hi - r0]
+                continue
+            # NOTE: rows back to back: read into the chunk (no mapping of the file)
+            dest = out[lo - a:hi - a].reshape(-1).view(np.uint8).data
+            with file.open("rb", buffering=0) as f:
+                f.seek(whole + (lo - r0) * row_bytes)
+                got = 0
+                while got < len(dest):
+                    step = f.readinto(dest[got:])
+                    if not step:
+                        raise BadArgumentError(f"{what}: its storage file {str(file)!r} "
+                                               "ends early: the checkpoint is damaged")
+                    got += step
         return torch.from_numpy(out.view(np.uint8)).view(dtype).reshape(b - a, dim)
 
     return n, dim, dtype, get, what

@@ -180,9 +180,6 @@ def open_rows(source: object, tensor: str | None = None, *, format: str | None =
             return RowSource(n, width, dt, get, what)
         path = _file(source)
         fmt = file_format(path, format, cli=cli)
-        if fmt == "dcp":
-            raise BadArgumentError(f"{str(path)!r} is a file: a DCP checkpoint is the "
-                                   "directory torch.distributed.checkpoint.save wrote")
         found = sniff(path)
         if fmt == "npy":
             return _open_npy(path, found, cli)
