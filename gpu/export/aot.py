@@ -48,11 +48,11 @@ def compile_package(program: torch.export.ExportedProgram, path: Path,
 
 
 def _open(path: Path, device_index: int) -> Any:
+    if not path.is_file():
+        raise ExportError(f"{path} is missing: the AOTInductor package of the export; save "
+                          "the model again")
     try:
         return torch._inductor.aoti_load_package(str(path), device_index=device_index)
-    except FileNotFoundError:
-        raise ExportError(f"{path} is missing: the AOTInductor package of the export") \
-            from None
     except RuntimeError as e:
         first = (str(e).strip().splitlines() or ["(no message)"])[0]
         raise ExportError(f"the AOTInductor package {path} cannot be loaded here "

@@ -200,9 +200,55 @@ def test_private_table_of_another_shape_is_refused(tmp_path: Path) -> None:
         gx.load(path)
 
 
-def test_aot_is_refused_with_a_typed_error(tmp_path: Path) -> None:
+@pytest.mark.parametrize("layer_type", LAYER_TYPES)
+def test_aot_package_loads_in_a_fresh_process_and_equals_eager(tmp_path: Path, device: str,
+                                                               layer_type: LayerType) -> None:
+    """save(aot=True) writes an AOTInductor package; a fresh process loads it, the package
+    calls the rebuilt layers (ids rebound) and equals eager for every batch size."""
+    with tables(layer_type, tmp_path) as kw:
+        model = Model(NVEmbedding(ROWS, DIM, torch.float32, layer_type, device=device, **kw),
+                      NVEmbeddingBag(ROWS, DIM, torch.float32, layer_type, device=device,
+                                     mode="sum", **kw)).to(device)
+        data = batches(device)
+        with torch.no_grad():
+            want = [model(k.to(device), o.to(device)).cpu() for k, o in data]
+        k0, o0 = data[0]
+        path = gx.save(model, (k0.to(device), o0.to(device)), tmp_path / "exported", aot=True)
+        meta = json.loads((path / "metadata.json").read_text())
+        assert (meta["aot"], meta["package"], meta["program"]) == (True, "package.pt2", None)
+        assert (path / "package.pt2").exists() and not (path / "program.pt2").exists()
+        got = load_in_fresh_process(path, device, data, tmp_path)
+        model.emb.close()
+        model.bag.close()
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+
+
+def test_aot_package_errors_are_typed(tmp_path: Path) -> None:
+    """An op's error inside the package is raised as itself; an export saved again with
+    aot=False replaces the package by the program (and back); a missing package is an
+    ExportError."""
+    from gpu.errors import LayerClosedError
+
     with tables(LayerType.GPULayer, tmp_path) as kw:
-        layer = NVEmbedding(ROWS, DIM, torch.float32, LayerType.GPULayer, device="cpu", **kw)
-        with pytest.raises(gx.ExportError, match="aot=True"):
-            gx.save(layer, (torch.tensor([1]),), tmp_path / "x", aot=True)
-        layer.close()
+        model = Model(NVEmbedding(ROWS, DIM, torch.float32, LayerType.GPULayer, **kw,
+                                  device="cpu"),
+                      NVEmbeddingBag(ROWS, DIM, torch.float32, LayerType.GPULayer, **kw,
+                                     device="cpu"))
+        k, o = batches("cpu")[0]
+        out = tmp_path / "exported"
+        gx.save(model, (k, o), out)
+        assert (out / "program.pt2").exists()
+        gx.save(model, (k, o), out, aot=True)
+        assert (out / "package.pt2").exists() and not (out / "program.pt2").exists()
+        with gx.load(out) as loaded:
+            torch.testing.assert_close(loaded(k, o), model(k, o).detach())
+            loaded.layers["emb"].close()
+            with pytest.raises(LayerClosedError, match="closed"):
+                loaded(k, o)
+        (out / "package.pt2").unlink()
+        with pytest.raises(gx.ExportError, match="package.pt2 is missing"):
+            gx.load(out)
+        model.emb.close()
+        model.bag.close()
