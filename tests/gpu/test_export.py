@@ -147,7 +147,7 @@ def test_a_saved_program_without_load_raises_a_typed_error(tmp_path: Path) -> No
 
 
 def _gpu_model(tmp_path: Path, block: SharedMemBlock) -> Model:
-    kw = {"storage": block, "device": "cpu"}
+    kw: dict[str, Any] = {"storage": block, "device": "cpu"}
     return Model(NVEmbedding(ROWS, DIM, torch.float32, LayerType.GPULayer, **kw),
                  NVEmbeddingBag(ROWS, DIM, torch.float32, LayerType.GPULayer, **kw))
 
