@@ -15,6 +15,10 @@ never runs a lookup while tracing. Eager calls do not go through the ops (a cust
 dispatch costs host time a serving call does not need); a layer's ``forward`` takes them
 only while ``torch.compiler.is_compiling()`` (compile and export).
 
+An AOTInductor package (``gpu.export.save(..., aot=True)``) calls the ops from C++ through
+its proxy executor and reports their errors as a ``RuntimeError`` with the text only; its
+runner calls it within :func:`typed_errors`, which raises the op's own error again.
+
 The id is read from the buffer once per write of it: :func:`bind` remembers the value on
 the tensor with the buffer's version counter, so a buffer on a CUDA device costs no
 device sync per call.
