@@ -4,8 +4,8 @@ For each size (fp32 rows of ``--dim``), one run writes the table as a ``.safeten
 and as a ``torch.distributed.checkpoint`` directory in a temporary folder, then measures,
 in this order and ``--repeat`` times each (the best is reported):
 
-* ``read``: the file's bytes read alone (``readinto`` 16 MiB at a time into one buffer, nothing kept) —
-  the floor any load pays;
+* ``read``: the file's bytes read alone (``readinto`` 16 MiB at a time into one buffer,
+  nothing kept): the floor any load pays;
 * ``load``: :func:`hostcache.files.load_rows` into a fresh SharedMemBlock, the default load
   (every row read once for NaN/infinity before the first write, then written);
 * ``load, unchecked``: the same with ``allow_nonfinite=True`` (one read, one write);
@@ -32,6 +32,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -104,15 +105,13 @@ def run_size(mib: int, dim: int, repeat: int, root: Path) -> list[dict[str, obje
               f"{nbytes / secs / 1e9:6.2f} GB/s", flush=True)
 
     for source, path in (("safetensors", st), ("dcp", ck)):
-        row(source, "read", _best(lambda p=path: _read_alone(p), repeat))  # type: ignore[misc]
+        row(source, "read", _best(partial(_read_alone, path), repeat))
         name = fresh_name("bench")
         with SharedMemBlock.create(name, num_rows=n, dim=dim) as block:
             try:
-                row(source, "load", _best(lambda p=path, b=block: files.load_rows(b, p),
-                                          repeat))  # type: ignore[misc]
+                row(source, "load", _best(partial(files.load_rows, block, path), repeat))
                 row(source, "load, unchecked",
-                    _best(lambda p=path, b=block: files.load_rows(b, p, allow_nonfinite=True),
-                          repeat))  # type: ignore[misc]
+                    _best(partial(files.load_rows, block, path, allow_nonfinite=True), repeat))
             finally:
                 SharedMemBlock.unlink(name)
 
