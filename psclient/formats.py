@@ -30,16 +30,19 @@ from typing import BinaryIO
 
 import numpy as np
 
+from nvecache.common import rows
+
 #: what a writer writes
 WRITE_FORMATS = ("safetensors", "npy")
-#: safetensors' dtype names of the table dtypes (and of the keys)
-ST_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64",
-             "int64": "I64"}
+#: safetensors' dtype names of the table dtypes (nvecache.common.rows) and of the keys
+ST_DTYPES = {**{name: rows.safetensors_dtype(name) for name in rows.DTYPES}, "int64": "I64"}
 #: the tensor names of a written safetensors file
 ROWS_NAME, KEYS_NAME = "weight", "keys"
 _NPY_MAGIC = b"\x93NUMPY\x01\x00"
 _BIG = 10**20  # NOTE: more digits than any count: the reserved header fits every count
-_NP = {"float32": "<f4", "float16": "<f2", "float64": "<f8", "bfloat16": "<f4", "int64": "<i8"}
+#: the .npy element of each dtype written (numpy has no bfloat16: its rows go as float32)
+_NP = {**{name: rows.numpy_dtype(name).str for name in rows.DTYPES}, "bfloat16": "<f4",
+       "int64": "<i8"}
 
 
 def write_format(path: str | Path, fmt: str | None) -> str:
@@ -67,7 +70,7 @@ def keys_path_for(path: str | Path) -> Path:
 
 
 def _st_header(n: int, dim: int, dtype: str, meta: dict[str, str], reserve: int = 0) -> bytes:
-    row_bytes = dim * (2 if dtype in ("float16", "bfloat16") else 4 if dtype == "float32" else 8)
+    row_bytes = rows.RowFormat(dtype, dim).row_bytes
     head: dict[str, object] = {}
     if meta:
         head["__metadata__"] = meta

@@ -201,7 +201,8 @@ def _layer_args(entry: dict[str, Any], private: dict[str, torch.Tensor],
     table = entry["table"]
     kw: dict[str, Any] = {"device": device, "validate": entry["validate"],
                           "tuning": md.tuning_of(entry.get("tuning")),
-                          "gpu_cache_size": entry["gpu_cache_size"]}
+                          "gpu_cache_size": entry["gpu_cache_size"],
+                          "insert_policy": md.policy_of(entry)}
     if "mode" in entry:
         kw.update(mode=entry["mode"], include_last_offset=entry["include_last_offset"])
     kind = table["kind"]
@@ -228,7 +229,7 @@ def _layer_args(entry: dict[str, Any], private: dict[str, torch.Tensor],
                         block.dtype, entry)
         kw["storage"] = block
     else:
-        kw.update(insert_policy=md.policy_of(entry), default_row=entry.get("default_row"))
+        kw.update(default_row=entry.get("default_row"))
         if table["host_cache"] is not None:
             try:
                 hc = HostCache.attach(table["host_cache"])

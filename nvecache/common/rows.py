@@ -53,13 +53,15 @@ class _Spec(NamedTuple):
     meta_bytes: int
     #: numpy dtype of an element (bfloat16: its 16 bits, numpy has no bfloat16)
     numpy: str
+    #: the element's dtype name in a safetensors file
+    safetensors: str
 
 
 _SPECS: dict[str, _Spec] = {
-    "float32": _Spec(4, 1, 0, "<f4"),
-    "float16": _Spec(2, 2, 0, "<f2"),
-    "bfloat16": _Spec(2, 3, 0, "<i2"),
-    "float64": _Spec(8, 4, 0, "<f8"),
+    "float32": _Spec(4, 1, 0, "<f4", "F32"),
+    "float16": _Spec(2, 2, 0, "<f2", "F16"),
+    "bfloat16": _Spec(2, 3, 0, "<i2", "BF16"),
+    "float64": _Spec(8, 4, 0, "<f8", "F64"),
 }
 
 #: the dtypes every stored table may have: stored name -> bytes per element
@@ -108,6 +110,11 @@ def numpy_dtype(name: str) -> np.dtype:
     import numpy as np
 
     return np.dtype(_SPECS[dtype_name(name)].numpy)
+
+
+def safetensors_dtype(name: str) -> str:
+    """The safetensors dtype name of the stored dtype ``name`` (``"float32"`` -> ``"F32"``)."""
+    return _SPECS[dtype_name(name)].safetensors
 
 
 def code_of(name: str) -> int:

@@ -56,12 +56,14 @@ def test_console_script_has_the_table_commands_serve_and_demo(
     assert all(name in out for name in names)
     assert apps_cli.main([]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("hostcache: error: give a command: ls, stat, create, rm, serve, demo")
+    assert err.startswith("hostcache: error: give a command: ls, stat, create, rm, save, "
+                          "restore, serve, demo")
 
 
 def test_table_cli_alone_knows_only_the_table_commands(
         capsys: pytest.CaptureFixture[str]) -> None:
-    assert [c.name for c in table_cli.COMMANDS] == ["ls", "stat", "create", "rm"]
+    assert [c.name for c in table_cli.COMMANDS] == ["ls", "stat", "create", "rm", "save",
+                                                    "restore"]
     assert table_cli.main(["demo"]) == 2
     assert "invalid choice: 'demo'" in capsys.readouterr().err
 

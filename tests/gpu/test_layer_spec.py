@@ -107,9 +107,6 @@ def test_export_metadata_is_the_spec_and_loads_back(tmp_path: Path,
                 assert back.insert_policy == POLICY
 
 
-@pytest.mark.xfail(strict=True, reason="gpu.export.load passes insert_policy to Hierarchical "
-                   "layers only (gpu/export/__init__.py, _layer_args): remove this mark once "
-                   "it passes it for every layer type")
 def test_export_round_trips_a_linear_uvm_insert_policy(tmp_path: Path) -> None:
     """metadata.json records it (above); gpu.export.load passes it on for every layer type."""
     keys = torch.tensor([1, 2, 3])
