@@ -15,21 +15,19 @@ from typing import Any
 import pytest
 import torch
 
-import psclient
 from gpu import LayerType, NVEmbedding, NVEmbeddingBag
 from gpu import export as gx
-from hostcache import HostCache, SharedMemBlock
+from hostcache import SharedMemBlock
 from tests.conftest import fresh_name
+from tests.gpu import layer_tables
+from tests.gpu.layer_tables import DEVICES
 
 ROWS, DIM = 64, 8
 CUDA = torch.cuda.is_available()
 LAYER_TYPES = [LayerType.GPULayer, LayerType.LinearUVM, LayerType.Hierarchical]
 
 
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=[
-    pytest.mark.gpu,
-    pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (torch.cuda.is_available() is False)"),
-])])
+@pytest.fixture(params=DEVICES)
 def device(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
@@ -40,27 +38,9 @@ def weights() -> torch.Tensor:
 
 @contextlib.contextmanager
 def tables(layer_type: LayerType, tmp_path: Path) -> Iterator[dict[str, Any]]:
-    """Layer arguments over tables the test owns (removed at the end)."""
-    name = fresh_name()
-    w = weights()
-    if layer_type is LayerType.GPULayer:
-        yield {"weight_init": w}
-    elif layer_type is LayerType.LinearUVM:
-        with SharedMemBlock.create(name, num_rows=ROWS, dim=DIM) as mb:
-            try:
-                mb.write(torch.arange(ROWS), w)
-                yield {"storage": mb, "gpu_cache_size": 16 * 64}
-            finally:
-                SharedMemBlock.unlink(name)
-    else:
-        with HostCache.create(name, capacity=32, dim=DIM, ways=4) as hc:
-            try:
-                with psclient.connect(f"file://{tmp_path}/{name}", table=name, dim=DIM,
-                                      dtype=torch.float32) as ps:
-                    ps.load(w, progress=False)
-                    yield {"host_cache": hc, "storage": ps, "gpu_cache_size": 16 * 64}
-            finally:
-                HostCache.unlink(name)
+    """Layer arguments over tables the test owns (closed and removed at the end)."""
+    with layer_tables.tables(layer_type, tmp_path, weights()) as kw:
+        yield kw
 
 
 class Model(torch.nn.Module):

@@ -17,8 +17,10 @@ import torch
 
 import psclient
 from gpu import GPUError, LayerClosedError, LayerType, NVEmbedding, NVEmbeddingBag
-from hostcache import HostCache, SharedMemBlock
+from hostcache import HostCache
 from tests.conftest import fresh_name
+from tests.gpu import layer_tables
+from tests.gpu.layer_tables import DEVICES
 
 ROWS, DIM = 64, 8
 CUDA = torch.cuda.is_available()
@@ -27,10 +29,7 @@ CLASSES = [NVEmbedding, NVEmbeddingBag]
 FILL_THREAD = "nvecache-host-fill"  # gpu.stacks.hierarchical's worker
 
 
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=[
-    pytest.mark.gpu,
-    pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (torch.cuda.is_available() is False)"),
-])])
+@pytest.fixture(params=DEVICES)
 def device(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
@@ -42,26 +41,8 @@ def weights() -> torch.Tensor:
 @contextlib.contextmanager
 def tables(layer_type: LayerType, tmp_path: Path) -> Iterator[dict[str, Any]]:
     """Layer arguments over tables the test owns (closed and removed at the end)."""
-    name = fresh_name()
-    w = weights()
-    if layer_type is LayerType.GPULayer:
-        yield {"weight_init": w}
-    elif layer_type is LayerType.LinearUVM:
-        with SharedMemBlock.create(name, num_rows=ROWS, dim=DIM) as mb:
-            try:
-                mb.write(torch.arange(ROWS), w)
-                yield {"storage": mb, "gpu_cache_size": 16 * 64}
-            finally:
-                SharedMemBlock.unlink(name)
-    else:
-        with HostCache.create(name, capacity=32, dim=DIM, ways=4) as hc:
-            try:
-                with psclient.connect(f"file://{tmp_path}/{name}", table=name, dim=DIM,
-                                      dtype=torch.float32) as ps:
-                    ps.load(w, progress=False)
-                    yield {"host_cache": hc, "storage": ps, "gpu_cache_size": 16 * 64}
-            finally:
-                HostCache.unlink(name)
+    with layer_tables.tables(layer_type, tmp_path, weights()) as kw:
+        yield kw
 
 
 def build(cls: type, layer_type: LayerType, device: str, kw: dict[str, Any]) -> Any:
