@@ -17,23 +17,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import psclient
-from psclient.cli import main
 from psclient.dump import dump_table
 from psclient.errors import BadArgumentError, BadKeysError
 from tests.psclient.conftest import opened_tables
+from tests.psclient.test_cli import one_line_error as one_line
+from tests.psclient.test_cli import run
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    rc = main(list(argv))
-    cap = capsys.readouterr()
-    return rc, cap.out, cap.err
-
-
-def one_line(err: str) -> str:
-    assert err.startswith("psclient: error: ") and err.count("\n") == 1, err
-    return err
 
 
 @pytest.fixture(params=["file", "redis"])
