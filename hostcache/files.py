@@ -24,7 +24,7 @@ chunk in memory at a time; :func:`restore` of a DCP directory goes through it.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -184,16 +184,23 @@ def _check_fits(saved: _Saved, table: SharedTable, name: str) -> None:
             "restore into a cache of that capacity or more")
 
 
+def _nonfinite_scan(read: Callable[[int, int], torch.Tensor], n: int, chunk: int
+                    ) -> tuple[int, int]:
+    """(how many of ``n`` rows hold NaN or an infinity, the first one's index or -1), the
+    rows read once, ``read(start, stop)`` a chunk at a time."""
+    bad, first = 0, -1
+    for a in range(0, n, chunk):
+        at = nonfinite_rows(read(a, min(n, a + chunk)))
+        if at is not None:
+            idx = torch.nonzero(at)[:, 0]
+            first = a + int(idx[0]) if first < 0 else first
+            bad += idx.numel()
+    return bad, first
+
+
 def _check_finite(saved: _Saved, chunk: int) -> None:
     """Every saved row read once: NaN and infinities refused before the first write."""
-    bad = 0
-    first = -1
-    for a in range(0, saved.n, chunk):
-        rows = nonfinite_rows(saved.rows[a:min(saved.n, a + chunk)])
-        if rows is not None:
-            at = torch.nonzero(rows)[:, 0]
-            first = a + int(at[0]) if first < 0 else first
-            bad += at.numel()
+    bad, first = _nonfinite_scan(lambda a, b: saved.rows[a:b], saved.n, chunk)
     if bad:
         raise NonFiniteValuesError(
             f"{saved.what}: {bad} of {saved.n} rows hold NaN or infinite values (the first: "
@@ -320,13 +327,7 @@ def load_rows(block: SharedMemBlock, path: str | Path, *, tensor: str | None = N
             f"{block.num_rows} rows of dim {block.dim}, {block.geometry.dtype_name}: load it "
             "into a table of that geometry")
     if not allow_nonfinite:
-        bad, first = 0, -1
-        for a in range(0, rows.n, chunk):
-            at = nonfinite_rows(rows.get(a, min(rows.n, a + chunk)))
-            if at is not None:
-                idx = torch.nonzero(at)[:, 0]
-                first = a + int(idx[0]) if first < 0 else first
-                bad += idx.numel()
+        bad, first = _nonfinite_scan(rows.get, rows.n, chunk)
         if bad:
             raise NonFiniteValuesError(
                 f"{rows.what}: {bad} of {rows.n} rows hold NaN or infinite values (the "
