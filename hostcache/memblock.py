@@ -11,6 +11,7 @@ read-after-write section says).
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Self
 
 import torch
@@ -23,6 +24,39 @@ from hostcache.table import C_HITS, C_LOOKUPS, C_UPDATES, SharedTable
 from hostcache.table_files import TableFiles
 from hostcache.validate import check_finite, check_indices, check_keys, check_values, dedup_last
 from nvecache.common.accumulate import add_at, check_deltas
+from nvecache.common.finite import nonfinite_message, nonfinite_rows
+
+
+def _check_span(start: object, n: int, num_rows: int) -> int:
+    """``start`` as the first of ``n`` rows that all fit in ``[0, num_rows)``."""
+    try:
+        if isinstance(start, bool):
+            raise TypeError
+        start = operator.index(start)  # type: ignore[arg-type]
+    except TypeError:
+        raise BadArgumentError(f"start must be an int (the first row written); got "
+                               f"{type(start).__name__}") from None
+    if start < 0 or start + n > num_rows:
+        raise BadArgumentError(f"rows {start}..{start + n - 1} do not fit: indices must be in "
+                               f"[0, {num_rows}); write at most {max(0, num_rows - start)} "
+                               "rows from there")
+    return start
+
+
+def _span(first: int, n: int) -> torch.Tensor:
+    return torch.arange(first, first + n, dtype=torch.int64)
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory spans of two CPU tensors overlap."""
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        extent = sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
+        return t.data_ptr(), t.data_ptr() + (extent + 1) * t.element_size()
+
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
 
 
 class SharedMemBlock(TableFiles, SharedTable):
@@ -129,13 +163,53 @@ class SharedMemBlock(TableFiles, SharedTable):
         idx = check_indices(indices, self.num_rows)
         values = check_values(values, idx.numel(), self.dim, self.dtype)
         check_finite(values, idx, allow_nonfinite=allow_nonfinite, key_word="index")
-        if idx.numel() == 0:
+        n = idx.numel()
+        if n == 0:
+            return
+        first = int(idx[0])
+        if int(idx[-1]) - first == n - 1 and torch.equal(idx, _span(first, n)):
+            self._copy_span(first, values)  # NOTE: consecutive rows: no dedup, one copy
             return
         with self.gate.writing(), self._writing():
             uidx, last, _ = dedup_last(idx)
             self._rows[uidx] = values.index_select(0, last)
             self.ring.append(uidx)
             self._counters[C_UPDATES] += uidx.numel()
+
+    def write_range(self, start: int, values: torch.Tensor, *,
+                    allow_nonfinite: bool = False) -> None:
+        """Write ``values`` (``[N, dim]``) to rows ``start .. start + N - 1``: what
+        :meth:`write` of ``torch.arange(start, start + N)`` does (the same gate, writer lock,
+        announcement to every process's GPU cache and checks), in one copy.
+
+        Raises:
+            BadArgumentError: ``start`` is not an int, the rows do not fit in
+                ``[0, num_rows)``, or bad values; nothing is written.
+            NonFiniteValuesError: a row holds NaN or an infinity and not
+                ``allow_nonfinite``; nothing is written.
+        """
+        n = int(values.shape[0]) if isinstance(values, torch.Tensor) and values.dim() else 0
+        values = check_values(values, n, self.dim, self.dtype)
+        first = _check_span(start, n, self.num_rows)
+        if not allow_nonfinite:
+            bad = nonfinite_rows(values)
+            if bad is not None:
+                raise NonFiniteValuesError(nonfinite_message(
+                    bad, _span(first, n), key_word="index"))
+        if n:
+            self._copy_span(first, values)
+
+    def _copy_span(self, first: int, values: torch.Tensor) -> None:
+        """Checked ``values`` to rows ``first ..``, announced, under the gate and lock."""
+        self._live()
+        rows = self._rows
+        if _overlaps(values, rows):  # NOTE: a copy from the rows themselves
+            values = values.clone()
+        n = values.shape[0]
+        with self.gate.writing(), self._writing():
+            rows[first:first + n].copy_(values)
+            self.ring.append(_span(first, n))
+            self._counters[C_UPDATES] += n
 
     def accumulate(self, indices: torch.Tensor, deltas: torch.Tensor, *,
                    allow_nonfinite: bool = False) -> None:
