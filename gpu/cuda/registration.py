@@ -52,6 +52,7 @@ from typing import Any, Literal
 import torch
 
 from gpu.cuda import pinning
+from gpu.cuda import runtime as _cuda
 from gpu.cuda.devices import resolve_device
 from gpu.cuda.pinning import MAX_CHUNK_BYTES, PAGE, Pinned
 from gpu.errors import (
@@ -69,7 +70,8 @@ from nvecache.common import rows
 __all__ = [
     "DEFAULT_CHUNK_BYTES", "MAX_CHUNK_BYTES", "PAGE", "ForkedProcessError", "HostRegError",
     "HostRegisterUnsupportedError", "HostRegistration", "RegistrationClosedError",
-    "ViewNotAvailableError", "pointer_is_registered", "register",
+    "TensorRegistration", "ViewNotAvailableError", "pointer_is_registered", "register",
+    "register_tensor",
 ]
 
 logger = logging.getLogger(__name__)
@@ -388,3 +390,75 @@ def pointer_is_registered(address: int, device: object = None) -> bool:
     if dev.type != "cuda":
         return False
     return pinning.cuda_reports_registered(address)
+
+
+class TensorRegistration:
+    """This process's registration of a user's CPU tensor for ``device``: :meth:`rows` is a
+    zero-copy view of the tensor's rows on the device (the tensor itself on the CPU).
+
+    Private to the process. A pageable tensor is registered in place
+    (``cudaHostRegister``, undone once the handle is closed and the last view is gone, as a
+    :class:`HostRegistration`); a pinned one is page-locked already and only mapped
+    (``cudaHostGetDevicePointer``). Made by :func:`register_tensor`.
+    """
+
+    def __init__(self, tensor: torch.Tensor, pinned: Pinned | None,
+                 device: torch.device) -> None:
+        self.tensor: torch.Tensor | None = tensor
+        self.device = device
+        self._pinned = pinned
+
+    @property
+    def closed(self) -> bool:
+        return self.tensor is None
+
+    def rows(self) -> torch.Tensor:
+        """The tensor's rows where ``device`` reads them, no copy."""
+        t = self.tensor
+        if t is None:
+            raise RegistrationClosedError("registration of the storage tensor is closed; "
+                                          "call gpu.cuda.registration.register_tensor again")
+        if self._pinned is None:
+            return t
+        return _cuda_view(self._pinned, 0, tuple(t.shape), tuple(t.stride()), t.dtype,
+                          self.device)
+
+    def close(self) -> None:
+        """Let go of this handle (idempotent); the registration goes with the last view."""
+        self.tensor = self._pinned = None
+
+
+def register_tensor(tensor: torch.Tensor, device: object = None, *,
+                    name: str = "storage tensor") -> TensorRegistration:
+    """Register a user's CPU tensor (pinned or pageable, contiguous) in place for ``device``.
+
+    Raises:
+        BadArgumentError: not a non-empty contiguous CPU tensor, or a bad device.
+        CUDAUnavailableError, ForkedProcessError, HostRegisterUnsupportedError,
+        CUDACallError: as :func:`register` (nothing stays registered).
+    """
+    if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
+        raise BadArgumentError(f"{name} must be a CPU tensor; got "
+                               f"{getattr(tensor, 'device', type(tensor).__name__)}")
+    if not tensor.is_contiguous() or tensor.numel() == 0:
+        raise BadArgumentError(f"{name} must be a non-empty contiguous tensor (rows one after "
+                               "another) to be read in place: pass tensor.contiguous() (a "
+                               "copy) or a hostcache.SharedMemBlock")
+    if _wants_cuda(device):
+        pinning.refuse_if_forked(f"register {name} with CUDA")
+    dev = resolve_device(device)
+    if dev.type != "cuda":
+        return TensorRegistration(tensor, None, dev)
+    torch.cuda.init()
+    pinning.note_cuda_use()
+    pinning.check_device_support(int(dev.index or 0))
+    buffer = tensor.detach().reshape(-1).view(torch.uint8)
+    if tensor.is_pinned():
+        # NOTE: page-locked by torch's allocator already (registering it again fails):
+        # a record that registers nothing, at the device address CUDA maps it to
+        pinned = Pinned(name, buffer, torch.device("cpu"), DEFAULT_CHUNK_BYTES)
+        pinned.device_address = int(_cuda.call(
+            "cudaHostGetDevicePointer", buffer.data_ptr(), 0, detail=name))
+    else:
+        pinned = pinning.shared_pinned(name, buffer, dev, DEFAULT_CHUNK_BYTES)
+    return TensorRegistration(tensor, pinned, dev)

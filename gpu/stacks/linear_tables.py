@@ -1,4 +1,5 @@
-"""Linear tables a layer reads (its own tensor, a ``SharedMemBlock``, a ``DistMemBlock``):
+"""Linear tables a layer reads (its own tensor, a user's CPU tensor registered in place for
+a CUDA layer, a ``SharedMemBlock``, a ``DistMemBlock``):
 the zero-copy row views, the read/write gate, the writes every process sees, and
 :class:`LinearTable`, the base of the stacks over one (GPULayer, LinearUVM)."""
 
@@ -26,6 +27,15 @@ def registered_rows(table: Any, device: torch.device) -> tuple[Any, torch.Tensor
     from gpu.cuda.registration import register
 
     reg = register(table, device)
+    return reg, reg.rows()
+
+
+def user_rows(tensor: torch.Tensor, device: torch.device) -> tuple[Any, torch.Tensor]:
+    """(registration, rows view on ``device``) of a user's CPU tensor that a CUDA layer
+    reads in place (registered with CUDA in this process, no copy)."""
+    from gpu.cuda.registration import register_tensor
+
+    reg = register_tensor(tensor, device)
     return reg, reg.rows()
 
 
@@ -116,8 +126,14 @@ class LinearTable:
     def _open_table(self, storage: Any, device: torch.device) -> None:
         self._block = None if isinstance(storage, torch.Tensor) else storage
         self._reg = None
+        #: the tensor that writes go to and a checkpoint views: the layer's own tensor (a
+        #: user's CPU tensor a CUDA layer reads through a registration), None for a block
+        self._own: torch.Tensor | None = None
         if self._block is None:
+            self._own = storage
             self.table: torch.Tensor = storage
+            if storage.device.type == "cpu" and device.type == "cuda":
+                self._reg, self.table = user_rows(storage, device)
         else:  # a SharedMemBlock or DistMemBlock: one copy serves every process
             self._reg, self.table = registered_rows(storage, device)
             add_user(storage, self)
@@ -155,7 +171,7 @@ class LinearTable:
         if self._block is not None:
             write_linear(self._block, keys, values)
         else:
-            write_tensor(self._gate, self.table, keys, values)
+            write_tensor(self._gate, self._own_rows(), keys, values)
         self._written(keys)
         return torch.ones(keys.numel(), dtype=torch.bool, device=keys.device)
 
@@ -166,18 +182,24 @@ class LinearTable:
         if self._block is not None:
             add_linear(self._block, keys, deltas)
         else:
-            add_tensor(self._gate, self.table, keys, deltas)
+            add_tensor(self._gate, self._own_rows(), keys, deltas)
         self._written(keys)
         return torch.ones(keys.numel(), dtype=torch.bool, device=keys.device)
 
+    def _own_rows(self) -> torch.Tensor:
+        """The layer's own tensor (written in place, under the gate)."""
+        assert self._own is not None
+        return self._own
+
     def table_view(self) -> torch.Tensor:
-        """The table's rows where they live (see :class:`gpu.stacks.protocol.LinearState`)."""
-        return self.table
+        """The table's rows where they live (see :class:`gpu.stacks.protocol.LinearState`):
+        a user's storage tensor is itself."""
+        return self.table if self._own is None else self._own
 
     def table_label(self) -> str:
         """The table as an error names it."""
         if self._block is None:
-            return f"the layer's own table on {self.table.device}"
+            return f"the layer's own table on {self.table_view().device}"
         return f"{type(self._block).__name__} {self._block.name!r}"
 
     def write_rows(self, start: int, values: torch.Tensor) -> None:
@@ -199,4 +221,7 @@ class LinearTable:
         if self._reg is not None:
             self._reg.close()
             self._reg = None
+            if self._block is None:  # NOTE: a user's tensor: its view holds the registration
+                self.table = self.table.new_empty((0, self.dim))
+        self._own = None  # NOTE: a tensor this stack copied to the device is freed
         remove_user(self._block, self)
