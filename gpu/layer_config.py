@@ -22,7 +22,7 @@ DATA_TYPES: tuple[str, ...] = rows.LAYER_DTYPES
 
 
 class LayerType(enum.Enum):
-    """Where a layer's table lives (the seed's three layer types)."""
+    """Where a layer's table lives (the seed's layer types)."""
 
     #: the whole table in GPU-accessible memory (device memory, or a registered
     #: ``SharedMemBlock`` that one copy of a small table serves every process with); no cache.
@@ -32,6 +32,10 @@ class LayerType(enum.Enum):
     LinearUVM = "linear_uvm"
     #: GPU cache -> shared ``HostCache`` -> parameter server.
     Hierarchical = "hierarchical"
+    #: a host-only table read without a GPU cache (the seed library's name): a CPU tensor
+    #: (a user's, registered in place with CUDA, no copy) or a ``SharedMemBlock``, read
+    #: zero-copy by the GPULayer's kernels; its one tier is ``"storage"``.
+    HostLayer = "host"
 
 
 @dataclass(frozen=True)

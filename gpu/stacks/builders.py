@@ -17,7 +17,7 @@ import torch
 from gpu.dist.distmem import DistMemBlock
 from gpu.errors import BadArgumentError
 from gpu.layer_config import InsertPolicy, LayerSpec, LayerType, TableRef
-from gpu.stacks.gpu_layer import DeviceTable
+from gpu.stacks.gpu_layer import DeviceTable, HostTable
 from gpu.stacks.hierarchical import HierarchicalStack
 from gpu.stacks.linear_tables import table_gate, write_linear, write_tensor
 from gpu.stacks.linear_uvm import LinearStack
@@ -128,7 +128,8 @@ def build_gpu_layer(spec: StackSpec) -> DeviceTable:
         weights = tensor_geometry("storage", storage, spec.dim, spec.dtype, spec.num_rows)
         if weights.device != device:
             raise BadArgumentError(f"storage tensor is on {weights.device}; a GPULayer on "
-                                   f"{device} reads it in place: move it there")
+                                   f"{device} reads it in place: move it there (or read a "
+                                   "CPU tensor in place with LayerType.HostLayer)")
         _write_init(weights, init)
     else:
         raise BadArgumentError("storage of a GPULayer must be a tensor, a SharedMemBlock "
@@ -136,21 +137,64 @@ def build_gpu_layer(spec: StackSpec) -> DeviceTable:
     return DeviceTable(weights, spec.dim, spec.dtype, device, spec.config)
 
 
+def _host_tensor(spec: StackSpec, what: str) -> torch.Tensor:
+    """``spec.storage``, a CPU tensor of the layer's geometry that the layer reads in place
+    (on CUDA through a registration: its rows must be contiguous), or a BadArgumentError
+    saying what to pass."""
+    t = tensor_geometry("storage", spec.storage, spec.dim, spec.dtype, spec.num_rows)
+    if t.device.type != "cpu":
+        raise BadArgumentError(f"storage tensor of {what} is on {t.device}: pass a CPU "
+                               "tensor (pinned or pageable; a GPU table is a GPULayer's)")
+    if spec.device.type == "cuda" and not t.is_contiguous():
+        raise BadArgumentError(f"storage tensor of {what} is not contiguous: CUDA reads it in "
+                               "place, row after row; pass storage.contiguous() (a copy) "
+                               "or a hostcache.SharedMemBlock")
+    return t
+
+
 def build_linear_uvm(spec: StackSpec) -> LinearStack:
-    """LinearUVM: a GPU cache in front of a shared linear table (on the CPU also a tensor)."""
+    """LinearUVM: a GPU cache in front of a linear table: a shared block, or a user's CPU
+    tensor (read in place, on CUDA registered with CUDA in this process)."""
     storage, init = spec.storage, _init(spec)
     if not _linear_block(spec):
-        if isinstance(storage, torch.Tensor) and spec.device.type == "cpu":
-            tensor_geometry("storage", storage, spec.dim, spec.dtype, spec.num_rows)
-        else:
+        if not isinstance(storage, torch.Tensor):
             raise BadArgumentError(
                 "storage of a LinearUVM layer must be a hostcache.SharedMemBlock, a "
-                "gpu.DistMemBlock (or, on the CPU, a [num_embeddings, dim] tensor); a "
-                "weight_init is written into it"
+                "gpu.DistMemBlock or a [num_embeddings, dim] CPU tensor of the layer's "
+                "dtype (read in place); a weight_init is written into it"
             )
+        _host_tensor(spec, "a LinearUVM layer")
     _write_init(storage, init)
     return LinearStack(storage, spec.dim, spec.dtype, spec.device, spec.gpu_cache_size,
                        spec.policy, spec.config)
+
+
+def build_host_layer(spec: StackSpec) -> HostTable:
+    """HostLayer: the GPULayer's stack over host memory, no GPU cache: a user's CPU tensor
+    (read in place; on CUDA registered with CUDA in this process), a SharedMemBlock, or
+    without ``storage`` a CPU table of its own (``weight_init``'s rows, or random)."""
+    if spec.gpu_cache_size:
+        raise BadArgumentError("gpu_cache_size must be 0 for LayerType.HostLayer (it reads "
+                               "host memory without a GPU cache; LinearUVM has one)")
+    storage, init = spec.storage, _init(spec)
+    if isinstance(storage, DistMemBlock):
+        raise BadArgumentError("a DistMemBlock is GPU memory: read it with "
+                               "LayerType.GPULayer (a HostLayer reads host memory)")
+    if _linear_block(spec):
+        _write_init(storage, init)
+        return HostTable(storage, spec.dim, spec.dtype, spec.device, spec.config)
+    if storage is None:
+        pin = spec.device.type == "cuda"
+        storage = torch.empty(spec.num_rows, spec.dim, dtype=spec.dtype, pin_memory=pin)
+        if init is None:
+            storage.normal_()
+    elif not isinstance(storage, torch.Tensor):
+        raise BadArgumentError("storage of a HostLayer must be a [num_embeddings, dim] CPU "
+                               "tensor of the layer's dtype or a hostcache.SharedMemBlock")
+    else:
+        _host_tensor(spec, "a HostLayer")
+    _write_init(storage, init)
+    return HostTable(storage, spec.dim, spec.dtype, spec.device, spec.config)
 
 
 def _default_row(spec: StackSpec) -> torch.Tensor | None:
@@ -209,6 +253,7 @@ BUILDERS: dict[LayerType, Callable[[StackSpec], LayerStack]] = {
     LayerType.GPULayer: build_gpu_layer,
     LayerType.LinearUVM: build_linear_uvm,
     LayerType.Hierarchical: build_hierarchical,
+    LayerType.HostLayer: build_host_layer,
 }
 
 

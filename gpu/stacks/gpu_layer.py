@@ -4,7 +4,8 @@ A lookup is one gather launch (:mod:`gpu.kernels.gather`), launched directly
 (:class:`gpu.kernels.launch.DirectLaunch`) behind the table's read gate; keys are checked on the
 device by default (:class:`gpu.stacks.key_flag.RangeCheck`). A table whose row elements are
 not contiguous (a user's strided storage tensor) is read by torch's gathers instead,
-with its keys checked on the host.
+with its keys checked on the host. :class:`HostTable` (HostLayer) is the same stack over
+host memory, its one tier named ``"storage"``.
 """
 
 from __future__ import annotations
@@ -116,3 +117,23 @@ class DeviceTable(LinearTable):
         self.table = self.table.new_empty((0, self.dim))
         self._bound.clear()
         self._pool = None
+
+
+class HostTable(DeviceTable):
+    """HostLayer: the GPULayer's stack over host memory (a CPU tensor, registered in place
+    on CUDA, or a ``SharedMemBlock``); no GPU cache.
+
+    Its one tier is ``"storage"``, the host table: it has no GPU tier. Its lookups count
+    as the storage tier's hits.
+    """
+
+    layer_type = "HostLayer"
+    tiers: tuple[Tier, ...] = ("storage",)
+
+    def erase(self, keys: torch.Tensor, tier: Tier | None = None) -> None:
+        if tier is not None:
+            raise linear_erase_error("a HostLayer's table")
+        check_range(keys, self.num_rows, name="keys")
+
+    def stats(self) -> LayerStats:
+        return LayerStats(self.layer_type, TierStats(), None, TierStats(hits=self._lookups), 0)
