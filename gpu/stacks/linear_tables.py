@@ -13,6 +13,7 @@ import torch
 from gpu.inputs import check_range
 from gpu.stacks.key_flag import RangeCheck
 from hostcache.gate import TableGate, gate_for
+from hostcache.memblock import SharedMemBlock
 from nvecache.common.accumulate import added, sum_duplicates
 
 
@@ -203,8 +204,15 @@ class LinearTable:
         return f"{type(self._block).__name__} {self._block.name!r}"
 
     def write_rows(self, start: int, values: torch.Tensor) -> None:
-        """Write rows ``start ..`` through :meth:`update` (announced to every process)."""
-        self.update(torch.arange(start, start + values.shape[0]), values)
+        """Write rows ``start ..`` as :meth:`update` does (announced to every process); a
+        ``SharedMemBlock``'s in one copy (:meth:`~hostcache.SharedMemBlock.write_range`)."""
+        keys = torch.arange(start, start + values.shape[0])
+        if not isinstance(self._block, SharedMemBlock):
+            self.update(keys, values)
+            return
+        self._checked(keys)
+        self._block.write_range(start, values.cpu(), allow_nonfinite=True)  # the layer checked
+        self._written(keys)
 
     def rows_changed(self, start: int, stop: int) -> None:
         """Announce rows written in place through :meth:`table_view`: every process's GPU
