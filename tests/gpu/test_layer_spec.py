@@ -35,6 +35,8 @@ def layer_args(layer_type: LayerType, tmp_path: Path) -> Iterator[dict[str, Any]
     w = torch.randn(ROWS, DIM)
     if layer_type is LayerType.GPULayer:
         yield {"weight_init": w, "tuning": TUNING}
+    elif layer_type is LayerType.HostLayer:
+        yield {"storage": w, "tuning": TUNING}  # a user's CPU tensor: a private table
     elif layer_type is LayerType.LinearUVM:
         with SharedMemBlock.create(name, num_rows=ROWS, dim=DIM) as mb:
             try:
@@ -68,7 +70,7 @@ def test_spec_records_the_resolved_arguments_and_tables(tmp_path: Path,
         assert spec.insert_policy == kw.get("insert_policy", InsertPolicy())
         with pytest.raises(dataclasses.FrozenInstanceError):
             spec.gpu_cache_size = 1  # type: ignore[misc]
-        if layer_type is LayerType.GPULayer:
+        if layer_type in (LayerType.GPULayer, LayerType.HostLayer):
             assert spec.tables == (TableRef("own"),) and spec.default_row is None
         elif layer_type is LayerType.LinearUVM:
             assert spec.tables == (TableRef("memblock", kw["storage"].name),)
