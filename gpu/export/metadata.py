@@ -4,7 +4,9 @@ One JSON object per layer, from the layer's construction record (``layer.spec``,
 :class:`gpu.layer_config.LayerSpec`): its path in the model, class, layer type, geometry,
 device, the GPU cache's size (as asked for), the tuning (``TierConfig``), the insert
 policy (every layer type), a Hierarchical layer's default row, and where its rows live:
-``private`` (the layer's own table, saved in the directory as safetensors), ``memblock``
+``private`` (the layer's own table, or a user's CPU tensor a LinearUVM layer or a
+HostLayer reads in place, saved in the directory as safetensors; a loaded LinearUVM
+layer or HostLayer reads the loaded rows as its storage), ``memblock``
 (a SharedMemBlock attached by name) or ``tiers`` (a host cache by name and/or a
 parameter-server URL and table).
 """
