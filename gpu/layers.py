@@ -243,8 +243,9 @@ class _NVBase(torch.nn.Module):
     @property
     def tiers(self) -> tuple[Tier, ...]:
         """The tiers a per-tier write may name, nearest first: ``("gpu",)`` for a GPULayer,
-        ``("gpu", "storage")`` for LinearUVM, ``("gpu", "host", "storage")`` for a
-        Hierarchical layer (less a tier it was built without)."""
+        ``("storage",)`` for a HostLayer (it has no GPU tier), ``("gpu", "storage")`` for
+        LinearUVM, ``("gpu", "host", "storage")`` for a Hierarchical layer (less a tier it
+        was built without)."""
         return self._tiers.tiers
 
     def clear(self) -> None:
