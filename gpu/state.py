@@ -3,8 +3,9 @@
 A GPULayer's, LinearUVM layer's or HostLayer's state is ``<prefix>weight``: its linear
 table's rows as a tensor where they live (the layer's own tensor, a user's storage tensor
 itself, a ``SharedMemBlock``'s rows, a ``DistMemBlock``'s rows), a view, no copy;
-``torch.distributed.checkpoint`` saves it and loads into it in place. A Hierarchical layer's state is ``<prefix>_extra_state``: the names
-of its tables (host cache, parameter-server URL and table), no rows.
+``torch.distributed.checkpoint`` saves it and loads into it in place. A Hierarchical
+layer's state is ``<prefix>_extra_state``: the names of its tables (host cache,
+parameter-server URL and table), no rows.
 
 Loading writes rows through the layer's write path (a shared table's write is announced to
 every process, whose GPU caches drop the rows), a chunk at a time: the memory a load adds
