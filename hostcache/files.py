@@ -247,19 +247,7 @@ def restore(name: str, path: str | Path, *, create: bool = True, chunk: int = CH
     if saved.kind() not in _KINDS:
         raise BadArgumentError(f"{saved.what} is of table kind {saved.kind()!r}: a saved "
                                f"table is one of {', '.join(_KINDS)}")
-    created = False
-    try:
-        table = open_table(name)
-    except SegmentNotFoundError:
-        if not create:
-            raise
-        try:
-            table = _create(saved, name)
-        except SegmentExistsError:  # NOTE: created by another process meanwhile
-            table = open_table(name)
-        else:
-            created = True
-    try:
+    with _opened_or_created(name, create, lambda: _create(saved, name)) as table:
         _check_fits(saved, table, name)
         if not allow_nonfinite:
             _check_finite(saved, chunk)
@@ -271,13 +259,34 @@ def restore(name: str, path: str | Path, *, create: bool = True, chunk: int = CH
             else:
                 assert isinstance(table, HostCache)
                 table.insert(keys, rows, allow_nonfinite=allow_nonfinite)
+    return table
+
+
+@contextlib.contextmanager
+def _opened_or_created(name: str, create: bool, make: Callable[[], SharedTable]
+                       ) -> Iterator[SharedTable]:
+    """Table ``name`` opened, or made by ``make()`` where there is none and ``create``; on
+    an error inside the block, closed, and removed again if it was made here."""
+    created = False
+    try:
+        table = open_table(name)
+    except SegmentNotFoundError:
+        if not create:
+            raise
+        try:
+            table = make()
+        except SegmentExistsError:  # NOTE: created by another process meanwhile
+            table = open_table(name)
+        else:
+            created = True
+    try:
+        yield table
     except BaseException:
         table.close()
         if created:
             with contextlib.suppress(SegmentNotFoundError):
                 SharedMemBlock.unlink(name)
         raise
-    return table
 
 
 def _open_source(path: str | Path, tensor: str | None, fmt: str | None,
@@ -346,30 +355,15 @@ def load_rows(block: SharedMemBlock, path: str | Path, *, tensor: str | None = N
 def _restore_dir(name: str, path: Path, *, create: bool, chunk: int, allow_nonfinite: bool,
                  tensor: str | None) -> SharedTable:
     rows = _open_source(path, tensor, "dcp")
-    created = False
-    try:
-        table = open_table(name)
-    except SegmentNotFoundError:
-        if not create:
-            raise
-        try:
-            table = SharedMemBlock.create(name, num_rows=max(rows.n, 1), dim=rows.dim,
-                                          dtype=rows.dtype)
-        except SegmentExistsError:  # NOTE: created by another process meanwhile
-            table = open_table(name)
-        else:
-            created = True
-    try:
+    def make() -> SharedTable:
+        return SharedMemBlock.create(name, num_rows=max(rows.n, 1), dim=rows.dim,
+                                     dtype=rows.dtype)
+
+    with _opened_or_created(name, create, make) as table:
         if not isinstance(table, SharedMemBlock):
             raise GeometryMismatchError(
                 f"table {name!r} is a {_kind(table)} table; a DCP checkpoint's rows restore "
                 "into a linear table: restore into another name (it is created)")
         load_rows(table, path, tensor=tensor, format="dcp", chunk=chunk,
                   allow_nonfinite=allow_nonfinite)
-    except BaseException:
-        table.close()
-        if created:
-            with contextlib.suppress(SegmentNotFoundError):
-                SharedMemBlock.unlink(name)
-        raise
     return table
