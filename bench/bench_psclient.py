@@ -37,7 +37,6 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -47,14 +46,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import psclient  # noqa: E402
+from bench.file_reads import getmulti_lookup, lookup_per_key, search_only  # noqa: E402
 from psclient.codec import (  # noqa: E402
-    be_bytes_to_keys,
-    be_key_bytes,
     group_by_partition,
     le_key_bytes,
     row_bytes_list,
 )
-from psclient.errors import CorruptValueError  # noqa: E402
 from psclient.redis import resp  # noqa: E402
 from psclient.redis.wire import run_row_pipeline  # noqa: E402
 
@@ -355,76 +352,6 @@ def bench_read_paths(r: redis.Redis, table: str, keys: np.ndarray, bounds: np.nd
                   "partition, 512 keys per command, sequential")
 
 
-def _getmulti_lookup(ps: Any, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The same lookup through py-lmdb's native batched read, ``Cursor.getmulti``: one call
-    for every distinct key (a found key comes back as a ``(key, value)`` tuple, a missing
-    one is left out), assembled with numpy. Kept here as the measured alternative.
-
-    NOTE: reads the backend's private environment (LMDB allows one per process).
-    """
-    u, inv = np.unique(keys, return_inverse=True)
-    with ps._env.begin(db=ps._rows) as txn:
-        got = txn.cursor().getmulti(be_key_bytes(u))
-    rb = ps.schema.row_bytes
-    vals = np.zeros(u.size, dtype=f"V{rb}")
-    found = np.zeros(u.size, dtype=bool)
-    if got:
-        ks, vs = zip(*got, strict=True)
-        pos = np.searchsorted(u, be_bytes_to_keys(b"".join(ks)))
-        vals[pos] = np.frombuffer(b"".join(vs), dtype=vals.dtype)
-        found[pos] = True
-    return vals[inv], found[inv]
-
-
-def assemble_rows(
-    replies: list[bytes | None], order: np.ndarray, keys: np.ndarray, schema: Any, table: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference assembly of a lookup result: one stored value (or ``None`` for a miss)
-    per key, in the order ``keys[order]``, into ``(values, found)`` in the caller's key
-    order, missing rows zeros (the library assembles from distinct keys:
-    ``psclient.codec.assemble_distinct_rows``).
-
-    Raises:
-        CorruptValueError: a stored value does not have the row length; names the key.
-    """
-    n, rb = len(replies), schema.row_bytes
-    obj = np.empty(n, dtype=object)
-    obj[order] = replies
-    found = obj != None  # noqa: E711 -- elementwise comparison on an object array
-    obj[~found] = bytes(rb)  # NOTE: a miss reads as a zero row
-    ordered = obj.tolist()
-    lengths = np.fromiter(map(len, ordered), dtype=np.int64, count=n)
-    bad = np.flatnonzero(lengths != rb)
-    if bad.size:
-        raise CorruptValueError(
-            f"table {table!r}, key {int(keys[bad[0]])}: stored value has "
-            f"{int(lengths[bad[0]])} bytes, expected {rb} (dim {schema.dim} x {schema.dtype}); "
-            f"{bad.size} bad value(s) in this batch: rewrite them with insert() or drop the table")
-    flat = np.fromiter(ordered, dtype=f"V{rb}", count=n).view(np.uint8)
-    values = torch.from_numpy(flat).view(schema.torch_dtype)
-    return values.reshape(n, schema.dim), torch.from_numpy(found.astype(bool))
-
-
-def lookup_per_key(ps: Any, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """The earlier file:// read path, kept as the reference that tests and this benchmark
-    compare the lookup with: one ``txn.get`` per key in key order, duplicates included,
-    assembled by :func:`assemble_rows`.
-
-    NOTE: reads the backend's private environment (LMDB allows one per process).
-    """
-    order = np.argsort(keys, kind="stable")
-    with ps._env.begin(db=ps._rows) as txn:
-        replies = list(map(txn.get, be_key_bytes(keys[order])))
-    return assemble_rows(replies, order, keys, ps.schema, ps.table)
-
-
-def _search_only(ps: Any, keys: np.ndarray) -> int:
-    """LMDB's B-tree search alone: ``getmulti(values=False)`` finds every key in C and
-    copies no value (a ceiling for any read path through LMDB's API)."""
-    with ps._env.begin(db=ps._rows) as txn:
-        return len(txn.cursor().getmulti(be_key_bytes(np.sort(keys)), values=False))
-
-
 def lmdb_floor(exe: str, store: str, table: str, keys: np.ndarray, threads: int) -> object:
     """bench/lmdb_search_floor.c (built by the user) on the same store and keys: LMDB's own
     lookup rate from C, no Python."""
@@ -459,7 +386,7 @@ def bench_file(insert_batch: int, lookup_batch: int, dim: int, reps: int, total:
             got, found = ps.lookup(probe)
             assert bool(found.all()) and torch.equal(found, want_found)
             assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
-            gm_vals, gm_found = _getmulti_lookup(ps, pn)
+            gm_vals, gm_found = getmulti_lookup(ps, pn)
             assert gm_found.all() and gm_vals.tobytes() == got.numpy().tobytes()
             lmdb_got, _ = ps._lookup_lmdb(pn)
             assert torch.equal(lmdb_got.view(torch.uint8), got.view(torch.uint8))
@@ -471,9 +398,9 @@ def bench_file(insert_batch: int, lookup_batch: int, dim: int, reps: int, total:
                 runs["per-key"].append(
                     best_rate(lambda: lookup_per_key(ps, pn), lookup_batch, reps))
                 runs["getmulti"].append(
-                    best_rate(lambda: _getmulti_lookup(ps, pn), lookup_batch, reps))
+                    best_rate(lambda: getmulti_lookup(ps, pn), lookup_batch, reps))
                 runs["search-only"].append(
-                    best_rate(lambda: _search_only(ps, pn), lookup_batch, reps))
+                    best_rate(lambda: search_only(ps, pn), lookup_batch, reps))
             if floor_exe:
                 for threads in (1, 2):
                     emit(bench="lmdb-from-c", op=f"lookup-{lookup_batch}-distinct",
