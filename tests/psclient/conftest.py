@@ -163,3 +163,16 @@ def opened_tables(url: str, base: str) -> Iterator[Callable[..., psclient.Parame
                 psclient.connect(url, table=name).drop()
             except psclient.TableNotFoundError:
                 pass
+
+
+@pytest.fixture(params=["file", "redis"])
+def store(request: pytest.FixtureRequest, tmp_path: Path, table_name: str) -> Iterator[str]:
+    """An empty-for-this-test store URL: a fresh file:// path, or the suite's Redis."""
+    if request.param == "file":
+        yield f"file://{tmp_path}/store"
+        return
+    url: str = request.getfixturevalue("shared_redis")
+    yield url
+    for name in psclient.list_tables(url):
+        if name.startswith(table_name):
+            psclient.connect(url, table=name, partial=True).drop()

@@ -10,7 +10,6 @@ import datetime as dt
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -34,19 +33,6 @@ def one_line_error(err: str) -> str:
     assert err.startswith("psclient: error: ") and err.count("\n") == 1, err
     assert "Traceback" not in err
     return err
-
-
-@pytest.fixture(params=["file", "redis"])
-def store(request: pytest.FixtureRequest, tmp_path: Path, table_name: str) -> Iterator[str]:
-    """An empty-for-this-test store URL: a fresh file:// path, or the suite's Redis."""
-    if request.param == "file":
-        yield f"file://{tmp_path}/store"
-        return
-    url: str = request.getfixturevalue("shared_redis")
-    yield url
-    for name in psclient.list_tables(url):
-        if name.startswith(table_name):
-            psclient.connect(url, table=name).drop()
 
 
 def tables(url: str, prefix: str) -> list[str]:

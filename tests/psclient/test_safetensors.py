@@ -7,7 +7,6 @@ line and leave no file behind."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -24,18 +23,6 @@ from tests.psclient.test_cli import one_line_error as one_line
 from tests.psclient.test_cli import run
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
-
-
-@pytest.fixture(params=["file", "redis"])
-def store(request: pytest.FixtureRequest, tmp_path: Path, table_name: str) -> Iterator[str]:
-    if request.param == "file":
-        yield f"file://{tmp_path}/store"
-        return
-    url: str = request.getfixturevalue("shared_redis")
-    yield url
-    for name in psclient.list_tables(url):
-        if name.startswith(table_name):
-            psclient.connect(url, table=name, partial=True).drop()
 
 
 def sample(n: int, dim: int, dtype: torch.dtype, seed: int = 0
