@@ -74,7 +74,7 @@ def interleaved(fns: list[Callable[[torch.Tensor], Any]], batches: list[torch.Te
     for fn in fns:
         for b in batches[:3]:
             fn(b)
-    torch.cuda.synchronize()
+    wait()
     ts: list[list[float]] = [[] for _ in fns]
     for i in range(reps):
         for j, fn in enumerate(fns):

@@ -99,3 +99,13 @@ def table_name() -> str:
 @pytest.fixture
 def redis_url(request: pytest.FixtureRequest) -> str:
     return str(request.config.getoption("--redis-url"))
+
+
+@pytest.fixture(scope="session")
+def aoti_loads(tmp_path_factory: pytest.TempPathFactory) -> bool:
+    """Whether this torch loads an AOTInductor package at all (:mod:`tests.aot_probe`),
+    asked once per session: xdist's workers share their controller's temporary root."""
+    from tests import aot_probe
+
+    root = tmp_path_factory.getbasetemp()
+    return aot_probe.aoti_loads(root.parent if "PYTEST_XDIST_WORKER" in os.environ else root)

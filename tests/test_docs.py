@@ -14,8 +14,8 @@ table it names (or of the demo's ``demo<pid>-`` tables) that was not there befor
 pytest session at a time runs them (a machine-wide flock).
 
 A block that cannot run everywhere says so in an HTML comment on the line before it:
-``<!-- requires: gpu -->`` (also ``multigpu``, ``mpirun``, ``docker``: skipped with that
-reason where it is missing; ``torchrun``: run as a script by torchrun, two ranks), and
+``<!-- requires: gpu -->`` (also ``multigpu``, ``mpirun``, ``docker``, ``aoti``: skipped
+with that reason where it is missing; ``torchrun``: run as a script by torchrun, two ranks), and
 ``<!-- run-from: checkout -->`` runs it from the repository's root (paths like
 ``examples/...``). ``<!-- not-runnable: REASON -->`` marks the few that are not meant to
 be run (fragments, installs, a service that runs until stopped); ```yaml and ```json
@@ -62,6 +62,8 @@ REQUIREMENTS = {
                lambda: shutil.which("mpirun") is not None and _importable("mpi4py")
                and (os.geteuid() != 0 or os.environ.get("OMPI_ALLOW_RUN_AS_ROOT") == "1"
                     == os.environ.get("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"))),
+    # the session's probe (tests/aot_probe.py), asked through its fixture in the test
+    "aoti": ("a torch whose AOTInductor loads packages (tests/aot_probe.py)", None),
     # NOTE: opt-in: these blocks build images and start containers that outlive the test
     "docker": ("docker, and NVEC_DOCS_DOCKER=1 (the blocks start containers)",
                lambda: shutil.which("docker") is not None
@@ -229,10 +231,11 @@ def _check_config_printout(block: Block, stdout: str) -> None:
     pytest.param(b, id=b.id, marks=[getattr(pytest.mark, r) for r in b.requires
                                     if r in ("gpu", "multigpu")])
     for b in RUNNABLE])
-def test_every_block_runs_as_pasted_and_leaves_nothing(block: Block, tmp_path: Path) -> None:
+def test_every_block_runs_as_pasted_and_leaves_nothing(block: Block, tmp_path: Path,
+                                                      request: pytest.FixtureRequest) -> None:
     for need in block.requires:
         what, present = REQUIREMENTS[need]
-        if not present():
+        if not (request.getfixturevalue("aoti_loads") if present is None else present()):
             pytest.skip(f"{block.id} needs {what}")
     work = tmp_path / "work"
     (work / "tmp").mkdir(parents=True)

@@ -18,6 +18,7 @@ import torch
 from gpu import LayerType, NVEmbedding, NVEmbeddingBag
 from gpu import export as gx
 from hostcache import SharedMemBlock
+from tests import aot_probe
 from tests.conftest import fresh_name
 from tests.gpu import layer_tables
 from tests.gpu.layer_tables import DEVICES
@@ -182,9 +183,12 @@ def test_private_table_of_another_shape_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("layer_type", LAYER_TYPES)
 def test_aot_package_loads_in_a_fresh_process_and_equals_eager(tmp_path: Path, device: str,
-                                                               layer_type: LayerType) -> None:
+                                                               layer_type: LayerType,
+                                                               aoti_loads: bool) -> None:
     """save(aot=True) writes an AOTInductor package; a fresh process loads it, the package
     calls the rebuilt layers (ids rebound) and equals eager for every batch size."""
+    if not aoti_loads:
+        pytest.skip(aot_probe.REASON)
     with tables(layer_type, tmp_path) as kw:
         model = Model(NVEmbedding(ROWS, DIM, torch.float32, layer_type, device=device, **kw),
                       NVEmbeddingBag(ROWS, DIM, torch.float32, layer_type, device=device,
@@ -205,10 +209,12 @@ def test_aot_package_loads_in_a_fresh_process_and_equals_eager(tmp_path: Path, d
         torch.testing.assert_close(g, w)
 
 
-def test_aot_package_errors_are_typed(tmp_path: Path) -> None:
+def test_aot_package_errors_are_typed(tmp_path: Path, aoti_loads: bool) -> None:
     """An op's error inside the package is raised as itself; an export saved again with
     aot=False replaces the package by the program (and back); a missing package is an
     ExportError."""
+    if not aoti_loads:
+        pytest.skip(aot_probe.REASON)
     from gpu.errors import LayerClosedError
 
     with tables(LayerType.GPULayer, tmp_path) as kw:
