@@ -17,8 +17,12 @@ again if the restore fails.
 
 :func:`load_rows` streams the rows of any file ``psclient load`` reads (a ``.safetensors``
 tensor, ``.npy``, raw rows, or a ``torch.distributed.checkpoint`` directory) into a
-:class:`~hostcache.SharedMemBlock`, row ``i`` of the file to row ``i`` of the block, one
-chunk in memory at a time; :func:`restore` of a DCP directory goes through it.
+:class:`~hostcache.SharedMemBlock`, row ``i`` of the file to row ``i`` of the block: each
+chunk is read with ``preadv`` straight into the block's rows where the file stores them as
+the block does (:mod:`psclient.read_into`; rows padded in the block go through one small
+reused buffer), so the memory a load adds is that buffer, whatever the table's size. The
+NaN/infinity check before the first write reads the file once more through the same
+buffer. :func:`restore` of a DCP directory, and of a saved linear table, goes through it.
 """
 
 from __future__ import annotations
@@ -47,11 +51,16 @@ from psclient.errors import PSClientError
 from psclient.formats import KEYS_NAME, ROWS_NAME, RowsWriter
 
 if TYPE_CHECKING:
+    from tqdm import tqdm
+
     from hostcache.table import SharedTable
-    from psclient.loader import RowSource
+    from psclient.read_into import RowReader
 
 #: rows read or written at a time
 CHUNK_ROWS = 65536
+#: bytes of the one buffer a load reads through where it cannot read into the table's rows
+#: (the NaN/infinity check, padded rows): small enough to stay in the CPU's cache
+STAGE_BYTES = 1 << 20
 _KINDS: dict[str, type[HostCache] | type[SharedMemBlock]] = {
     "hostcache": HostCache, "linear": SharedMemBlock}
 
@@ -184,17 +193,20 @@ def _check_fits(saved: _Saved, table: SharedTable, name: str) -> None:
             "restore into a cache of that capacity or more")
 
 
-def _nonfinite_scan(read: Callable[[int, int], torch.Tensor], n: int, chunk: int
-                    ) -> tuple[int, int]:
+def _nonfinite_scan(read: Callable[[int, int], torch.Tensor], n: int, chunk: int,
+                    bar: tqdm | None = None) -> tuple[int, int]:
     """(how many of ``n`` rows hold NaN or an infinity, the first one's index or -1), the
     rows read once, ``read(start, stop)`` a chunk at a time."""
     bad, first = 0, -1
     for a in range(0, n, chunk):
-        at = nonfinite_rows(read(a, min(n, a + chunk)))
+        b = min(n, a + chunk)
+        at = nonfinite_rows(read(a, b))
         if at is not None:
             idx = torch.nonzero(at)[:, 0]
             first = a + int(idx[0]) if first < 0 else first
             bad += idx.numel()
+        if bar is not None:
+            bar.update(b - a)
     return bad, first
 
 
@@ -221,7 +233,8 @@ def _create(saved: _Saved, name: str) -> SharedTable:
 
 
 def restore(name: str, path: str | Path, *, create: bool = True, chunk: int = CHUNK_ROWS,
-            allow_nonfinite: bool = False, tensor: str | None = None) -> SharedTable:
+            allow_nonfinite: bool = False, tensor: str | None = None,
+            progress: bool | None = None) -> SharedTable:
     """Write the rows saved in ``path`` into table ``name``; returns its handle (close it).
 
     The table is created from the file's geometry where it does not exist (and
@@ -231,6 +244,9 @@ def restore(name: str, path: str | Path, *, create: bool = True, chunk: int = CH
     ``path`` may also be a ``torch.distributed.checkpoint`` directory: its 2-D tensor
     ``tensor`` (a fully qualified name; may be left out where it holds one) is restored
     into a linear table of that many rows, row ``i`` to row ``i`` (:func:`load_rows`).
+    A saved linear table whose keys are consecutive rows (what ``save`` writes) is streamed
+    the same way, read straight into the table's rows; ``progress``: a tqdm bar on stderr
+    for those (default: only when stderr is a terminal).
 
     Raises:
         BadArgumentError: no such file, or not a saved table.
@@ -242,13 +258,18 @@ def restore(name: str, path: str | Path, *, create: bool = True, chunk: int = CH
     """
     if Path(path).is_dir():
         return _restore_dir(name, Path(path), create=create, chunk=chunk,
-                            allow_nonfinite=allow_nonfinite, tensor=tensor)
+                            allow_nonfinite=allow_nonfinite, tensor=tensor, progress=progress)
     saved = _Saved(Path(path))
     if saved.kind() not in _KINDS:
         raise BadArgumentError(f"{saved.what} is of table kind {saved.kind()!r}: a saved "
                                f"table is one of {', '.join(_KINDS)}")
     with _opened_or_created(name, create, lambda: _create(saved, name)) as table:
         _check_fits(saved, table, name)
+        first = _consecutive(saved.keys, chunk)
+        if isinstance(table, SharedMemBlock) and first is not None:
+            _restore_span(table, saved, Path(path), first, chunk=chunk,
+                          allow_nonfinite=allow_nonfinite, progress=progress)
+            return table
         if not allow_nonfinite:
             _check_finite(saved, chunk)
         for a in range(0, saved.n, chunk):
@@ -260,6 +281,37 @@ def restore(name: str, path: str | Path, *, create: bool = True, chunk: int = CH
                 assert isinstance(table, HostCache)
                 table.insert(keys, rows, allow_nonfinite=allow_nonfinite)
     return table
+
+
+def _consecutive(keys: torch.Tensor, chunk: int) -> int | None:
+    """The first of ``keys`` where they are ``k, k+1, ...`` (compared a chunk at a time),
+    else None."""
+    n = keys.numel()
+    if n == 0:
+        return None
+    k0 = int(keys[0])
+    if int(keys[-1]) - k0 != n - 1:
+        return None
+    for a in range(0, n, chunk):
+        b = min(n, a + chunk)
+        if not torch.equal(keys[a:b], torch.arange(k0 + a, k0 + b, dtype=torch.int64)):
+            return None
+    return k0
+
+
+def _restore_span(block: SharedMemBlock, saved: _Saved, path: Path, first: int, *,
+                  chunk: int, allow_nonfinite: bool, progress: bool | None) -> None:
+    """A saved linear table's rows (keys ``first, first+1, ...``) streamed into ``block``."""
+    rows = _open_source(path, ROWS_NAME, "safetensors")
+
+    def refuse(bad: int, at: int) -> BaseException:
+        return NonFiniteValuesError(
+            f"{saved.what}: {bad} of {saved.n} rows hold NaN or infinite values (the first: "
+            f"key {first + at}); nothing was written: fix the file, or restore it anyway "
+            "with allow_nonfinite=True (--allow-nonfinite)")
+
+    _stream(block, rows, first, chunk=chunk, check=not allow_nonfinite, progress=progress,
+            refuse=refuse)
 
 
 @contextlib.contextmanager
@@ -290,21 +342,76 @@ def _opened_or_created(name: str, create: bool, make: Callable[[], SharedTable]
 
 
 def _open_source(path: str | Path, tensor: str | None, fmt: str | None,
-                 dim: int | None = None, dtype: torch.dtype | None = None) -> RowSource:
+                 dim: int | None = None, dtype: torch.dtype | None = None) -> RowReader:
     """``psclient``'s reader of a rows file; its errors raised as this package's."""
-    from psclient.loader import open_rows
+    from psclient.read_into import open_reader
 
     try:
-        return open_rows(path, tensor, format=fmt, dim=dim, dtype=dtype)
+        return open_reader(path, tensor, format=fmt, dim=dim, dtype=dtype)
     except PSClientError as e:
         raise BadArgumentError(str(e)) from None
+
+
+def _stage(rows: RowReader, chunk: int) -> torch.Tensor:
+    """The one buffer a load reads through: ``STAGE_BYTES`` of rows (at most ``chunk``)."""
+    row_bytes = max(1, rows.dim * rows.dtype.itemsize)
+    m = max(1, min(chunk, rows.n, STAGE_BYTES // row_bytes))
+    return torch.empty(m, rows.dim, dtype=rows.dtype)
+
+
+def _scan(rows: RowReader, stage: torch.Tensor, bar: tqdm) -> tuple[int, int]:
+    """:func:`_nonfinite_scan` of every row of ``rows``, read through ``stage``."""
+    def read(a: int, b: int) -> torch.Tensor:
+        rows.read_into(a, stage[:b - a])
+        return stage[:b - a]
+
+    return _nonfinite_scan(read, rows.n, stage.shape[0], bar)
+
+
+def _fill(block: SharedMemBlock, rows: RowReader, start: int, chunk: int,
+          stage: torch.Tensor, bar: tqdm) -> None:
+    """Rows ``0..n-1`` of ``rows`` to rows ``start..`` of ``block``, ``chunk`` rows a write,
+    read straight into the block's rows (through ``stage`` where they are padded)."""
+    for a in range(0, rows.n, chunk):
+        b = min(rows.n, a + chunk)
+        block.fill_range(start + a, b - a,
+                         lambda i, out, a=a: rows.read_into(a + i, out),  # type: ignore[misc]
+                         stage=stage)
+        bar.update(b - a)
+
+
+def _bar(n: int, desc: str, progress: bool | None) -> tqdm:
+    from tqdm import tqdm
+
+    return tqdm(total=n, unit="rows", unit_scale=True, desc=desc,
+                disable=None if progress is None else not progress)
+
+
+def _stream(block: SharedMemBlock, rows: RowReader, start: int, *, chunk: int, check: bool,
+            progress: bool | None, refuse: Callable[[int, int], BaseException]) -> None:
+    """Every row of ``rows`` into ``block`` from row ``start``; if ``check``, every row is
+    read once first and ``refuse(bad, first)`` raised where any holds NaN or an infinity."""
+    stage = _stage(rows, chunk)
+    with _bar(rows.n, f"check {block.name}" if check else f"load {block.name}",
+              progress) as bar:
+        if check:
+            bad, first = _scan(rows, stage, bar)
+            if bad:
+                raise refuse(bad, first)
+            bar.reset(total=rows.n)
+            bar.set_description(f"load {block.name}")
+        _fill(block, rows, start, chunk, stage, bar)
 
 
 def load_rows(block: SharedMemBlock, path: str | Path, *, tensor: str | None = None,
               format: str | None = None, chunk: int = CHUNK_ROWS,  # noqa: A002
               allow_nonfinite: bool = False, progress: bool | None = None) -> int:
-    """Write the rows of a file into ``block``, row ``i`` of the file to row ``i``, one
-    chunk of ``chunk`` rows in memory at a time; returns the rows written.
+    """Write the rows of a file into ``block``, row ``i`` of the file to row ``i``, ``chunk``
+    rows a write, each read straight into the block's rows; returns the rows written.
+
+    The memory a load adds is one buffer of ``STAGE_BYTES`` (at most ``chunk`` rows),
+    whatever the file's size: the rows are read with ``preadv`` into the block (rows the
+    block pads, and the NaN/infinity check, go through the buffer).
 
     Args:
         block: the linear table to write (its first rows; the rest are left as they are).
@@ -313,19 +420,21 @@ def load_rows(block: SharedMemBlock, path: str | Path, *, tensor: str | None = N
         tensor: the tensor of a ``.safetensors`` file or DCP checkpoint (optional where
             there is one).
         format: ``npy``, ``safetensors``, ``raw`` or ``dcp``; default: by the name.
-        chunk: rows read and written at a time.
+        chunk: rows written at a time (each under the block's writer lock, announced to
+            every process's GPU cache).
         allow_nonfinite: write rows holding NaN or infinite values too; else every row is
             read once before the first write and such rows are refused.
         progress: a tqdm progress bar on stderr; default: only when stderr is a terminal.
 
     Raises:
-        BadArgumentError: no such file, not a readable source, or a bad ``chunk``.
+        BadArgumentError: no such file, not a readable source, a file shorter than its
+            header says (truncated), or a bad ``chunk``; nothing was written. A file
+            truncated while it is being read stops the load there with this error (the rows
+            written so far stay, announced).
         GeometryMismatchError: the rows are of another dim or dtype, or more than the
             block holds; nothing was written.
         NonFiniteValuesError: a row holds NaN or an infinity; nothing was written.
     """
-    from tqdm import tqdm
-
     if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0:
         raise BadArgumentError(f"chunk must be a positive int, got {chunk!r}")
     rows = _open_source(path, tensor, format, block.dim, block.dtype)
@@ -335,25 +444,20 @@ def load_rows(block: SharedMemBlock, path: str | Path, *, tensor: str | None = N
             f"{str(rows.dtype).removeprefix('torch.')}; table {block.name!r} holds "
             f"{block.num_rows} rows of dim {block.dim}, {block.geometry.dtype_name}: load it "
             "into a table of that geometry")
-    if not allow_nonfinite:
-        bad, first = _nonfinite_scan(rows.get, rows.n, chunk)
-        if bad:
-            raise NonFiniteValuesError(
-                f"{rows.what}: {bad} of {rows.n} rows hold NaN or infinite values (the "
-                f"first: row {first}); nothing was written: fix the file, or load it anyway "
-                "with allow_nonfinite=True")
-    with tqdm(total=rows.n, unit="rows", unit_scale=True, desc=f"load {block.name}",
-              disable=None if progress is None else not progress) as bar:
-        for a in range(0, rows.n, chunk):
-            b = min(rows.n, a + chunk)
-            block.write_range(a, rows.get(a, b),
-                              allow_nonfinite=True)  # NOTE: checked above, or allowed
-            bar.update(b - a)
+
+    def refuse(bad: int, first: int) -> BaseException:
+        return NonFiniteValuesError(
+            f"{rows.what}: {bad} of {rows.n} rows hold NaN or infinite values (the "
+            f"first: row {first}); nothing was written: fix the file, or load it anyway "
+            "with allow_nonfinite=True")
+
+    _stream(block, rows, 0, chunk=chunk, check=not allow_nonfinite, progress=progress,
+            refuse=refuse)
     return rows.n
 
 
 def _restore_dir(name: str, path: Path, *, create: bool, chunk: int, allow_nonfinite: bool,
-                 tensor: str | None) -> SharedTable:
+                 tensor: str | None, progress: bool | None) -> SharedTable:
     rows = _open_source(path, tensor, "dcp")
     def make() -> SharedTable:
         return SharedMemBlock.create(name, num_rows=max(rows.n, 1), dim=rows.dim,
@@ -365,5 +469,5 @@ def _restore_dir(name: str, path: Path, *, create: bool, chunk: int, allow_nonfi
                 f"table {name!r} is a {_kind(table)} table; a DCP checkpoint's rows restore "
                 "into a linear table: restore into another name (it is created)")
         load_rows(table, path, tensor=tensor, format="dcp", chunk=chunk,
-                  allow_nonfinite=allow_nonfinite)
+                  allow_nonfinite=allow_nonfinite, progress=progress)
     return table

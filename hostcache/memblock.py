@@ -12,6 +12,7 @@ read-after-write section says).
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from typing import Any, Self
 
 import torch
@@ -210,6 +211,48 @@ class SharedMemBlock(TableFiles, SharedTable):
             rows[first:first + n].copy_(values)
             self.ring.append(_span(first, n))
             self._counters[C_UPDATES] += n
+
+    def fill_range(self, start: int, n: int, fill: Callable[[int, torch.Tensor], None], *,
+                   stage: torch.Tensor | None = None) -> None:
+        """Write rows ``start .. start + n - 1`` with what ``fill(i, out)`` puts into ``out``:
+        rows ``i .. i + len(out) - 1`` of the span, ``out`` a contiguous ``[m, dim]`` tensor
+        of the table's dtype. Where the rows lie back to back (no padding after a row)
+        ``out`` is the table's rows themselves, in one call (a file read straight into the
+        table); else the rows of ``stage`` (default: a new buffer of ``n`` rows), copied
+        into place after each call. The same gate, writer lock and announcement to every
+        process's GPU cache as :meth:`write_range`; no value checks (the caller's).
+
+        Raises:
+            BadArgumentError: ``start`` is not an int, the rows do not fit, or ``stage`` is
+                not a contiguous ``[m, dim]`` tensor of the dtype; nothing is written.
+            What ``fill`` raises; the rows it reached may have changed, and are announced.
+        """
+        first = _check_span(start, n, self.num_rows)
+        self._live()
+        rows = self._rows
+        packed = self.geometry.row_stride == self.geometry.row_bytes
+        if not packed:
+            if stage is None:
+                stage = torch.empty(n, self.dim, dtype=self.dtype)
+            if (not stage.is_contiguous() or stage.dim() != 2 or stage.shape[0] < 1
+                    or stage.shape[1] != self.dim or stage.dtype != self.dtype):
+                raise BadArgumentError(f"stage must be a contiguous [m, {self.dim}] "
+                                       f"{self.geometry.dtype_name} tensor")
+        if n == 0:
+            return
+        with self.gate.writing(), self._writing():
+            try:
+                if packed:
+                    fill(0, rows[first:first + n])
+                else:
+                    step = stage.shape[0]  # type: ignore[union-attr]
+                    for i in range(0, n, step):  # NOTE: per stage of rows, not per row
+                        m = min(step, n - i)
+                        fill(i, stage[:m])  # type: ignore[index]
+                        rows[first + i:first + i + m].copy_(stage[:m])  # type: ignore[index]
+            finally:
+                self.ring.append(_span(first, n))
+                self._counters[C_UPDATES] += n
 
     def accumulate(self, indices: torch.Tensor, deltas: torch.Tensor, *,
                    allow_nonfinite: bool = False) -> None:

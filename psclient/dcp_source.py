@@ -12,10 +12,14 @@ instead: a piece written by ``torch.save`` (DCP's default) is a zip archive whos
 storage record holds the piece's bytes uncompressed; its shape, strides and storage offset
 come from ``torch.load(..., map_location="meta")`` (no bytes read), the record's place
 from the archive's directory, and the rows are then memory-mapped. A piece of raw bytes
-(the safetensors serialization) is mapped as it is. Rows ``a..b`` are assembled from the
-pieces that hold them, so memory is bounded by the rows asked for: a piece of whole rows
-stored back to back (a row shard, or a table saved from one process) is read straight into
-the chunk; other pieces (column shards, a transposed tensor) are copied from the mapping.
+(the safetensors serialization) is mapped as it is. Every piece's bytes are checked to lie
+inside its storage file when the tensor is opened, so a truncated checkpoint is refused
+before anything is read. Rows ``a..b`` are assembled from the pieces that hold them, into
+a tensor the caller gives (:func:`open_dcp_reader`: a shared table's rows themselves) or a
+new one (:func:`open_dcp`), so memory is bounded by the rows asked for: a piece of whole
+rows stored back to back (a row shard, or a table saved from one process) is read with
+``preadv`` straight into the destination; other pieces (column shards, a transposed
+tensor) are copied from the mapping.
 
 Pieces written through a storage transform (compression and other DCP extensions) are
 refused with a message that says to save the checkpoint without them.
@@ -34,6 +38,7 @@ import numpy as np
 import torch
 
 from psclient.errors import BadArgumentError, BadValuesError
+from psclient.read_into import pread_exact, raw_bytes
 
 #: the file that makes a directory a DCP checkpoint
 METADATA_FILE = ".metadata"
@@ -86,6 +91,12 @@ def _piece(path: Path, offset: int, length: int, dtype: torch.dtype, sizes: list
     itemsize = dtype.itemsize
     nbytes = itemsize * int(np.prod(sizes)) if sizes else itemsize
     np_dt = _raw(dtype)
+    size = path.stat().st_size
+    if offset + length > size:
+        raise BadArgumentError(f"{what}: a stored piece cannot be read: storage file "
+                               f"{str(path)!r} ends at byte {size}, before the piece's bytes "
+                               f"{offset}..{offset + length}: the checkpoint is truncated "
+                               "(copy it again)")
     with path.open("rb") as f:
         f.seek(offset)
         head = f.read(4)
@@ -112,7 +123,8 @@ def _piece(path: Path, offset: int, length: int, dtype: torch.dtype, sizes: list
                                    "checkpoint is damaged, or not written by DCP") from e
     start = offset + info.header_offset + _LOCAL_HEADER.size + fields[-2] + fields[-1]
     if (meta.dtype != dtype or list(meta.shape) != list(sizes)
-            or info.file_size < (meta.storage_offset() + 1) * itemsize):
+            or info.file_size < (meta.storage_offset() + 1) * itemsize
+            or start + info.file_size > offset + length):
         raise BadArgumentError(f"{what}: a stored piece holds {list(meta.shape)} "
                                f"{meta.dtype}, the metadata says {list(sizes)} {dtype}: the "
                                "checkpoint is damaged")
@@ -151,8 +163,29 @@ def open_dcp(path: str | Path, tensor: str | None, *, cli: bool = False
 
     Raises:
         BadArgumentError: ``path`` is not a DCP checkpoint directory, it has no tensor of
-            that name (or several 2-D tensors and none named), or its pieces cannot be read.
+            that name (or several 2-D tensors and none named), or its pieces cannot be read
+            (damaged, or a storage file shorter than the metadata says).
         BadValuesError: the named tensor is not 2-D.
+    """
+    n, dim, dtype, read_into, what = open_dcp_reader(path, tensor, cli=cli)
+
+    def get(a: int, b: int) -> torch.Tensor:
+        out = torch.empty(max(0, b - a), dim, dtype=dtype)
+        read_into(a, out)
+        return out
+
+    return n, dim, dtype, get, what
+
+
+def open_dcp_reader(path: str | Path, tensor: str | None, *, cli: bool = False
+                    ) -> tuple[int, int, torch.dtype, Callable[[int, torch.Tensor], None], str]:
+    """:func:`open_dcp`, with ``read_into(a, out)`` in place of ``get``: it reads rows
+    ``a..a+len(out)-1`` into ``out`` (a contiguous CPU ``[m, dim]`` tensor of the dtype,
+    e.g. a shared table's rows), allocating nothing of their size.
+
+    Raises:
+        As :func:`open_dcp`; ``read_into`` raises BadArgumentError where a storage file ends
+        early (it was truncated after the tensor was opened).
     """
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
@@ -217,27 +250,20 @@ def open_dcp(path: str | Path, tensor: str | None, *, cli: bool = False
     v = _raw(dtype)
     row_bytes = dim * dtype.itemsize
 
-    def get(a: int, b: int) -> torch.Tensor:
-        out = np.empty((max(0, b - a), dim), dtype=v)
+    def read_into(a: int, out: torch.Tensor) -> None:
+        b = a + out.shape[0]
+        flat = raw_bytes(out)
+        dest = flat.view(v).reshape(out.shape[0], dim)
         last = int(np.searchsorted(starts, b, side="left"))
         for r0, r1, c0, c1, arr, file, whole in pieces[:last]:  # NOTE: per piece, not per row
             lo, hi = max(a, r0), min(b, r1)
             if lo >= hi:
                 continue
             if whole is None:
-                out[lo - a:hi - a, c0:c1] = arr[lo - r0:hi - r0]
+                dest[lo - a:hi - a, c0:c1] = arr[lo - r0:hi - r0]
                 continue
-            # NOTE: rows back to back: read into the chunk (no mapping of the file)
-            dest = out[lo - a:hi - a].reshape(-1).view(np.uint8).data
-            with file.open("rb", buffering=0) as f:
-                f.seek(whole + (lo - r0) * row_bytes)
-                got = 0
-                while got < len(dest):
-                    step = f.readinto(dest[got:])
-                    if not step:
-                        raise BadArgumentError(f"{what}: its storage file {str(file)!r} "
-                                               "ends early: the checkpoint is damaged")
-                    got += step
-        return torch.from_numpy(out.view(np.uint8)).view(dtype).reshape(b - a, dim)
+            # NOTE: rows back to back: read into the destination (no mapping of the file)
+            pread_exact(file, whole + (lo - r0) * row_bytes,
+                        flat[(lo - a) * row_bytes:(hi - a) * row_bytes], what)
 
-    return n, dim, dtype, get, what
+    return n, dim, dtype, read_into, what
