@@ -15,6 +15,13 @@ row is written, so a checkpoint that does not fit raises :class:`StateDictError`
 the table and leaves it as it was. A ``weight`` that is the layer's own view (after
 ``dcp.load`` filled it in place) is not copied: its rows are announced as written.
 
+A ``DistMemBlock`` built over a torch process group of several ranks is a table every rank
+maps whole; its ``weight`` is a ``DTensor`` sharded by rows over the group (``Shard(0)``,
+torch.chunk's split, :func:`share`), each rank's local part a view of its share, so that
+``dcp.save`` writes every row once and ``dcp.load`` fills each rank's share in place. A
+plain tensor loaded on every rank of such a table is written by each rank for its share
+only; every rank checks the whole tensor first, so all of them accept it or none does.
+
 A checkpoint of ``torch.nn.Embedding`` / ``nn.EmbeddingBag`` has the same key, ``weight``,
 and loads into any layer of the same shape and dtype (a Hierarchical layer: inserted into
 its tiers, the parameter server first). TorchRec's names map through :func:`from_torchrec`.
@@ -31,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gpu.errors import LayerClosedError, StateDictError
+from gpu.errors import GroupError, LayerClosedError, StateDictError
 from gpu.stacks.protocol import LinearState, NamedState
 
 if TYPE_CHECKING:
@@ -39,7 +46,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StateDictError", "check_state_dict", "from_torchrec"]
+__all__ = ["StateDictError", "check_state_dict", "from_torchrec", "share"]
 
 #: bytes of rows a load holds at once (beside the table and the checkpoint)
 CHUNK_BYTES = 64 << 20
@@ -112,15 +119,80 @@ def save_to_state_dict(layer: _NVBase, destination: dict[str, Any], prefix: str,
     """``<prefix>weight`` (a linear table's view, no copy) or ``<prefix>_extra_state``."""
     stack = _stack(layer)
     if isinstance(stack, LinearState):
-        destination[prefix + WEIGHT] = stack.table_view()
+        block = _sharded_block(stack)
+        view = stack.table_view()
+        destination[prefix + WEIGHT] = view if block is None else _sharded_view(block, view)
     else:
         destination[prefix + EXTRA] = get_extra_state(layer)
 
 
-def _spans(rows: int, row_bytes: int) -> Iterator[tuple[int, int]]:
+def _spans(rows: int, row_bytes: int, first: int = 0) -> Iterator[tuple[int, int]]:
     step = max(1, CHUNK_BYTES // max(1, row_bytes))
-    for start in range(0, rows, step):
+    for start in range(first, rows, step):
         yield start, min(rows, start + step)
+
+
+def share(num_rows: int, world: int, rank: int) -> tuple[int, int]:
+    """Rows ``start .. stop`` of ``rank``'s share of a table sharded by rows over ``world``
+    ranks: torch.chunk's split, as ``DTensor``'s ``Shard(0)`` makes it (the last shares may
+    be short or empty)."""
+    size = -(-num_rows // world)
+    start = min(num_rows, rank * size)
+    return start, min(num_rows, start + size)
+
+
+def _sharded_block(stack: Any) -> Any:
+    """The stack's ``DistMemBlock`` when it spans a torch process group of several ranks
+    (its checkpoint is a ``DTensor``), else None."""
+    from gpu.dist.distmem import DistMemBlock
+    from gpu.dist.groups import TorchGroup
+
+    block = getattr(stack, "_block", None)  # NOTE: a LinearTable's block (None: a tensor)
+    if isinstance(block, DistMemBlock) and isinstance(block.group, TorchGroup) \
+            and block.world_size > 1:
+        return block
+    return None
+
+
+def _sharded_view(block: Any, view: torch.Tensor) -> torch.Tensor:
+    """``view`` (the whole table) as a ``DTensor`` over the block's group, ``Shard(0)``,
+    whose local part is this rank's share of ``view`` (a view, no copy)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    pg = block.group.pg if block.group.pg is not None else dist.group.WORLD
+    if pg is None or not block.group.alive():
+        raise GroupError(f"the process group of DistMemBlock {block.name!r} is gone; take "
+                         "the state_dict before destroying the group")
+    mesh = DeviceMesh.from_group(pg, view.device.type)
+    start, stop = share(block.num_rows, block.world_size, block.rank)
+    return DTensor.from_local(view[start:stop], mesh, [Shard(0)], run_check=False,
+                              shape=view.shape, stride=view.stride())
+
+
+def _local_part(value: torch.Tensor) -> torch.Tensor | None:
+    """A ``DTensor``'s local part, None for any other tensor."""
+    if type(value) is torch.Tensor or isinstance(value, torch.nn.Parameter):
+        return None
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return value.to_local() if isinstance(value, DTensor) else None
+
+
+def _own_share(stack: Any, value: torch.Tensor) -> tuple[int, int] | None:
+    """Rows ``(start, stop)`` when ``value`` is a ``DTensor`` whose local part is this
+    rank's share of the layer's table itself (as its state_dict gave it), else None."""
+    local = _local_part(value)
+    block = None if local is None else _sharded_block(stack)
+    if local is None or block is None:
+        return None
+    start, stop = share(block.num_rows, block.world_size, block.rank)
+    return (start, stop) if _same_memory(local, stack.table_view()[start:stop]) else None
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -139,6 +211,12 @@ def check_rows(layer: _NVBase, value: Any, key: str) -> torch.Tensor:
         raise _mismatch(layer, stack, f"{key} is {list(value.shape)} {value.dtype}, the "
                                       f"layer's table [{want[0]}, {want[1]}] "
                                       f"{layer.data_type}")
+    if _local_part(value) is not None:
+        if _own_share(stack, value) is None:
+            raise _mismatch(layer, stack, f"{key} is a DTensor that is not this layer's "
+                                          "state_dict view (dcp.load into "
+                                          "model.state_dict(), or pass value.full_tensor())")
+        return value  # NOTE: this rank's share is the table's rows already
     if isinstance(stack, LinearState) and _same_memory(value, stack.table_view()):
         return value  # NOTE: the rows are the table's already
     for start, stop in _spans(want[0], want[1] * value.element_size()):
@@ -150,16 +228,26 @@ def check_rows(layer: _NVBase, value: Any, key: str) -> torch.Tensor:
 
 def load_rows(layer: _NVBase, value: torch.Tensor, key: str) -> None:
     """Write checked rows (:func:`check_rows`) into the layer's table, a chunk at a time,
-    through its write path; a progress bar on a terminal for a large table."""
+    through its write path (a ``DistMemBlock`` over several ranks: this rank's share only,
+    :func:`share`); rows already in place are announced instead; a progress bar on a
+    terminal for a large table."""
     from tqdm import tqdm
 
     stack = _stack(layer)
     rows, row_bytes = value.shape[0], value.shape[1] * value.element_size()
-    inplace = isinstance(stack, LinearState) and _same_memory(value, stack.table_view())
-    big = rows * row_bytes >= PROGRESS_BYTES
-    with torch.no_grad(), tqdm(total=rows, unit="row", unit_scale=True, leave=False,
+    first, mine = 0, _own_share(stack, value)
+    if mine is not None:  # a DTensor that dcp.load filled: this rank's share, in place
+        inplace = True
+        first, rows = mine
+    else:
+        inplace = isinstance(stack, LinearState) and _same_memory(value, stack.table_view())
+        block = None if inplace else _sharded_block(stack)
+        if block is not None:  # a plain tensor on every rank: each writes its share
+            first, rows = share(block.num_rows, block.world_size, block.rank)
+    big = (rows - first) * row_bytes >= PROGRESS_BYTES
+    with torch.no_grad(), tqdm(total=rows - first, unit="row", unit_scale=True, leave=False,
                                desc=f"loading {key}", disable=None if big else True) as bar:
-        for start, stop in _spans(rows, row_bytes):
+        for start, stop in _spans(rows, row_bytes, first):
             if inplace:
                 stack.rows_changed(start, stop)
             else:
