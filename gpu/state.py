@@ -147,7 +147,7 @@ def _sharded_block(stack: Any) -> Any:
     from gpu.dist.distmem import DistMemBlock
     from gpu.dist.groups import TorchGroup
 
-    block = getattr(stack, "_block", None)  # NOTE: a LinearTable's block (None: a tensor)
+    block = stack.table_block() if isinstance(stack, LinearState) else None
     if isinstance(block, DistMemBlock) and isinstance(block.group, TorchGroup) \
             and block.world_size > 1:
         return block

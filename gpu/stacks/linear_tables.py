@@ -197,6 +197,10 @@ class LinearTable:
         a user's storage tensor is itself."""
         return self.table if self._own is None else self._own
 
+    def table_block(self) -> Any:
+        """The block the table lives in, None for a tensor."""
+        return self._block
+
     def table_label(self) -> str:
         """The table as an error names it."""
         if self._block is None:

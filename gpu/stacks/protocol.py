@@ -118,6 +118,11 @@ class LinearState(Protocol):
         """The table as an error names it (its kind and name)."""
         ...
 
+    def table_block(self) -> object | None:
+        """The block the table lives in (a ``SharedMemBlock``, a ``DistMemBlock``), None
+        for a tensor (the layer's own, a user's)."""
+        ...
+
     def write_rows(self, start: int, values: torch.Tensor) -> None:
         """Write rows ``start .. start + len(values)`` through the layer's write path (every
         process's GPU cache drops them)."""
