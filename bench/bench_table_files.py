@@ -25,9 +25,11 @@ before it (``echo 1 > /proc/sys/vm/drop_caches``; root only; the NaN check's rea
 cache for the write's read, as it would for any user).
 
 Memory: for each size and source, a child process creates a SharedMemBlock, touches every
-page of it, takes its ``ru_maxrss`` as the baseline, runs the default load, and reports the
-peak ``ru_maxrss`` less the baseline: what the load added to the process (buffers, mapped
-file pages), the block itself excluded. ``--no-rss`` skips it.
+page of it, resets its peak RSS (``/proc/self/clear_refs``), takes its RSS as the baseline,
+runs the default load, and reports the peak RSS (``VmHWM``) less the baseline: what the
+load added to the process (buffers, mapped file pages), the block itself and the modules
+a load imports (imported before the baseline) excluded.
+``--no-rss`` skips it; ``--no-timing`` measures only that.
 
 Every file and segment is removed at the end.
 
@@ -42,7 +44,6 @@ import json
 import mmap
 import os
 import platform
-import resource
 import shutil
 import subprocess
 import sys
@@ -139,14 +140,29 @@ def _child(path: str, n: int, dim: int) -> None:
     with SharedMemBlock.create(name, num_rows=n, dim=dim) as block:
         try:
             block.tensor.zero_()  # NOTE: the block's pages in this process's RSS first
-            base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            # NOTE: what a load imports, imported before the baseline (a process pays it once)
+            import torch.distributed.checkpoint  # noqa: F401
+            import tqdm  # noqa: F401
+
+            import psclient.loader  # noqa: F401
+
+            # NOTE: ru_maxrss keeps the parent's peak across fork and exec: the peak is reset
+            # (clear_refs 5) and read as VmHWM instead
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5\n")
+            base = _status_kib("VmRSS")
             t0 = time.perf_counter()
             files.load_rows(block, path, progress=False)
             secs = time.perf_counter() - t0
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            peak = _status_kib("VmHWM")
         finally:
             SharedMemBlock.unlink(name)
     print(json.dumps({"base_kib": base, "peak_kib": peak, "s": secs}))
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(dict(line.split(":", 1) for line in f)[field].split()[0])
 
 
 def _rss(path: Path, n: int, dim: int) -> dict[str, float]:
@@ -158,8 +174,8 @@ def _rss(path: Path, n: int, dim: int) -> dict[str, float]:
             "base_mib": round(got["base_kib"] / 1024, 1)}
 
 
-def run_size(mib: int, dim: int, repeat: int, root: Path, cold: bool, rss: bool
-             ) -> list[dict[str, object]]:
+def run_size(mib: int, dim: int, repeat: int, root: Path, cold: bool, rss: bool,
+             timing: bool = True) -> list[dict[str, object]]:
     n = (mib << 20) // (dim * 4)
     nbytes = n * dim * 4
     st, ck = root / "t.safetensors", root / "ck"
@@ -179,6 +195,8 @@ def run_size(mib: int, dim: int, repeat: int, root: Path, cold: bool, rss: bool
         return gbs
 
     modes = [("warm" if warm else "warm?", repeat, False)] + ([("cold", 1, True)] if cold else [])
+    if not timing:
+        modes = []
     for source, path in (("safetensors", st), ("dcp", ck)):
         name = fresh_name("bench")
         with SharedMemBlock.create(name, num_rows=n, dim=dim) as block:
@@ -213,6 +231,7 @@ def main() -> None:
     ap.add_argument("--cold", type=int, nargs="*", default=[], metavar="MIB",
                     help="sizes also measured with the page cache dropped (root)")
     ap.add_argument("--no-rss", action="store_true", help="skip the memory measurement")
+    ap.add_argument("--no-timing", action="store_true", help="only the memory measurement")
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the files go")
     ap.add_argument("--json", action="store_true", help="one JSON line per figure at the end")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -230,7 +249,7 @@ def main() -> None:
     try:
         for mib in args.mib:
             rows += run_size(mib, args.dim, args.repeat, root, mib in args.cold,
-                             not args.no_rss)
+                             not args.no_rss, not args.no_timing)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"# load average at the end: {os.getloadavg()[0]:.1f}")
