@@ -156,6 +156,10 @@ def test_a_registration_dropped_while_a_graph_is_captured_never_strands_its_addr
     blocks = [SharedMemBlock.create(name, num_rows=64, dim=16) for name in names]
     regs = [register(mb, device="cuda") for mb in blocks]
     bases = [reg.chunks[0] for reg in regs]
+    # NOTE: earlier tests' garbage is collected now, not inside the capture (a finalizer of
+    # theirs that calls CUDA would invalidate it): inside, only this test's handles go
+    gc.collect()
+    torch.cuda.synchronize()
     with torch.cuda.graph(graph):  # NOTE: torch's default: global capture mode
         y = x + 1
         for name, mb in zip(names, blocks, strict=True):
