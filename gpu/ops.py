@@ -192,30 +192,33 @@ def rows(keys: torch.Tensor, layer: int | torch.Tensor, dim: int | None = None,
     return op(keys, layer, dim, dtype)
 
 
-@torch.library.custom_op("nvecache::table_rows", mutates_args=())
-def table_rows(keys: torch.Tensor, layer: torch.Tensor, dim: int,
-               dtype: torch.dtype) -> torch.Tensor:
-    """A GPULayer's lookup: one kernel, no host work a CUDA graph replay would skip."""
+#: the ops' library: plain dispatcher registrations (a ``torch.library.custom_op`` wraps
+#: each call in autograd and dynamo-disable layers, host time a lookup does not need)
+_LIB = torch.library.Library("nvecache", "DEF")
+_LIB.define("table_rows(Tensor keys, Tensor layer, int dim, ScalarType dtype) -> Tensor")
+_LIB.define("stack_rows(Tensor keys, Tensor layer, int dim, ScalarType dtype) -> Tensor",
+            tags=_UNSAFE)
+_LIB.define("pooled(Tensor keys, Tensor offsets, Tensor? weights, Tensor layer, str mode, "
+            "int dim, ScalarType dtype) -> Tensor", tags=_UNSAFE)
+
+
+def _rows_kernel(keys: torch.Tensor, layer: torch.Tensor, dim: int,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """``table_rows`` (a GPULayer's lookup: one kernel, no host work a CUDA graph replay
+    would skip) and ``stack_rows`` (a cached stack's: host work per call)."""
     return _call(layer, "rows", keys)
 
 
-@torch.library.custom_op("nvecache::stack_rows", mutates_args=(), tags=_UNSAFE)
-def stack_rows(keys: torch.Tensor, layer: torch.Tensor, dim: int,
+def _rows_fake(keys: torch.Tensor, layer: torch.Tensor, dim: int,
                dtype: torch.dtype) -> torch.Tensor:
-    """A cached stack's lookup (host work per call: not for CUDA graphs)."""
-    return _call(layer, "rows", keys)
-
-
-@table_rows.register_fake
-def _table_rows_fake(keys: torch.Tensor, layer: torch.Tensor, dim: int,
-                     dtype: torch.dtype) -> torch.Tensor:
     return keys.new_empty((keys.shape[0], dim), dtype=dtype)
 
 
-@stack_rows.register_fake
-def _stack_rows_fake(keys: torch.Tensor, layer: torch.Tensor, dim: int,
-                     dtype: torch.dtype) -> torch.Tensor:
-    return keys.new_empty((keys.shape[0], dim), dtype=dtype)
+for _name in ("table_rows", "stack_rows"):
+    _LIB.impl(_name, _rows_kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"nvecache::{_name}", _rows_fake, lib=_LIB)
+table_rows = torch.ops.nvecache.table_rows.default
+stack_rows = torch.ops.nvecache.stack_rows.default
 
 
 def pooled(keys: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
@@ -229,14 +232,18 @@ def pooled(keys: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | No
     return pooled_op(keys, offsets, weights, layer, mode, dim, dtype)
 
 
-@torch.library.custom_op("nvecache::pooled", mutates_args=(), tags=_UNSAFE)
-def pooled_op(keys: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
-              layer: torch.Tensor, mode: str, dim: int, dtype: torch.dtype) -> torch.Tensor:
+def _pooled_kernel(keys: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
+                   layer: torch.Tensor, mode: str, dim: int, dtype: torch.dtype
+                   ) -> torch.Tensor:
     """Pooled rows ``[B, dim]`` of bags ``offsets`` (``[B + 1]``, last offset included)."""
     return _call(layer, "pooled", keys, offsets, weights, mode)
 
 
-@pooled_op.register_fake
 def _pooled_fake(keys: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
                  layer: torch.Tensor, mode: str, dim: int, dtype: torch.dtype) -> torch.Tensor:
     return keys.new_empty((offsets.shape[0] - 1, dim), dtype=dtype)
+
+
+_LIB.impl("pooled", _pooled_kernel, "CompositeExplicitAutograd")
+torch.library.register_fake("nvecache::pooled", _pooled_fake, lib=_LIB)
+pooled_op = torch.ops.nvecache.pooled.default
