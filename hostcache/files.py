@@ -359,13 +359,33 @@ def _stage(rows: RowReader, chunk: int) -> torch.Tensor:
     return torch.empty(m, rows.dim, dtype=rows.dtype)
 
 
-def _scan(rows: RowReader, stage: torch.Tensor, bar: tqdm) -> tuple[int, int]:
-    """:func:`_nonfinite_scan` of every row of ``rows``, read through ``stage``."""
+def _scan(rows: RowReader, stage: torch.Tensor, chunk: int, bar: tqdm) -> tuple[int, int]:
+    """:func:`_nonfinite_scan` of every row of ``rows``: ``chunk`` rows at a time over a
+    mapping of just them (no copy; unmapped before the next), else read through ``stage``."""
     def read(a: int, b: int) -> torch.Tensor:
         rows.read_into(a, stage[:b - a])
         return stage[:b - a]
 
-    return _nonfinite_scan(read, rows.n, stage.shape[0], bar)
+    def mapped(a: int, b: int) -> torch.Tensor:
+        view = rows.mapped(a, b)
+        return view if view is not None else _nonfinite_scan_staged(read, a, b, stage)
+
+    if rows.mapped(0, min(rows.n, 1)) is None:
+        return _nonfinite_scan(read, rows.n, stage.shape[0], bar)
+    return _nonfinite_scan(mapped, rows.n, chunk, bar)
+
+
+def _nonfinite_scan_staged(read: Callable[[int, int], torch.Tensor], a: int, b: int,
+                           stage: torch.Tensor) -> torch.Tensor:
+    """Rows ``a..b`` that no one mapping holds (a piece boundary): a tensor flagging the
+    rows of the span that hold NaN or an infinity as NaN rows, read through ``stage``."""
+    out = torch.zeros(b - a, 1, dtype=stage.dtype)
+    for i in range(a, b, stage.shape[0]):  # NOTE: per stage of rows, not per row
+        j = min(b, i + stage.shape[0])
+        bad = nonfinite_rows(read(i, j))
+        if bad is not None:
+            out[i - a:j - a][bad] = float("nan")
+    return out
 
 
 def _fill(block: SharedMemBlock, rows: RowReader, start: int, chunk: int,
@@ -395,7 +415,7 @@ def _stream(block: SharedMemBlock, rows: RowReader, start: int, *, chunk: int, c
     with _bar(rows.n, f"check {block.name}" if check else f"load {block.name}",
               progress) as bar:
         if check:
-            bad, first = _scan(rows, stage, bar)
+            bad, first = _scan(rows, stage, chunk, bar)
             if bad:
                 raise refuse(bad, first)
             bar.reset(total=rows.n)

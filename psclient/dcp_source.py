@@ -167,7 +167,7 @@ def open_dcp(path: str | Path, tensor: str | None, *, cli: bool = False
             (damaged, or a storage file shorter than the metadata says).
         BadValuesError: the named tensor is not 2-D.
     """
-    n, dim, dtype, read_into, what = open_dcp_reader(path, tensor, cli=cli)
+    n, dim, dtype, read_into, _, what = open_dcp_reader(path, tensor, cli=cli)
 
     def get(a: int, b: int) -> torch.Tensor:
         out = torch.empty(max(0, b - a), dim, dtype=dtype)
@@ -178,10 +178,13 @@ def open_dcp(path: str | Path, tensor: str | None, *, cli: bool = False
 
 
 def open_dcp_reader(path: str | Path, tensor: str | None, *, cli: bool = False
-                    ) -> tuple[int, int, torch.dtype, Callable[[int, torch.Tensor], None], str]:
+                    ) -> tuple[int, int, torch.dtype, Callable[[int, torch.Tensor], None],
+                               Callable[[int, int], tuple[Path, int] | None], str]:
     """:func:`open_dcp`, with ``read_into(a, out)`` in place of ``get``: it reads rows
     ``a..a+len(out)-1`` into ``out`` (a contiguous CPU ``[m, dim]`` tensor of the dtype,
-    e.g. a shared table's rows), allocating nothing of their size.
+    e.g. a shared table's rows), allocating nothing of their size; and ``locate(a, b)``:
+    the storage file and byte offset of rows ``a..b-1`` where one piece holds them back to
+    back, else None. Returns ``(rows, dim, dtype, read_into, locate, what)``.
 
     Raises:
         As :func:`open_dcp`; ``read_into`` raises BadArgumentError where a storage file ends
@@ -266,4 +269,13 @@ def open_dcp_reader(path: str | Path, tensor: str | None, *, cli: bool = False
             pread_exact(file, whole + (lo - r0) * row_bytes,
                         flat[(lo - a) * row_bytes:(hi - a) * row_bytes], what)
 
-    return n, dim, dtype, read_into, what
+    def locate(a: int, b: int) -> tuple[Path, int] | None:
+        at = int(np.searchsorted(starts, a, side="right")) - 1
+        if at < 0:
+            return None
+        r0, r1, _, _, _, file, whole = pieces[at]
+        if whole is None or b > r1:
+            return None
+        return file, whole + (a - r0) * row_bytes
+
+    return n, dim, dtype, read_into, locate, what

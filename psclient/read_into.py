@@ -17,6 +17,7 @@ truncated file is refused before any row is read.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -60,12 +61,29 @@ def pread_exact(path: Path, offset: int, dest: np.ndarray, what: str) -> None:
         os.close(fd)
 
 
+#: where rows ``a..b`` lie as they are in memory: (file, byte offset), or None
+Locate = Callable[[int, int], "tuple[Path, int] | None"]
+
+
+def map_rows(path: Path, offset: int, n: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """``n`` rows at byte ``offset`` of ``path`` as a tensor over a private mapping of just
+    those bytes (nothing copied; the mapping goes when the tensor does)."""
+    gran = mmap.ALLOCATIONGRANULARITY
+    base = offset - offset % gran
+    nbytes = n * dim * dtype.itemsize
+    with path.open("rb") as f:
+        mm = mmap.mmap(f.fileno(), offset + nbytes - base, access=mmap.ACCESS_COPY,
+                       offset=base)
+    return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=offset - base
+                            ).view(dtype).view(n, dim)
+
+
 class RowReader:
     """Rows of a 2-D source: ``n`` rows of ``dim`` x ``dtype``, read into given tensors."""
 
     def __init__(self, n: int, dim: int, dtype: torch.dtype,
                  read_into: Callable[[int, torch.Tensor], None], what: str,
-                 direct: bool) -> None:
+                 direct: bool, locate: Locate | None = None) -> None:
         #: rows, elements per row, row dtype
         self.n, self.dim, self.dtype = n, dim, dtype
         #: ``read_into(a, out)``: rows ``a..a+len(out)-1`` into ``out`` (contiguous, CPU)
@@ -74,6 +92,13 @@ class RowReader:
         self.what = what
         #: whether the bytes are read straight into ``out`` (else copied from a chunk)
         self.direct = direct
+        self._locate = locate
+
+    def mapped(self, a: int, b: int) -> torch.Tensor | None:
+        """Rows ``a..b-1`` over a private mapping of the file (:func:`map_rows`: a read of
+        them once, with no copy) where they lie in the file as in memory, else None."""
+        at = self._locate(a, b) if self._locate is not None and b > a else None
+        return None if at is None else map_rows(at[0], at[1], b - a, self.dim, self.dtype)
 
     def get(self, a: int, b: int) -> torch.Tensor:
         """Rows ``a..b-1`` as a new contiguous tensor."""
@@ -140,8 +165,8 @@ def open_reader(source: str | Path, tensor: str | None = None, *,
 
     path = Path(source)
     if format == "dcp" or (format is None and path.is_dir()):
-        n, width, dt, read_into, what = open_dcp_reader(path, tensor, cli=cli)
-        return RowReader(n, width, dt, read_into, what, direct=True)
+        n, width, dt, read_into, locate, what = open_dcp_reader(path, tensor, cli=cli)
+        return RowReader(n, width, dt, read_into, what, direct=True, locate=locate)
     rows = open_rows(path, tensor, format=format, dim=dim, dtype=dtype, cli=cli)
     fmt = file_format(path, format, cli=cli)
     row_bytes = rows.dim * rows.dtype.itemsize
@@ -158,5 +183,6 @@ def open_reader(source: str | Path, tensor: str | None = None, *,
             out.copy_(rows.get(a, a + out.shape[0]))
 
         return RowReader(rows.n, rows.dim, rows.dtype, copied, rows.what, direct=False)
-    return RowReader(rows.n, rows.dim, rows.dtype, _at_offset(path, start, row_bytes, rows.what),
-                     rows.what, direct=True)
+    at = start
+    return RowReader(rows.n, rows.dim, rows.dtype, _at_offset(path, at, row_bytes, rows.what),
+                     rows.what, direct=True, locate=lambda a, b: (path, at + a * row_bytes))

@@ -87,21 +87,28 @@ def test_every_source_loads_whole_in_odd_chunks(blocks: list[SharedMemBlock], tm
             assert overflowed or sorted(set(keys.tolist())) == list(range(N))
 
 
-def test_reads_go_into_the_rows_or_one_buffer_of_at_most_chunk_rows(
+def test_reads_go_into_the_rows_or_one_buffer_or_mapping_of_at_most_chunk_rows(
         blocks: list[SharedMemBlock], tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[tuple[int, int]] = []  # (rows, data_ptr) of every read
+    maps: list[int] = []  # rows of every mapping the check reads
     opened = files._open_source
 
     def spy(*args: object, **kwargs: object) -> object:
         reader = opened(*args, **kwargs)  # type: ignore[arg-type]
-        inner = reader.read_into
+        inner, inner_map = reader.read_into, reader.mapped
 
         def read_into(a: int, out: torch.Tensor) -> None:
             seen.append((out.shape[0], out.data_ptr()))
             inner(a, out)
 
-        reader.read_into = read_into
+        def mapped(a: int, b: int) -> torch.Tensor | None:
+            view = inner_map(a, b)
+            if view is not None:
+                maps.append(view.shape[0])
+            return view
+
+        reader.read_into, reader.mapped = read_into, mapped
         return reader
 
     monkeypatch.setattr(files, "_open_source", spy)
@@ -115,7 +122,11 @@ def test_reads_go_into_the_rows_or_one_buffer_of_at_most_chunk_rows(
         for path in (src["safetensors"], src["dcp"]):
             for check in (True, False):
                 seen.clear()
+                maps.clear()
                 files.load_rows(block, path, chunk=100, allow_nonfinite=not check)
+                # NOTE: the check reads the file over mappings of at most a chunk
+                assert max(maps, default=0) <= 100
+                assert sum(maps) == (N + 1 if check else 0)  # NOTE: and one probe row
                 assert torch.equal(block.tensor, emb)
                 assert seen and all(m <= 100 for m, _ in seen)
                 in_block = [(m, p) for m, p in seen if lo <= p < hi]
@@ -128,8 +139,7 @@ def test_reads_go_into_the_rows_or_one_buffer_of_at_most_chunk_rows(
                 buffers = {p for _, p in seen if not lo <= p < hi}
                 assert len(buffers) <= 1  # NOTE: one buffer, reused
                 chunks = -(-N // 100)
-                passes = int(check) + (dim == 3)  # NOTE: the check's, and padded writes'
-                assert len(seen) - len(in_block) == passes * chunks
+                assert len(seen) - len(in_block) == (dim == 3) * chunks  # NOTE: padded
     assert files.STAGE_BYTES // (3 * 4) > 100  # NOTE: the buffer was bounded by the chunk
 
 
@@ -247,3 +257,27 @@ def test_fill_range_checks_and_announces_when_fill_fails(blocks: list[SharedMemB
         block.fill_range(2, 5, second_fails, stage=torch.empty(2, 3))
     assert torch.equal(block.tensor[2:4], torch.ones(2, 3))
     assert bool((block.tensor[4:] == SENTINEL).all())
+
+
+def test_check_reads_chunks_no_mapping_holds_through_the_buffer(
+        blocks: list[SharedMemBlock], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    emb = torch.randn(N, 4)
+    emb[333, 0] = float("nan")
+    emb[334, 3] = float("-inf")
+    src = write_sources(tmp_path, emb)
+    opened = files._open_source
+
+    def spy(*args: object, **kwargs: object) -> object:
+        reader = opened(*args, **kwargs)  # type: ignore[arg-type]
+        inner = reader.mapped
+        # NOTE: as a chunk across two pieces of a sharded checkpoint: no one mapping
+        reader.mapped = lambda a, b: None if a in (300, 0) and b - a > 1 else inner(a, b)
+        return reader
+
+    monkeypatch.setattr(files, "_open_source", spy)
+    block = make(blocks, N, 4)
+    for path in (src["dcp"], src["safetensors"]):
+        with pytest.raises(NonFiniteValuesError, match=f"2 of {N} rows .* row 333"):
+            files.load_rows(block, path, chunk=100)
+        assert bool((block.tensor == SENTINEL).all())
