@@ -6,7 +6,9 @@ sees; an assertion in any rank fails the test (torch.multiprocessing.spawn re-ra
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -27,7 +29,9 @@ def expected_rows(num_rows: int, dim: int) -> torch.Tensor:
             + torch.arange(dim, dtype=torch.float32)[None, :])
 
 
-def entry(rank: int, world: int, port: int, scenario: str, kind: str, name: str) -> None:
+@contextlib.contextmanager
+def joined(rank: int, world: int, port: int, kind: str) -> Iterator[torch.device]:
+    """This rank in a gloo group of ``world`` (left at the end), on its device."""
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # never NVLink multicast (the device tool asks)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -36,10 +40,15 @@ def entry(rank: int, world: int, port: int, scenario: str, kind: str, name: str)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     try:
-        globals()[f"scenario_{scenario}"](rank, world, dev, name)
+        yield dev
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def entry(rank: int, world: int, port: int, scenario: str, kind: str, name: str) -> None:
+    with joined(rank, world, port, kind) as dev:
+        globals()[f"scenario_{scenario}"](rank, world, dev, name)
 
 
 def scenario_rows(rank: int, world: int, dev: torch.device, name: str) -> None:

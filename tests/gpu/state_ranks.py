@@ -9,13 +9,12 @@ metadata afterwards.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from tests.gpu.distmem_ranks import device_of
+from tests.gpu.distmem_ranks import joined
 
 DIM = 8
 
@@ -37,18 +36,8 @@ class Model(torch.nn.Module):
 
 def entry(rank: int, world: int, port: int, kind: str, name: str, num_rows: int,
           ckpt: str, layer_type: str) -> None:
-    os.environ["NCCL_NVLS_ENABLE"] = "0"  # never NVLink multicast (the device tool asks)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    dev = device_of(kind, rank)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    try:
+    with joined(rank, world, port, kind) as dev:
         round_trip(rank, world, dev, name, num_rows, ckpt, layer_type)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 class Spy:
