@@ -58,6 +58,13 @@ class Model(torch.nn.Module):
         return self.dense(self.bag(keys, offsets)) + self.dense(self.emb(keys)).sum(0)
 
 
+def _gpu_model(**kw: Any) -> Model:
+    """The test model with GPULayer layers on the CPU over the table ``kw`` names."""
+    return Model(NVEmbedding(ROWS, DIM, torch.float32, LayerType.GPULayer, device="cpu", **kw),
+                 NVEmbeddingBag(ROWS, DIM, torch.float32, LayerType.GPULayer, device="cpu",
+                                **kw))
+
+
 def batches(device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Keys and offsets (1-D input) of several batch sizes, the example's first."""
     return [(torch.tensor([1, 2, 3, 4, 5]), torch.tensor([0, 2])),
@@ -112,10 +119,7 @@ def test_export_loads_in_a_fresh_process_and_equals_eager(tmp_path: Path, device
 def test_a_saved_program_without_load_raises_a_typed_error(tmp_path: Path) -> None:
     """The program's ids are the saving process's: torch.export.load alone names no layer."""
     with tables(LayerType.GPULayer, tmp_path) as kw:
-        model = Model(NVEmbedding(ROWS, DIM, torch.float32, LayerType.GPULayer, **kw,
-                                  device="cpu"),
-                      NVEmbeddingBag(ROWS, DIM, torch.float32, LayerType.GPULayer, **kw,
-                                     device="cpu"))
+        model = _gpu_model(**kw)
         k, o = batches("cpu")[0]
         path = gx.save(model, (k, o), tmp_path / "exported")
     code = ("import torch, gpu\n"
@@ -127,19 +131,13 @@ def test_a_saved_program_without_load_raises_a_typed_error(tmp_path: Path) -> No
     assert "typed: no layer with handle" in done.stdout, done.stderr[-2000:]
 
 
-def _gpu_model(tmp_path: Path, block: SharedMemBlock) -> Model:
-    kw: dict[str, Any] = {"storage": block, "device": "cpu"}
-    return Model(NVEmbedding(ROWS, DIM, torch.float32, LayerType.GPULayer, **kw),
-                 NVEmbeddingBag(ROWS, DIM, torch.float32, LayerType.GPULayer, **kw))
-
-
 def test_load_errors_are_typed_and_name_the_table(tmp_path: Path) -> None:
     name = fresh_name()
     k, o = batches("cpu")[0]
     with SharedMemBlock.create(name, num_rows=ROWS, dim=DIM) as mb:
         try:
             mb.write(torch.arange(ROWS), weights())
-            model = _gpu_model(tmp_path, mb)
+            model = _gpu_model(storage=mb)
             path = gx.save(model, (k, o), tmp_path / "exported")
             with gx.load(path) as loaded:  # the table is there: loads, equals eager
                 torch.testing.assert_close(loaded(k, o), model(k, o))
@@ -169,10 +167,7 @@ def test_private_table_of_another_shape_is_refused(tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
     with tables(LayerType.GPULayer, tmp_path) as kw:
-        model = Model(NVEmbedding(ROWS, DIM, torch.float32, LayerType.GPULayer, **kw,
-                                  device="cpu"),
-                      NVEmbeddingBag(ROWS, DIM, torch.float32, LayerType.GPULayer, **kw,
-                                     device="cpu"))
+        model = _gpu_model(**kw)
         k, o = batches("cpu")[0]
         path = gx.save(model, (k, o), tmp_path / "exported")
     save_file({"emb": torch.zeros(ROWS + 1, DIM), "bag": torch.zeros(ROWS, DIM)},
@@ -218,10 +213,7 @@ def test_aot_package_errors_are_typed(tmp_path: Path, aoti_loads: bool) -> None:
     from gpu.errors import LayerClosedError
 
     with tables(LayerType.GPULayer, tmp_path) as kw:
-        model = Model(NVEmbedding(ROWS, DIM, torch.float32, LayerType.GPULayer, **kw,
-                                  device="cpu"),
-                      NVEmbeddingBag(ROWS, DIM, torch.float32, LayerType.GPULayer, **kw,
-                                     device="cpu"))
+        model = _gpu_model(**kw)
         k, o = batches("cpu")[0]
         out = tmp_path / "exported"
         gx.save(model, (k, o), out)
