@@ -62,7 +62,7 @@ def sniff(path: Path) -> str | None:
                     return "safetensors"
             except ValueError:  # NOTE: json's errors (decode, not UTF-8) are ValueErrors
                 pass
-    if head[:1] == bytes([_PICKLE]):
+    if len(head) >= 2 and head[0] == _PICKLE and 2 <= head[1] <= 5:  # NOTE: PROTO + version
         return "pickle"
     return None
 
