@@ -32,7 +32,7 @@ from typing import Any, Self
 
 import torch
 
-from gpu import ops, state
+from gpu import ops, state, traced_lookup
 from gpu.cuda.devices import resolve_device
 from gpu.errors import BadArgumentError
 from gpu.inputs import bags, check_dtype, check_keys, check_values
@@ -347,8 +347,11 @@ class NVEmbedding(_NVBase):
         as ``torch.nn.functional.embedding``."""
         keys = check_keys(input, self.device)
         if torch.compiler.is_compiling():  # one custom op: no graph break (gpu.ops)
-            rows = ops.rows(keys.reshape(-1).contiguous(), self.nvecache_id,
-                            self.embedding_size, self.data_type, safe=self._graph_safe)
+            flat = keys.reshape(-1).contiguous()
+            inline = traced_lookup.bound(self)  # NOTE: an AOTInductor export's GPULayer
+            rows = (inline.rows(flat) if inline is not None else
+                    ops.rows(flat, self.nvecache_id, self.embedding_size, self.data_type,
+                             safe=self._graph_safe))
         elif keys.dim() == 1 and keys.is_contiguous():  # NOTE: no reshape or view to pay
             return self._tiers.rows(keys)
         else:
@@ -379,6 +382,9 @@ class NVEmbeddingBag(_NVBase):
                                    self.include_last_offset, self.data_type, self.device,
                                    self.validate)
         if torch.compiler.is_compiling():  # one custom op: no graph break (gpu.ops)
+            inline = traced_lookup.bound(self)  # NOTE: an AOTInductor export's GPULayer
+            if inline is not None:
+                return inline.pooled(keys, full, weights, self.mode)
             return ops.pooled(keys, full, weights, self.nvecache_id, self.mode,
                               self.embedding_size, self.data_type)
         with torch.no_grad():

@@ -66,8 +66,9 @@ def save(model: torch.nn.Module, example_args: tuple[Any, ...], path: str | os.P
         example_args: positional arguments of one call.
         path: the directory to write (created; files of an earlier export are replaced).
         aot: write an AOTInductor package (``package.pt2``, compiled for the device of
-            the example arguments) instead of the program; the layers' lookups stay calls
-            into Python.
+            the example arguments) instead of the program. A GPULayer's lookup (a
+            HostLayer's on the CPU; not max bags, not ``validate=True`` on CUDA) is
+            compiled into the package; the other layers' lookups stay calls into Python.
         dynamic: let every tensor argument's first dimension (the batch) vary.
 
     Returns:
@@ -80,20 +81,33 @@ def save(model: torch.nn.Module, example_args: tuple[Any, ...], path: str | os.P
     if not isinstance(example_args, tuple):
         raise BadArgumentError("example_args must be a tuple of the model's positional "
                                "arguments")
-    entries, private = [], {}
+    entries, private, inline = [], {}, []
     for name, module in model.named_modules():
         if isinstance(module, _NVBase):
             entry, rows = md.describe(name, module)
             entries.append(entry)
             if rows is not None:
                 private[entry["table"]["key"]] = rows.cpu().contiguous()
+            args = aoti.inline_args(module) if aot else None
+            if args is not None:
+                entry["inline"] = {"index": len(inline), "stride": list(args[0].stride())}
+                inline.append((module, args))
     shapes = _dynamic_shapes(example_args) if dynamic else None
-    program = torch.export.export(model, example_args, dynamic_shapes=shapes)
+    if aot:  # NOTE: the GPULayers' tables and flags lead the inputs (aoti.Traced)
+        for entry in entries:
+            entry["id_buffer"] = aoti.PREFIX + entry["id_buffer"]
+        tables = tuple(a[0] for _, a in inline), tuple(a[1] for _, a in inline)
+        program = torch.export.export(
+            aoti.Traced(model, [m for m, _ in inline]), tables + example_args,
+            dynamic_shapes=None if shapes is None else (
+                (None,) * len(inline), (None,) * len(inline), shapes), strict=False)
+    else:
+        program = torch.export.export(model, example_args, dynamic_shapes=shapes)
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     written, stale = (aoti.PACKAGE, md.PROGRAM) if aot else (md.PROGRAM, aoti.PACKAGE)
     if aot:
-        aoti.compile_package(program, out / written, [e["id_buffer"] for e in entries])
+        aoti.compile_package(program, out / written)
     else:
         torch.export.save(program, out / written)
     (out / stale).unlink(missing_ok=True)
@@ -286,9 +300,13 @@ def load(path: str | os.PathLike[str], *, device: object = None) -> LoadedModel:
                                         md.dtype_of(entry), LayerType[entry["layer_type"]],
                                         **kw)
         if meta.get("package"):
+            inline = sorted((e for e in entries if "inline" in e),
+                            key=lambda e: e["inline"]["index"])
+            for e in inline:
+                _stride_check(layers[e["path"]], e)
             program: torch.nn.Module = aoti.Package(
                 root / meta["package"], layers, {e["path"]: e["id_buffer"] for e in entries},
-                None if device is None else resolve_device(device))
+                None if device is None else resolve_device(device), [e["path"] for e in inline])
         else:
             program = _program(root / meta["program"], entries, layers)
     except BaseException:
@@ -296,6 +314,17 @@ def load(path: str | os.PathLike[str], *, device: object = None) -> LoadedModel:
             _close(list(layers.values()) + opened)
         raise
     return LoadedModel(program, layers, opened)
+
+
+def _stride_check(layer: _NVBase, entry: dict[str, Any]) -> None:
+    """The package reads ``layer``'s table with the row stride it was compiled for."""
+    args = aoti.inline_args(layer)
+    stride = list(args[0].stride()) if args is not None else None
+    if stride != entry["inline"]["stride"]:
+        raise ShapeMismatchError(f"the table of layer {entry['path']!r} is laid out with "
+                                 f"strides {stride}; the AOTInductor package was compiled "
+                                 f"for {entry['inline']['stride']}: export the model again "
+                                 "over this table")
 
 
 def _program(file: Path, entries: list[dict[str, Any]], layers: dict[str, _NVBase]

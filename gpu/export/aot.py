@@ -2,21 +2,26 @@
 program compiled into a package (``package.pt2``: a shared library and the model's
 constants) that runs without the Python interpreter walking the graph.
 
-The layers' lookups stay the :mod:`gpu.ops` custom ops: the package calls them through
-its proxy executor (the dispatcher), so each lookup is a call into Python. The layers'
-id buffers must stay constants of the package, not values folded into its kernels, so
-that :func:`bind` can point them at the layers built in the loading process: the package
-is compiled with Inductor's constant inlining off (``CONSTANT_CONFIGS``).
+A GPULayer's (and a HostLayer's on the CPU) lookup is compiled into the package: the model
+is traced within :func:`gpu.traced_lookup.binding`, its tables and key-error flags passed as
+inputs of the graph (:class:`Traced`), so a call runs those lookups from C++ with no
+Python per lookup; the loading process passes the tables of the layers it built (the
+package holds no rows). The other layers' lookups stay the :mod:`gpu.ops` custom ops: the
+package calls them through its proxy executor (the dispatcher), so each is a call into
+Python. Their id buffers must stay constants of the package, not values folded into its
+kernels, so that :func:`bind` can point them at the layers built in the loading process:
+the package is compiled with Inductor's constant inlining off (``CONSTANT_CONFIGS``).
 """
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from gpu import ops
+from gpu import ops, traced_lookup
 from gpu.errors import ExportError
 from gpu.layers import _NVBase
 
@@ -29,10 +34,40 @@ CONSTANT_CONFIGS: dict[str, Any] = {"joint_graph_constant_folding": False,
                                     "always_keep_tensor_constants": True}
 
 
-def compile_package(program: torch.export.ExportedProgram, path: Path,
-                    id_buffers: list[str]) -> None:
-    """Compile ``program`` into the package ``path``; check that every id buffer is one of
-    its constants."""
+#: the prefix of the model's names in the traced wrapper (:class:`Traced`)
+PREFIX = "model."
+
+
+def inline_args(layer: _NVBase) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(table, flag)`` when ``layer``'s lookup compiles into a package as torch ops: a
+    GPULayer (or HostLayer) whose table its device reads as a tensor, keys checked on the
+    device, sum or mean bags."""
+    if getattr(layer, "mode", "sum") == "max":
+        return None  # NOTE: a max bag's zero rows for bad keys are not torch's max
+    args = getattr(layer._tiers, "inline_args", None)
+    return args() if args is not None else None
+
+
+class Traced(torch.nn.Module):
+    """``model`` called with the tables and key-error flags of ``layers`` as leading inputs,
+    returning its output and the flags' new values: what an AOTInductor export traces (the
+    tables are inputs, never constants of the package)."""
+
+    def __init__(self, model: torch.nn.Module, layers: list[_NVBase]) -> None:
+        super().__init__()
+        self.model = model
+        self._ids = [id(layer) for layer in layers]
+
+    def forward(self, tables: tuple[torch.Tensor, ...], flags: tuple[torch.Tensor, ...],
+                *args: Any) -> Any:
+        bound = [traced_lookup.Bound(t, f) for t, f in zip(tables, flags, strict=True)]
+        with traced_lookup.binding(dict(zip(self._ids, bound, strict=True))):
+            out = self.model(*args)
+        return out, tuple(b.flag for b in bound)
+
+
+def compile_package(program: torch.export.ExportedProgram, path: Path) -> None:
+    """Compile ``program`` into the package ``path``."""
     try:
         torch._inductor.aoti_compile_and_package(program, package_path=str(path),
                                                  inductor_configs=dict(CONSTANT_CONFIGS))
@@ -40,11 +75,6 @@ def compile_package(program: torch.export.ExportedProgram, path: Path,
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ExportError(f"AOTInductor could not compile the model ({type(e).__name__}: "
                           f"{first}): save with aot=False") from e
-    missing = sorted(set(id_buffers) - set(_open(path, -1).get_constant_fqns()))
-    if missing:
-        path.unlink(missing_ok=True)
-        raise ExportError(f"the AOTInductor package folded the id buffers {missing} into "
-                          "its code: save with aot=False")
 
 
 def _open(path: Path, device_index: int) -> Any:
@@ -60,11 +90,12 @@ def _open(path: Path, device_index: int) -> Any:
 
 
 class Package(torch.nn.Module):
-    """An AOTInductor package whose id buffers name the given layers of this process;
+    """An AOTInductor package whose id buffers name the given layers of this process, and
+    which reads the tables of ``inline`` (layer paths, in the package's input order);
     called as the exported model was. An op's error is raised as itself."""
 
     def __init__(self, path: Path, layers: dict[str, _NVBase], id_buffers: dict[str, str],
-                 device: torch.device | None) -> None:
+                 device: torch.device | None, inline: list[str]) -> None:
         super().__init__()
         cuda = [d for d in ([device] if device is not None else
                             [layer.device for layer in layers.values()]) if d.type == "cuda"]
@@ -77,15 +108,48 @@ class Package(torch.nn.Module):
                               "aot=True, or load with device=None")
         fqns = set(self.runner.get_constant_fqns())
         constants = {}
+        self._inline = [layers[p] for p in inline]
+        self._on_cpu = any(layer.device.type == "cpu" for layer in self._inline)
+        for layer in self._inline:
+            if inline_args(layer) is None:
+                raise ExportError(f"the AOTInductor package {path} reads the table of a layer "
+                                  "this process built so that it cannot pass it (another "
+                                  "table kind, or validate=True on CUDA): save it again")
         for path_, layer in layers.items():
             fqn = id_buffers[path_]
-            if fqn not in fqns:
-                raise ExportError(f"the AOTInductor package {path} has no constant {fqn!r} "
-                                  f"for layer {path_!r}")
+            if path_ in inline or fqn not in fqns:
+                continue  # NOTE: read as an input, or never called (its op's output unused)
             # the layer's own buffer, not a copy: its id is read without a device sync
             constants[fqn] = layer.nvecache_id
         self.runner.load_constants(constants, check_full_update=False, user_managed=True)
 
     def forward(self, *args: Any) -> Any:
-        with ops.typed_errors():
-            return self.runner(*args)
+        _raise_pending(self._inline)  # NOTE: a closed layer raises here too
+        tables, flags = [], []
+        with contextlib.ExitStack() as gates:
+            for layer in self._inline:
+                stack = layer._tiers
+                table, flag = stack.inline_args()
+                tables.append(table)
+                flags.append(flag)
+                gates.enter_context(stack._gate)
+            with ops.typed_errors():
+                out, reported = self.runner(tuple(tables), tuple(flags), *args)
+        for flag, value in zip(flags, reported, strict=True):
+            flag.copy_(value)  # NOTE: on CUDA a copy on the stream, no sync
+        if self._on_cpu:
+            _raise_pending(self._inline)  # NOTE: the CPU raises a bad key at once
+        return out
+
+
+def _raise_pending(layers: list[_NVBase]) -> None:
+    """Raise the first error the layers' earlier lookups reported; every layer's report is
+    taken (one call of the package is one call of each layer)."""
+    first: BaseException | None = None
+    for layer in layers:
+        try:
+            layer._tiers.check_pending()
+        except BaseException as e:  # noqa: BLE001 - the others' reports are taken too
+            first = first or e
+    if first is not None:
+        raise first

@@ -88,6 +88,14 @@ class DeviceTable(LinearTable):
                 keys, offsets, self.table, mode, weights, validate=False,
                 err=self.check.err)[0]
 
+    def inline_args(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The table and key-error flag a lookup written as torch ops reads
+        (:mod:`gpu.traced_lookup`), or None where it cannot be: a host table read by a
+        GPU, or keys checked on the host before each CUDA lookup (``validate=True``)."""
+        if self._host or (self.check.on_host and self.device.type == "cuda"):
+            return None
+        return self.table, self.check.flag.device_view
+
     def insert(self, keys: torch.Tensor, values: torch.Tensor,
                tier: Tier | None = None) -> None:
         self.update(keys, values)  # NOTE: every row exists: an insert is an update
