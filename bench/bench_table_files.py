@@ -35,6 +35,7 @@ Every file and segment is removed at the end.
 
     python bench/bench_table_files.py                       # 1, 2, 4 and 8 GiB
     python bench/bench_table_files.py --mib 64 --repeat 1   # a smoke run
+    python bench/bench_table_files.py --mib 32768 --sources safetensors --repeat 1  # 32 GiB
 """
 
 from __future__ import annotations
@@ -108,8 +109,13 @@ def _available() -> int:
     return int(fields["MemAvailable"].split()[0]) << 10
 
 
-def _write_files(n: int, dim: int, st: Path, ck: Path) -> None:
-    """The table (random fp32 rows) as one-tensor safetensors and DCP, a chunk at a time."""
+#: the files a run loads from
+SOURCES = ("safetensors", "dcp")
+
+
+def _write_files(n: int, dim: int, st: Path, ck: Path | None) -> None:
+    """The table (random fp32 rows) as one-tensor safetensors and (unless ``ck`` is None)
+    DCP, a chunk at a time."""
     nbytes = n * dim * 4
     head = json.dumps({"emb.weight": {"dtype": "F32", "shape": [n, dim],
                                       "data_offsets": [0, nbytes]}}).encode()
@@ -125,6 +131,8 @@ def _write_files(n: int, dim: int, st: Path, ck: Path) -> None:
                     chunk = rows[a:a + _CHUNK]
                     chunk.normal_(generator=g)
                     f.write(chunk.numpy().data)
+            if ck is None:
+                return
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 import torch.distributed.checkpoint as dcp
@@ -175,11 +183,11 @@ def _rss(path: Path, n: int, dim: int) -> dict[str, float]:
 
 
 def run_size(mib: int, dim: int, repeat: int, root: Path, cold: bool, rss: bool,
-             timing: bool = True) -> list[dict[str, object]]:
+             timing: bool = True, sources: tuple[str, ...] = SOURCES) -> list[dict[str, object]]:
     n = (mib << 20) // (dim * 4)
     nbytes = n * dim * 4
     st, ck = root / "t.safetensors", root / "ck"
-    _write_files(n, dim, st, ck)
+    _write_files(n, dim, st, ck if "dcp" in sources else None)
     os.sync()  # NOTE: the files' writeback done before any figure
     warm = _available() > 3 * nbytes
     out: list[dict[str, object]] = []
@@ -198,6 +206,8 @@ def run_size(mib: int, dim: int, repeat: int, root: Path, cold: bool, rss: bool,
     if not timing:
         modes = []
     for source, path in (("safetensors", st), ("dcp", ck)):
+        if source not in sources:
+            continue
         name = fresh_name("bench")
         with SharedMemBlock.create(name, num_rows=n, dim=dim) as block:
             try:
@@ -218,7 +228,7 @@ def run_size(mib: int, dim: int, repeat: int, root: Path, cold: bool, rss: bool,
                   f"process's peak RSS (baseline {got['base_mib']:.0f} MiB, block included)",
                   flush=True)
     st.unlink()
-    shutil.rmtree(ck)
+    shutil.rmtree(ck, ignore_errors=True)
     return out
 
 
@@ -233,6 +243,8 @@ def main() -> None:
     ap.add_argument("--no-rss", action="store_true", help="skip the memory measurement")
     ap.add_argument("--no-timing", action="store_true", help="only the memory measurement")
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the files go")
+    ap.add_argument("--sources", nargs="+", choices=SOURCES, default=list(SOURCES),
+                    help="which files to write and load (a large table: one, for disk)")
     ap.add_argument("--json", action="store_true", help="one JSON line per figure at the end")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--rows", type=int, help=argparse.SUPPRESS)
@@ -249,7 +261,7 @@ def main() -> None:
     try:
         for mib in args.mib:
             rows += run_size(mib, args.dim, args.repeat, root, mib in args.cold,
-                             not args.no_rss, not args.no_timing)
+                             not args.no_rss, not args.no_timing, tuple(args.sources))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"# load average at the end: {os.getloadavg()[0]:.1f}")
