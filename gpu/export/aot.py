@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from gpu import ops, traced_lookup
 from gpu.errors import ExportError
@@ -122,6 +123,19 @@ class Package(torch.nn.Module):
             # the layer's own buffer, not a copy: its id is read without a device sync
             constants[fqn] = layer.nvecache_id
         self.runner.load_constants(constants, check_full_update=False, user_managed=True)
+        #: the package's output layout (read once: the runner's own call parses it per call)
+        out_spec = pytree.treespec_loads(self.runner.loader.get_call_spec()[1])
+        self._out_spec = out_spec.children_specs[0]
+
+    def _run(self, tables: list[torch.Tensor], flags: list[torch.Tensor], args: tuple[Any, ...]
+             ) -> tuple[Any, list[torch.Tensor]]:
+        """The package on flat inputs: the model's output and the flags' new values."""
+        leaves = list(args) if all(isinstance(a, torch.Tensor) for a in args) else [
+            x for x in pytree.tree_leaves(args) if isinstance(x, torch.Tensor)]
+        with ops.typed_errors():
+            flat = self.runner.loader.boxed_run([*tables, *flags, *leaves])
+        cut = len(flat) - len(flags)
+        return pytree.tree_unflatten(flat[:cut], self._out_spec), flat[cut:]
 
     def forward(self, *args: Any) -> Any:
         _raise_pending(self._inline)  # NOTE: a closed layer raises here too
@@ -133,8 +147,7 @@ class Package(torch.nn.Module):
                 tables.append(table)
                 flags.append(flag)
                 gates.enter_context(stack._gate)
-            with ops.typed_errors():
-                out, reported = self.runner(tuple(tables), tuple(flags), *args)
+            out, reported = self._run(tables, flags, args)
         for flag, value in zip(flags, reported, strict=True):
             flag.copy_(value)  # NOTE: on CUDA a copy on the stream, no sync
         if self._on_cpu:
