@@ -10,9 +10,9 @@ process passes the tables of the layers it built).
 
 Keys are checked as the layer's kernels check them by default: a key outside
 ``[0, num_rows)`` reads as a zero row (a bag sums it as zero and counts it). The flag is
-not written in the graph: :attr:`Bound.flag` is the flag's new value (the first
-out-of-range key, unless the flag already held one), an output of the traced graph that
-the caller writes into the layer's :class:`gpu.stacks.key_flag.KeyErrorFlag`.
+not written in the graph: :attr:`Bound.flag` is the flag's new value (an out-of-range key
+of the call, unless the flag already held one), an output of the traced graph that the
+caller writes into the layer's :class:`gpu.stacks.key_flag.KeyErrorFlag`.
 """
 
 from __future__ import annotations

@@ -302,11 +302,10 @@ def load(path: str | os.PathLike[str], *, device: object = None) -> LoadedModel:
         if meta.get("package"):
             inline = sorted((e for e in entries if "inline" in e),
                             key=lambda e: e["inline"]["index"])
-            for e in inline:
-                _stride_check(layers[e["path"]], e)
             program: torch.nn.Module = aoti.Package(
                 root / meta["package"], layers, {e["path"]: e["id_buffer"] for e in entries},
-                None if device is None else resolve_device(device), [e["path"] for e in inline])
+                None if device is None else resolve_device(device),
+                [(e["path"], e["inline"]["stride"]) for e in inline])
         else:
             program = _program(root / meta["program"], entries, layers)
     except BaseException:
@@ -314,17 +313,6 @@ def load(path: str | os.PathLike[str], *, device: object = None) -> LoadedModel:
             _close(list(layers.values()) + opened)
         raise
     return LoadedModel(program, layers, opened)
-
-
-def _stride_check(layer: _NVBase, entry: dict[str, Any]) -> None:
-    """The package reads ``layer``'s table with the row stride it was compiled for."""
-    args = aoti.inline_args(layer)
-    stride = list(args[0].stride()) if args is not None else None
-    if stride != entry["inline"]["stride"]:
-        raise ShapeMismatchError(f"the table of layer {entry['path']!r} is laid out with "
-                                 f"strides {stride}; the AOTInductor package was compiled "
-                                 f"for {entry['inline']['stride']}: export the model again "
-                                 "over this table")
 
 
 def _program(file: Path, entries: list[dict[str, Any]], layers: dict[str, _NVBase]

@@ -23,7 +23,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from gpu import ops, traced_lookup
-from gpu.errors import ExportError
+from gpu.errors import ExportError, ShapeMismatchError
 from gpu.layers import _NVBase
 
 #: the package's file in an export directory
@@ -92,11 +92,12 @@ def _open(path: Path, device_index: int) -> Any:
 
 class Package(torch.nn.Module):
     """An AOTInductor package whose id buffers name the given layers of this process, and
-    which reads the tables of ``inline`` (layer paths, in the package's input order);
-    called as the exported model was. An op's error is raised as itself."""
+    which reads the tables of ``inline`` (layer paths with the table strides the package
+    was compiled for, in its input order); called as the exported model was. An op's error
+    is raised as itself."""
 
     def __init__(self, path: Path, layers: dict[str, _NVBase], id_buffers: dict[str, str],
-                 device: torch.device | None, inline: list[str]) -> None:
+                 device: torch.device | None, inline: list[tuple[str, list[int]]]) -> None:
         super().__init__()
         cuda = [d for d in ([device] if device is not None else
                             [layer.device for layer in layers.values()]) if d.type == "cuda"]
@@ -109,16 +110,14 @@ class Package(torch.nn.Module):
                               "aot=True, or load with device=None")
         fqns = set(self.runner.get_constant_fqns())
         constants = {}
-        self._inline = [layers[p] for p in inline]
+        self._inline = [layers[p] for p, _ in inline]
         self._on_cpu = any(layer.device.type == "cpu" for layer in self._inline)
-        for layer in self._inline:
-            if inline_args(layer) is None:
-                raise ExportError(f"the AOTInductor package {path} reads the table of a layer "
-                                  "this process built so that it cannot pass it (another "
-                                  "table kind, or validate=True on CUDA): save it again")
+        for (name, stride), layer in zip(inline, self._inline, strict=True):
+            _check_inline(path, name, stride, layer)
+        read = {p for p, _ in inline}
         for path_, layer in layers.items():
             fqn = id_buffers[path_]
-            if path_ in inline or fqn not in fqns:
+            if path_ in read or fqn not in fqns:
                 continue  # NOTE: read as an input, or never called (its op's output unused)
             # the layer's own buffer, not a copy: its id is read without a device sync
             constants[fqn] = layer.nvecache_id
@@ -153,6 +152,20 @@ class Package(torch.nn.Module):
         if self._on_cpu:
             _raise_pending(self._inline)  # NOTE: the CPU raises a bad key at once
         return out
+
+
+def _check_inline(path: Path, name: str, stride: list[int], layer: _NVBase) -> None:
+    """The package can pass ``layer``'s table as it was compiled to read it."""
+    args = inline_args(layer)
+    if args is None:
+        raise ExportError(f"the AOTInductor package {path} reads the table of layer {name!r} "
+                          "as an input, which the layer built here cannot pass (another "
+                          "table kind, or validate=True on CUDA): save the model again")
+    if list(args[0].stride()) != stride:
+        raise ShapeMismatchError(f"the table of layer {name!r} is laid out with strides "
+                                 f"{list(args[0].stride())}; the AOTInductor package {path} "
+                                 f"was compiled for {stride}: export the model again over "
+                                 "this table")
 
 
 def _raise_pending(layers: list[_NVBase]) -> None:

@@ -225,6 +225,14 @@ def test_aot_package_errors_are_typed(tmp_path: Path, aoti_loads: bool) -> None:
             loaded.layers["emb"].close()
             with pytest.raises(LayerClosedError, match="closed"):
                 loaded(k, o)
+        meta = json.loads((out / "metadata.json").read_text())
+        assert meta["layers"][0]["inline"] == {"index": 0, "stride": [DIM, 1]}
+        meta["layers"][0]["inline"]["stride"] = [DIM + 8, 1]  # NOTE: as if another layout
+        (out / "metadata.json").write_text(json.dumps(meta))
+        with pytest.raises(gx.ShapeMismatchError, match=r"layer 'emb' is laid out with "
+                                                        r"strides \[8, 1\].*compiled for "
+                                                        r"\[16, 1\]"):
+            gx.load(out)
         (out / "package.pt2").unlink()
         with pytest.raises(gx.ExportError, match="package.pt2 is missing"):
             gx.load(out)
