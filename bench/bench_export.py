@@ -10,20 +10,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import psclient  # noqa: E402
 from bench.bench_per_call import interleaved  # noqa: E402
+from bench.layer_tables import shared_tables  # noqa: E402
 from bench.workloads import ZipfKeys  # noqa: E402
 from gpu import LayerType, NVEmbedding  # noqa: E402
 from gpu import export as gx  # noqa: E402
-from hostcache import HostCache, SharedMemBlock  # noqa: E402
 
 DIM = 128
 
@@ -37,6 +38,35 @@ class Model(torch.nn.Module):
 
     def forward(self, keys: torch.Tensor) -> torch.Tensor:
         return self.emb(keys) * 2.0
+
+
+def _compare(model: Model, lt: LayerType, rows: int, sizes: list[int],
+             base: torch.nn.Embedding, tmp: Path, aot: bool, reps: int, wait: Any) -> None:
+    """One layer type: eager, its loaded program (and package) and ``nn.Embedding``
+    alternating, one JSON line per size."""
+    dev = base.weight.device
+    example = (ZipfKeys(rows, 1.05, seed=0).sample(1024).to(dev),)
+    fns: dict[str, Any] = {"eager": model,
+                           "program": gx.load(gx.save(model, example, tmp / f"{lt.name}-program"))}
+    if aot:
+        fns["aot"] = gx.load(gx.save(model, example, tmp / f"{lt.name}-aot", aot=True))
+    fns["torch"] = lambda k: base(k) * 2.0
+    try:
+        with torch.no_grad():
+            for n in sizes:
+                batches = [ZipfKeys(rows, 1.05, seed=n + i).sample(n).to(dev) for i in range(32)]
+                for name, fn in fns.items():
+                    if not torch.equal(fn(batches[0]), base(batches[0]) * 2.0):
+                        raise SystemExit(f"{lt.name} {name} returned wrong rows")
+                got = interleaved(list(fns.values()), batches, reps, wait)
+                row: dict[str, Any] = {"layer": lt.name, "keys": n}
+                for name, (p50, p99) in zip(fns, got, strict=True):
+                    row[f"{name}_p50_us"], row[f"{name}_p99_us"] = round(p50, 1), round(p99, 1)
+                print(json.dumps(row), flush=True)
+    finally:
+        for name in ("program", "aot"):
+            if name in fns:
+                fns[name].close()
 
 
 def main() -> None:
@@ -54,47 +84,18 @@ def main() -> None:
     wait = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     weights = torch.randn(rows, DIM, generator=torch.Generator().manual_seed(1))
     base = torch.nn.Embedding.from_pretrained(weights.to(dev))
-    tag, tmp = f"bx-{os.getpid()}", Path(tempfile.mkdtemp(prefix="nvec-bx-"))
-    mb = SharedMemBlock.create(tag + "-lin", num_rows=rows, dim=DIM)
-    ps = psclient.connect(f"file://{tmp}/ps", table=tag, dim=DIM, dtype=torch.float32)
-    hc = HostCache.create(tag, capacity=rows // 5, dim=DIM)
-    try:
-        mb.write(torch.arange(rows), weights)
-        ps.load(weights, progress=False)
+    tmp = Path(tempfile.mkdtemp(prefix="nvec-bx-"))
+    with shared_tables(f"bx-{os.getpid()}", weights) as (mb, ps, hc):
         kinds = {LayerType.GPULayer: {"weight_init": weights},
                  LayerType.LinearUVM: {"storage": mb},
                  LayerType.Hierarchical: {"storage": ps, "host_cache": hc}}
         for lt, kw in kinds.items():
             model = Model(NVEmbedding(rows, DIM, torch.float32, lt, device=dev, **kw))
-            example = (ZipfKeys(rows, 1.05, seed=0).sample(1024).to(dev),)
-            program = gx.load(gx.save(model, example, tmp / f"{lt.name}-program"))
-            fns = {"eager": model, "program": program}
-            if a.aot:
-                fns["aot"] = gx.load(gx.save(model, example, tmp / f"{lt.name}-aot", aot=True))
-            fns["torch"] = lambda k: base(k) * 2.0
-            with torch.no_grad():
-                for n in sizes:
-                    batches = [ZipfKeys(rows, 1.05, seed=n + i).sample(n).to(dev)
-                               for i in range(32)]
-                    for name, fn in fns.items():
-                        if not torch.equal(fn(batches[0]), base(batches[0]) * 2.0):
-                            raise SystemExit(f"{lt.name} {name} returned wrong rows")
-                    got = interleaved(list(fns.values()), batches, a.reps, wait)
-                    row = {"layer": lt.name, "keys": n}
-                    for name, (p50, p99) in zip(fns, got, strict=True):
-                        row[f"{name}_p50_us"], row[f"{name}_p99_us"] = round(p50, 1), round(p99, 1)
-                    print(json.dumps(row), flush=True)
-            program.close()
-            if a.aot:
-                fns["aot"].close()
-            model.emb.close()
-    finally:
-        hc.close()
-        HostCache.unlink(tag)
-        mb.close()
-        SharedMemBlock.unlink(tag + "-lin")
-        ps.drop()
-        ps.close()
+            try:
+                _compare(model, lt, rows, sizes, base, tmp, a.aot, a.reps, wait)
+            finally:
+                model.emb.close()
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":
