@@ -132,3 +132,34 @@ def test_an_out_of_range_key_raises_the_layers_typed_error(
             loaded(keys, offsets, weights, grid)
     out = loaded(keys, offsets, weights, grid)  # reported once: the next call serves
     assert out[0].shape == (12, DIM)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_traced_lookup_compiles_with_inductor_and_equals_torch(device: str) -> None:
+    """The lookup a package compiles in, compiled by Inductor (what AOTInductor lowers it
+    with) on this device: rows and bags equal torch's for good keys, zeros for a bad one,
+    which the flag's new value names; an earlier report is kept."""
+    from gpu import traced_lookup
+
+    def lookup(t: torch.Tensor, flag: torch.Tensor, keys: torch.Tensor,
+               offsets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        bound = traced_lookup.Bound(t, flag)
+        return bound.rows(keys), bound.pooled(keys, offsets, None, "mean"), bound.flag
+
+    t = table(torch.float32, 9).to(device)
+    compiled = torch.compile(lookup, fullgraph=True, dynamic=True)
+    keys = torch.tensor([3, ROWS - 1, ROWS + 3, 0, 7, 7], device=device)
+    offsets = torch.tensor([0, 2, 2, 6], device=device)
+    clear = torch.zeros(1, dtype=torch.int64, device=device)
+    rows, bags, flag = compiled(t, clear, keys, offsets)
+    good = torch.tensor([True, True, False, True, True, True], device=device)
+    want = torch.where(good[:, None], t[torch.where(good, keys, 0)], 0)
+    torch.testing.assert_close(rows, want)
+    sums = torch.stack([want[0:2].sum(0), want[2:2].sum(0), want[2:6].sum(0)])
+    torch.testing.assert_close(bags, sums / torch.tensor([2.0, 1.0, 4.0], device=device)[:, None])
+    assert flag.tolist() == [ROWS + 3]
+    ok = keys.clamp(0, ROWS - 1)
+    torch.testing.assert_close(compiled(t, clear, ok, offsets)[0], t[ok])
+    assert compiled(t, clear, ok, offsets)[2].tolist() == [0]
+    earlier = torch.tensor([-5], device=device)
+    assert compiled(t, earlier, keys, offsets)[2].tolist() == [-5]
