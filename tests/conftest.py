@@ -18,6 +18,7 @@ Leftovers are removed, listed, and fail the session (exit status 1).
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import tempfile
 import uuid
@@ -64,6 +65,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     session.config._nvec_shm_before = session_entries()  # type: ignore[attr-defined]
+    # NOTE: a suite started in the background of a shell (`cmd &`, nohup) inherits SIGINT
+    # ignored, and so would every process a test starts: the Ctrl-C tests' signals would be
+    # lost. A Python handler is reset to the default at exec, so the children get SIGINT back
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
