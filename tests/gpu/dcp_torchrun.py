@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from tests.gpu.distmem_ranks import device_of
 from tests.gpu.state_ranks import DIM, Model, want_rows
 
 SAVE_DENSE_SEED, LOAD_DENSE_SEED, ROWS_SEED = 0, 2, 1
@@ -33,13 +34,6 @@ SAVE_DENSE_SEED, LOAD_DENSE_SEED, ROWS_SEED = 0, 2, 1
 def saved_dense() -> torch.Tensor:
     """The dense weight a ``save`` run holds (the same in every rank and every launch)."""
     return Model(torch.nn.Identity(), SAVE_DENSE_SEED).dense.weight.detach()
-
-
-def device_for(kind: str, local_rank: int) -> torch.device:
-    """``cpu``, or ``cuda``: GPU ``LOCAL_RANK % device_count`` (ranks may share a GPU)."""
-    if kind == "cpu":
-        return torch.device("cpu")
-    return torch.device("cuda", local_rank % torch.cuda.device_count())
 
 
 def build(args: argparse.Namespace, dev: torch.device, seed: int) -> tuple[Any, Model]:
@@ -114,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world)
     try:
-        dev = device_for(args.device, local_rank)
+        dev = device_of(args.device, local_rank)  # NOTE: cuda: GPU LOCAL_RANK % count
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
         seed = SAVE_DENSE_SEED if args.mode == "save" else LOAD_DENSE_SEED

@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 from gpu import LayerType, NVEmbedding, state
 from tests.conftest import fresh_name
 from tests.gpu import dcp_torchrun
+from tests.gpu.distmem_ranks import device_of
 from tests.gpu.state_ranks import DIM, Model, want_rows
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -101,7 +102,7 @@ def test_one_process_without_a_group_reads_it_into_a_plain_tensor(
 def test_one_process_without_a_group_loads_it_into_its_own_layer(
         saved: tuple[str, Path]) -> None:
     kind, ckpt = saved
-    dev = dcp_torchrun.device_for(kind, 0)
+    dev = device_of(kind, 0)
     layer = NVEmbedding(ROWS, DIM, torch.float32, LayerType.GPULayer, device=dev)
     try:
         model = Model(layer, seed=3)
