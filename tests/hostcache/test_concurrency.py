@@ -65,8 +65,11 @@ def test_writer_killed_inside_the_lock_leaves_a_usable_table(table_name: str) ->
         for _ in range(40):
             if kills == 5:
                 break
-            p = CTX.Process(target=workers.busy_writer, args=(table_name, key_space))
+            ready = CTX.Event()
+            p = CTX.Process(target=workers.busy_writer, args=(table_name, key_space, ready))
             p.start()
+            # NOTE: the first child may compile the table's loops: minutes on a busy machine
+            assert ready.wait(timeout=600), f"the writer never wrote (exit code {p.exitcode})"
             deadline = time.monotonic() + 60
             # wait until the child is inside a write section, then kill it there
             while hc.writer_pid != p.pid and time.monotonic() < deadline:

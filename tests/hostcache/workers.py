@@ -70,8 +70,10 @@ def reader(name: str, key_space: int, seed: int, writers_done: Any, reads: Any, 
     hc.close()
 
 
-def busy_writer(name: str, key_space: int) -> None:
-    """Writes big batches forever (until SIGKILLed): mostly inside the writer lock."""
+def busy_writer(name: str, key_space: int, ready: Any = None) -> None:
+    """Writes big batches forever (until SIGKILLed): mostly inside the writer lock.
+    ``ready`` (an event) is set once the first batch is written (the compiled loops
+    loaded, which takes long on a busy machine the first time)."""
     torch.set_num_threads(1)
     hc = HostCache.attach(name)
     gen = torch.Generator().manual_seed(0)
@@ -83,3 +85,5 @@ def busy_writer(name: str, key_space: int) -> None:
             hc.insert(keys, encoded_rows(keys, version))
         else:
             hc.update(keys, encoded_rows(keys, version))
+        if ready is not None and not ready.is_set():
+            ready.set()
