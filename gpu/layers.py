@@ -37,10 +37,15 @@ from gpu.cuda.devices import resolve_device
 from gpu.errors import BadArgumentError
 from gpu.inputs import bags, check_dtype, check_keys, check_values
 from gpu.layer_config import InsertPolicy, LayerSpec, LayerStats, LayerType, PoolingMode
+from gpu.optim.rules import Optimizer
 from gpu.stacks.builders import build_layer
 from gpu.stacks.closed import ClosedStack
-from gpu.stacks.protocol import LayerStack, Tier, check_tier
+from gpu.stacks.protocol import LayerStack, LinearState, Tier, check_tier
 from gpu.tier_config import TierConfig
+from gpu.train import wide
+from gpu.train.autograd import Lookup
+from gpu.train.step import Trainer
+from gpu.train.weight import TableWeight
 from nvecache.common.keys import RESERVED_KEY, RESERVED_KEY_RULE
 
 logger = logging.getLogger(__name__)
@@ -64,6 +69,20 @@ def _close_all(tables: list[Any]) -> None:
         raise error
 
 
+def _stored(weight_init: Any, default_row: Any, dim: int, width: int, dtype: torch.dtype
+            ) -> tuple[Any, Any]:
+    """``weight_init`` and ``default_row`` as stored rows of ``width`` (zero state)."""
+    if isinstance(weight_init, torch.Tensor) and weight_init.dim() == 2:
+        weight_init = wide.pad(weight_init.detach(), width)
+    if default_row is not None:
+        row = torch.as_tensor(default_row, dtype=dtype)
+        if row.dim() == 0:
+            row = row.expand(dim)
+        if row.dim() == 1 and row.shape[0] == dim:
+            default_row = wide.pad(row, width)
+    return weight_init, default_row
+
+
 class _NVBase(torch.nn.Module):
     #: the layer's id buffer (gpu.ops): registered in __init__
     nvecache_id: torch.Tensor
@@ -75,6 +94,7 @@ class _NVBase(torch.nn.Module):
         optimize_for_training: bool = False, device: object = None,
         default_row: Any = None, insert_policy: InsertPolicy | None = None,
         table: str | None = None, validate: bool = False, tuning: TierConfig | None = None,
+        optimizer: Optimizer | None = None,
     ) -> None:
         super().__init__()
         self.num_embeddings = _positive("num_embeddings", num_embeddings)
@@ -83,9 +103,18 @@ class _NVBase(torch.nn.Module):
         data_type = check_dtype(data_type)
         if not isinstance(layer_type, LayerType):
             raise BadArgumentError(f"layer_type must be a gpu.LayerType; got {layer_type!r}")
-        if optimize_for_training:
-            raise BadArgumentError("optimize_for_training=True is not supported: these layers "
-                                   "serve inference (pass False)")
+        if optimizer is not None and not isinstance(optimizer, Optimizer):
+            raise BadArgumentError(f"optimizer must be one of gpu.optim's (SGD, Adagrad, "
+                                   f"RowwiseAdagrad, Adam); got {type(optimizer).__name__}")
+        if optimizer is not None and not optimize_for_training:
+            raise BadArgumentError("optimizer= trains the layer: pass "
+                                   "optimize_for_training=True with it")
+        #: the fused optimizer applied inside backward (None: a torch optimizer on
+        #: ``weight``'s sparse gradient, or no training)
+        self.optimizer = optimizer
+        #: elements per stored row: the row, then its optimizer state (gpu.train.wide)
+        self.row_width = (optimizer.row_width(embedding_size, data_type)
+                          if optimizer is not None else embedding_size)
         self.data_type = data_type
         self.layer_type = layer_type
         self.device = resolve_device(device)
@@ -93,16 +122,32 @@ class _NVBase(torch.nn.Module):
         self._owned: list[Any] = []
         #: set by close(): the stack is then a ClosedStack
         self._closed = False
+        fresh_table = weight_init is None and storage is None
+        if self.row_width != embedding_size:
+            weight_init, default_row = _stored(weight_init, default_row, embedding_size,
+                                               self.row_width, data_type)
         try:
             self._tiers: LayerStack
             self._tiers, spec = build_layer(
-                layer_type, num_embeddings, embedding_size, data_type, self.device,
+                layer_type, num_embeddings, self.row_width, data_type, self.device,
                 gpu_cache_size=gpu_cache_size, host_cache=host_cache, storage=storage,
                 weight_init=weight_init, table=table, default_row=default_row,
                 insert_policy=insert_policy, tuning=tuning, owned=self._owned)
+        except BadArgumentError as e:
+            _close_all(self._owned)
+            if self.row_width == embedding_size:
+                raise
+            raise BadArgumentError(
+                f"{e} (a layer trained with {type(optimizer).__name__} stores its state "
+                f"beside each row: its tables have rows of optimizer.row_width("
+                f"{embedding_size}, {data_type}) = {self.row_width} elements)") from e
         except BaseException:
             _close_all(self._owned)  # NOTE: a failed build keeps nothing open
             raise
+        if fresh_table and self.row_width != embedding_size and isinstance(
+                self._tiers, LinearState):
+            with torch.no_grad():  # NOTE: the layer's own random rows: their state starts at 0
+                self._tiers.table_view()[:, embedding_size:].zero_()
         #: how the layer was built: its arguments as resolved and its tables by identity
         #: (a record: it stays after close())
         self.spec: LayerSpec = spec
@@ -114,6 +159,53 @@ class _NVBase(torch.nn.Module):
         #: the layer's id as data in a compiled or exported graph (gpu.ops, gpu.export)
         self.register_buffer("nvecache_id", ops.id_buffer(self._op, self.device),
                              persistent=False)
+        #: the writer of trained rows (None: an inference layer)
+        self._trainer: Trainer | None = None
+        if optimize_for_training:
+            self._trainer = Trainer(self, optimizer)
+            #: the table as a parameter (gpu.train.weight): its gradient is sparse
+            self.weight = TableWeight(self._weight_data(), self._trainer)
+
+    def _weight_data(self) -> torch.Tensor:
+        if isinstance(self._tiers, LinearState):
+            return self._tiers.table_view()[:, :self.embedding_size]
+        zero = torch.zeros((), dtype=self.data_type, device=self.device)
+        return zero.expand(self.num_embeddings, self.embedding_size)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Self:
+        # NOTE: .to()/.half() leave ``weight`` alone: it stands for tables whose device and
+        # dtype are the layer's
+        weight = self._parameters.pop("weight", None)
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            if weight is not None:
+                self._parameters["weight"] = weight
+
+    def _learning(self) -> bool:
+        """Whether this call records autograd history (a training layer, grad mode on)."""
+        return (self._trainer is not None and torch.is_grad_enabled()
+                and self.weight.requires_grad)
+
+    def _read(self, keys: torch.Tensor) -> torch.Tensor:
+        """Rows ``[N, embedding_size]`` of flat keys, less any optimizer state."""
+        rows = self._tiers.rows(keys)
+        if self.row_width != self.embedding_size:
+            return rows[:, :self.embedding_size].contiguous()
+        return rows
+
+    def _rows(self, keys: torch.Tensor) -> torch.Tensor:
+        """A training layer's rows of flat keys, with autograd history when learning."""
+        if self._learning():
+            assert self._trainer is not None
+            return Lookup.apply(self.weight, keys, self._read, self._trainer)
+        with torch.no_grad():
+            return self._read(keys)
+
+    def skipped_rows(self) -> int:
+        """Rows a training step left unchanged because their gradient held NaN or an
+        infinity (e.g. an fp16 overflow), since the layer was built; one host sync."""
+        return 0 if self._trainer is None else self._trainer.skipped_rows()
 
     # NOTE: checkpoints (gpu.state): ``<prefix>weight`` is a view of a linear table (no
     # copy), a Hierarchical layer's ``<prefix>_extra_state`` names its tables; loading
@@ -166,7 +258,7 @@ class _NVBase(torch.nn.Module):
                 sync).
         """
         keys, values = self._write_args(keys, values, allow_nonfinite)
-        return self._tiers.update(keys, values)
+        return self._tiers.update(keys, wide.pad(values, self.row_width))
 
     @torch.no_grad()
     def insert(self, keys: torch.Tensor, values: torch.Tensor, *, tier: Tier | None = None,
@@ -192,7 +284,7 @@ class _NVBase(torch.nn.Module):
         """
         tier = check_tier(tier, self._tiers.tiers)
         keys, values = self._write_args(keys, values, allow_nonfinite)
-        self._tiers.insert(keys, values, tier)
+        self._tiers.insert(keys, wide.pad(values, self.row_width), tier)
 
     @torch.no_grad()
     def erase(self, keys: torch.Tensor, *, tier: Tier | None = None) -> None:
@@ -238,7 +330,11 @@ class _NVBase(torch.nn.Module):
             StorageWriteError: the parameter server refused the write (Hierarchical).
         """
         keys, deltas = self._write_args(keys, deltas, allow_nonfinite)
-        return self._tiers.accumulate(keys, deltas)
+        if self.row_width != self.embedding_size and self.data_type != torch.float32:
+            # NOTE: 16-bit rows hold their float32 state bit for bit: not added to
+            assert self._trainer is not None
+            return self._trainer.add_rows(keys, deltas)
+        return self._tiers.accumulate(keys, wide.pad(deltas, self.row_width))
 
     @property
     def tiers(self) -> tuple[Tier, ...]:
@@ -326,7 +422,12 @@ class NVEmbedding(_NVBase):
             embedding_size]``. Without ``storage`` a GPULayer copies them to the device;
             with one, they are written into it (a shared block's write reaches every
             process's caches).
-        optimize_for_training: must be False (inference only).
+        optimize_for_training: True makes the layer trainable (``gpu.train``): a
+            ``weight`` parameter with a sparse gradient, outputs with autograd history
+            under grad mode. False (the default): inference only, no history.
+        optimizer: a fused optimizer of :mod:`gpu.optim`, applied inside backward to the
+            rows in every tier; its state is stored beside each row, so the layer's
+            tables have rows of ``optimizer.row_width(embedding_size, data_type)``.
         device: "cpu" or a CUDA device (default: the current CUDA device, else the CPU).
         default_row: Hierarchical: row (or scalar) for keys in no tier; None raises
             KeyNotFoundError (and StorageUnavailableError while the PS is down).
@@ -346,7 +447,9 @@ class NVEmbedding(_NVBase):
         """Rows of ``input`` (int64 keys of any shape): ``[*input.shape, embedding_size]``,
         as ``torch.nn.functional.embedding``."""
         keys = check_keys(input, self.device)
-        if torch.compiler.is_compiling():  # one custom op: no graph break (gpu.ops)
+        if self._trainer is not None and not torch.compiler.is_compiling():
+            rows = self._rows(keys.reshape(-1).contiguous())
+        elif torch.compiler.is_compiling():  # one custom op: no graph break (gpu.ops)
             flat = keys.reshape(-1).contiguous()
             inline = traced_lookup.bound(self)  # NOTE: an AOTInductor export's GPULayer
             rows = (inline.rows(flat) if inline is not None else
@@ -381,6 +484,14 @@ class NVEmbeddingBag(_NVBase):
         keys, full, weights = bags(input, offsets, per_sample_weights, self.mode,
                                    self.include_last_offset, self.data_type, self.device,
                                    self.validate)
+        if self._trainer is not None and not torch.compiler.is_compiling():
+            if self.row_width == self.embedding_size and not self._learning():
+                with torch.no_grad():
+                    return self._tiers.pooled(keys, full, weights, self.mode)
+            rows = self._rows(keys)  # NOTE: torch pools them: its backward routes the grads
+            return torch.nn.functional.embedding_bag(
+                torch.arange(keys.numel(), device=rows.device), rows, full, mode=self.mode,
+                per_sample_weights=weights, include_last_offset=True)
         if torch.compiler.is_compiling():  # one custom op: no graph break (gpu.ops)
             inline = traced_lookup.bound(self)  # NOTE: an AOTInductor export's GPULayer
             if inline is not None:

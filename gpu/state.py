@@ -22,6 +22,10 @@ torch.chunk's split, :func:`share`), each rank's local part a view of its share,
 plain tensor loaded on every rank of such a table is written by each rank for its share
 only; every rank checks the whole tensor first, so all of them accept it or none does.
 
+A layer trained with a fused optimizer (:mod:`gpu.optim`) stores its state beside each
+row; its ``weight`` is the rows without it (a strided view), and loading rows starts
+their state over (the state itself persists in the tables).
+
 A checkpoint of ``torch.nn.Embedding`` / ``nn.EmbeddingBag`` has the same key, ``weight``,
 and loads into any layer of the same shape and dtype (a Hierarchical layer: inserted into
 its tiers, the parameter server first). TorchRec's names map through :func:`from_torchrec`.
@@ -40,6 +44,7 @@ import torch
 
 from gpu.errors import GroupError, LayerClosedError, StateDictError
 from gpu.stacks.protocol import LinearState, NamedState
+from gpu.train import wide
 
 if TYPE_CHECKING:
     from gpu.layers import _NVBase
@@ -120,10 +125,16 @@ def save_to_state_dict(layer: _NVBase, destination: dict[str, Any], prefix: str,
     stack = _stack(layer)
     if isinstance(stack, LinearState):
         block = _sharded_block(stack)
-        view = stack.table_view()
+        view = _view(layer, stack)
         destination[prefix + WEIGHT] = view if block is None else _sharded_view(block, view)
     else:
         destination[prefix + EXTRA] = get_extra_state(layer)
+
+
+def _view(layer: _NVBase, stack: LinearState) -> torch.Tensor:
+    """The table's rows without their optimizer state (a view: no copy)."""
+    view = stack.table_view()
+    return view if view.shape[1] == layer.embedding_size else view[:, :layer.embedding_size]
 
 
 def _spans(rows: int, row_bytes: int, first: int = 0) -> Iterator[tuple[int, int]]:
@@ -217,7 +228,7 @@ def check_rows(layer: _NVBase, value: Any, key: str) -> torch.Tensor:
                                           "state_dict view (dcp.load into "
                                           "model.state_dict(), or pass value.full_tensor())")
         return value  # NOTE: this rank's share is the table's rows already
-    if isinstance(stack, LinearState) and _same_memory(value, stack.table_view()):
+    if isinstance(stack, LinearState) and _same_memory(value, _view(layer, stack)):
         return value  # NOTE: the rows are the table's already
     for start, stop in _spans(want[0], want[1] * value.element_size()):
         if not bool(torch.isfinite(value[start:stop]).all()):
@@ -240,7 +251,7 @@ def load_rows(layer: _NVBase, value: torch.Tensor, key: str) -> None:
         inplace = True
         first, rows = mine
     else:
-        inplace = isinstance(stack, LinearState) and _same_memory(value, stack.table_view())
+        inplace = isinstance(stack, LinearState) and _same_memory(value, _view(layer, stack))
         block = None if inplace else _sharded_block(stack)
         if block is not None:  # a plain tensor on every rank: each writes its share
             first, rows = share(block.num_rows, block.world_size, block.rank)
@@ -251,7 +262,8 @@ def load_rows(layer: _NVBase, value: torch.Tensor, key: str) -> None:
             if inplace:
                 stack.rows_changed(start, stop)
             else:
-                stack.write_rows(start, value[start:stop].contiguous())
+                stack.write_rows(start, wide.pad(value[start:stop], layer.row_width)
+                                 .contiguous())
             bar.update(stop - start)
 
 

@@ -1,0 +1,135 @@
+"""The step a layer's backward takes: the gradient summed per unique key, then written
+to the rows in every tier (a fused optimizer), or handed to ``layer.weight`` as a sparse
+gradient for a torch optimizer to apply (:mod:`gpu.train.weight`).
+
+Writes go through the layer's stack, as ``update`` / ``accumulate`` do, so a shared
+table's trained rows are announced to every process (invalidation ring, change feed) and
+readers never see a torn row. A linear table (GPULayer, LinearUVM, HostLayer) is
+rewritten with the new rows. A Hierarchical layer over float32 rows adds the difference
+with ``accumulate`` (atomic per row at the parameter server: two trainers never lose
+each other's steps; keys it lacks are inserted); over 16-bit rows with optimizer state
+it writes the new rows, since state stored bit for bit cannot be added to.
+
+Rows whose summed gradient holds NaN or an infinity (an fp16 overflow) are skipped: they
+keep their values and state, and ``Trainer.skipped_rows`` counts them (on the device, no
+host sync per step).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from gpu.train import wide
+
+if TYPE_CHECKING:
+    from gpu.optim.rules import Optimizer
+
+
+def sum_by_key(keys: torch.Tensor, grad: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sorted unique ``keys`` and their gradients ``[U, dim]`` in float32 (rows of
+    duplicate keys added)."""
+    uniq, inverse = torch.unique(keys, sorted=True, return_inverse=True)
+    summed = torch.zeros(uniq.numel(), grad.shape[1], dtype=torch.float32,
+                         device=grad.device)
+    return uniq, summed.index_add_(0, inverse, grad.float())
+
+
+class Trainer:
+    """A training layer's writer of rows: holds the layer weakly (its stack changes when
+    it closes) and the fused optimizer, if any."""
+
+    def __init__(self, layer: Any, optimizer: Optimizer | None) -> None:
+        self._layer = weakref.ref(layer)
+        self.optimizer = optimizer
+        self.dim = layer.embedding_size
+        self.dtype = layer.data_type
+        #: stored row width: the row plus its optimizer state
+        self.width = optimizer.row_width(self.dim, self.dtype) if optimizer else self.dim
+        self._hierarchical = layer.layer_type.name == "Hierarchical"
+        self._adds = self._hierarchical and (
+            self.dtype == torch.float32 or self.width == self.dim)
+        #: the indices' address of the last sparse gradient handed to ``weight``
+        self.last_grad = 0
+        #: rows a step skipped for a non-finite gradient (a device tensor)
+        self.skipped = torch.zeros((), dtype=torch.int64, device=layer.device)
+
+    @property
+    def stack(self) -> Any:
+        layer = self._layer()
+        if layer is None:
+            raise ReferenceError("the layer was garbage collected")
+        return layer._tiers
+
+    def skipped_rows(self) -> int:
+        """Rows skipped so far for a non-finite gradient (one host sync)."""
+        return int(self.skipped)
+
+    @torch.no_grad()
+    def fused(self, keys: torch.Tensor, grad: torch.Tensor) -> None:
+        """Apply the fused optimizer for a batch's gradient ``[N, dim]`` of ``keys``."""
+        assert self.optimizer is not None
+        uniq, g = sum_by_key(keys, grad)
+        if uniq.numel() == 0:
+            return
+        self.optimizer.steps += 1
+        stack = self.stack
+        cur = stack.rows(uniq)
+        w, s = wide.split(cur, self.dim)
+        new_w, new_s = self.optimizer.apply(w.clone(), s.clone(), g)
+        ok = torch.isfinite(g).all(dim=1, keepdim=True)
+        self.skipped += (~ok).sum()
+        new_w = torch.where(ok, new_w, w)
+        new_s = torch.where(ok, new_s, s)
+        self._write(stack, uniq, cur, wide.join(new_w, new_s, self.dtype))
+
+    @torch.no_grad()
+    def add(self, keys: torch.Tensor, deltas: torch.Tensor) -> None:
+        """Add float32 ``deltas [U, dim]`` to the rows of unique ``keys``: a torch
+        optimizer's step on the sparse gradient (a layer without optimizer state)."""
+        stack = self.stack
+        found = stack.accumulate(keys, deltas.to(self.dtype))
+        self._insert_missing(stack, keys, found, None, deltas)
+
+    @torch.no_grad()
+    def add_rows(self, keys: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
+        """Add ``deltas [N, dim]`` to rows stored with 16-bit state (read, add in float32,
+        write: state kept bit for bit); bool ``[N]``: all True (a key no tier held is
+        inserted as its default row plus the delta)."""
+        uniq, d = sum_by_key(keys, deltas)
+        stack = self.stack
+        cur = stack.rows(uniq)
+        w, s = wide.split(cur, self.dim)
+        found = stack.update(uniq, wide.join(w.add_(d), s, self.dtype))
+        self._insert_missing(stack, uniq, found, wide.join(w, s, self.dtype), None)
+        return torch.ones(keys.numel(), dtype=torch.bool, device=keys.device)
+
+    def _write(self, stack: Any, keys: torch.Tensor, cur: torch.Tensor,
+               new: torch.Tensor) -> None:
+        if self._adds:
+            delta = (new - cur if self.dtype == torch.float32 else
+                     new.float() - cur.float())
+            found = stack.accumulate(keys, delta.to(self.dtype))
+        else:
+            found = stack.update(keys, new)
+        self._insert_missing(stack, keys, found, new, None)
+
+    def _insert_missing(self, stack: Any, keys: torch.Tensor, found: torch.Tensor,
+                        new: torch.Tensor | None, deltas: torch.Tensor | None) -> None:
+        """Insert the rows of keys no tier held (they read as the default row)."""
+        if not self._hierarchical:
+            return  # NOTE: a linear table holds every key in range
+        missing = ~found
+        if not bool(missing.any()):
+            return
+        keys = keys[missing]
+        if new is None:
+            assert deltas is not None
+            base = stack.rows(keys)
+            new = (base.float() + deltas[missing]).to(base.dtype)
+        else:
+            new = new[missing]
+        stack.insert(keys, new)
