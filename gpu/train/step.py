@@ -11,8 +11,10 @@ each other's steps; keys it lacks are inserted); over 16-bit rows with optimizer
 it writes the new rows, since state stored bit for bit cannot be added to.
 
 Rows whose summed gradient holds NaN or an infinity (an fp16 overflow) are skipped: they
-keep their values and state, and ``Trainer.skipped_rows`` counts them (on the device, no
-host sync per step).
+keep their values and state, and ``Trainer.skipped`` counts them (on the device, no host
+sync per step). Fused SGD on a linear table adds ``-lr * grad`` per occurrence, without
+summing per key first (the table's add sums duplicates); there an occurrence whose
+gradient is not finite is skipped, and counted.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from gpu.optim.rules import SGD
 from gpu.train import wide
 
 if TYPE_CHECKING:
@@ -72,6 +75,9 @@ class Trainer:
     def fused(self, keys: torch.Tensor, grad: torch.Tensor) -> None:
         """Apply the fused optimizer for a batch's gradient ``[N, dim]`` of ``keys``."""
         assert self.optimizer is not None
+        if isinstance(self.optimizer, SGD) and not self._hierarchical:
+            self._sgd(keys, grad)
+            return
         uniq, g = sum_by_key(keys, grad)
         if uniq.numel() == 0:
             return
@@ -85,6 +91,16 @@ class Trainer:
         new_w = torch.where(ok, new_w, w)
         new_s = torch.where(ok, new_s, s)
         self._write(stack, uniq, cur, wide.join(new_w, new_s, self.dtype))
+
+    def _sgd(self, keys: torch.Tensor, grad: torch.Tensor) -> None:
+        """SGD on a linear table: ``-lr * grad`` added in place (the table sums duplicate
+        keys), no dedup; an occurrence whose gradient is not finite adds nothing."""
+        assert self.optimizer is not None
+        self.optimizer.steps += 1
+        ok = torch.isfinite(grad).all(dim=1, keepdim=True)
+        self.skipped += (~ok).sum()
+        delta = torch.where(ok, grad, 0).mul_(-self.optimizer.lr)
+        self.stack.accumulate(keys, delta.to(self.dtype))
 
     @torch.no_grad()
     def add(self, keys: torch.Tensor, deltas: torch.Tensor) -> None:
