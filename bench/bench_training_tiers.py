@@ -3,8 +3,9 @@
 Default layer arguments except the tables: a parameter server holding the table (rows
 stored with their RowwiseAdagrad state, ``optimizer.row_width(dim, float32)`` columns),
 a host cache of a fifth of the rows, a GPU cache of a twentieth. fp32, Zipf 1.05 keys,
-distinct batches. Over a ``file://`` parameter server and over Redis (``--redis-url``, a
-fresh table dropped at the end; a record saying why when none answers):
+distinct batches. Over a ``file://`` parameter server (its default durable commits, and
+``?sync=false``: ``ps`` is ``file_nosync``) and over Redis (``--redis-url``, a fresh
+table dropped at the end; a record saying why when none answers):
 
 1. ``training_steps``: training steps/s and keys/s (one step: ``layer(keys).backward(gout)``
    with the fused ``gpu.optim.RowwiseAdagrad``, ``gout`` a fixed random gradient), wall
@@ -92,13 +93,15 @@ class Tables:
 
 
 @contextlib.contextmanager
-def tables(redis_url: str | None, rows: int, dim: int, width: int) -> Iterator[Tables]:
-    """A fresh table (``file://`` in a temporary directory, or on ``redis_url``) loaded
-    with random rows and zero state, and a host cache of a fifth of them; the table
-    dropped, the segment unlinked and the directory removed on exit, error or not."""
+def tables(redis_url: str | None, rows: int, dim: int, width: int, file_query: str = ""
+           ) -> Iterator[Tables]:
+    """A fresh table (``file://`` in a temporary directory with the options of
+    ``file_query``, or on ``redis_url``) loaded with random rows and zero state, and a
+    host cache of a fifth of them; the table dropped, the segment unlinked and the
+    directory removed on exit, error or not."""
     name = f"bench-train-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp = tempfile.mkdtemp(prefix="nvec-bench-train-")
-    url = redis_url or f"file://{tmp}/ps"
+    url = redis_url or f"file://{tmp}/ps{file_query}"
     try:
         ps = psclient.connect(url, table=name, dim=width, dtype=torch.float32)
         try:
@@ -337,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         dim, rows, sizes, count, reps, min_s, prop_steps = 32, 1 << 15, [1024], 8, 20, 0.2, 10
     elif full:
         dim, rows, sizes, count, reps, min_s, prop_steps = (128, 1 << 20, [4096, 16384], 32,
-                                                            200, 1.0, 100)
+                                                            200, 1.0, 50)
     else:  # the CPU at small sizes
         dim, rows, sizes, count, reps, min_s, prop_steps = (128, 1 << 16, [4096, 16384], 8,
                                                             20, 0.5, 50)
@@ -345,13 +348,16 @@ def main(argv: list[str] | None = None) -> int:
     width = optim.RowwiseAdagrad().row_width(dim, torch.float32)
     parts = args.only or ["steps", "propagation"]
     why = redis_reachable(args.redis_url)
-    for backend, url in (("file", None), ("redis", args.redis_url)):
+    # NOTE: file:// commits are durable by default (sync=True: an fsync per write
+    # transaction, one per training step); "file_nosync" is the same store with sync=false
+    for backend, url, query in (("file", None, ""), ("file_nosync", None, "?sync=false"),
+                                ("redis", args.redis_url, "")):
         if url is not None and why is not None:
             for bench in parts:
                 emit(bench="training_steps" if bench == "steps" else "trained_row_propagation",
                      ps=backend, skipped=f"no Redis at {url}: {why}")
             continue
-        with tables(url, rows, dim, width) as t:
+        with tables(url, rows, dim, width, query) as t:
             if "steps" in parts:
                 steps(t, backend, dev, sizes, count, reps, min_s)
             if "propagation" in parts:

@@ -165,6 +165,9 @@ class _NVBase(torch.nn.Module):
             self._trainer = Trainer(self, optimizer)
             #: the table as a parameter (gpu.train.weight): its gradient is sparse
             self.weight = TableWeight(self._weight_data(), self._trainer)
+            ops.register_trainer(self._op, self._trainer)
+            #: a compiled forward's differentiable input (gpu.ops' ``train_rows``)
+            self._anchor = torch.zeros(0, device=self.device, requires_grad=True)
 
     def _weight_data(self) -> torch.Tensor:
         if isinstance(self._tiers, LinearState):
@@ -195,12 +198,26 @@ class _NVBase(torch.nn.Module):
         return rows
 
     def _rows(self, keys: torch.Tensor) -> torch.Tensor:
-        """A training layer's rows of flat keys, with autograd history when learning."""
+        """A training layer's rows of flat keys, with autograd history when learning
+        (compiled: through gpu.ops' ``train_rows``)."""
+        if torch.compiler.is_compiling():
+            if self._learning():
+                return ops.train_rows(keys, self.nvecache_id, self._anchor,
+                                      self.embedding_size, self.data_type)
+            return ops.rows(keys, self.nvecache_id, self.embedding_size, self.data_type,
+                            safe=self._graph_safe)
         if self._learning():
             assert self._trainer is not None
             return Lookup.apply(self.weight, keys, self._read, self._trainer)
         with torch.no_grad():
             return self._read(keys)
+
+    def _own_rows(self) -> bool:
+        """Whether a training layer's call takes :meth:`_rows`: eager, learning, or rows
+        stored with optimizer state (a compiled inference call of plain rows takes the
+        lookup ops, an AOTInductor export's compiled-in GPULayer lookup included)."""
+        return (not torch.compiler.is_compiling() or self._learning()
+                or self.row_width != self.embedding_size)
 
     def skipped_rows(self) -> int:
         """Rows a training step left unchanged because their gradient held NaN or an
@@ -447,7 +464,7 @@ class NVEmbedding(_NVBase):
         """Rows of ``input`` (int64 keys of any shape): ``[*input.shape, embedding_size]``,
         as ``torch.nn.functional.embedding``."""
         keys = check_keys(input, self.device)
-        if self._trainer is not None and not torch.compiler.is_compiling():
+        if self._trainer is not None and self._own_rows():
             rows = self._rows(keys.reshape(-1).contiguous())
         elif torch.compiler.is_compiling():  # one custom op: no graph break (gpu.ops)
             flat = keys.reshape(-1).contiguous()
@@ -484,10 +501,8 @@ class NVEmbeddingBag(_NVBase):
         keys, full, weights = bags(input, offsets, per_sample_weights, self.mode,
                                    self.include_last_offset, self.data_type, self.device,
                                    self.validate)
-        if self._trainer is not None and not torch.compiler.is_compiling():
-            if self.row_width == self.embedding_size and not self._learning():
-                with torch.no_grad():
-                    return self._tiers.pooled(keys, full, weights, self.mode)
+        if self._trainer is not None and (self._learning()
+                                          or self.row_width != self.embedding_size):
             rows = self._rows(keys)  # NOTE: torch pools them: its backward routes the grads
             return torch.nn.functional.embedding_bag(
                 torch.arange(keys.numel(), device=rows.device), rows, full, mode=self.mode,

@@ -205,8 +205,10 @@ _LIB.define("pooled(Tensor keys, Tensor offsets, Tensor? weights, Tensor layer, 
 def _rows_kernel(keys: torch.Tensor, layer: torch.Tensor, dim: int,
                  dtype: torch.dtype) -> torch.Tensor:
     """``table_rows`` (a GPULayer's lookup: one kernel, no host work a CUDA graph replay
-    would skip) and ``stack_rows`` (a cached stack's: host work per call)."""
-    return _call(layer, "rows", keys)
+    would skip) and ``stack_rows`` (a cached stack's: host work per call); a training
+    layer's stored rows less their optimizer state."""
+    rows = _call(layer, "rows", keys)
+    return rows if rows.shape[1] == dim else rows[:, :dim].contiguous()
 
 
 def _rows_fake(keys: torch.Tensor, layer: torch.Tensor, dim: int,
@@ -247,3 +249,82 @@ def _pooled_fake(keys: torch.Tensor, offsets: torch.Tensor, weights: torch.Tenso
 _LIB.impl("pooled", _pooled_kernel, "CompositeExplicitAutograd")
 torch.library.register_fake("nvecache::pooled", _pooled_fake, lib=_LIB)
 pooled_op = torch.ops.nvecache.pooled.default
+
+
+# NOTE: training (gpu.train): ``train_rows`` is the lookup with autograd history. Its
+# differentiable input is the layer's anchor, a zero-element tensor that requires grad
+# (the FBGEMM way: no gradient of the table's shape is ever made); its backward calls
+# ``train_step``, which applies the layer's step (a fused optimizer, or ``layer.weight``'s
+# sparse gradient for a torch optimizer) and returns the anchor's empty gradient, so the
+# step is an output of the compiled backward and never dropped as dead code.
+_LIB.define("train_rows(Tensor keys, Tensor layer, Tensor anchor, int dim, ScalarType dtype)"
+            " -> Tensor", tags=_UNSAFE)
+_LIB.define("train_step(Tensor keys, Tensor grad, Tensor layer) -> Tensor", tags=_UNSAFE)
+#: training layers' step appliers by handle (gpu.train.step.Trainer), held weakly
+_trainers: dict[int, weakref.ReferenceType[Any]] = {}
+
+
+def register_trainer(handle: int, trainer: Any) -> None:
+    """Name ``trainer`` (with ``step(keys, grad)``) as the step of the layer of
+    ``handle``, for ``train_step``."""
+    def forget(_: object, h: int = handle) -> None:
+        _trainers.pop(h, None)
+
+    _trainers[handle] = weakref.ref(trainer, forget)
+
+
+def train_rows(keys: torch.Tensor, layer: torch.Tensor, anchor: torch.Tensor, dim: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``[N, dim]`` of flat ``keys`` whose backward trains the layer (see above)."""
+    return train_rows_op(keys, layer, anchor, dim, dtype)
+
+
+def _train_rows_kernel(keys: torch.Tensor, layer: torch.Tensor, anchor: torch.Tensor,
+                       dim: int, dtype: torch.dtype) -> torch.Tensor:
+    return _rows_kernel(keys, layer, dim, dtype)
+
+
+def _train_rows_fake(keys: torch.Tensor, layer: torch.Tensor, anchor: torch.Tensor,
+                     dim: int, dtype: torch.dtype) -> torch.Tensor:
+    return keys.new_empty((keys.shape[0], dim), dtype=dtype)
+
+
+def _train_step_kernel(keys: torch.Tensor, grad: torch.Tensor, layer: torch.Tensor
+                       ) -> torch.Tensor:
+    handle = _handle_of(layer)
+    ref = _trainers.get(handle)
+    trainer = ref() if ref is not None else None
+    if trainer is None:
+        raise _gone(handle)
+    try:
+        trainer.step(keys, grad)
+    except BaseException as e:
+        if getattr(_failure, "capture", False):
+            _failure.error = e
+        raise
+    return grad.new_empty(0, dtype=torch.float32)
+
+
+def _train_step_fake(keys: torch.Tensor, grad: torch.Tensor, layer: torch.Tensor
+                     ) -> torch.Tensor:
+    return grad.new_empty(0, dtype=torch.float32)
+
+
+def _train_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    keys, layer = inputs[0], inputs[1]
+    ctx.save_for_backward(keys, layer)
+
+
+def _train_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    keys, layer = ctx.saved_tensors
+    return None, None, train_step_op(keys, grad, layer), None, None
+
+
+_LIB.impl("train_rows", _train_rows_kernel, "CompositeExplicitAutograd")
+_LIB.impl("train_step", _train_step_kernel, "CompositeExplicitAutograd")
+torch.library.register_fake("nvecache::train_rows", _train_rows_fake, lib=_LIB)
+torch.library.register_fake("nvecache::train_step", _train_step_fake, lib=_LIB)
+torch.library.register_autograd("nvecache::train_rows", _train_backward,
+                                setup_context=_train_setup, lib=_LIB)
+train_rows_op = torch.ops.nvecache.train_rows.default
+train_step_op = torch.ops.nvecache.train_step.default

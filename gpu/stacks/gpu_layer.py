@@ -10,6 +10,7 @@ host memory, its one tier named ``"storage"``.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -19,9 +20,15 @@ from gpu.cache.gpu_cache import GPUCache
 from gpu.inputs import check_range
 from gpu.kernels.triton_access import kernel_module
 from gpu.layer_config import LayerStats, PoolingMode, TierStats
-from gpu.stacks.linear_tables import LinearTable
+from gpu.stacks.linear_tables import LinearTable, add_occurrences
 from gpu.stacks.protocol import Tier, linear_erase_error
 from gpu.tier_config import DEFAULT, TierConfig
+
+
+@functools.cache
+def _row_add() -> Any:
+    """The compiled training-write kernels (:mod:`gpu.kernels.row_add`)."""
+    return kernel_module("row_add", interpret=False)
 
 
 class DeviceTable(LinearTable):
@@ -87,6 +94,37 @@ class DeviceTable(LinearTable):
             return self._pool.lookup_linear_pooled(
                 keys, offsets, self.table, mode, weights, validate=False,
                 err=self.check.err)[0]
+
+    def _in_place(self) -> bool:
+        """Whether training steps write the table in place, without the gate's drains and
+        syncs on CUDA: the layer's own table (no other process reads it)."""
+        return self._own is not None and not self._host
+
+    def step_add(self, keys: torch.Tensor, grad: torch.Tensor, alpha: float,
+                 skipped: torch.Tensor) -> None:
+        """As :meth:`LinearTable.step_add`; on the layer's own float32 table it adds in
+        place: on CUDA one kernel (:mod:`gpu.kernels.row_add`) queued on the current stream,
+        ordered as a torch optimizer's step on a parameter is (a lookup on the same stream
+        reads the new rows; another stream synchronizes first), no host sync; on the CPU
+        its torch twin under the table's gate."""
+        if not self._in_place() or self.dtype != torch.float32:
+            super().step_add(keys, grad, alpha, skipped)
+        elif self._gather is not None and self.device.type == "cuda":
+            _row_add().add_rows(self.table, keys, grad.contiguous(), alpha, skipped)
+        else:
+            with self._gate.writing():
+                add_occurrences(self.table, keys, grad, alpha, skipped)
+
+    def step_write(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
+        """As :meth:`LinearTable.step_write`; on the layer's own table in place (on CUDA
+        one kernel), ordered as :meth:`step_add` is."""
+        if not self._in_place():
+            super().step_write(keys, rows)
+        elif self._gather is not None and self.device.type == "cuda":
+            _row_add().store_rows(self.table, keys, rows.contiguous())
+        else:
+            with self._gate.writing():
+                self.table.index_copy_(0, keys, rows)
 
     def inline_args(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The table and key-error flag a lookup written as torch ops reads

@@ -98,6 +98,24 @@ def add_tensor(gate: TableGate, table: torch.Tensor, keys: torch.Tensor,
             torch.cuda.current_stream(table.device).synchronize()
 
 
+def finite_rows(rows: torch.Tensor) -> torch.Tensor:
+    """bool ``[N]``: which rows of ``[N, dim]`` hold no NaN and no infinity."""
+    return torch.isfinite(rows).all(dim=1)
+
+
+def add_occurrences(table: torch.Tensor, keys: torch.Tensor, grad: torch.Tensor,
+                    alpha: float, skipped: torch.Tensor) -> None:
+    """The torch twin of :func:`gpu.kernels.row_add.add_rows`: ``alpha * grad[i]`` added
+    to row ``keys[i]`` of ``table`` in place, in float32; rows of ``grad`` holding NaN or
+    an infinity, and keys outside the table, add nothing (the former counted into
+    ``skipped``)."""
+    ok = finite_rows(grad)
+    skipped += (~ok).sum()
+    ok &= (keys >= 0) & (keys < table.shape[0])
+    delta = torch.where(ok[:, None], grad.float() * alpha, 0).to(table.dtype)
+    table.index_add_(0, torch.where(ok, keys, 0), delta)
+
+
 def add_user(block: Any, user: object) -> None:
     if hasattr(block, "add_user"):  # a DistMemBlock: closing it first is an order error
         block.add_user(user)
@@ -186,6 +204,21 @@ class LinearTable:
             add_tensor(self._gate, self._own_rows(), keys, deltas)
         self._written(keys)
         return torch.ones(keys.numel(), dtype=torch.bool, device=keys.device)
+
+    def step_add(self, keys: torch.Tensor, grad: torch.Tensor, alpha: float,
+                 skipped: torch.Tensor) -> None:
+        """A training step's add: ``alpha * grad[i]`` to row ``keys[i]`` for each of the
+        ``N`` occurrences (duplicates added), through :meth:`accumulate` (announced as a
+        write); a row of ``grad`` holding NaN or an infinity adds nothing and is counted
+        into ``skipped`` (an int64 scalar on the device: no host sync)."""
+        ok = finite_rows(grad)
+        skipped += (~ok).sum()
+        delta = torch.where(ok[:, None], grad.float() * alpha, 0)
+        self.accumulate(keys, delta.to(self.dtype))
+
+    def step_write(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
+        """A training step's new rows of distinct ``keys``, through :meth:`update`."""
+        self.update(keys, rows)
 
     def _own_rows(self) -> torch.Tensor:
         """The layer's own tensor (written in place, under the gate)."""

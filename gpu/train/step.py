@@ -5,16 +5,19 @@ gradient for a torch optimizer to apply (:mod:`gpu.train.weight`).
 Writes go through the layer's stack, as ``update`` / ``accumulate`` do, so a shared
 table's trained rows are announced to every process (invalidation ring, change feed) and
 readers never see a torn row. A linear table (GPULayer, LinearUVM, HostLayer) is
-rewritten with the new rows. A Hierarchical layer over float32 rows adds the difference
+rewritten with the new rows (``step_write`` / ``step_add`` of the stack); a layer's own
+table (a GPULayer's, no other process reads it) is written in place, on CUDA by kernels
+queued on the current stream with no host sync, ordered as a torch optimizer's step on a
+parameter is. A Hierarchical layer over float32 rows adds the difference
 with ``accumulate`` (atomic per row at the parameter server: two trainers never lose
 each other's steps; keys it lacks are inserted); over 16-bit rows with optimizer state
 it writes the new rows, since state stored bit for bit cannot be added to.
 
 Rows whose summed gradient holds NaN or an infinity (an fp16 overflow) are skipped: they
 keep their values and state, and ``Trainer.skipped`` counts them (on the device, no host
-sync per step). Fused SGD on a linear table adds ``-lr * grad`` per occurrence, without
-summing per key first (the table's add sums duplicates); there an occurrence whose
-gradient is not finite is skipped, and counted.
+sync per step). Fused SGD and a torch optimizer's step on a linear table add ``-lr *
+grad`` per occurrence, without summing per key first (the table's add sums duplicates);
+there an occurrence whose gradient is not finite is skipped, and counted.
 """
 
 from __future__ import annotations
@@ -71,6 +74,32 @@ class Trainer:
         """Rows skipped so far for a non-finite gradient (one host sync)."""
         return int(self.skipped)
 
+    def sparse_grad(self, keys: torch.Tensor, grad: torch.Tensor, shape: torch.Size
+                    ) -> torch.Tensor:
+        """``layer.weight``'s coalesced sparse gradient of a batch (rows of duplicate keys
+        added), on the layer's device."""
+        uniq, summed = sum_by_key(keys, grad)
+        device = self.skipped.device
+        sparse = torch.sparse_coo_tensor(
+            uniq.unsqueeze(0).to(device), summed.to(self.dtype).to(device), shape,
+            is_coalesced=True, check_invariants=False)
+        self.last_grad = sparse._indices().data_ptr()
+        return sparse
+
+    def step(self, keys: torch.Tensor, grad: torch.Tensor) -> None:
+        """A compiled backward's step (``gpu.ops``' ``train_step``): the fused optimizer,
+        or the batch's sparse gradient added to ``layer.weight.grad``, as an eager
+        backward gives it."""
+        if self.optimizer is not None:
+            self.fused(keys, grad)
+            return
+        layer = self._layer()
+        if layer is None:
+            raise ReferenceError("the layer was garbage collected")
+        weight = layer.weight
+        sparse = self.sparse_grad(keys, grad, weight.shape)
+        weight.grad = sparse if weight.grad is None else (weight.grad + sparse).coalesce()
+
     @torch.no_grad()
     def fused(self, keys: torch.Tensor, grad: torch.Tensor) -> None:
         """Apply the fused optimizer for a batch's gradient ``[N, dim]`` of ``keys``."""
@@ -93,20 +122,20 @@ class Trainer:
         self._write(stack, uniq, cur, wide.join(new_w, new_s, self.dtype))
 
     def _sgd(self, keys: torch.Tensor, grad: torch.Tensor) -> None:
-        """SGD on a linear table: ``-lr * grad`` added in place (the table sums duplicate
-        keys), no dedup; an occurrence whose gradient is not finite adds nothing."""
+        """SGD on a linear table: ``-lr * grad`` added per occurrence (the table adds
+        duplicates), no dedup; an occurrence whose gradient is not finite adds nothing."""
         assert self.optimizer is not None
         self.optimizer.steps += 1
-        ok = torch.isfinite(grad).all(dim=1, keepdim=True)
-        self.skipped += (~ok).sum()
-        delta = torch.where(ok, grad, 0).mul_(-self.optimizer.lr)
-        self.stack.accumulate(keys, delta.to(self.dtype))
+        self.stack.step_add(keys, grad, -self.optimizer.lr, self.skipped)
 
     @torch.no_grad()
     def add(self, keys: torch.Tensor, deltas: torch.Tensor) -> None:
         """Add float32 ``deltas [U, dim]`` to the rows of unique ``keys``: a torch
         optimizer's step on the sparse gradient (a layer without optimizer state)."""
         stack = self.stack
+        if not self._hierarchical:
+            stack.step_add(keys, deltas, 1.0, self.skipped)
+            return
         found = stack.accumulate(keys, deltas.to(self.dtype))
         self._insert_missing(stack, keys, found, None, deltas)
 
@@ -125,6 +154,9 @@ class Trainer:
 
     def _write(self, stack: Any, keys: torch.Tensor, cur: torch.Tensor,
                new: torch.Tensor) -> None:
+        if not self._hierarchical:
+            stack.step_write(keys, new)
+            return
         if self._adds:
             delta = (new - cur if self.dtype == torch.float32 else
                      new.float() - cur.float())
