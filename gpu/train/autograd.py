@@ -21,13 +21,12 @@ class Lookup(torch.autograd.Function):
     """``Lookup.apply(weight, keys, read, trainer)``: ``read(keys)`` rows ``[N, dim]``."""
 
     @staticmethod
-    def forward(ctx: Any, weight: torch.Tensor, keys: torch.Tensor, read: Any,
+    def forward(ctx: Any, weight: torch.Tensor, keys: torch.Tensor, read: Any,  # noqa: ARG004
                 trainer: Trainer) -> torch.Tensor:
         # NOTE: forward with ctx, no setup_context: Function.apply binds a setup_context
         # function's signature on every call (inspect.signature: ~40 us a step)
         ctx.save_for_backward(keys)
         ctx.trainer = trainer
-        ctx.weight_shape = weight.shape
         return read(keys)
 
     @staticmethod
@@ -37,4 +36,4 @@ class Lookup(torch.autograd.Function):
         if trainer.optimizer is not None:
             trainer.fused(keys, grad)
             return None, None, None, None
-        return trainer.sparse_grad(keys, grad, ctx.weight_shape), None, None, None
+        return trainer.sparse_grad(keys, grad), None, None, None

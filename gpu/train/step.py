@@ -52,6 +52,8 @@ class Trainer:
         self._layer = weakref.ref(layer)
         self.optimizer = optimizer
         self.dim = layer.embedding_size
+        #: ``layer.weight``'s shape (read here, not through the parameter's torch function)
+        self.shape = torch.Size((layer.num_embeddings, layer.embedding_size))
         self.dtype = layer.data_type
         #: stored row width: the row plus its optimizer state
         self.width = optimizer.row_width(self.dim, self.dtype) if optimizer else self.dim
@@ -74,14 +76,13 @@ class Trainer:
         """Rows skipped so far for a non-finite gradient (one host sync)."""
         return int(self.skipped)
 
-    def sparse_grad(self, keys: torch.Tensor, grad: torch.Tensor, shape: torch.Size
-                    ) -> torch.Tensor:
+    def sparse_grad(self, keys: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """``layer.weight``'s coalesced sparse gradient of a batch (rows of duplicate keys
         added), on the layer's device."""
         uniq, summed = sum_by_key(keys, grad)
         device = self.skipped.device
         sparse = torch.sparse_coo_tensor(
-            uniq.unsqueeze(0).to(device), summed.to(self.dtype).to(device), shape,
+            uniq.unsqueeze(0).to(device), summed.to(self.dtype).to(device), self.shape,
             is_coalesced=True, check_invariants=False)
         self.last_grad = sparse._indices().data_ptr()
         return sparse
@@ -97,7 +98,7 @@ class Trainer:
         if layer is None:
             raise ReferenceError("the layer was garbage collected")
         weight = layer.weight
-        sparse = self.sparse_grad(keys, grad, weight.shape)
+        sparse = self.sparse_grad(keys, grad)
         weight.grad = sparse if weight.grad is None else (weight.grad + sparse).coalesce()
 
     @torch.no_grad()

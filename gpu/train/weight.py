@@ -32,7 +32,8 @@ class TableWeight(torch.nn.Parameter):
     def __new__(cls, data: torch.Tensor, trainer: Trainer) -> TableWeight:
         t = torch.Tensor._make_subclass(cls, data, True)
         t._trainer = trainer
-        t.register_post_accumulate_grad_hook(_coalesced)
+        if trainer.optimizer is None:  # NOTE: a fused optimizer leaves the gradient None
+            t.register_post_accumulate_grad_hook(_coalesced)
         return t
 
     def __deepcopy__(self, memo: dict[int, Any]) -> TableWeight:
@@ -50,13 +51,28 @@ class TableWeight(torch.nn.Parameter):
         if func in _ADD and args and isinstance(args[0], TableWeight):
             return _sparse_add(args[0], *args[1:], **kwargs)
         name = getattr(func, "__name__", "")
-        if (name.endswith("_") and not name.endswith("__") and args
-                and isinstance(args[0], TableWeight) and name != "requires_grad_"):
-            raise BadArgumentError(f"weight.{name}() would write the table around the "
-                                   "layer: use layer.update/insert/accumulate, or a torch "
+        if _writes_weight(name, args, kwargs):
+            raise BadArgumentError(f"{name}() would write the table around the layer: "
+                                   "use layer.update/insert/accumulate, or a torch "
                                    "optimizer with a sparse gradient (SGD)")
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
+
+
+def _writes_weight(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a call writes a :class:`TableWeight`: an in-place function or method of one
+    (passed first, or by keyword as ``nn.init``'s functions pass it), an item assignment,
+    or one given as ``out=``."""
+    out = kwargs.get("out")
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    if any(isinstance(o, TableWeight) for o in outs):
+        return True
+    target = args[0] if args else kwargs.get("tensor", kwargs.get("input"))
+    if not isinstance(target, TableWeight):
+        return False
+    if name == "__setitem__":
+        return True
+    return name.endswith("_") and not name.endswith("__") and name != "requires_grad_"
 
 
 def _coalesced(weight: torch.Tensor) -> None:
