@@ -3,8 +3,10 @@
 Forward semantics are torch's (``F.embedding`` / ``F.embedding_bag``); where the rows
 come from is the :class:`~gpu.layer_config.LayerType`'s business: one stack per type,
 ``gpu.stacks.gpu_layer``, ``gpu.stacks.linear_uvm``, ``gpu.stacks.hierarchical``.
-Inference only: outputs carry no autograd history. ``close()`` (or leaving a ``with``
-block) releases a layer's tables at once; a closed layer raises ``LayerClosedError``.
+By default a layer serves inference (outputs carry no autograd history);
+``optimize_for_training=True`` makes it trainable (``gpu.train``, ``gpu.optim``).
+``close()`` (or leaving a ``with`` block) releases a layer's tables at once; a closed
+layer raises ``LayerClosedError``.
 
 Writes per layer type (``tier=None``, the default; ``insert``/``erase`` take ``tier=`` to
 write or drop one of the layer's tiers only, ``layer.tiers``):
@@ -39,7 +41,7 @@ from gpu.inputs import bags, check_dtype, check_keys, check_values
 from gpu.layer_config import InsertPolicy, LayerSpec, LayerStats, LayerType, PoolingMode
 from gpu.optim.rules import Optimizer
 from gpu.stacks.builders import build_layer
-from gpu.stacks.closed import ClosedStack
+from gpu.stacks.closed import ClosedStack, close_all
 from gpu.stacks.protocol import LayerStack, LinearState, Tier, check_tier
 from gpu.tier_config import TierConfig
 from gpu.train import wide
@@ -47,6 +49,7 @@ from gpu.train.autograd import Lookup
 from gpu.train.step import Trainer
 from gpu.train.weight import TableWeight
 from nvecache.common.keys import RESERVED_KEY, RESERVED_KEY_RULE
+from psclient.errors import SchemaMismatchError
 
 logger = logging.getLogger(__name__)
 
@@ -55,32 +58,6 @@ def _positive(name: str, value: object, *, zero: bool = False) -> int:
         bound = ">= 0" if zero else "> 0"
         raise BadArgumentError(f"{name} must be an int {bound}; got {value!r}")
     return value
-
-
-def _close_all(tables: list[Any]) -> None:
-    """Close each table, then raise the first error any close raised."""
-    error: BaseException | None = None
-    for table in tables:
-        try:
-            table.close()
-        except BaseException as e:  # noqa: BLE001 - the others still close
-            error = error or e
-    if error is not None:
-        raise error
-
-
-def _stored(weight_init: Any, default_row: Any, dim: int, width: int, dtype: torch.dtype
-            ) -> tuple[Any, Any]:
-    """``weight_init`` and ``default_row`` as stored rows of ``width`` (zero state)."""
-    if isinstance(weight_init, torch.Tensor) and weight_init.dim() == 2:
-        weight_init = wide.pad(weight_init.detach(), width)
-    if default_row is not None:
-        row = torch.as_tensor(default_row, dtype=dtype)
-        if row.dim() == 0:
-            row = row.expand(dim)
-        if row.dim() == 1 and row.shape[0] == dim:
-            default_row = wide.pad(row, width)
-    return weight_init, default_row
 
 
 class _NVBase(torch.nn.Module):
@@ -104,8 +81,10 @@ class _NVBase(torch.nn.Module):
         if not isinstance(layer_type, LayerType):
             raise BadArgumentError(f"layer_type must be a gpu.LayerType; got {layer_type!r}")
         if optimizer is not None and not isinstance(optimizer, Optimizer):
-            raise BadArgumentError(f"optimizer must be one of gpu.optim's (SGD, Adagrad, "
-                                   f"RowwiseAdagrad, Adam); got {type(optimizer).__name__}")
+            raise BadArgumentError(
+                f"optimizer must be one of gpu.optim's (SGD, Adagrad, RowwiseAdagrad, Adam); "
+                f"got {type(optimizer).__module__}.{type(optimizer).__qualname__} (a torch "
+                "optimizer takes layer.parameters() instead, with no optimizer= here)")
         if optimizer is not None and not optimize_for_training:
             raise BadArgumentError("optimizer= trains the layer: pass "
                                    "optimize_for_training=True with it")
@@ -124,8 +103,8 @@ class _NVBase(torch.nn.Module):
         self._closed = False
         fresh_table = weight_init is None and storage is None
         if self.row_width != embedding_size:
-            weight_init, default_row = _stored(weight_init, default_row, embedding_size,
-                                               self.row_width, data_type)
+            weight_init, default_row = wide.stored(weight_init, default_row, embedding_size,
+                                                   self.row_width, data_type)
         try:
             self._tiers: LayerStack
             self._tiers, spec = build_layer(
@@ -133,8 +112,8 @@ class _NVBase(torch.nn.Module):
                 gpu_cache_size=gpu_cache_size, host_cache=host_cache, storage=storage,
                 weight_init=weight_init, table=table, default_row=default_row,
                 insert_policy=insert_policy, tuning=tuning, owned=self._owned)
-        except BadArgumentError as e:
-            _close_all(self._owned)
+        except (BadArgumentError, SchemaMismatchError) as e:
+            close_all(self._owned)
             if self.row_width == embedding_size:
                 raise
             raise BadArgumentError(
@@ -142,7 +121,7 @@ class _NVBase(torch.nn.Module):
                 f"beside each row: its tables have rows of optimizer.row_width("
                 f"{embedding_size}, {data_type}) = {self.row_width} elements)") from e
         except BaseException:
-            _close_all(self._owned)  # NOTE: a failed build keeps nothing open
+            close_all(self._owned)  # NOTE: a failed build keeps nothing open
             raise
         if fresh_table and self.row_width != embedding_size and isinstance(
                 self._tiers, LinearState):
@@ -408,7 +387,7 @@ class _NVBase(torch.nn.Module):
             tiers.close()
         finally:
             del tiers  # NOTE: the layer's last reference: the stack and its GPU cache go now
-            _close_all(owned)
+            close_all(owned)
 
     def __enter__(self) -> Self:
         return self

@@ -55,3 +55,15 @@ class ClosedStack:
 
     def close(self) -> None:
         """Already closed: nothing to do."""
+
+
+def close_all(tables: list[Any]) -> None:
+    """Close each table, then raise the first error any close raised."""
+    error: BaseException | None = None
+    for table in tables:
+        try:
+            table.close()
+        except BaseException as e:  # noqa: BLE001 - the others still close
+            error = error or e
+    if error is not None:
+        raise error

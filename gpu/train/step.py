@@ -15,9 +15,11 @@ it writes the new rows, since state stored bit for bit cannot be added to.
 
 Rows whose summed gradient holds NaN or an infinity (an fp16 overflow) are skipped: they
 keep their values and state, and ``Trainer.skipped`` counts them (on the device, no host
-sync per step). Fused SGD and a torch optimizer's step on a linear table add ``-lr *
-grad`` per occurrence, without summing per key first (the table's add sums duplicates);
-there an occurrence whose gradient is not finite is skipped, and counted.
+sync per step). Fused SGD on a linear table adds ``-lr * grad`` per occurrence, without
+summing per key first (the table's add sums duplicates); there an occurrence whose
+gradient is not finite is skipped, and counted. A torch optimizer's step on
+``layer.weight`` adds its (per key) deltas, a key whose delta is not finite skipped and
+counted, on every layer type.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gpu.optim.rules import SGD
+from gpu.stacks.linear_tables import finite_rows
 from gpu.train import wide
 
 if TYPE_CHECKING:
@@ -137,6 +140,10 @@ class Trainer:
         if not self._hierarchical:
             stack.step_add(keys, deltas, 1.0, self.skipped)
             return
+        ok = finite_rows(deltas)
+        self.skipped += (~ok).sum()
+        keys = keys[ok]  # NOTE: the few rows of a Hierarchical step: a host sync is paid
+        deltas = deltas[ok]
         found = stack.accumulate(keys, deltas.to(self.dtype))
         self._insert_missing(stack, keys, found, None, deltas)
 

@@ -93,6 +93,11 @@ def _sparse_add(weight: TableWeight, other: Any, *, alpha: float = 1) -> TableWe
     if not isinstance(other, torch.Tensor) or not other.is_sparse:
         raise BadArgumentError("weight.add_ takes the layer's sparse gradient (a torch "
                                "optimizer's step); write rows with layer.update/accumulate")
+    if other.sparse_dim() != 1 or tuple(other.shape) != tuple(weight.shape):
+        raise BadArgumentError(
+            f"weight.add_ takes a sparse gradient of weight's shape {tuple(weight.shape)} "
+            f"with one sparse dimension (the layer's own); got shape {tuple(other.shape)} "
+            f"with {other.sparse_dim()}: write rows with layer.update/accumulate")
     if isinstance(alpha, torch.Tensor):
         alpha = float(alpha)
     g = other.coalesce()

@@ -7,6 +7,8 @@ columns only).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -33,3 +35,18 @@ def pad(rows: torch.Tensor, width: int) -> torch.Tensor:
     """``rows`` with zero columns to ``width`` (a fresh row's state is zero)."""
     extra = width - rows.shape[-1]
     return rows if extra == 0 else torch.nn.functional.pad(rows, (0, extra))
+
+
+def stored(weight_init: Any, default_row: Any, dim: int, width: int, dtype: torch.dtype
+           ) -> tuple[Any, Any]:
+    """A layer's ``weight_init`` and ``default_row`` as stored rows of ``width`` (zero
+    state)."""
+    if isinstance(weight_init, torch.Tensor) and weight_init.dim() == 2:
+        weight_init = pad(weight_init.detach(), width)
+    if default_row is not None:
+        row = torch.as_tensor(default_row, dtype=dtype)
+        if row.dim() == 0:
+            row = row.expand(dim)
+        if row.dim() == 1 and row.shape[0] == dim:
+            default_row = pad(row, width)
+    return weight_init, default_row
