@@ -39,6 +39,7 @@ from gpu.export import aot as aoti
 from gpu.export import metadata as md
 from gpu.layer_config import LayerType
 from gpu.layers import NVEmbedding, NVEmbeddingBag, _NVBase
+from gpu.stacks.closed import close_all
 from hostcache import HostCache, SharedMemBlock
 from hostcache.errors import SegmentNotFoundError
 from psclient import connect
@@ -150,24 +151,13 @@ class LoadedModel(torch.nn.Module):
         """Close the layers, then the tables attached for them; idempotent."""
         layers, self._layers = self._layers, {}
         tables, self._tables = self._tables, []
-        _close(list(layers.values()) + tables)
+        close_all(list(layers.values()) + tables)
 
     def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _close(things: list[Any]) -> None:
-    error: BaseException | None = None
-    for thing in things:
-        try:
-            thing.close()
-        except BaseException as e:  # noqa: BLE001 - the others still close
-            error = error or e
-    if error is not None:
-        raise error
 
 
 def _geometry_check(what: str, rows: int | None, dim: int, dtype: torch.dtype,
@@ -310,7 +300,7 @@ def load(path: str | os.PathLike[str], *, device: object = None) -> LoadedModel:
             program = _program(root / meta["program"], entries, layers)
     except BaseException:
         with contextlib.suppress(Exception):
-            _close(list(layers.values()) + opened)
+            close_all(list(layers.values()) + opened)
         raise
     return LoadedModel(program, layers, opened)
 
