@@ -9,6 +9,8 @@ distinct batches of Zipf(1.05) keys, dim 128, each against torch in the same run
    registered SharedMemBlock) vs the best torch alone does with such a table: a CPU
    ``nn.Embedding(sparse=True)`` + Adagrad, rows copied to the GPU and gradients back.
 
+4. The floor under every step taken through ``loss.backward()``: a 4 x 4 ``nn.Linear``.
+
 Per figure: ``step_ms`` (back-to-back steps, one sync at the end), p50/p99 of one step
 followed by a device sync, and the ratio to torch's step. Prints one JSON line per
 figure. Run: ``python bench/bench_training.py [--quick]`` (CPU at small sizes when there
@@ -98,6 +100,19 @@ def layer_step(layer: Any, opt: torch.optim.Optimizer | None, keys: list[torch.T
     return step
 
 
+def autograd_floor(device: torch.device, reps: int) -> None:
+    """The least a training step through ``loss.backward()`` costs on this machine: a
+    4 x 4 ``nn.Linear``'s forward, sum and backward (every layer's step, torch's included,
+    pays the autograd engine's call of its device's worker thread)."""
+    lin = torch.nn.Linear(4, 4, device=device)
+    x = torch.randn(4, 4, device=device)
+
+    def step(_: int) -> None:
+        lin(x).sum().backward()
+    emit(bench="train_autograd_floor", impl="linear_4x4", device=device.type,
+         **measure(step, device, max(reps, 100)))
+
+
 def gpulayer(device: torch.device, rows: int, sizes: list[int], reps: int) -> None:
     init = torch.randn(rows, DIM, device=device)
     cases: list[tuple[str, Callable[[], Any], str]] = [
@@ -184,6 +199,7 @@ def main() -> None:
     sizes = [1 << 16, 1 << 18, 1 << 20] if cuda and not args.quick else [1 << 12, 1 << 14]
     reps = args.reps or (30 if cuda else 5)
     if args.only in (None, "gpulayer"):
+        autograd_floor(device, reps)
         gpulayer(device, rows, sizes, reps)
     if args.only in (None, "linear_uvm"):
         linear_uvm(device, rows, sizes[-1 if cuda else 0], reps)
