@@ -46,6 +46,32 @@ def test_the_arithmetic_of_every_dtype_and_odd_dims(dtype: str, dim: int) -> Non
     assert bits.numpy().dtype == fmt.numpy_dtype
 
 
+@pytest.mark.parametrize("dtype", list(rows.QUANTIZED))
+@pytest.mark.parametrize("dim", ODD_DIMS)
+def test_quantized_rows_carry_aligned_parameters_after_the_payload(dtype: str, dim: int
+                                                                   ) -> None:
+    fmt = RowFormat(dtype, dim)
+    assert fmt.quantized and not RowFormat("float32", dim).quantized
+    assert fmt.itemsize == 1 and fmt.row_bytes == dim
+    assert fmt.meta_bytes == (8 if dtype == "int8" else 4)  # float32 scale (and bias)
+    assert fmt.meta_offset % 4 == 0 and dim <= fmt.meta_offset < dim + 4
+    assert fmt.stored_bytes == fmt.meta_offset + fmt.meta_bytes
+    assert fmt.stride % rows.ROW_ALIGN == 0 and fmt.stored_bytes <= fmt.stride
+    assert fmt.torch_dtype == getattr(torch, dtype)
+    assert rows.name_of_code(fmt.code) == dtype
+
+
+def test_quantized_geometry_by_hand() -> None:
+    int8 = RowFormat("int8", 128)
+    assert (int8.meta_offset, int8.stored_bytes, int8.stride) == (128, 136, 144)
+    assert int8.stride <= 1.1 * (128 + 8)  # an int8 row of dim 128: within 10% of its bytes
+    assert RowFormat("float8_e4m3fn", 128).stride == 144
+    assert (RowFormat("int8", 5).meta_offset, RowFormat("int8", 5).stride) == (8, 16)
+    assert RowFormat("float8_e4m3fn", 12).stride == 16
+    assert {n: rows.code_of(n) for n in rows.QUANTIZED} == {"int8": 5, "float8_e4m3fn": 6}
+    assert rows.FORMATS == (*rows.DTYPES, *rows.QUANTIZED)
+
+
 def test_aligned_strides_by_hand() -> None:
     assert RowFormat("float32", 1).stride == 16
     assert RowFormat("float32", 4).stride == 16
@@ -66,13 +92,23 @@ def test_names_and_aliases(given: object, name: str) -> None:
     assert RowFormat(given, 8) == RowFormat(name, 8)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("bad", [torch.int8, torch.int64, "int8", "float8", None, 4, b"float32"])
+@pytest.mark.parametrize("bad", [torch.int64, torch.int16, "int4", "uint8", None, 4,
+                                 b"float32"])
 def test_an_unsupported_dtype_is_a_typed_error_naming_the_choices(bad: object) -> None:
-    with pytest.raises(RowFormatError, match="use one of float32, float16, bfloat16, float64"):
+    with pytest.raises(RowFormatError, match="use one of float32, float16, bfloat16, float64, "
+                                             "int8, float8_e4m3fn"):
         RowFormat(bad, 8)  # type: ignore[arg-type]
     with pytest.raises(RowFormatError):
         rows.dtype_name(bad)
     assert issubclass(RowFormatError, ValueError)
+
+
+@pytest.mark.parametrize("quantized", [torch.int8, "int8", torch.float8_e4m3fn, "fp8"])
+def test_the_plain_whitelist_is_the_default_one(quantized: object) -> None:
+    """A tier that does not name the quantized formats never takes one as plain numbers."""
+    with pytest.raises(RowFormatError, match="use one of float32, float16, bfloat16, float64 "):
+        rows.dtype_name(quantized)
+    assert rows.dtype_name(quantized, rows.FORMATS) in rows.QUANTIZED
 
 
 def test_a_restricted_whitelist() -> None:
@@ -95,7 +131,7 @@ def test_numpy_ints_are_dims_and_formats_are_frozen_values() -> None:
         fmt.dim = 3  # type: ignore[misc]
 
 
-@pytest.mark.parametrize("code", [0, 5, 99, -1, None])
+@pytest.mark.parametrize("code", [0, 7, 99, -1, None])
 def test_an_unknown_code_is_a_typed_error(code: object) -> None:
     with pytest.raises(RowFormatError, match="no row format has the code"):
         rows.name_of_code(code)  # type: ignore[arg-type]

@@ -1,15 +1,19 @@
 """How a row is stored: its dtype, its bytes, its padding, the dtypes every tier accepts.
 
-One place for what every tier agrees on about a row, so that a new row format (a quantized
-one with a per-row scale) is added here and read everywhere:
+One place for what every tier agrees on about a row, read everywhere:
 
-- the dtype whitelist (:data:`DTYPES`: stored name -> bytes per element), each name's
+- the plain dtype whitelist (:data:`DTYPES`: stored name -> bytes per element), each name's
   stable header code (the host tier's segments record it), its torch dtype and its numpy
   dtype;
-- :class:`RowFormat` ``(dtype, dim)``: bytes per element, payload bytes, per-row metadata
-  bytes (room for quantization parameters stored after the payload; 0 for every format
-  today), the bytes a stored row takes, and its stride in an array of rows (rounded up to
-  :data:`ROW_ALIGN`, so GPU kernels read every row with wide loads).
+- the quantized formats (:data:`QUANTIZED`), whose rows carry per-row parameters after
+  their payload: ``int8`` (row-wise int8 with a float32 scale and bias) and
+  ``float8_e4m3fn`` (fp8 with a float32 scale); :mod:`nvecache.common.quant` encodes and
+  decodes them. A tier takes them only where it names them (``allowed=``), so one that
+  cannot dequantize never reads quantized bytes as numbers;
+- :class:`RowFormat` ``(dtype, dim)``: bytes per element, payload bytes, where the per-row
+  parameters start (``meta_offset``: 4-byte aligned, after the payload) and how many bytes
+  they take, the bytes a stored row takes, and its stride in an array of rows (rounded up
+  to :data:`ROW_ALIGN`, so GPU kernels read every row with wide loads).
 
 The module imports neither torch nor numpy: the command lines read the names and sizes
 without them; :meth:`RowFormat.torch_dtype` and :func:`torch_dtype` import torch on their
@@ -30,8 +34,9 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "DTYPES", "LAYER_DTYPES", "ROW_ALIGN", "RowFormat", "RowFormatError", "align_up",
-    "code_of", "dtype_name", "name_of_code", "numpy_dtype", "torch_dtype",
+    "DTYPES", "FORMATS", "LAYER_DTYPES", "QUANTIZED", "ROW_ALIGN", "RowFormat",
+    "RowFormatError", "align_up", "code_of", "dtype_name", "name_of_code", "numpy_dtype",
+    "torch_dtype",
 ]
 
 #: every stored row (payload and metadata) starts on a multiple of this many bytes in an
@@ -62,21 +67,31 @@ _SPECS: dict[str, _Spec] = {
     "float16": _Spec(2, 2, 0, "<f2", "F16"),
     "bfloat16": _Spec(2, 3, 0, "<i2", "BF16"),
     "float64": _Spec(8, 4, 0, "<f8", "F64"),
+    # quantized: the payload, then float32 parameters (int8: scale, bias; fp8: scale)
+    "int8": _Spec(1, 5, 8, "|i1", "I8"),
+    "float8_e4m3fn": _Spec(1, 6, 4, "|u1", "F8_E4M3"),
 }
 
-#: the dtypes every stored table may have: stored name -> bytes per element
-DTYPES: dict[str, int] = {name: spec.itemsize for name, spec in _SPECS.items()}
+#: the quantized formats: stored name -> bytes per payload element
+QUANTIZED: dict[str, int] = {name: _SPECS[name].itemsize for name in ("int8", "float8_e4m3fn")}
+#: the plain dtypes every stored table may have: stored name -> bytes per element
+DTYPES: dict[str, int] = {name: spec.itemsize for name, spec in _SPECS.items()
+                          if name not in QUANTIZED}
+#: every stored format's name, plain then quantized (a tier that reads both names these)
+FORMATS: tuple[str, ...] = (*DTYPES, *QUANTIZED)
 #: the dtypes a layer computes in (its ``data_type``, a distributed GPU table, a pooled
 #: output): the stored ones but float64, which the Triton kernels do not read
 LAYER_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 _CODES = {spec.code: name for name, spec in _SPECS.items()}
 _ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16",
-            "fp64": "float64", "double": "float64", "float": "float32"}
+            "fp64": "float64", "double": "float64", "float": "float32",
+            "fp8": "float8_e4m3fn", "float8": "float8_e4m3fn", "e4m3": "float8_e4m3fn"}
 
 
 def dtype_name(dtype: object, allowed: tuple[str, ...] | None = None) -> str:
     """The stored name of a dtype (``torch.float32``, ``"torch.float32"``, ``"fp32"`` ->
-    ``"float32"``), if it is one of ``allowed`` (default: every name of :data:`DTYPES`).
+    ``"float32"``), if it is one of ``allowed`` (default: every plain name, those of
+    :data:`DTYPES`; :data:`FORMATS` adds the quantized ones).
 
     Raises:
         RowFormatError: the dtype is none of them (the message lists them).
@@ -97,10 +112,11 @@ def dtype_name(dtype: object, allowed: tuple[str, ...] | None = None) -> str:
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a stored name (imports torch)."""
+    """The torch dtype of a stored name (a quantized format's: its payload's; imports
+    torch)."""
     import torch
 
-    dtype: torch.dtype = getattr(torch, dtype_name(name))
+    dtype: torch.dtype = getattr(torch, dtype_name(name, FORMATS))
     return dtype
 
 
@@ -109,17 +125,17 @@ def numpy_dtype(name: str) -> np.dtype:
     little-endian int16, numpy having no bfloat16)."""
     import numpy as np
 
-    return np.dtype(_SPECS[dtype_name(name)].numpy)
+    return np.dtype(_SPECS[dtype_name(name, FORMATS)].numpy)
 
 
 def safetensors_dtype(name: str) -> str:
     """The safetensors dtype name of the stored dtype ``name`` (``"float32"`` -> ``"F32"``)."""
-    return _SPECS[dtype_name(name)].safetensors
+    return _SPECS[dtype_name(name, FORMATS)].safetensors
 
 
 def code_of(name: str) -> int:
     """The header code the host segments record for a stored name."""
-    return _SPECS[dtype_name(name)].code
+    return _SPECS[dtype_name(name, FORMATS)].code
 
 
 def name_of_code(code: int) -> str:
@@ -143,10 +159,11 @@ def align_up(nbytes: int, align: int = ROW_ALIGN) -> int:
 class RowFormat:
     """How one table's rows are stored.
 
-    ``dtype`` may be given as a torch dtype or any name :func:`dtype_name` reads; it is kept
-    as the stored name. A row is ``row_bytes`` of payload (``dim`` elements), then
-    ``meta_bytes`` of its format's per-row parameters: ``stored_bytes`` in all, one value in
-    a parameter server; an array of rows spaces them ``stride`` bytes apart.
+    ``dtype`` may be given as a torch dtype or any name :func:`dtype_name` reads (of
+    :data:`FORMATS`); it is kept as the stored name. A row is ``row_bytes`` of payload
+    (``dim`` elements), then, from ``meta_offset``, ``meta_bytes`` of its format's per-row
+    parameters (little-endian float32; none for a plain dtype): ``stored_bytes`` in all, one
+    value in a parameter server; an array of rows spaces them ``stride`` bytes apart.
 
     Raises:
         RowFormatError: an unsupported dtype, or a dim that is not an int in 1..2**20.
@@ -161,7 +178,7 @@ class RowFormat:
     MAX_DIM = 1 << 20
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        object.__setattr__(self, "dtype", dtype_name(self.dtype, FORMATS))
         dim = self.dim
         if isinstance(dim, bool) or not hasattr(dim, "__index__") \
                 or not 0 < int(dim) <= self.MAX_DIM:
@@ -184,9 +201,20 @@ class RowFormat:
         return _SPECS[self.dtype].meta_bytes
 
     @property
+    def quantized(self) -> bool:
+        """Whether rows are stored quantized (:mod:`nvecache.common.quant` reads them)."""
+        return self.dtype in QUANTIZED
+
+    @property
+    def meta_offset(self) -> int:
+        """Byte offset of the per-row parameters in a stored row (the payload's end,
+        rounded up to 4 bytes for the float32 parameters; the payload's end when none)."""
+        return align_up(self.row_bytes, 4) if self.meta_bytes else self.row_bytes
+
+    @property
     def stored_bytes(self) -> int:
         """Bytes of one stored row: payload and parameters."""
-        return self.row_bytes + self.meta_bytes
+        return self.meta_offset + self.meta_bytes
 
     @property
     def stride(self) -> int:

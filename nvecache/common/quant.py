@@ -1,0 +1,109 @@
+"""Quantized rows: encoding float rows into a quantized :class:`~nvecache.common.rows.RowFormat`'s
+stored bytes, and decoding them, in torch (the reference every kernel that dequantizes is
+tested against, and the CPU tiers' own path), vectorized over the batch.
+
+A stored row is ``fmt.stored_bytes`` bytes: the payload (``dim`` one-byte elements), then,
+from ``fmt.meta_offset``, little-endian float32 parameters:
+
+- ``int8``: ``scale, bias``; element ``q`` (-128..127) reads as ``q * scale + bias``. The
+  row's range ``[min, max]`` maps onto the 256 steps (``scale = (max - min) / 255``), so
+  each element reads back within half a step (``scale / 2``) of what was written, plus
+  float32 rounding; a constant row reads back exactly (``scale = 0``, ``bias`` the value).
+- ``float8_e4m3fn``: ``scale``; element ``q`` reads as ``float(q) * scale``, where
+  ``scale = max|x| / 448`` (448: e4m3fn's largest finite value), so each element reads back
+  within e4m3's rounding of ``x / scale`` (3 mantissa bits: a relative error of at most
+  2**-4 for the normal range, an absolute one of 2**-10 * scale below it); a zero row reads
+  back as zeros.
+
+Rows holding NaN or an infinity cannot be encoded (their range is not finite): the tiers
+refuse them before encoding, with their own typed error; :func:`encode` raises
+:class:`~nvecache.common.rows.RowFormatError` if given one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nvecache.common.rows import RowFormat, RowFormatError
+
+__all__ = ["decode", "encode", "error_bound", "parameters"]
+
+#: e4m3fn's largest finite magnitude
+FP8_MAX = 448.0
+
+
+def _check(fmt: RowFormat) -> None:
+    if not fmt.quantized:
+        raise RowFormatError(f"{fmt.dtype} rows are not quantized: store them as they are")
+
+
+def encode(values: torch.Tensor, fmt: RowFormat) -> torch.Tensor:
+    """``[N, fmt.stored_bytes]`` uint8: rows ``values`` (``[N, fmt.dim]``, any float dtype,
+    finite) in ``fmt``'s quantized bytes (the padding between payload and parameters zero).
+
+    Raises:
+        RowFormatError: ``fmt`` is not quantized, ``values`` is not ``[N, fmt.dim]`` of a
+            floating dtype, or a row holds NaN or an infinity.
+    """
+    _check(fmt)
+    if (not isinstance(values, torch.Tensor) or values.dim() != 2
+            or values.shape[1] != fmt.dim or not values.is_floating_point()):
+        raise RowFormatError(f"rows to quantize must be a float [N, {fmt.dim}] tensor")
+    x = values.float()
+    n = x.shape[0]
+    out = torch.zeros(n, fmt.stored_bytes, dtype=torch.uint8, device=x.device)
+    if n == 0:
+        return out
+    if not bool(torch.isfinite(x).all()):
+        raise RowFormatError("a row holds NaN or an infinity: quantized rows must be finite")
+    if fmt.dtype == "int8":
+        lo, hi = x.aminmax(dim=1, keepdim=True)
+        scale = (hi - lo) / 255.0
+        bias = lo + 128.0 * scale
+        safe = torch.where(scale > 0, scale, 1.0)
+        q = torch.round((x - bias) / safe).clamp_(-128, 127)
+        q = torch.where(scale > 0, q, 0.0).to(torch.int8)
+        params = torch.cat([scale, torch.where(scale > 0, bias, lo)], dim=1)
+    else:
+        scale = x.abs().amax(dim=1, keepdim=True) / FP8_MAX
+        safe = torch.where(scale > 0, scale, 1.0)
+        q = (x / safe).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        params = scale
+    out[:, :fmt.dim] = q.view(torch.uint8)
+    out[:, fmt.meta_offset:fmt.stored_bytes] = params.contiguous().view(torch.uint8)
+    return out
+
+
+def parameters(stored: torch.Tensor, fmt: RowFormat) -> torch.Tensor:
+    """float32 ``[N, 2]`` (int8: scale, bias) or ``[N, 1]`` (fp8: scale) of stored rows
+    ``[N, >= fmt.stored_bytes]`` uint8."""
+    _check(fmt)
+    raw = stored[:, fmt.meta_offset:fmt.stored_bytes].contiguous()
+    return raw.view(torch.float32)
+
+
+def decode(stored: torch.Tensor, fmt: RowFormat, dtype: torch.dtype = torch.float32
+           ) -> torch.Tensor:
+    """Rows ``[N, fmt.dim]`` of ``dtype`` read from stored rows ``[N, >= fmt.stored_bytes]``
+    uint8 (bytes past ``stored_bytes``, a stride's padding, ignored); computed in float32,
+    rounded once to ``dtype``."""
+    params = parameters(stored, fmt)
+    payload = stored[:, :fmt.dim].contiguous()
+    if fmt.dtype == "int8":
+        q = payload.view(torch.int8).float()
+        rows = torch.addcmul(params[:, 1:2], q, params[:, 0:1])
+    else:
+        rows = payload.view(torch.float8_e4m3fn).float() * params
+    return rows.to(dtype)
+
+
+def error_bound(stored: torch.Tensor, fmt: RowFormat) -> torch.Tensor:
+    """float32 ``[N, 1]``: the most an element of each stored row may differ from the value
+    it was encoded from (int8: half a step and float32 rounding; fp8: e4m3's rounding of the
+    row's largest magnitude, ``2**-4 * 448 * scale``, an upper bound for every element)."""
+    params = parameters(stored, fmt)
+    if fmt.dtype == "int8":
+        scale, bias = params[:, 0:1], params[:, 1:2]
+        magnitude = bias.abs() + 128.0 * scale
+        return scale / 2 + magnitude * 2.0 ** -22
+    return params * (FP8_MAX * 2.0 ** -4)
