@@ -38,7 +38,7 @@ from hostcache.errors import (
 )
 from nvecache.common.cli import EXIT_USAGE, OneLineParser, add_version, positive_int
 from nvecache.common.lazy import deferred, lazy_import
-from nvecache.common.rows import DTYPES
+from nvecache.common.rows import FORMATS
 
 if TYPE_CHECKING:
     from hostcache import cli_view as view
@@ -197,7 +197,8 @@ def _create_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--capacity", type=positive_int, help="rows the host cache holds")
     p.add_argument("--rows", type=positive_int, help="rows of a linear table (with --linear)")
     p.add_argument("--dim", type=positive_int, required=True, help="elements per row")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--dtype", choices=FORMATS, default="float32",
+                   help="row dtype; int8 and float8_e4m3fn (quantized rows) with --linear")
     p.add_argument("--ways", type=int, choices=(4, 8, 16, 32),
                    help="slots per bucket of a host cache (default 8)")
     p.add_argument(

@@ -5,7 +5,7 @@ A file holds the rows as ``weight`` (``[N, dim]``, the table's dtype) and their 
 :class:`~hostcache.SharedMemBlock`'s row indices), and in its metadata the table's kind and
 geometry (``kind``, ``dim``, ``dtype``, ``capacity``, ``ways``, ``policy``), so a restore
 can create the table anew. It is the format ``psclient dump`` writes, so ``psclient load``
-reads a saved table too.
+reads a saved table too. Files hold plain rows: a quantized table is not saved or loaded.
 
 :func:`save` reads the table chunk by chunk (a cache's rows through its seqlocked lookup,
 never a torn row; keys evicted meanwhile are left out) and writes beside the destination,
@@ -61,8 +61,8 @@ CHUNK_ROWS = 65536
 #: bytes of the one buffer a load reads through where it cannot read into the table's rows
 #: (the NaN/infinity check, padded rows): small enough to stay in the CPU's cache
 STAGE_BYTES = 1 << 20
-_KINDS: dict[str, type[HostCache] | type[SharedMemBlock]] = {
-    "hostcache": HostCache, "linear": SharedMemBlock}
+_KINDS: dict[str, type[HostCache] | type[SharedMemBlock]] = {"hostcache": HostCache,
+                                                             "linear": SharedMemBlock}
 
 
 def _kind(table: SharedTable) -> str:
@@ -83,6 +83,11 @@ def _chunks(table: SharedTable, chunk: int) -> Iterator[tuple[torch.Tensor, torc
         keys = torch.from_numpy(held[a:a + chunk])
         values, hit = table.lookup(keys, count=False)
         yield keys[hit], values[hit]
+
+
+def _plain_only(table: SharedTable, what: str) -> None:
+    if table.geometry.row_format.quantized:
+        raise BadArgumentError(f"table {table.name!r} is quantized: not {what} yet (use write)")
 
 
 def _raw(rows: torch.Tensor) -> np.ndarray:
@@ -116,6 +121,7 @@ def save(table: SharedTable | str, path: str | Path, *, chunk: int = CHUNK_ROWS)
     if isinstance(table, str):
         with open_table(table) as handle:
             return save(handle, path, chunk=chunk)
+    _plain_only(table, "saved")
     geo = table.geometry
     meta = {"kind": _kind(table), "table": table.name, "dim": str(geo.dim),
             "dtype": geo.dtype_name, "capacity": str(geo.capacity), "ways": str(geo.ways),
@@ -457,6 +463,7 @@ def load_rows(block: SharedMemBlock, path: str | Path, *, tensor: str | None = N
     """
     if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0:
         raise BadArgumentError(f"chunk must be a positive int, got {chunk!r}")
+    _plain_only(block, "loaded from a file")
     rows = _open_source(path, tensor, format, block.dim, block.dtype)
     if rows.dim != block.dim or rows.dtype != block.dtype or rows.n > block.num_rows:
         raise GeometryMismatchError(

@@ -104,6 +104,8 @@ ROW_ALIGN = rows.ROW_ALIGN
 KIND_HOST_CACHE = 1
 KIND_LINEAR = 2
 KIND_NAMES = {KIND_HOST_CACHE: "hostcache", KIND_LINEAR: "linear"}
+#: the row formats each kind stores (a linear table's rows may be quantized)
+KIND_FORMATS = {KIND_HOST_CACHE: tuple(rows.DTYPES), KIND_LINEAR: rows.FORMATS}
 
 #: reserved key marking an empty host-cache slot; users may use every other int64. The one
 #: definition is ``nvecache.common.keys.RESERVED_KEY``: every tier refuses to write it.
@@ -135,14 +137,15 @@ def _page_up(n: int) -> int:
     return (n + PAGE - 1) // PAGE * PAGE
 
 
-def checked_dtype(dtype: object) -> str:
-    """The name of ``dtype`` (a torch dtype or its name) if the tables can hold it, else a
+def checked_dtype(dtype: object, allowed: tuple[str, ...] = tuple(rows.DTYPES)) -> str:
+    """The name of ``dtype`` (a torch dtype or its name) if it is one of ``allowed`` (the
+    formats the table's kind stores; default the plain ones), else a
     :class:`BadArgumentError`."""
     try:
-        return rows.dtype_name(dtype)
+        return rows.dtype_name(dtype, allowed)
     except rows.RowFormatError:
-        allowed = ", ".join(f"torch.{d}" for d in rows.DTYPES)
-        raise BadArgumentError(f"dtype must be one of {allowed}; got {dtype!r}") from None
+        names = ", ".join(f"torch.{d}" for d in allowed)
+        raise BadArgumentError(f"dtype must be one of {names}; got {dtype!r}") from None
 
 
 @dataclass(frozen=True)
@@ -216,7 +219,7 @@ def plan(
     ring_capacity: int = DEFAULT_RING_CAPACITY,
 ) -> Geometry:
     """Validate the arguments of a new segment and compute its layout."""
-    dtype = checked_dtype(dtype)
+    dtype = checked_dtype(dtype, KIND_FORMATS.get(kind, tuple(rows.DTYPES)))
     capacity = _positive("capacity" if kind == KIND_HOST_CACHE else "num_rows", capacity)
     dim = _positive("dim", dim, rows.RowFormat.MAX_DIM)
     ring_capacity = _positive("ring_capacity", ring_capacity, 1 << 30)

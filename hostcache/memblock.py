@@ -7,6 +7,13 @@ its GPU kernels gather rows by index). Writes made through :meth:`write` (and
 process's GPU cache drops them; writes made straight into :attr:`tensor` are invisible to
 those caches (call :meth:`write`, or :meth:`invalidate` after writing, as the seed's
 read-after-write section says).
+
+A table may store its rows quantized (``dtype=torch.int8``: row-wise int8 with a float32
+scale and bias; ``torch.float8_e4m3fn``: fp8 with a float32 scale;
+:mod:`nvecache.common.quant`): its writes take float rows and quantize them, its reads
+return them dequantized as float32, and :attr:`tensor` is then each row's stored bytes.
+The layers read plain tables only for now: one given a quantized block refuses it with
+``BadArgumentError``.
 """
 
 from __future__ import annotations
@@ -24,8 +31,18 @@ from hostcache.segment import Mapping, check_mode
 from hostcache.table import C_HITS, C_LOOKUPS, C_UPDATES, SharedTable
 from hostcache.table_files import TableFiles
 from hostcache.validate import check_finite, check_indices, check_keys, check_values, dedup_last
-from nvecache.common.accumulate import add_at, check_deltas
+from nvecache.common import quant, rows
+from nvecache.common.accumulate import add_at, check_deltas, sum_duplicates
 from nvecache.common.finite import nonfinite_message, nonfinite_rows
+
+
+def _plain(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` is a plain row dtype (the float rows a quantized table takes)."""
+    try:
+        rows.dtype_name(dtype)
+    except rows.RowFormatError:
+        return False
+    return True
 
 
 def _check_span(start: object, n: int, num_rows: int) -> int:
@@ -77,7 +94,11 @@ class SharedMemBlock(TableFiles, SharedTable):
         mode: int = 0o600,
         overcommit: bool = False,
     ) -> Self:
-        """Create the named linear table (rows start zeroed).
+        """Create the named linear table (rows start zeroed; a quantized one's read as
+        zeros too).
+
+        ``dtype``: a plain dtype, or a quantized format (``torch.int8``,
+        ``torch.float8_e4m3fn``), recorded in the table's header.
 
         ``overcommit=True`` creates it even if it is larger than the free space of
         ``/dev/shm`` (the segment is sparse; writing past the free space kills the writer).
@@ -89,8 +110,8 @@ class SharedMemBlock(TableFiles, SharedTable):
         """
         check_mode(mode)
         geo = layout.plan(
-            layout.KIND_LINEAR, capacity=num_rows, dim=dim, dtype=dtype, ring_capacity=ring_capacity
-        )
+            layout.KIND_LINEAR, capacity=num_rows, dim=dim, dtype=dtype,
+            ring_capacity=ring_capacity)
         return cls._create_segment(name, geo, mode, overcommit)
 
     @classmethod
@@ -102,12 +123,19 @@ class SharedMemBlock(TableFiles, SharedTable):
         dim: int | None = None,
         dtype: torch.dtype | None = None,
     ) -> Self:
-        """Attach the named linear table; geometry comes from its header."""
+        """Attach the named linear table; geometry comes from its header (a given
+        ``dtype`` other than the one it records, a quantized format included, is a
+        ``GeometryMismatchError``)."""
         return cls._attach_segment(name, capacity=num_rows, dim=dim, dtype=dtype)
 
     def _map_views(self, mapping: Mapping, geo: layout.Geometry) -> None:
         raw = mapping.tensor(geo.rows_off, geo.capacity * geo.row_stride, torch.uint8)
-        self._rows = raw.view(geo.capacity, geo.row_stride)[:, : geo.row_bytes].view(geo.dtype)
+        fmt = geo.row_format
+        #: the rows' storage format; a quantized one's rows are their stored bytes
+        self._fmt = fmt
+        stored = raw.view(geo.capacity, geo.row_stride)
+        self._rows = (stored[:, :fmt.stored_bytes] if fmt.quantized
+                      else stored[:, : geo.row_bytes].view(geo.dtype))
 
     def _drop_views(self) -> None:
         self._rows = torch.empty(0)
@@ -124,12 +152,20 @@ class SharedMemBlock(TableFiles, SharedTable):
 
     @property
     def dtype(self) -> torch.dtype:
-        """Element type of the rows."""
+        """Element type of the rows (a quantized table's: its format's, ``torch.int8`` or
+        ``torch.float8_e4m3fn``)."""
         return self.geometry.dtype
 
     @property
+    def quantized(self) -> bool:
+        """Whether the rows are stored quantized (reads dequantize them)."""
+        return self.geometry.row_format.quantized
+
+    @property
     def tensor(self) -> torch.Tensor:
-        """CPU view ``[num_rows, dim]`` on the shared pages (row stride may be padded)."""
+        """CPU view ``[num_rows, dim]`` on the shared pages (row stride may be padded); of a
+        quantized table, ``[num_rows, stored_bytes]`` uint8: each row's payload and its
+        parameters (:mod:`nvecache.common.quant` reads them)."""
         self._live()
         return self._rows
 
@@ -147,7 +183,8 @@ class SharedMemBlock(TableFiles, SharedTable):
         c[C_LOOKUPS] += 1
         c[C_HITS] += idx.numel()
         with self.gate:
-            return self._rows.index_select(0, idx)
+            got = self._rows.index_select(0, idx)
+        return quant.decode(got, self._fmt) if self._fmt.quantized else got
 
     def write(self, indices: torch.Tensor, values: torch.Tensor, *,
               allow_nonfinite: bool = False) -> None:
@@ -162,8 +199,12 @@ class SharedMemBlock(TableFiles, SharedTable):
                 ``allow_nonfinite``; nothing is written.
         """
         idx = check_indices(indices, self.num_rows)
-        values = check_values(values, idx.numel(), self.dim, self.dtype)
-        check_finite(values, idx, allow_nonfinite=allow_nonfinite, key_word="index")
+        values = self._checked(values, idx.numel())
+        if self.quantized:
+            self._finite_only(values, idx)
+        else:
+            check_finite(values, idx, allow_nonfinite=allow_nonfinite, key_word="index")
+        values = self._stored(values)
         n = idx.numel()
         if n == 0:
             return
@@ -190,15 +231,41 @@ class SharedMemBlock(TableFiles, SharedTable):
                 ``allow_nonfinite``; nothing is written.
         """
         n = int(values.shape[0]) if isinstance(values, torch.Tensor) and values.dim() else 0
-        values = check_values(values, n, self.dim, self.dtype)
+        values = self._checked(values, n)
         first = _check_span(start, n, self.num_rows)
-        if not allow_nonfinite:
+        if self.quantized:
+            self._finite_only(values, _span(first, n))
+        elif not allow_nonfinite:
             bad = nonfinite_rows(values)
             if bad is not None:
                 raise NonFiniteValuesError(nonfinite_message(
                     bad, _span(first, n), key_word="index"))
         if n:
-            self._copy_span(first, values)
+            self._copy_span(first, self._stored(values))
+
+    def _checked(self, values: object, n: int) -> torch.Tensor:
+        """Rows to write: ``[n, dim]`` CPU of the table's dtype, or of a quantized table,
+        of any float dtype."""
+        if not self.quantized or not isinstance(values, torch.Tensor) \
+                or not _plain(values.dtype):
+            return check_values(values, n, self.dim, self.dtype if not self.quantized
+                                else torch.float32)
+        return check_values(values, n, self.dim, values.dtype)
+
+    @staticmethod
+    def _finite_only(values: torch.Tensor, idx: torch.Tensor) -> None:
+        """A quantized table's rows must be finite (a row's range is its scale)."""
+        bad = nonfinite_rows(values)
+        if bad is not None:
+            pos = bad.nonzero()
+            raise NonFiniteValuesError(
+                f"values: {pos.shape[0]} row(s) hold NaN or infinite values (the first: "
+                f"index {int(idx[int(pos[0, 0])])}); nothing was written: a quantized "
+                "table stores finite rows only, fix those rows")
+
+    def _stored(self, values: torch.Tensor) -> torch.Tensor:
+        """Checked, finite rows as the table stores them (quantized: encoded)."""
+        return quant.encode(values, self._fmt) if self._fmt.quantized else values
 
     def _copy_span(self, first: int, values: torch.Tensor) -> None:
         """Checked ``values`` to rows ``first ..``, announced, under the gate and lock."""
@@ -230,14 +297,15 @@ class SharedMemBlock(TableFiles, SharedTable):
         first = _check_span(start, n, self.num_rows)
         self._live()
         rows = self._rows
-        packed = self.geometry.row_stride == self.geometry.row_bytes
+        packed = self.geometry.row_stride == self.geometry.row_bytes and not self.quantized
+        given = torch.float32 if self.quantized else self.dtype
         if not packed:
             if stage is None:
-                stage = torch.empty(n, self.dim, dtype=self.dtype)
+                stage = torch.empty(n, self.dim, dtype=given)
             if (not stage.is_contiguous() or stage.dim() != 2 or stage.shape[0] < 1
-                    or stage.shape[1] != self.dim or stage.dtype != self.dtype):
+                    or stage.shape[1] != self.dim or stage.dtype != given):
                 raise BadArgumentError(f"stage must be a contiguous [m, {self.dim}] "
-                                       f"{self.geometry.dtype_name} tensor")
+                                       f"{str(given).removeprefix('torch.')} tensor")
         if n == 0:
             return
         with self.gate.writing(), self._writing():
@@ -249,15 +317,25 @@ class SharedMemBlock(TableFiles, SharedTable):
                     for i in range(0, n, step):  # NOTE: per stage of rows, not per row
                         m = min(step, n - i)
                         fill(i, stage[:m])  # type: ignore[index]
-                        rows[first + i:first + i + m].copy_(stage[:m])  # type: ignore[index]
+                        rows[first + i:first + i + m].copy_(
+                            self._filled(stage[:m], first + i))  # type: ignore[index]
             finally:
                 self.ring.append(_span(first, n))
                 self._counters[C_UPDATES] += n
 
+    def _filled(self, rows: torch.Tensor, first: int) -> torch.Tensor:
+        """What :meth:`fill_range` stores of a filled stage (quantized: encoded; a stage
+        that is not finite cannot be)."""
+        if not self.quantized:
+            return rows
+        self._finite_only(rows, _span(first, rows.shape[0]))
+        return quant.encode(rows, self._fmt)
+
     def accumulate(self, indices: torch.Tensor, deltas: torch.Tensor, *,
                    allow_nonfinite: bool = False) -> None:
-        """Add ``deltas`` (``[N, dim]``, the table's dtype or float32) to rows ``indices``
-        and tell every process's GPU cache to drop them.
+        """Add ``deltas`` (``[N, dim]``, the table's dtype or float32; float32 for a
+        quantized table) to rows ``indices`` and tell every process's GPU cache to drop
+        them.
 
         Duplicate indices have their deltas summed; float16/bfloat16 rows are added in
         float32 and rounded once (:mod:`nvecache.common.accumulate`). Each row's read, add
@@ -271,14 +349,29 @@ class SharedMemBlock(TableFiles, SharedTable):
                 ``allow_nonfinite``; nothing is written.
         """
         idx = check_indices(indices, self.num_rows)
-        check_deltas(deltas, idx, self.dim, self.dtype, allow_nonfinite=allow_nonfinite,
+        q = self.quantized
+        check_deltas(deltas, idx, self.dim, torch.float32 if q else self.dtype,
+                     allow_nonfinite=allow_nonfinite and not q,
                      errors=(BadArgumentError, NonFiniteValuesError), key_word="index")
         if idx.numel() == 0:
             return
         with self.gate.writing(), self._writing():
-            uidx = add_at(self._rows, idx, deltas)
+            if q:
+                uidx = self._add_quantized(idx, deltas)
+            else:
+                uidx = add_at(self._rows, idx, deltas)
             self.ring.append(uidx)
             self._counters[C_UPDATES] += uidx.numel()
+
+    def _add_quantized(self, idx: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
+        """Deltas added to quantized rows (under the writer lock): each distinct row
+        decoded, added in float32 and encoded again, so a delta under half the row's step
+        may round away. A sum that is not finite leaves every row as it was."""
+        uidx, sums, _ = sum_duplicates(idx, deltas, torch.float32)
+        new = quant.decode(self._rows.index_select(0, uidx), self._fmt) + sums
+        self._finite_only(new, uidx)
+        self._rows.index_copy_(0, uidx, quant.encode(new, self._fmt))
+        return uidx
 
     def exclusive(self) -> Any:
         """The table's node-wide writer lock, held while the ``with`` block runs: for a

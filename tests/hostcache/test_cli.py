@@ -211,7 +211,7 @@ def test_user_errors_print_one_line_and_exit_2(
 
 def test_argparse_errors_return_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([]) == 2
-    assert main(["create", "x", "--capacity", "8", "--dim", "4", "--dtype", "int8"]) == 2
+    assert main(["create", "x", "--capacity", "8", "--dim", "4", "--dtype", "int4"]) == 2
     assert main(["create", "x", "--capacity", "8", "--dim", "4", "--mode", "rw"]) == 2
     assert "invalid choice" in capsys.readouterr().err
     assert main(["--help"]) == 0
