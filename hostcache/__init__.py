@@ -26,7 +26,8 @@ from hostcache.errors import (
 from nvecache.common.lazy import lazy_names
 
 if TYPE_CHECKING:
-    from hostcache.cache import CacheAudit, HostCache, Inserted
+    from hostcache.cache import HostCache, Inserted
+    from hostcache.cache_probes import CacheAudit
     from hostcache.memblock import SharedMemBlock
     from hostcache.ring import ChangeFeed
     from hostcache.table import FeedStatus, TableStats
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
 # NOTE: the table classes are imported on first use (PEP 562): `import hostcache` (and the
 # `hostcache` command's table commands) load no torch and no numba.
 __getattr__, __dir__ = lazy_names(__name__, globals(), {
-    "CacheAudit": "hostcache.cache",
+    "CacheAudit": "hostcache.cache_probes",
     "HostCache": "hostcache.cache",
     "Inserted": "hostcache.cache",
     "SharedMemBlock": "hostcache.memblock",

@@ -15,14 +15,15 @@ counters pass 2**30 has them halved.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple, Self
 
 import numpy as np
 import torch
 
 from hostcache import layout
+from hostcache.cache_probes import CacheProbes
 from hostcache.errors import BadArgumentError, NonFiniteValuesError
+from hostcache.row_bytes import RowBytes
 from hostcache.segment import Mapping, check_mode
 from hostcache.table import (
     C_ERASES,
@@ -36,7 +37,7 @@ from hostcache.table import (
 )
 from hostcache.table_files import TableFiles
 from hostcache.table_twin import GATE as LOOPS
-from hostcache.validate import check_cache_keys, check_finite, check_values
+from hostcache.validate import check_cache_keys
 from nvecache.common.accumulate import added, check_deltas, sum_duplicates
 from nvecache.common.fanout import split_run
 
@@ -59,25 +60,7 @@ class Inserted(NamedTuple):
     evicted: int
 
 
-@dataclass(frozen=True)
-class CacheAudit:
-    """What :meth:`HostCache.audit` found."""
-
-    #: slots holding a key.
-    occupied: int
-    #: the header's size counter (equals ``occupied`` when consistent).
-    size: int
-    #: slots whose version is odd: a write section in progress, or left by a dead writer
-    #: and not yet repaired.
-    mid_write: int
-
-
-def _row_bytes(rows: torch.Tensor) -> np.ndarray:
-    """uint8 ``[N, row_bytes]`` numpy view of ``[N, dim]`` rows of any table dtype."""
-    return rows.contiguous().view(torch.uint8).numpy()
-
-
-class HostCache(TableFiles, SharedTable):
+class HostCache(TableFiles, SharedTable, CacheProbes):
     """One embedding cache shared by every process of the node.
 
     Create it once (``HostCache.create``) and attach it anywhere (``HostCache.attach``);
@@ -106,7 +89,9 @@ class HostCache(TableFiles, SharedTable):
             name: ``[A-Za-z0-9_.-]{1,100}``; the segment is ``/dev/shm/nvec.<name>``.
             capacity: rows it can hold (rounded up to whole buckets of ``ways`` slots).
             dim: elements per row.
-            dtype: float32, float16, bfloat16 or float64.
+            dtype: float32, float16, bfloat16 or float64; or a quantized format (int8,
+                float8_e4m3fn): rows written as float rows are stored quantized
+                (:mod:`nvecache.common.quant`) and read back dequantized, in float32.
             ways: slots per bucket (4, 8, 16 or 32).
             policy: eviction policy; ``"lfu-da"``.
             ring_capacity: records in the invalidation ring.
@@ -147,7 +132,10 @@ class HostCache(TableFiles, SharedTable):
         self._versions = mapping.tensor(geo.versions_off, slots, torch.int64)
         self._policy = mapping.tensor(geo.counters_off, slots, torch.int32)
         raw = mapping.tensor(geo.rows_off, slots * geo.row_stride, torch.uint8)
-        self._rows = raw.view(slots, geo.row_stride)[:, : geo.row_bytes].view(geo.dtype)
+        #: the rows between torch and their stored bytes (a quantized cache's encoded)
+        self._codec = codec = RowBytes(geo.row_format)
+        stored = raw.view(slots, geo.row_stride)[:, :codec.width]
+        self._rows = stored if codec.quantized else stored.view(geo.dtype)
         # NOTE: numpy views of the same pages for the compiled loops (hostcache.table_loops);
         # rows as raw bytes, whole strides, of which each loop uses the first row_bytes
         self._nkeys = self._keys.numpy()
@@ -175,25 +163,37 @@ class HostCache(TableFiles, SharedTable):
         Missing keys give zero rows. Never takes a lock; never returns a torn row.
         ``count=False`` is a peek: no hit counters or policy counters change. ``out``: a
         contiguous CPU ``[N, dim]`` tensor of the table's dtype to read the rows into
-        (returned as ``values``), instead of a new one.
+        (returned as ``values``), instead of a new one. A quantized cache's rows are
+        returned dequantized, in float32 (``out`` of float32).
         """
         keys = check_cache_keys(keys)
-        geo = self.geometry
+        geo, codec = self.geometry, self._codec
         n = keys.numel()
+        want = codec.out_dtype
         if out is None:
-            out = torch.empty((n, geo.dim), dtype=geo.dtype)
-        elif (out.dtype != geo.dtype or out.shape != (n, geo.dim) or out.device.type != "cpu"
+            out = torch.empty((n, geo.dim), dtype=want)
+        elif (out.dtype != want or out.shape != (n, geo.dim) or out.device.type != "cpu"
               or not out.is_contiguous() or out.stride(-1) != 1):
             raise BadArgumentError(
                 f"out must be a contiguous CPU tensor of shape ({n}, {geo.dim}) and dtype "
-                f"{geo.dtype}; got {tuple(out.shape)} {out.dtype} on {out.device}, strides "
+                f"{want}; got {tuple(out.shape)} {out.dtype} on {out.device}, strides "
                 f"{out.stride()}")
+        if codec.quantized:  # NOTE: the stored bytes read seqlocked, then decoded
+            stored = torch.empty((n, codec.width), dtype=torch.uint8)
+            hit = self._read(keys, stored, count)
+            out.copy_(codec.rows(stored))
+            return out, hit
+        return out, self._read(keys, out, count)
+
+    def _read(self, keys: torch.Tensor, out: torch.Tensor, count: bool) -> torch.Tensor:
+        """The seqlocked lookup of checked keys into ``out`` (rows as stored); bool hits."""
+        geo, n = self.geometry, keys.numel()
         self._live()
         # NOTE: one compiled call: the probe, then the seqlock window (version, row and
         # key, version) over every slot, fenced apart (hostcache.table_loops.lookup). A hit
         # needs an even version that did not change and the key still in place inside the
         # window, so the row belongs to the key even if writers moved keys meanwhile.
-        keys_np, rows = keys.numpy(), _row_bytes(out)
+        keys_np, rows = keys.numpy(), out.view(torch.uint8).numpy()
         hit = np.empty(n, np.bool_)
 
         def chunk(lo: int, hi: int) -> int:
@@ -209,51 +209,7 @@ class HostCache(TableFiles, SharedTable):
             counters[C_LOOKUPS] += 1
             counters[C_HITS] += n_hits
             counters[C_MISSES] += n - n_hits
-        return out, torch.from_numpy(hit)
-
-    def touch(self, keys: torch.Tensor, weight: int = 1) -> None:
-        """Count ``weight`` hits of each cached key in the eviction policy, as a lookup
-        would, without reading rows or changing hit counters (for reads made elsewhere: a
-        GPU kernel reading the segment reports a sample of its hits here)."""
-        keys = check_cache_keys(keys)
-        if isinstance(weight, bool) or not isinstance(weight, int) or weight < 1:
-            raise BadArgumentError(f"weight must be an int >= 1; got {weight!r}")
-        self._live()
-        slot, found = self._probe(keys.numpy())
-        _loops().add_policy(self._npolicy, slot, found, weight)
-
-    def contains(self, keys: torch.Tensor) -> torch.Tensor:
-        """bool [N]: whether each key is cached now (no counters touched)."""
-        keys = check_cache_keys(keys)
-        self._live()
-        return torch.from_numpy(self._probe(keys.numpy())[1])
-
-    def policy(self, keys: torch.Tensor) -> torch.Tensor:
-        """int32 [N]: each key's eviction-policy counter now (-1 where it is not cached);
-        read without the writer lock, so approximate while others write."""
-        keys = check_cache_keys(keys)
-        self._live()
-        slot, found = self._probe(keys.numpy())
-        return torch.from_numpy(np.where(found, self._npolicy[slot], -1).astype(np.int32))
-
-    def audit(self) -> CacheAudit:
-        """What a consistency check finds (exact while no writer is inside; see
-        :attr:`writer_pid`): occupied slots, the size counter, slots mid-write."""
-        self._live()
-        return CacheAudit(
-            occupied=int((self._keys != layout.EMPTY_KEY).sum()),
-            size=int(self._header[layout.W_SIZE]),
-            mid_write=int(((self._versions & 1) == 1).sum()),
-        )
-
-    def _probe(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(slot, found) of each key (way 0 of its bucket where absent); exact under the
-        writer lock."""
-        slot = np.empty(keys.shape[0], np.int64)
-        found = np.empty(keys.shape[0], np.bool_)
-        bucket = _loops().buckets(keys, self.geometry.num_buckets)
-        _loops().find(self._bucket_keys, keys, bucket, slot, found)
-        return slot, found
+        return torch.from_numpy(hit)
 
     # -- writes --------------------------------------------------------------------------
 
@@ -330,8 +286,9 @@ class HostCache(TableFiles, SharedTable):
         """Write present keys (if ``overwrite``) and place absent ones: (bool [N] present,
         keys written, keys evicted)."""
         keys = check_cache_keys(keys)
-        values = check_values(values, keys.numel(), self.geometry.dim, self.geometry.dtype)
-        check_finite(values, keys, allow_nonfinite=allow_nonfinite)
+        codec = self._codec
+        values = codec.checked(values, keys.numel())
+        codec.finite(values, keys, allow_nonfinite=allow_nonfinite)
         if keys.numel() == 0:
             return torch.zeros(0, dtype=torch.bool), 0, 0
         keys_np = keys.numpy()
@@ -350,7 +307,7 @@ class HostCache(TableFiles, SharedTable):
             # write: copying them on the way cost an insert a good part of its time
             slot, found = self._probe(ukeys)
             old_slots = slot[found]
-            rows = _row_bytes(values)
+            rows = codec.raw(values)
             if overwrite and old_slots.size:
                 # keys already present: overwrite in place, tell the others
                 self._write_seqlocked(old_slots, ukeys[found], rows, last[found],
@@ -402,15 +359,16 @@ class HostCache(TableFiles, SharedTable):
             self._counters[C_UPDATES] += int(present.sum())
             return present
         keys = check_cache_keys(keys)
-        values = check_values(values, keys.numel(), self.geometry.dim, self.geometry.dtype)
-        check_finite(values, keys, allow_nonfinite=allow_nonfinite)
+        codec = self._codec
+        values = codec.checked(values, keys.numel())
+        codec.finite(values, keys, allow_nonfinite=allow_nonfinite)
         if keys.numel() == 0:
             return torch.zeros(0, dtype=torch.bool)
         with self._writing():
             ukeys, last, inverse = _loops().dedup_last(keys.numpy())
             slot, found = self._probe(ukeys)
             if found.any():
-                self._write_seqlocked(slot[found], ukeys[found], _row_bytes(values),
+                self._write_seqlocked(slot[found], ukeys[found], codec.raw(values),
                                       last[found], self._npolicy[:0], True, False)
             self.ring.append(torch.from_numpy(ukeys[found]))
             self._counters[C_UPDATES] += int(found.sum())
@@ -425,21 +383,27 @@ class HostCache(TableFiles, SharedTable):
         arguments, or deltas holding NaN or an infinity (unless ``allow_nonfinite``), raise
         :class:`BadArgumentError` / :class:`NonFiniteValuesError`; nothing is written."""
         keys = check_cache_keys(keys)
-        geo = self.geometry
-        check_deltas(deltas, keys, geo.dim, geo.dtype, allow_nonfinite=allow_nonfinite,
+        geo, codec = self.geometry, self._codec
+        q = codec.quantized
+        check_deltas(deltas, keys, geo.dim, torch.float32 if q else geo.dtype,
+                     allow_nonfinite=allow_nonfinite and not q,
                      errors=(BadArgumentError, NonFiniteValuesError))
         if keys.numel() == 0:
             return torch.zeros(0, dtype=torch.bool)
-        distinct, sums, inverse = sum_duplicates(keys, deltas, geo.dtype)
+        distinct, sums, inverse = sum_duplicates(keys, deltas, codec.out_dtype)
         ukeys = distinct.numpy()
         with self._writing():
             slot, found = self._probe(ukeys)
             old_slots = slot[found]
             if old_slots.size:
-                old = np.empty((old_slots.size, geo.row_bytes), np.uint8)
+                old = np.empty((old_slots.size, codec.width), np.uint8)
                 _loops().read_slots(self._nraw, old_slots, old)
-                new = added(torch.from_numpy(old).view(geo.dtype), sums[torch.from_numpy(found)])
-                self._write_seqlocked(old_slots, ukeys[found], _row_bytes(new),
+                cur = torch.from_numpy(old)
+                cur = codec.rows(cur) if q else cur.view(geo.dtype)
+                # NOTE: a quantized row: decoded, added in float32, quantized again
+                new = added(cur, sums[torch.from_numpy(found)])
+                codec.finite(new, distinct[torch.from_numpy(found)], allow_nonfinite=not q)
+                self._write_seqlocked(old_slots, ukeys[found], codec.raw(new),
                                       np.arange(old_slots.size), self._npolicy[:0], True, False)
             self.ring.append(torch.from_numpy(ukeys[found]))
             self._counters[C_UPDATES] += int(old_slots.size)

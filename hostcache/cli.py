@@ -198,7 +198,7 @@ def _create_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rows", type=positive_int, help="rows of a linear table (with --linear)")
     p.add_argument("--dim", type=positive_int, required=True, help="elements per row")
     p.add_argument("--dtype", choices=FORMATS, default="float32",
-                   help="row dtype; int8 and float8_e4m3fn (quantized rows) with --linear")
+                   help="row dtype; int8 and float8_e4m3fn store rows quantized")
     p.add_argument("--ways", type=int, choices=(4, 8, 16, 32),
                    help="slots per bucket of a host cache (default 8)")
     p.add_argument(

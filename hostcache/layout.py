@@ -104,8 +104,8 @@ ROW_ALIGN = rows.ROW_ALIGN
 KIND_HOST_CACHE = 1
 KIND_LINEAR = 2
 KIND_NAMES = {KIND_HOST_CACHE: "hostcache", KIND_LINEAR: "linear"}
-#: the row formats each kind stores (a linear table's rows may be quantized)
-KIND_FORMATS = {KIND_HOST_CACHE: tuple(rows.DTYPES), KIND_LINEAR: rows.FORMATS}
+#: the row formats each kind stores (plain or quantized rows)
+KIND_FORMATS = {KIND_HOST_CACHE: rows.FORMATS, KIND_LINEAR: rows.FORMATS}
 
 #: reserved key marking an empty host-cache slot; users may use every other int64. The one
 #: definition is ``nvecache.common.keys.RESERVED_KEY``: every tier refuses to write it.

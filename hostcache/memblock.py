@@ -27,22 +27,12 @@ import torch
 from hostcache import layout
 from hostcache.errors import BadArgumentError, NonFiniteValuesError
 from hostcache.gate import TableGate, gate_for
+from hostcache.row_bytes import RowBytes
 from hostcache.segment import Mapping, check_mode
 from hostcache.table import C_HITS, C_LOOKUPS, C_UPDATES, SharedTable
 from hostcache.table_files import TableFiles
-from hostcache.validate import check_finite, check_indices, check_keys, check_values, dedup_last
-from nvecache.common import quant, rows
+from hostcache.validate import check_indices, check_keys, dedup_last
 from nvecache.common.accumulate import add_at, check_deltas, sum_duplicates
-from nvecache.common.finite import nonfinite_message, nonfinite_rows
-
-
-def _plain(dtype: torch.dtype) -> bool:
-    """Whether ``dtype`` is a plain row dtype (the float rows a quantized table takes)."""
-    try:
-        rows.dtype_name(dtype)
-    except rows.RowFormatError:
-        return False
-    return True
 
 
 def _check_span(start: object, n: int, num_rows: int) -> int:
@@ -131,8 +121,8 @@ class SharedMemBlock(TableFiles, SharedTable):
     def _map_views(self, mapping: Mapping, geo: layout.Geometry) -> None:
         raw = mapping.tensor(geo.rows_off, geo.capacity * geo.row_stride, torch.uint8)
         fmt = geo.row_format
-        #: the rows' storage format; a quantized one's rows are their stored bytes
-        self._fmt = fmt
+        #: the rows between torch and their stored bytes (a quantized table's encoded)
+        self._codec = RowBytes(fmt)
         stored = raw.view(geo.capacity, geo.row_stride)
         self._rows = (stored[:, :fmt.stored_bytes] if fmt.quantized
                       else stored[:, : geo.row_bytes].view(geo.dtype))
@@ -184,7 +174,7 @@ class SharedMemBlock(TableFiles, SharedTable):
         c[C_HITS] += idx.numel()
         with self.gate:
             got = self._rows.index_select(0, idx)
-        return quant.decode(got, self._fmt) if self._fmt.quantized else got
+        return self._codec.rows(got)
 
     def write(self, indices: torch.Tensor, values: torch.Tensor, *,
               allow_nonfinite: bool = False) -> None:
@@ -199,12 +189,10 @@ class SharedMemBlock(TableFiles, SharedTable):
                 ``allow_nonfinite``; nothing is written.
         """
         idx = check_indices(indices, self.num_rows)
-        values = self._checked(values, idx.numel())
-        if self.quantized:
-            self._finite_only(values, idx)
-        else:
-            check_finite(values, idx, allow_nonfinite=allow_nonfinite, key_word="index")
-        values = self._stored(values)
+        codec = self._codec
+        values = codec.checked(values, idx.numel())
+        codec.finite(values, idx, allow_nonfinite=allow_nonfinite, key_word="index")
+        values = codec.stored(values)
         n = idx.numel()
         if n == 0:
             return
@@ -231,41 +219,13 @@ class SharedMemBlock(TableFiles, SharedTable):
                 ``allow_nonfinite``; nothing is written.
         """
         n = int(values.shape[0]) if isinstance(values, torch.Tensor) and values.dim() else 0
-        values = self._checked(values, n)
+        codec = self._codec
+        values = codec.checked(values, n)
         first = _check_span(start, n, self.num_rows)
-        if self.quantized:
-            self._finite_only(values, _span(first, n))
-        elif not allow_nonfinite:
-            bad = nonfinite_rows(values)
-            if bad is not None:
-                raise NonFiniteValuesError(nonfinite_message(
-                    bad, _span(first, n), key_word="index"))
+        if codec.quantized or not allow_nonfinite:
+            codec.finite(values, _span(first, n), allow_nonfinite=False, key_word="index")
         if n:
-            self._copy_span(first, self._stored(values))
-
-    def _checked(self, values: object, n: int) -> torch.Tensor:
-        """Rows to write: ``[n, dim]`` CPU of the table's dtype, or of a quantized table,
-        of any float dtype."""
-        if not self.quantized or not isinstance(values, torch.Tensor) \
-                or not _plain(values.dtype):
-            return check_values(values, n, self.dim, self.dtype if not self.quantized
-                                else torch.float32)
-        return check_values(values, n, self.dim, values.dtype)
-
-    @staticmethod
-    def _finite_only(values: torch.Tensor, idx: torch.Tensor) -> None:
-        """A quantized table's rows must be finite (a row's range is its scale)."""
-        bad = nonfinite_rows(values)
-        if bad is not None:
-            pos = bad.nonzero()
-            raise NonFiniteValuesError(
-                f"values: {pos.shape[0]} row(s) hold NaN or infinite values (the first: "
-                f"index {int(idx[int(pos[0, 0])])}); nothing was written: a quantized "
-                "table stores finite rows only, fix those rows")
-
-    def _stored(self, values: torch.Tensor) -> torch.Tensor:
-        """Checked, finite rows as the table stores them (quantized: encoded)."""
-        return quant.encode(values, self._fmt) if self._fmt.quantized else values
+            self._copy_span(first, codec.stored(values))
 
     def _copy_span(self, first: int, values: torch.Tensor) -> None:
         """Checked ``values`` to rows ``first ..``, announced, under the gate and lock."""
@@ -328,8 +288,9 @@ class SharedMemBlock(TableFiles, SharedTable):
         that is not finite cannot be)."""
         if not self.quantized:
             return rows
-        self._finite_only(rows, _span(first, rows.shape[0]))
-        return quant.encode(rows, self._fmt)
+        self._codec.finite(rows, _span(first, rows.shape[0]), allow_nonfinite=False,
+                           key_word="index")
+        return self._codec.stored(rows)
 
     def accumulate(self, indices: torch.Tensor, deltas: torch.Tensor, *,
                    allow_nonfinite: bool = False) -> None:
@@ -367,10 +328,11 @@ class SharedMemBlock(TableFiles, SharedTable):
         """Deltas added to quantized rows (under the writer lock): each distinct row
         decoded, added in float32 and encoded again, so a delta under half the row's step
         may round away. A sum that is not finite leaves every row as it was."""
+        codec = self._codec
         uidx, sums, _ = sum_duplicates(idx, deltas, torch.float32)
-        new = quant.decode(self._rows.index_select(0, uidx), self._fmt) + sums
-        self._finite_only(new, uidx)
-        self._rows.index_copy_(0, uidx, quant.encode(new, self._fmt))
+        new = codec.rows(self._rows.index_select(0, uidx)) + sums
+        codec.finite(new, uidx, allow_nonfinite=False, key_word="index")
+        self._rows.index_copy_(0, uidx, codec.stored(new))
         return uidx
 
     def exclusive(self) -> Any:

@@ -1,0 +1,80 @@
+"""Rows as a shared table stores them: a plain table's rows are their own bytes; a quantized
+table's (int8, float8_e4m3fn) are encoded on the way in and decoded on the way out
+(:mod:`nvecache.common.quant`).
+
+:class:`RowBytes` is what a table's writes and reads share: which rows a write takes (the
+table's dtype; a quantized table, float rows of any plain dtype), the NaN/infinity rule (a
+quantized table stores finite rows only, whatever ``allow_nonfinite`` says: a row's range
+is its scale), the bytes stored, and the rows a read returns (a quantized table's in
+float32).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from hostcache.errors import NonFiniteValuesError
+from hostcache.validate import check_finite, check_values
+from nvecache.common import quant, rows
+from nvecache.common.finite import nonfinite_rows
+
+
+def plain(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` is a plain row dtype (the float rows a quantized table takes)."""
+    try:
+        rows.dtype_name(dtype)
+    except rows.RowFormatError:
+        return False
+    return True
+
+
+class RowBytes:
+    """One table's rows between torch and its stored bytes."""
+
+    def __init__(self, fmt: rows.RowFormat) -> None:
+        self.fmt = fmt
+        self.quantized = fmt.quantized
+        #: the table's dtype (a quantized one's: its format's)
+        self.dtype = fmt.torch_dtype
+        #: bytes of a row as the table stores it (payload, and a quantized row's parameters)
+        self.width = fmt.stored_bytes if fmt.quantized else fmt.row_bytes
+        #: the dtype of the rows a read returns
+        self.out_dtype = torch.float32 if fmt.quantized else self.dtype
+
+    def checked(self, values: object, n: int) -> torch.Tensor:
+        """Rows to write: ``[n, dim]`` CPU of the table's dtype; of a quantized table, of
+        any plain float dtype."""
+        if self.quantized and isinstance(values, torch.Tensor) and plain(values.dtype):
+            return check_values(values, n, self.fmt.dim, values.dtype)
+        return check_values(values, n, self.fmt.dim,
+                            torch.float32 if self.quantized else self.dtype)
+
+    def finite(self, values: torch.Tensor, keys: torch.Tensor, *, allow_nonfinite: bool,
+               key_word: str = "key") -> None:
+        """Refuse rows holding NaN or an infinity (unless allowed, and never for a quantized
+        table) with :class:`NonFiniteValuesError`."""
+        if not self.quantized:
+            check_finite(values, keys, allow_nonfinite=allow_nonfinite, key_word=key_word)
+            return
+        bad = nonfinite_rows(values)
+        if bad is not None:
+            pos = bad.nonzero()
+            raise NonFiniteValuesError(
+                f"values: {pos.shape[0]} row(s) hold NaN or infinite values (the first: "
+                f"{key_word} {int(keys.reshape(-1)[int(pos[0, 0])])}); nothing was written: "
+                "a quantized table stores finite rows only, fix those rows")
+
+    def stored(self, values: torch.Tensor) -> torch.Tensor:
+        """Checked, finite rows as the table stores them (quantized: uint8, encoded)."""
+        return quant.encode(values, self.fmt) if self.quantized else values
+
+    def raw(self, values: torch.Tensor) -> np.ndarray:
+        """uint8 ``[N, width]`` numpy bytes of checked, finite rows, for the compiled
+        loops."""
+        return self.stored(values).contiguous().view(torch.uint8).numpy()
+
+    def rows(self, stored: torch.Tensor) -> torch.Tensor:
+        """The rows of stored bytes (``[N, width]``, uint8 for a quantized table; a plain
+        table's are its rows already)."""
+        return quant.decode(stored, self.fmt) if self.quantized else stored
