@@ -1,7 +1,9 @@
 """The batched-first interface every parameter-server backend implements.
 
 Public methods validate their arguments here (typed errors, nothing written) and hand
-numpy int64 keys and contiguous value tensors to the backend's ``_`` methods.
+numpy int64 keys and contiguous *stored* rows to the backend's ``_`` methods: a plain
+table's rows as they are, a quantized table's encoded (uint8 ``[N, row_bytes]``,
+:mod:`psclient.quantized`); lookups decode what the backends return.
 """
 
 from __future__ import annotations
@@ -10,14 +12,12 @@ import contextlib
 import logging
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from nvecache.common.accumulate import delta_problem
-from nvecache.common.lazy import deferred, lazy_import
+from nvecache.common.lazy import lazy_import
 from psclient.codec import check_keys, check_values, check_written
 from psclient.errors import (
     BadArgumentError,
@@ -29,15 +29,13 @@ from psclient.errors import (
 from psclient.feed import FeedBatch
 from psclient.handle_files import HandleFiles
 from psclient.loads import Load, TableState
+from psclient.quantized import check_stored, decode_rows, encode_rows, refuse_nonfinite
 from psclient.schema import TableSchema
 
 if TYPE_CHECKING:
     import torch
-
-    from psclient.loader import Loaded, load_into
-else:  # NOTE: torch (and the file readers of load()) load when rows are first handled
+else:  # NOTE: torch loads when rows are first handled
     torch = lazy_import("torch", globals())
-    load_into = deferred("psclient.loader", "load_into")
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +83,15 @@ class ParameterServer(HandleFiles, ABC):
 
     @property
     def dtype(self) -> torch.dtype:
-        """Row dtype."""
+        """Row dtype (a quantized table's: its format's, ``torch.int8`` or
+        ``torch.float8_e4m3fn``; its lookups return float32)."""
         return self._schema.torch_dtype
+
+    @property
+    def quantized(self) -> bool:
+        """Whether rows are stored quantized (writes encode float rows, lookups decode
+        them to float32; docs/psclient.md, "Quantized tables")."""
+        return self._schema.quantized
 
     @property
     def schema(self) -> TableSchema:
@@ -103,8 +108,9 @@ class ParameterServer(HandleFiles, ABC):
 
         Returns:
             ``(values, found)``: ``values`` ``[N, dim]`` of the table dtype (zeros where
-            not found) and ``found`` bool ``[N]``, new tensors the caller owns (a layer
-            hands ``values`` to its host-cache worker as they are).
+            not found; a quantized table's rows dequantized, float32) and ``found`` bool
+            ``[N]``, new tensors the caller owns (a layer hands ``values`` to its
+            host-cache worker as they are).
 
         Raises:
             BadKeysError: keys are not a 1-D int64 CPU tensor.
@@ -113,8 +119,10 @@ class ParameterServer(HandleFiles, ABC):
         """
         k = self._enter(keys)
         if k.size == 0:
-            return (torch.zeros(0, self.dim, dtype=self.dtype), torch.zeros(0, dtype=torch.bool))
-        return self._lookup(k)
+            return (torch.zeros(0, self.dim, dtype=self._schema.value_dtype),
+                    torch.zeros(0, dtype=torch.bool))
+        stored, found = self._lookup(k)
+        return decode_rows(stored, self._schema), found
 
     def insert(self, keys: torch.Tensor, values: torch.Tensor, *,
                allow_nonfinite: bool = False) -> None:
@@ -122,19 +130,20 @@ class ParameterServer(HandleFiles, ABC):
 
         Args:
             keys: int64 CPU tensor ``[N]``; never the reserved key ``INT64_MIN``.
-            values: ``[N, dim]`` CPU tensor of the table's dtype.
-            allow_nonfinite: store rows holding NaN or infinite values too (else refused).
+            values: ``[N, dim]`` CPU tensor of the table's dtype (a quantized table: float
+                rows of any plain dtype, stored quantized).
+            allow_nonfinite: store rows holding NaN or infinite values too (else refused;
+                a quantized table refuses them always: their range is not finite).
 
         Raises:
             BadKeysError, BadValuesError: bad arguments (a key ``INT64_MIN`` is reserved);
                 nothing is written.
             NonFiniteValuesError: a row holds NaN or an infinity and not
-                ``allow_nonfinite``; nothing is written.
+                ``allow_nonfinite`` (or the table is quantized); nothing is written.
             PSUnavailableError: the write could not be applied (never silently dropped).
         """
         k = self._enter(keys)
-        v = check_values(values, k.size, self._schema)
-        check_written(k, v, allow_nonfinite=allow_nonfinite)
+        v = self._written(k, values, allow_nonfinite)
         if k.size:
             self._insert(k, v)
 
@@ -144,8 +153,8 @@ class ParameterServer(HandleFiles, ABC):
 
         Args:
             keys: int64 CPU tensor ``[N]``; never the reserved key ``INT64_MIN``.
-            values: ``[N, dim]`` CPU tensor of the table's dtype.
-            allow_nonfinite: store rows holding NaN or infinite values too (else refused).
+            values: as for :meth:`insert`.
+            allow_nonfinite: as for :meth:`insert`.
 
         Returns:
             bool ``[N]``: which keys existed (and were written).
@@ -155,8 +164,7 @@ class ParameterServer(HandleFiles, ABC):
                 nothing is written.
         """
         k = self._enter(keys)
-        v = check_values(values, k.size, self._schema)
-        check_written(k, v, allow_nonfinite=allow_nonfinite)
+        v = self._written(k, values, allow_nonfinite)
         if k.size == 0:
             return torch.zeros(0, dtype=torch.bool)
         return self._update(k, v)
@@ -169,14 +177,18 @@ class ParameterServer(HandleFiles, ABC):
         Each row's read, add and write is one atomic step: a concurrent accumulate or
         update of the same row, from any process, never loses an addition. The deltas of
         a key repeated in the batch are summed first; float16 and bfloat16 rows are added
-        in float32 and rounded once (:mod:`nvecache.common.accumulate`). The changed keys
-        are announced on the change feed as an update's are.
+        in float32 and rounded once (:mod:`nvecache.common.accumulate`); a quantized row
+        is decoded, added to in float32 and encoded again (so a delta under half its
+        quantization step may round away). The changed keys are announced on the change
+        feed as an update's are.
 
         Args:
             keys: int64 CPU tensor ``[N]``; never the reserved key ``INT64_MIN``.
             deltas: ``[N, dim]`` CPU tensor of the table's dtype, or float32 (float64 for
                 a float64 table): added without rounding them to the table's dtype first.
-            allow_nonfinite: add deltas holding NaN or infinite values too (else refused).
+                A quantized table takes float32 deltas.
+            allow_nonfinite: add deltas holding NaN or infinite values too (else refused;
+                a quantized table refuses them always, and a sum that overflows).
 
         Returns:
             bool ``[N]``: which keys existed (and were added to).
@@ -186,11 +198,15 @@ class ParameterServer(HandleFiles, ABC):
                 nothing is written.
         """
         k = self._enter(keys)
-        problem = delta_problem(deltas, k.size, self.dim, self.dtype)
+        q = self._schema.quantized
+        problem = delta_problem(deltas, k.size, self.dim, self._schema.value_dtype)
         if problem is not None:
-            raise BadValuesError(problem)
+            raise BadValuesError(problem + (f" ({self._schema.dtype} rows are added to in "
+                                            "float32)" if q else ""))
         d = deltas.contiguous()
-        check_written(k, d, allow_nonfinite=allow_nonfinite)
+        check_written(k, d, allow_nonfinite=allow_nonfinite or q)
+        if q:
+            refuse_nonfinite(k, d, "deltas")
         if k.size == 0:
             return torch.zeros(0, dtype=torch.bool)
         return self._accumulate(k, d)
@@ -269,81 +285,6 @@ class ParameterServer(HandleFiles, ABC):
         """
         batch = self.follow(since, limit=limit, block_ms=block_ms)
         return batch.keys, batch.cursor
-
-    def load(
-        self,
-        source: torch.Tensor | np.ndarray | str | Path | Iterable[tuple[torch.Tensor, Any]],
-        *,
-        keys: torch.Tensor | np.ndarray | str | Path | None = None,
-        tensor: str | None = None,
-        format: str | None = None,  # noqa: A002 -- the file format, as in numpy/pandas
-        convert: bool = False,
-        batch_size: int = 65536,
-        progress: bool | None = None,
-        duplicates: str = "refuse",
-        allow_nonfinite: bool = False,
-    ) -> Loaded:
-        """Bulk-insert rows from a tensor, a ``.npy`` / ``.safetensors`` / raw file or an iterator.
-
-        Args:
-            source: a ``[N, dim]`` tensor or array, a path to a ``.npy``, ``.safetensors`` or
-                raw binary file (rows of the table's dim and dtype back to back, little-endian,
-                no header; ``.bin``/``.raw``, or any name with ``format="raw"``), or an
-                iterable of ``(keys, values)`` chunks.
-            keys: one int64 key per row, default ``0..N-1`` (not for iterators): a tensor or
-                array, a ``.npy`` file of integers, or a raw file of little-endian int64.
-            tensor: the tensor's name inside a ``.safetensors`` file (optional if it holds
-                exactly one tensor).
-            format: ``"npy"``, ``"safetensors"``, ``"raw"`` or ``"dcp"``; default: by the
-                suffix (a directory: a ``torch.distributed.checkpoint``, ``"dcp"``).
-            convert: cast rows of another dtype to the table's (else a dtype difference
-                raises).
-            batch_size: rows per insert.
-            progress: show a tqdm progress bar on stderr; default: only when stderr is a
-                terminal (``True`` shows it anyway, ``False`` never).
-            duplicates: what a key given to more than one row does: ``"refuse"`` (the
-                default) raises :class:`DuplicateKeysError`; ``"last"`` stores the row of
-                its last occurrence.
-            allow_nonfinite: store rows holding NaN or infinite values too (else refused).
-
-        Returns:
-            The number of rows read, an ``int`` whose ``distinct`` says how many distinct
-            keys were stored and ``duplicates`` how many rows repeated an earlier key
-            (:class:`psclient.loader.Loaded`).
-
-        Raises:
-            BadArgumentError: no such file, unknown format, bad ``batch_size``.
-            BadValuesError: rows of another length, or of another dtype without ``convert``;
-                a raw file that is not a whole number of rows.
-            BadKeysError: keys that are not 1-D integers, one per row, or that hold the
-                reserved key ``INT64_MIN``.
-            DuplicateKeysError: keys repeat and ``duplicates="refuse"`` (says how many and
-                the first few).
-            NonFiniteValuesError: rows hold NaN or infinite values (converted to the table's
-                dtype) and not ``allow_nonfinite`` (says how many and the first key).
-            TableDroppedError: the table was dropped (or created anew) while the load
-                wrote it: its rows are not in the table.
-            Nothing is written when one of these is raised (they are checked before the
-            first insert: a file's or tensor's keys and rows are all read once before);
-            an iterator is checked chunk by chunk, so the chunks before a refused one stay
-            written, as does every row inserted before an error of the store.
-
-        On a handle of ``connect(..., loading=True)`` that created or joined a ``loading``
-        table, the load ends its registration: a load that succeeds and is the last one
-        registered makes the table ready; one that fails (or is interrupted) while other
-        loads are registered leaves the table to them; the last one out drops the table if
-        no load into it succeeded (docs/psclient.md, "Loading a new table").
-        """
-        self._enter(None)
-        try:
-            n = load_into(self, source, keys=keys, tensor=tensor, format=format,
-                          convert=convert, batch_size=batch_size, progress=progress,
-                          duplicates=duplicates, allow_nonfinite=allow_nonfinite)
-        except BaseException:
-            self._end_load(ok=False)
-            raise
-        self._end_load(ok=True, rows=n)
-        return n
 
     def _end_load(self, *, ok: bool, rows: int = 0) -> None:
         """End this handle's load: withdraw its registration (a failed load's last step
@@ -440,10 +381,26 @@ class ParameterServer(HandleFiles, ABC):
             return np.empty(0, dtype=np.int64)
         return check_keys(keys)
 
-    # -- backend hooks -------------------------------------------------------------------
+    def _written(self, k: np.ndarray, values: object, allow_nonfinite: bool) -> torch.Tensor:
+        """Rows to write as the backend stores them: checked (nothing written when they
+        are refused), a quantized table's encoded."""
+        v = check_values(values, k.size, self._schema)
+        if not self._schema.quantized:
+            check_written(k, v, allow_nonfinite=allow_nonfinite)
+            return v
+        check_written(k, v, allow_nonfinite=True)  # NOTE: the keys' rule; encode: the rows'
+        return encode_rows(k, v, self._schema)
 
-    @abstractmethod
-    def _lookup(self, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def _insert_stored(self, keys: torch.Tensor, raw: torch.Tensor) -> None:
+        """Insert a quantized table's stored bytes as they are (uint8 ``[N, row_bytes]``: a
+        load of what ``dump`` wrote), once their rows are seen to be finite."""
+        k = self._enter(keys)
+        v = check_stored(k, raw, self._schema)
+        check_written(k, v, allow_nonfinite=True)
+        if k.size:
+            self._insert(k, v)
+
+    # -- backend hooks -------------------------------------------------------------------
 
     @abstractmethod
     def _insert(self, keys: np.ndarray, values: torch.Tensor) -> None: ...
@@ -452,9 +409,15 @@ class ParameterServer(HandleFiles, ABC):
     def _update(self, keys: np.ndarray, values: torch.Tensor) -> torch.Tensor: ...
 
     @abstractmethod
+    def _lookup(self, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored rows of ``keys`` (:meth:`TableSchema.stored_view`; zero bytes where
+        missing) and bool ``[N]`` found."""
+
+    @abstractmethod
     def _accumulate(self, keys: np.ndarray, deltas: torch.Tensor) -> torch.Tensor:
         """Add ``deltas`` (checked: the table's dtype or its accumulator) to the rows of
-        ``keys`` that exist, each row atomically; bool ``[N]`` of the keys that existed."""
+        ``keys`` that exist, each row atomically (:func:`psclient.quantized.add_rows`: a
+        quantized row decoded, added to, encoded); bool ``[N]`` of the keys that existed."""
 
     @abstractmethod
     def _erase(self, keys: np.ndarray) -> None: ...

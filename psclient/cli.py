@@ -18,7 +18,10 @@ created. A load into a new table creates it ``loading``: readers wait for it, ot
 join it; the last load to end publishes it, or drops it if no load succeeded, so a failed
 or interrupted load never destroys rows another load is writing (a table that existed
 keeps the rows inserted before a failure). ``ls``, ``stat`` and ``drop`` work on tables in
-any state, and on data left without a table (psclient.loads).
+any state, and on data left without a table (psclient.loads). ``--dtype int8`` (or
+``float8_e4m3fn``, ``fp8``) loads into a quantized table: float rows are quantized as they
+are inserted, and a ``dump`` of such a table (its stored bytes) loads back bit for bit;
+``ls`` and ``stat`` name a table's format as its dtype.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from nvecache.common import rows as row_formats
 from nvecache.common.cli import EXIT_USAGE, OneLineParser, add_version, positive_int
 from nvecache.common.lazy import deferred
 from nvecache.common.names import TABLE_NAME_RULE
@@ -109,8 +113,10 @@ def _parser() -> argparse.ArgumentParser:
                     "a raw file of little-endian int64 (default: row i gets key i)")
     ld.add_argument("--dim", type=positive_int, help="row length: creates a new table with it; "
                     "must match the file's rows and an existing table; gives a raw file's")
-    ld.add_argument("--dtype", choices=sorted(DTYPES), help="row dtype of the table: the "
-                    "file's rows are converted to it (default: the file's, or the table's)")
+    ld.add_argument("--dtype", type=_format_arg, choices=row_formats.FORMATS,
+                    help="row dtype of the table: the file's rows are converted to it, or "
+                    "quantized for int8 and float8_e4m3fn (fp8) tables (default: the file's, "
+                    "a dump's format, or the table's)")
     ld.add_argument("--batch-size", type=positive_int, default=65536, metavar="N",
                     help="rows per insert (65536)")
     ld.add_argument("--duplicates", choices=["refuse", "last"], default="refuse",
@@ -159,6 +165,15 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _format_arg(text: str) -> str:
+    """``--dtype``: a format's name, an alias (``fp8``, ``fp16``) read as its name; anything
+    else is left to argparse's choices to refuse."""
+    try:
+        return row_formats.dtype_name(text, row_formats.FORMATS)
+    except row_formats.RowFormatError:
+        return text
+
+
 def _open(url: str, table: str) -> Any:
     """Open an existing table in any state; a missing one is an error that says how to find
     tables."""
@@ -202,22 +217,32 @@ def _load(args: argparse.Namespace) -> int:
         dim, dtype = args.dim, args.dtype or "float32"
     else:
         rows = open_rows(args.file, args.tensor, format=fmt, cli=True)
-        dim = args.dim or rows.dim
-        try:
-            dtype = args.dtype or dtype_name(rows.dtype)
-        except BadArgumentError:
-            raise BadArgumentError(
-                f"{rows.what} holds {str(rows.dtype).removeprefix('torch.')} rows; a table holds "
-                f"one of "
-                f"{', '.join(DTYPES)}: convert them on load with --dtype float32 (or another)"
-            ) from None
-    rows = open_rows(args.file, args.tensor, format=fmt, dim=dim, dtype=DTYPES[dtype], cli=True)
-    check_rows(rows, dim, DTYPES[dtype], table=args.table, convert=args.dtype is not None,
+        if rows.stored is not None:
+            # NOTE: a dump of a quantized table: its format and dim, from the file
+            dim, dtype = args.dim or rows.stored.dim, args.dtype or rows.stored.dtype
+        else:
+            dim = args.dim or rows.dim
+            try:
+                dtype = args.dtype or dtype_name(rows.dtype)
+            except BadArgumentError:
+                raise BadArgumentError(
+                    f"{rows.what} holds {str(rows.dtype).removeprefix('torch.')} rows; a table "
+                    f"holds one of {', '.join(DTYPES)}: convert them on load with --dtype "
+                    "float32 (or another)"
+                ) from None
+    quantized = dtype in row_formats.QUANTIZED
+    stored_as = row_formats.torch_dtype(dtype)  # NOTE: a quantized table's: its format's
+    # NOTE: a raw file holds what the table's writes take: float32 rows if it is quantized
+    rows = open_rows(args.file, args.tensor, format=fmt, dim=dim, cli=True,
+                     dtype=row_formats.torch_dtype("float32") if quantized else stored_as)
+    check_rows(rows, dim, stored_as, table=args.table, convert=args.dtype is not None,
                cli=True)
     keys = file_keys(args.file, args.keys, fmt, args.tensor)
     ks = None if keys is None else open_keys(keys, rows.n, cli=True, duplicates=args.duplicates)
-    if not args.allow_nonfinite:  # NOTE: every row read once, before the table is created
-        check_finite_rows(rows, DTYPES[dtype], ks, batch_size=args.batch_size, cli=True)
+    if not args.allow_nonfinite or quantized:
+        # NOTE: every row read once, before the table is created (a quantized table stores
+        # finite rows only: its load reads them once more, ParameterServer.load)
+        check_finite_rows(rows, stored_as, ks, batch_size=args.batch_size, cli=True, dim=dim)
     # NOTE: a new table is created `loading`, a loading one joined; the load's end publishes
     # it, leaves it to the loads still writing, or (last out, nothing loaded) drops it.
     with connect(args.url, table=args.table, dim=dim, dtype=dtype, loading=True) as ps:

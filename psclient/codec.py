@@ -2,8 +2,11 @@
 
 Every backend stores a row as its raw bytes, as the table's
 :class:`~nvecache.common.rows.RowFormat` says (``TableSchema.row_bytes``: ``dim * itemsize``
-bytes of the table's dtype, native little-endian, then the format's per-row parameters,
-none today) and never pickles. Keys are int64; each backend chooses its key
+bytes of the table's dtype, native little-endian, then the format's per-row parameters:
+none for a plain dtype, a quantized format's float32 scale (and bias) after its one-byte
+elements, :mod:`psclient.quantized`) and never pickles. Backends move *stored* rows:
+``[N, dim]`` of a plain table's dtype, or a quantized table's uint8 ``[N, row_bytes]``
+(:meth:`~psclient.schema.TableSchema.stored_view`). Keys are int64; each backend chooses its key
 bytes (Redis: 8 little-endian bytes as a hash field; LMDB: 8 big-endian bytes of
 ``key ^ 2**63`` so that byte order is signed order).
 
@@ -24,6 +27,7 @@ from nvecache.common.fmix import fmix64
 from nvecache.common.keys import RESERVED_KEY, RESERVED_KEY_RULE, key_problem
 from nvecache.common.lazy import lazy_import
 from psclient.errors import BadKeysError, BadValuesError, CorruptValueError, NonFiniteValuesError
+from psclient.quantized import check_float_rows
 from psclient.schema import TableSchema
 
 if TYPE_CHECKING:
@@ -48,13 +52,16 @@ def check_keys(keys: object) -> np.ndarray:
 
 
 def check_values(values: object, n: int, schema: TableSchema) -> torch.Tensor:
-    """Validate values against ``n`` keys and the schema; return them contiguous.
+    """Validate values against ``n`` keys and the schema; return them contiguous (a
+    quantized table's: float rows of any plain dtype, which it encodes).
 
     Raises:
         BadValuesError: not a tensor, wrong dtype, device or shape.
     """
     if not isinstance(values, torch.Tensor):
         raise BadValuesError(f"values must be a torch.Tensor, got {type(values).__name__}")
+    if schema.quantized:
+        return check_float_rows(values, n, schema)
     if values.dtype != schema.torch_dtype:
         raise BadValuesError(
             f"values must be {schema.dtype} (the table's dtype), got {values.dtype}: "
@@ -184,7 +191,8 @@ def assemble_distinct_rows(
         table: table name for error messages.
 
     Returns:
-        ``(values, found)`` in the caller's key order; missing rows are zeros.
+        ``(values, found)`` in the caller's key order, the stored rows
+        (:meth:`TableSchema.stored_view`); missing rows are zeros.
 
     Raises:
         CorruptValueError: a stored value does not have the row length; names the key.
@@ -212,6 +220,5 @@ def assemble_distinct_rows(
         obj[order] = objs[run]
         found[order] = hit[run]
     flat = np.fromiter(obj.tolist(), dtype=f"V{rb}", count=n).view(np.uint8)
-    values = torch.from_numpy(flat).view(schema.torch_dtype)
-    return values.reshape(n, schema.dim), torch.from_numpy(found)
+    return schema.stored_view(torch.from_numpy(flat), n), torch.from_numpy(found)
 

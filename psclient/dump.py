@@ -9,6 +9,14 @@ or may not be in it (as with any scan), and a key ``HSCAN`` returns twice is wri
 What is written loads back with :meth:`psclient.ParameterServer.load` (or ``psclient
 load``): a safetensors file's ``keys`` tensor gives the keys; ``.npy`` rows take their keys
 from the ``.keys.npy`` beside them (``keys=``/``--keys``).
+
+A quantized table (``int8``, ``float8_e4m3fn``) is dumped as its stored bytes: ``weight``
+is uint8 ``[N, row_bytes]`` (each row's payload and float32 parameters, as
+:mod:`nvecache.common.quant` encodes them), and the metadata's ``dtype`` and ``dim`` name
+the format. Loading it into a table of that format stores those bytes as they are, so the
+round trip is bit for bit; dequantized float32 rows would not be (encoding an int8 row's
+decoded values again moves its scale or bias by a rounding in about one row in ten).
+:func:`nvecache.common.quant.decode` reads the rows of such a file.
 """
 
 from __future__ import annotations
@@ -114,7 +122,8 @@ def dump_table(ps: ParameterServer, path: str | Path, *, keys_path: str | Path |
 
     Args:
         path: a ``.safetensors`` file (rows as ``weight``, keys as ``keys``) or ``.npy``
-            rows (keys to ``keys_path``, by default ``<name>.keys.npy`` beside it).
+            rows (keys to ``keys_path``, by default ``<name>.keys.npy`` beside it); a
+            quantized table's rows as their stored bytes (module docstring).
         format: ``"safetensors"`` or ``"npy"``; default: by the suffix.
         progress: a progress bar on stderr; None: only where stderr is a terminal.
         cli: name the ``psclient`` command's flags in messages.

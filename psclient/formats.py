@@ -11,7 +11,11 @@ is either the old file or the whole new one, never half-written.
 A safetensors file holds the rows as ``weight`` (``[N, dim]``, the table's dtype) and the
 keys as ``keys`` (``[N]`` int64), and ``__metadata__`` strings the caller gives (the
 table's name, kind, geometry). ``.npy`` has no bfloat16: such rows are written as float32,
-which holds every bfloat16 value exactly.
+which holds every bfloat16 value exactly. Rows of a quantized format
+(:data:`nvecache.common.rows.QUANTIZED`) are written as their stored bytes, uint8 ``[N,
+stored_bytes]`` (payload and parameters, as :mod:`nvecache.common.quant` encodes them):
+re-encoding their decoded values would not give the same bytes back, so a file of them
+loads back bit for bit; the metadata (``dtype``, ``dim``) says how to read them.
 
 Nothing here needs torch: rows are given as numpy arrays (bfloat16 rows as their raw
 16-bit patterns, ``uint16``/``int16``), so the writers serve the host tier as well.
@@ -69,12 +73,29 @@ def keys_path_for(path: str | Path) -> Path:
     return p.with_name(p.name.removesuffix(p.suffix) + ".keys.npy")
 
 
+def stored_width(dtype: str, dim: int) -> int:
+    """Elements of a row as a file holds it: ``dim``, or a quantized format's stored bytes
+    (uint8)."""
+    fmt = rows.RowFormat(dtype, dim)
+    return fmt.stored_bytes if fmt.quantized else dim
+
+
+def _element(dtype: str, npy: bool) -> str:
+    """The element type rows of ``dtype`` are written in: a safetensors dtype name, or a
+    ``.npy`` descr (a quantized format's: its stored bytes, uint8)."""
+    if dtype in rows.QUANTIZED:
+        return "|u1" if npy else "U8"
+    return _NP[dtype] if npy else ST_DTYPES[dtype]
+
+
 def _st_header(n: int, dim: int, dtype: str, meta: dict[str, str], reserve: int = 0) -> bytes:
-    row_bytes = rows.RowFormat(dtype, dim).row_bytes
+    fmt = rows.RowFormat(dtype, dim)
+    width = stored_width(dtype, dim)
+    row_bytes = fmt.stored_bytes
     head: dict[str, object] = {}
     if meta:
         head["__metadata__"] = meta
-    head[ROWS_NAME] = {"dtype": ST_DTYPES[dtype], "shape": [n, dim],
+    head[ROWS_NAME] = {"dtype": _element(dtype, False), "shape": [n, width],
                        "data_offsets": [0, n * row_bytes]}
     head[KEYS_NAME] = {"dtype": "I64", "shape": [n],
                        "data_offsets": [n * row_bytes, n * row_bytes + 8 * n]}
@@ -104,6 +125,9 @@ class RowsWriter:
     exception discards every temporary file. ``keys_path`` is where ``.npy`` keys go
     (default :func:`keys_path_for`); a safetensors file holds its keys.
 
+    ``dtype`` is a plain dtype or a quantized format (rows written as their stored bytes,
+    module docstring).
+
     Raises (on creation):
         OSError: the destination's folder does not exist or cannot be written.
         ValueError: an unknown format or dtype.
@@ -112,11 +136,13 @@ class RowsWriter:
     def __init__(self, path: str | Path, *, dim: int, dtype: str, fmt: str | None = None,
                  keys_path: str | Path | None = None,
                  metadata: dict[str, str] | None = None) -> None:
-        if dtype not in ST_DTYPES or dtype == "int64":
+        if (dtype not in ST_DTYPES or dtype == "int64") and dtype not in rows.QUANTIZED:
             raise ValueError(f"rows of dtype {dtype!r} cannot be written")
         self.path = Path(path)
         self.fmt = write_format(path, fmt)
         self.dim, self.dtype = dim, dtype
+        #: elements of a written row (a quantized format's: its stored bytes)
+        self.width = stored_width(dtype, dim)
         self.keys_path = (None if self.fmt == "safetensors"
                           else Path(keys_path) if keys_path is not None
                           else keys_path_for(path))
@@ -135,7 +161,7 @@ class RowsWriter:
             self._reserve = len(_st_header(_BIG, dim, dtype, self.meta))
             self._keys_reserve = 0
         else:
-            self._reserve = len(_npy_header((_BIG, dim), _NP[dtype]))
+            self._reserve = len(_npy_header((_BIG, self.width), _element(dtype, True)))
             self._keys_reserve = len(_npy_header((_BIG,), "<i8"))
         self._rows_f.write(b"\0" * self._reserve)
         self._keys_f.write(b"\0" * self._keys_reserve)
@@ -147,7 +173,8 @@ class RowsWriter:
 
     def write(self, keys: np.ndarray, rows: np.ndarray) -> None:
         """Append ``keys`` (int64, ``[n]``) and their ``rows`` (``[n, dim]`` of the dtype, or
-        ``[n, row_bytes]`` uint8 raw rows; bfloat16 as its 16-bit patterns)."""
+        ``[n, row_bytes]`` uint8 raw rows; bfloat16 as its 16-bit patterns; a quantized
+        format's stored bytes, ``[n, stored_bytes]`` uint8)."""
         keys = np.ascontiguousarray(keys, dtype="<i8")
         if keys.size == 0:
             return
@@ -168,7 +195,7 @@ class RowsWriter:
             shutil.copyfileobj(self._keys_f, self._rows_f, 1 << 22)
             head = _st_header(n, self.dim, self.dtype, self.meta, self._reserve - 8)
         else:
-            head = _npy_header((n, self.dim), _NP[self.dtype], self._reserve)
+            head = _npy_header((n, self.width), _element(self.dtype, True), self._reserve)
             self._keys_f.seek(0)
             self._keys_f.write(_npy_header((n,), "<i8", self._keys_reserve))
         self._rows_f.seek(0)

@@ -7,7 +7,7 @@
   the reserved key and, unless ``duplicates="last"``, keys given to more than one row;
   :class:`StreamCensus` does the same chunk by chunk for an iterator.
 * :func:`scan_finite` reads every row once, as the table's dtype, and refuses NaN and
-  infinite values unless the caller allows them.
+  infinite values unless the caller allows them (a quantized table allows none).
 
 Messages name the arguments the way the caller spells them (``cli``: the ``psclient``
 command's flags).
@@ -184,7 +184,8 @@ class StreamCensus:
 
 
 def scan_finite(n: int, get: Callable[[int, int], torch.Tensor], key_of: Callable[[int], int],
-                *, what: str, converted: str | None, batch_size: int, cli: bool) -> None:
+                *, what: str, converted: str | None, batch_size: int, cli: bool,
+                quantized: bool = False) -> None:
     """Read every row once and refuse NaN and infinite values.
 
     Args:
@@ -195,6 +196,8 @@ def scan_finite(n: int, get: Callable[[int, int], torch.Tensor], key_of: Callabl
         converted: the table dtype's name when the rows are converted to it, else None.
         batch_size: rows read at a time.
         cli: name the flags of the ``psclient`` command in messages.
+        quantized: the table is quantized (it stores finite rows only: the message offers
+            no opt-in).
 
     Raises:
         NonFiniteValuesError: how many rows hold NaN or an infinity, and the first one's key.
@@ -208,7 +211,9 @@ def scan_finite(n: int, get: Callable[[int, int], torch.Tensor], key_of: Callabl
             count += rows.numel()
     if count:
         as_ = f" once converted to {converted}" if converted else ""
+        todo = ("a quantized table stores finite rows only, fix those rows" if quantized
+                else "fix those rows, or load them anyway with "
+                + _arg(cli, "allow_nonfinite=True", "--allow-nonfinite"))
         raise NonFiniteValuesError(
             f"{what}: {count} of {n} rows hold NaN or infinite values{as_} (the first: row "
-            f"{first}, key {key_of(first)}); nothing was written: fix those rows, or load "
-            f"them anyway with {_arg(cli, 'allow_nonfinite=True', '--allow-nonfinite')}")
+            f"{first}, key {key_of(first)}); nothing was written: {todo}")

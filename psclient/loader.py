@@ -2,21 +2,24 @@
 directory, or an iterator.
 
 Sources are opened without reading their rows (files are memory-mapped) and read chunk by
-chunk. A raw binary file is rows of the table's ``dim`` and dtype back to back, in the
-machine's (little-endian) byte order, with no header: its size must be a whole number of
-rows. Keys default to ``0..N-1``, or to the ``keys`` tensor of a ``.safetensors`` file that
-holds one beside its rows (as ``psclient dump`` writes them); a keys source (a tensor, an
-int ``.npy``, a ``.safetensors`` file's ``keys`` or a raw file of little-endian int64) gives
-one key per row instead. A ``torch.distributed.checkpoint`` directory gives the 2-D tensor
-named by its fully qualified name (``tensor="emb.weight"``), or its only 2-D tensor, read
-piece by piece (:mod:`psclient.dcp_source`).
+chunk. A raw binary file is rows of the table's ``dim`` and dtype (a quantized table's:
+float32) back to back, in the machine's (little-endian) byte order, with no header: its
+size must be a whole number of rows. Keys default to ``0..N-1``, or to the ``keys`` tensor
+of a ``.safetensors`` file that holds one beside its rows (as ``psclient dump`` writes
+them); a keys source (a tensor, an int ``.npy``, a ``.safetensors`` file's ``keys`` or a
+raw file of little-endian int64) gives one key per row instead. A
+``torch.distributed.checkpoint`` directory gives the 2-D tensor named by its fully
+qualified name (``tensor="emb.weight"``), or its only 2-D tensor, read piece by piece
+(:mod:`psclient.dcp_source`).
 
 A file is read as the format it is given (or its suffix names) only if its first bytes say
 it is one: an ``.npz`` archive, a torch ``.pt`` file or anything else is refused with a line
 that says what the file is and what is read. A load refuses, before its first insert, keys
 given to more than one row (unless ``duplicates="last"``), the reserved key ``INT64_MIN``,
-and rows holding NaN or infinite values (unless ``allow_nonfinite``); :mod:`psclient.load_checks`
-holds those checks.
+and rows holding NaN or infinite values (unless ``allow_nonfinite``; a quantized table
+refuses them always); :mod:`psclient.load_checks` holds those checks, and
+:mod:`psclient.load_fit` whether the rows fit the table: a quantized table quantizes float
+rows as they are inserted, or takes its own stored bytes (a dump of it) as they are.
 
 Messages name the arguments the way the caller spells them: ``tensor=NAME`` for the Python
 API, ``--tensor NAME`` for the ``psclient`` command (``cli=True``).
@@ -34,18 +37,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
+from nvecache.common.rows import QUANTIZED, RowFormat, RowFormatError
 from psclient.codec import check_keys
 from psclient.dcp_source import open_dcp
 from psclient.errors import BadArgumentError, BadKeysError, BadValuesError
-from psclient.load_checks import (
-    StreamCensus,
-    census,
-    check_duplicates_arg,
-    not_a,
-    scan_finite,
-    sniff,
-)
-from psclient.schema import DTYPES, dtype_name
+from psclient.load_checks import StreamCensus, census, check_duplicates_arg, not_a, sniff
+from psclient.load_fit import check_finite_rows, check_rows, stored_bytes, stored_chunk
 
 if TYPE_CHECKING:  # NOTE: for annotations only: base imports this module
     from psclient.base import ParameterServer
@@ -75,13 +72,17 @@ def _name(dtype: torch.dtype) -> str:
 class RowSource:
     """Random access to the rows of a 2-D source, sliced chunk by chunk."""
 
-    def __init__(self, n: int, dim: int, dtype: torch.dtype, get: _Get, what: str) -> None:
+    def __init__(self, n: int, dim: int, dtype: torch.dtype, get: _Get, what: str,
+                 stored: RowFormat | None = None) -> None:
         #: rows, elements per row, row dtype
         self.n, self.dim, self.dtype = n, dim, dtype
         #: ``get(a, b)``: rows ``a..b-1`` as a contiguous CPU tensor
         self.get = get
         #: how messages name the source
         self.what = what
+        #: the quantized format whose stored bytes the rows are, where the file says so (a
+        #: ``.safetensors`` dump of a quantized table: uint8 rows, psclient.load_fit)
+        self.stored = stored
 
 
 class KeySource:
@@ -267,7 +268,21 @@ def _open_safetensors(path: Path, tensor: str | None, cli: bool) -> RowSource:
         raise BadValuesError(f"tensor {tensor!r} in {str(path)!r} is {shape}, need [N, dim]")
     dt = f.get_slice(tensor)[0:0].dtype
     return RowSource(shape[0], shape[1], dt, lambda a, b: sl[a:b].contiguous(),
-                     f"tensor {tensor!r} of {str(path)!r}")
+                     f"tensor {tensor!r} of {str(path)!r}",
+                     _stored_format(f.metadata() or {}, dt, shape[1]))
+
+
+def _stored_format(meta: dict[str, str], dtype: torch.dtype, width: int) -> RowFormat | None:
+    """The quantized format a ``.safetensors`` file's metadata names for its uint8 rows
+    (``dtype`` and ``dim``, as ``psclient dump`` writes them), when its rows are that
+    format's stored bytes; else None."""
+    if dtype != torch.uint8 or meta.get("dtype") not in QUANTIZED:
+        return None
+    try:
+        fmt = RowFormat(meta["dtype"], int(meta.get("dim", "")))
+    except (ValueError, RowFormatError):
+        return None
+    return fmt if fmt.stored_bytes == width else None
 
 
 def _safetensors_keys(path: Path, what: str) -> np.ndarray:
@@ -350,68 +365,32 @@ def open_keys(source: object, n: int, *, cli: bool = False,
                      distinct)
 
 
-def check_rows(rows: RowSource, dim: int, dtype: torch.dtype, *, table: str, convert: bool,
-               cli: bool = False) -> None:
-    """Check that ``rows`` fit a table of ``dim`` x ``dtype``, converted if ``convert``.
-
-    Raises:
-        BadValuesError: another row length, or another dtype without ``convert`` (or one
-            that cannot be converted to a float dtype).
-    """
-    if rows.dim != dim:
-        raise BadValuesError(
-            f"{rows.what} holds rows of {rows.dim} elements, table {table!r} has dim {dim}: "
-            "load rows of that length, or into another table"
-        )
-    if rows.dtype == dtype:
-        return
-    if rows.dtype.is_complex or rows.dtype == torch.bool:
-        raise BadValuesError(f"{rows.what} holds {_name(rows.dtype)} values; a table holds one of "
-                             f"{', '.join(DTYPES)}")
-    if not convert:
-        name = dtype_name(dtype)
-        raise BadValuesError(
-            f"{rows.what} holds {_name(rows.dtype)} rows, table {table!r} holds {name}: "
-            f"convert them on load with {_arg(cli, 'convert=True', '--dtype ' + name)}"
-        )
-
-
-def check_finite_rows(rows: RowSource, dtype: torch.dtype, keys: KeySource | None, *,
-                      batch_size: int = 65536, cli: bool = False) -> None:
-    """Read every row of ``rows`` once, as ``dtype`` (what a load stores), and refuse NaN
-    and infinite values.
-
-    Raises:
-        NonFiniteValuesError: how many rows hold one, and the first one's key.
-    """
-    scan_finite(rows.n, lambda a, b: rows.get(a, b).to(dtype),
-                (lambda i: i) if keys is None else (lambda i: int(keys.get(i, i + 1)[0])),
-                what=rows.what, converted=None if rows.dtype == dtype else _name(dtype),
-                batch_size=batch_size, cli=cli)
-
-
 def _chunks(ps: ParameterServer, source: object, keys: object, tensor: str | None,
             fmt: str | None, convert: bool, batch_size: int, duplicates: str,
             allow_nonfinite: bool
-            ) -> tuple[int | None, Iterator[tuple[Any, Any]], Callable[[], int]]:
+            ) -> tuple[int | None, Iterator[tuple[Any, Any]], Callable[[], int], bool]:
     """(rows or None for an iterator, the chunks to insert, the distinct keys inserted once
-    the chunks are spent); a file's or tensor's keys and rows are checked before."""
+    the chunks are spent, whether the chunks are a quantized table's stored bytes, to
+    insert as they are); a file's or tensor's keys and rows are checked before."""
+    schema = ps.schema
     if isinstance(source, (torch.Tensor, np.ndarray, str, Path)):
-        rows = open_rows(source, tensor, format=fmt, dim=ps.dim, dtype=ps.dtype)
+        # NOTE: a raw file's rows are what the table's writes take: float32 if quantized
+        rows = open_rows(source, tensor, format=fmt, dim=ps.dim, dtype=schema.value_dtype)
         check_rows(rows, ps.dim, ps.dtype, table=ps.table, convert=convert)
         keys = file_keys(source, keys, fmt, tensor)
         ks = None if keys is None else open_keys(keys, rows.n, duplicates=duplicates)
-        dtype = ps.dtype
-        if not allow_nonfinite:
-            check_finite_rows(rows, dtype, ks, batch_size=batch_size)
+        if not allow_nonfinite or schema.quantized:  # NOTE: quantized: never stored
+            check_finite_rows(rows, ps.dtype, ks, batch_size=batch_size, dim=ps.dim)
+        cast = stored_chunk(rows, schema.row_format)
 
         def gen() -> Iterator[tuple[Any, Any]]:
             for a in range(0, rows.n, batch_size):
                 b = min(rows.n, a + batch_size)
                 k = torch.arange(a, b, dtype=torch.int64) if ks is None else ks.get(a, b)
-                yield k, rows.get(a, b).to(dtype)
+                yield k, cast(rows.get(a, b))
 
-        return rows.n, gen(), lambda: rows.n if ks is None else ks.distinct
+        return (rows.n, gen(), lambda: rows.n if ks is None else ks.distinct,
+                stored_bytes(rows, schema.row_format))
     if isinstance(source, Iterable):
         if keys is not None:
             raise BadArgumentError("keys= is not used with an iterator: yield (keys, values)")
@@ -424,13 +403,13 @@ def _chunks(ps: ParameterServer, source: object, keys: object, tensor: str | Non
                 except (TypeError, ValueError) as e:
                     raise BadArgumentError("an iterator source must yield (keys, values)") from e
                 if convert and isinstance(v, torch.Tensor):
-                    v = v.to(ps.dtype)
+                    v = v.to(schema.value_dtype)
                 for a in range(0, len(k), batch_size):
                     ck = k[a:a + batch_size]
                     seen.add(check_keys(ck))  # NOTE: before the chunk is written
                     yield ck, v[a:a + batch_size]
 
-        return None, split(), lambda: seen.distinct
+        return None, split(), lambda: seen.distinct, False
     raise BadArgumentError(f"unsupported load source of type {type(source).__name__}")
 
 
@@ -442,8 +421,8 @@ def load_into(ps: ParameterServer, source: object, *, keys: object, tensor: str 
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
         raise BadArgumentError(f"batch_size must be a positive int, got {batch_size!r}")
     check_duplicates_arg(duplicates)
-    total, chunks, distinct = _chunks(ps, source, keys, tensor, format, convert, batch_size,
-                                      duplicates, allow_nonfinite)
+    total, chunks, distinct, verbatim = _chunks(ps, source, keys, tensor, format, convert,
+                                                batch_size, duplicates, allow_nonfinite)
     # NOTE: a file's or tensor's rows were read and checked above; an iterator's are checked
     # by each insert
     checked = allow_nonfinite or total is not None
@@ -454,7 +433,10 @@ def load_into(ps: ParameterServer, source: object, *, keys: object, tensor: str 
     with tqdm(total=total, unit="rows", unit_scale=True, desc=f"load {ps.table}",
               disable=None if progress is None else not progress) as bar:
         for k, v in chunks:
-            ps.insert(k, v, allow_nonfinite=checked)
+            if verbatim:
+                ps._insert_stored(k, v)
+            else:
+                ps.insert(k, v, allow_nonfinite=checked)
             loaded += len(k)
             bar.update(len(k))
     log.info("loaded %d rows into table %r", loaded, ps.table)

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from nvecache.common import rows
 from psclient.errors import BadArgumentError, UnsupportedURLError
 from psclient.schema import check_table_name, dtype_name
 
@@ -176,8 +177,12 @@ def connect(url: str, *, table: str, dim: int | None = None,
         table: table name: 1-100 characters from ``[A-Za-z0-9_.-]``, not ``.`` or ``..``
             (:mod:`nvecache.common.names`, the rule of every tier).
         dim: row length; required to create a table, checked against an existing one.
-        dtype: float32 (default for new tables), float16, bfloat16 or float64; checked
-            against an existing table.
+        dtype: float32 (default for new tables), float16, bfloat16 or float64, or a
+            quantized format: ``torch.int8`` / ``"int8"`` (row-wise int8 with a float32
+            scale and bias) or ``torch.float8_e4m3fn`` / ``"float8_e4m3fn"`` / ``"fp8"``
+            (fp8 with a float32 scale), whose writes take float rows and quantize them
+            and whose lookups return them dequantized as float32 (docs/psclient.md,
+            "Quantized tables"); checked against an existing table.
         loading: open for a bulk load (:meth:`ParameterServer.load`): a missing table is
             created ``loading`` (readers get :class:`TableLoadingError` until a load
             publishes it), a ``loading`` one is joined (docs/psclient.md, "Loading a new
@@ -200,7 +205,7 @@ def connect(url: str, *, table: str, dim: int | None = None,
     """
     scheme = _scheme(url)
     table = check_table_name(table)
-    dt = None if dtype is None else dtype_name(dtype)
+    dt = None if dtype is None else dtype_name(dtype, rows.FORMATS)
     if dim is not None and (not isinstance(dim, int) or isinstance(dim, bool) or dim <= 0):
         raise BadArgumentError(f"dim must be a positive int, got {dim!r}")
     if loading and partial:

@@ -6,6 +6,12 @@ the LMDB main database)::
     {"layout": LAYOUT_VERSION, "dim": int, "dtype": "float32", "partitions": int,
      "created": float unix time, "marked": true (Redis tables with existence markers)}
 
+``dtype`` is the name of the row format: a plain dtype, or a quantized format (``int8``,
+``float8_e4m3fn``: :data:`nvecache.common.rows.QUANTIZED`), whose rows are stored as
+:mod:`nvecache.common.quant` encodes them. A psclient that predates quantized tables finds
+an unknown dtype in such a record and refuses the table (``CorruptValueError``) instead of
+reading its bytes as plain numbers.
+
 The record never changes while the table lives (a layout-1 upgrade aside; its state,
 ``loading`` or ready, is kept beside it), so a reader that compares it with the one it
 opened tells the same table from another one of the name.
@@ -20,7 +26,7 @@ import struct
 import time
 import zlib
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -69,14 +75,19 @@ class _TorchDtypes(Mapping[str, "torch.dtype"]):
 DTYPES: Mapping[str, torch.dtype] = _TorchDtypes()
 
 
-def dtype_name(dtype: torch.dtype | str) -> str:
+def dtype_name(dtype: torch.dtype | str, allowed: tuple[str, ...] | None = None) -> str:
     """The stored name of a supported dtype (``torch.float32`` or ``"fp32"`` -> ``"float32"``).
 
+    Args:
+        dtype: a torch dtype or a name (:func:`nvecache.common.rows.dtype_name` reads it).
+        allowed: the names taken (default: the plain dtypes; ``rows.FORMATS`` adds the
+            quantized formats, where a table may store them).
+
     Raises:
-        BadArgumentError: the dtype is not one of float32, float16, bfloat16, float64.
+        BadArgumentError: the dtype is none of ``allowed`` (the message lists them).
     """
     try:
-        return rows.dtype_name(dtype)
+        return rows.dtype_name(dtype, allowed)
     except rows.RowFormatError as e:
         raise BadArgumentError(str(e)) from None
 
@@ -90,11 +101,17 @@ def check_table_name(table: object) -> str:
 
 @dataclass(frozen=True)
 class TableSchema:
-    """The geometry stored with a table."""
+    """The geometry stored with a table.
+
+    ``formats`` (not a field) is the whitelist ``dtype`` is checked against: the plain
+    dtypes by default; a table's own record (:meth:`decode`) and a table being created pass
+    :data:`nvecache.common.rows.FORMATS`, so a quantized format is taken only there.
+    """
 
     #: elements per row
     dim: int
-    #: stored dtype name, a key of :data:`DTYPES`
+    #: stored row format's name: a plain dtype (a key of :data:`DTYPES`) or a quantized
+    #: format (a key of :data:`nvecache.common.rows.QUANTIZED`)
     dtype: str
     #: number of partitions the keys are spread over (fixed at creation)
     partitions: int = 1
@@ -105,13 +122,16 @@ class TableSchema:
     #: Redis: the table was created with an existence marker in every partition's slot
     #: (writes check it); a table created before markers gets them on its first write
     marked: bool = field(default=False, compare=False)
+    #: the dtype names taken (default: the plain ones); not stored, not compared
+    formats: InitVar[tuple[str, ...] | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, formats: tuple[str, ...] | None) -> None:
         if not isinstance(self.dim, int) or isinstance(self.dim, bool) or self.dim <= 0:
             raise BadArgumentError(f"dim must be a positive int, got {self.dim!r}")
-        if self.dtype not in rows.DTYPES:
+        allowed = tuple(rows.DTYPES) if formats is None else formats
+        if self.dtype not in allowed:
             raise BadArgumentError(
-                f"unsupported dtype {self.dtype!r}: use one of {', '.join(rows.DTYPES)}")
+                f"unsupported dtype {self.dtype!r}: use one of {', '.join(allowed)}")
         if not isinstance(self.partitions, int) or not 1 <= self.partitions <= 16384:
             raise BadArgumentError(
                 f"partitions must be an int in [1, 16384], got {self.partitions!r}"
@@ -119,8 +139,29 @@ class TableSchema:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        """The row dtype as a torch dtype."""
-        return DTYPES[self.dtype]
+        """The row dtype as a torch dtype (a quantized format's: its payload's,
+        ``torch.int8`` or ``torch.float8_e4m3fn``)."""
+        return rows.torch_dtype(self.dtype)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether rows are stored quantized: writes take float rows and encode them,
+        lookups decode them to float32 (:mod:`nvecache.common.quant`)."""
+        return self.row_format.quantized
+
+    @property
+    def value_dtype(self) -> torch.dtype:
+        """The dtype of the rows a lookup returns: float32 for a quantized table, else the
+        table's dtype."""
+        return rows.torch_dtype("float32") if self.quantized else self.torch_dtype
+
+    def stored_view(self, raw: torch.Tensor, n: int) -> torch.Tensor:
+        """``n`` stored rows from their bytes (a contiguous uint8 tensor, ``n * row_bytes``
+        of them): ``[n, dim]`` of the dtype, or for a quantized table ``[n, row_bytes]``
+        uint8 (what :func:`nvecache.common.quant.decode` reads). A view, no copy."""
+        if self.quantized:
+            return raw.reshape(n, self.row_bytes)
+        return raw.view(self.torch_dtype).reshape(n, self.dim)
 
     @property
     def incarnation(self) -> str:
@@ -164,7 +205,7 @@ class TableSchema:
             rec = msgpack.unpackb(raw)
             return cls(dim=rec["dim"], dtype=rec["dtype"], partitions=rec["partitions"],
                        layout=rec["layout"], created=rec.get("created", 0.0),
-                       marked=rec.get("marked", False) is True)
+                       marked=rec.get("marked", False) is True, formats=rows.FORMATS)
         except (ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
             raise CorruptValueError(
                 f"table {table!r}: the stored schema record is unreadable ({e}); "

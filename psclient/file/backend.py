@@ -11,7 +11,7 @@ Layout of one environment directory (any number of tables, two named databases e
               b"psc:trimmed:<T>"   8-byte big-endian: highest change-feed seq trimmed
               b"psc:state:<T>"     only while the table is loading (psclient.file.store)
     b"rows:<T>"   key: 8 big-endian bytes of key ^ 2**63 (byte order = signed order)
-                  value: raw row bytes
+                  value: raw row bytes (a quantized table's: payload and parameters)
     b"feed:<T>"   key: 8-byte big-endian seq; value: b"K" + 8-byte little-endian commit
                   time (ns since the epoch) + packed int64 keys (layout 1 wrote b"k" + keys,
                   still read), or b"c" (table cleared). Bounded to ``changes_maxlen``
@@ -42,7 +42,8 @@ from urllib.parse import quote
 import lmdb
 import numpy as np
 
-from nvecache.common.accumulate import added, sum_duplicates
+from nvecache.common import rows as row_formats
+from nvecache.common.accumulate import sum_duplicates
 from nvecache.common.lazy import lazy_import
 from psclient.base import ParameterServer
 from psclient.codec import (
@@ -68,6 +69,7 @@ from psclient.file.store import list_file_tables as list_file_tables
 from psclient.file.store import lmdb_errors as _lmdb_errors
 from psclient.file.store import release_env as _release_env
 from psclient.loads import LOADING, READY, Load, TableState, loading_error
+from psclient.quantized import add_rows
 from psclient.schema import TableSchema
 
 if TYPE_CHECKING:
@@ -175,7 +177,7 @@ class FileParameterServer(FileFeed, ParameterServer):
                     raise TableNotFoundError(
                         f"{self._where} does not exist: pass dim= to create it")
                 schema = TableSchema(dim=dim, dtype=dtype or "float32",
-                                     partitions=partitions or 1)
+                                     partitions=partitions or 1, formats=row_formats.FORMATS)
                 raw = schema.encode()
                 txn.put(self._schema_key, raw)
                 self._open_dbs(txn, fresh=True)
@@ -190,7 +192,8 @@ class FileParameterServer(FileFeed, ParameterServer):
                 # NOTE: layout 1 -> 2 is transparent here: rows are unchanged, and a layout-1
                 # client still attached reads the new feed records as a superset (b"K" + time).
                 schema = TableSchema(dim=schema.dim, dtype=schema.dtype,
-                                     partitions=schema.partitions, created=schema.created)
+                                     partitions=schema.partitions, created=schema.created,
+                                     formats=row_formats.FORMATS)
                 raw = schema.encode()
                 txn.put(self._schema_key, raw)
                 log.info("upgraded %s to layout %d", self._where, schema.layout)
@@ -232,8 +235,7 @@ class FileParameterServer(FileFeed, ParameterServer):
             got = self._mirror.read(keys)
             if got is not None:
                 rows, found = got
-                n = keys.shape[0]
-                return (torch.from_numpy(rows).view(self._schema.torch_dtype).view(n, -1),
+                return (self._schema.stored_view(torch.from_numpy(rows), keys.shape[0]),
                         torch.from_numpy(found))
         return self._lookup_lmdb(keys)
 
@@ -290,7 +292,11 @@ class FileParameterServer(FileFeed, ParameterServer):
 
     def _accumulate(self, keys: np.ndarray, deltas: torch.Tensor) -> torch.Tensor:
         """One write transaction (LMDB's one writer at a time, across processes): the
-        distinct keys' rows read, their summed deltas added, the rows written back."""
+        distinct keys' rows read, their summed deltas added (a quantized row decoded,
+        added to in float32, encoded: :func:`psclient.quantized.add_rows`), the rows
+        written back. So two processes adding to a row never lose an addition; a sum that
+        cannot be stored (a quantized row's overflow) aborts the transaction: nothing is
+        written."""
         distinct, sums, inverse = sum_duplicates(torch.from_numpy(keys), deltas, self.dtype)
         ukeys = distinct.numpy()
         n = ukeys.size
@@ -304,7 +310,7 @@ class FileParameterServer(FileFeed, ParameterServer):
                                                     np.ones(n, dtype=bool), ukeys, self._schema,
                                                     self._table)
                 hit = found.numpy()
-                new = added(old[found], sums[found])
+                new = add_rows(old[found], sums[found], self._schema, ukeys[hit])
                 if hit.any():
                     txn.cursor().putmulti(zip(compress(kb, hit), row_bytes_list(new),
                                               strict=True), overwrite=True)

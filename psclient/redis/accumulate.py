@@ -14,6 +14,21 @@ Every key is swapped, found or not, so the script's marker check refuses an accu
 a dropped table as it refuses any write. A swap command sent twice (its pipeline resent
 after a lost connection) answers its receipt the second time, so no addition is applied
 twice either.
+
+A quantized table (``int8``, ``float8_e4m3fn``) is accumulated the same way, on its stored
+bytes: the client decodes the row it read, adds the float32 sum of its deltas, encodes the
+result (:func:`psclient.quantized.add_rows`) and swaps it for the bytes it read. This
+optimistic compare-and-set was chosen over doing the addition in a Lua script (which
+would need the codec's float32 arithmetic, rounding and fp8 tables written again in Lua,
+where numbers are doubles: its bytes would not be :mod:`nvecache.common.quant`'s) and
+over ``WATCH``/``MULTI``/``EXEC`` (a ``WATCH`` covers a whole partition hash, so every
+write to any row of the partition would abort the transaction, and a cluster would need
+one connection per watched slot): the compare covers exactly the rows the write touches,
+one script per partition chunk on a cluster as on one server, and encoding is
+deterministic, so equal bytes mean the row is the one that was read (a row changed and
+changed back to the same bytes holds the same values: adding to it is still right).
+Rows whose sum cannot be encoded (a float32 overflow) are refused before any swap of the
+round that computed them (the first round: before anything is written).
 """
 
 from __future__ import annotations
@@ -41,20 +56,32 @@ MAX_ROUNDS = 10_000
 
 Read = Callable[[np.ndarray], "tuple[torch.Tensor, torch.Tensor]"]
 Swap = Callable[[np.ndarray, "torch.Tensor", "torch.Tensor"], np.ndarray]
+#: ``add(stored rows, summed deltas, their keys) -> the stored rows to write``
+Add = Callable[["torch.Tensor", "torch.Tensor", np.ndarray], "torch.Tensor"]
+
+
+def _added(rows: torch.Tensor, sums: torch.Tensor, _keys: np.ndarray) -> torch.Tensor:
+    return added(rows, sums)
 
 
 def compare_and_add(keys: np.ndarray, deltas: torch.Tensor, dtype: torch.dtype, read: Read,
-                    swap: Swap, where: str) -> torch.Tensor:
+                    swap: Swap, where: str, add: Add = _added) -> torch.Tensor:
     """Add ``deltas`` to the rows of ``keys`` that exist, each row atomically.
 
     Args:
         keys: int64 ``[N]``, duplicates allowed (their deltas are summed).
         deltas: ``[N, dim]``, the table's dtype or its accumulator dtype.
-        dtype: the table's dtype.
-        read: a lookup: ``(rows, found)`` of distinct keys (a missing key's row zeros).
+        dtype: the table's dtype (a quantized table's: its format's; the deltas are summed
+            in its accumulator dtype, float32).
+        read: a lookup of stored rows: ``(rows, found)`` of distinct keys (a missing key's
+            row zeros).
         swap: one compare-and-set per key, ``(keys, rows read, rows to write)``; uint8 flags
             ``1`` written, ``0`` missing, ``r`` changed since the read.
         where: ``table 'T' at URL``, for messages.
+        add: the stored rows to write from those read and the summed deltas (default:
+            added in the accumulator dtype, rounded once; a quantized table's:
+            :func:`psclient.quantized.add_rows`); what it raises ends the accumulate
+            before that round's swap.
 
     Returns:
         bool ``[N]``: which keys existed (and were added to).
@@ -68,7 +95,7 @@ def compare_and_add(keys: np.ndarray, deltas: torch.Tensor, dtype: torch.dtype, 
         # for it): the script answers '0' if it is still missing; one written meanwhile is
         # read again unless its row is zeros, which the sum is then rightly added to
         rows, _ = read(uk[todo])
-        flags = swap(uk[todo], rows, added(rows, sums[torch.from_numpy(todo)]))
+        flags = swap(uk[todo], rows, add(rows, sums[torch.from_numpy(todo)], uk[todo]))
         existed[todo[flags == ord("1")]] = True
         todo = todo[flags == ord("r")]
         if todo.size == 0:

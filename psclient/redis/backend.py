@@ -5,6 +5,7 @@ Layout 2 of table ``T`` (prefix ``psc``, ``P`` partitions fixed at creation)::
     psc:{T}:schema          string   msgpack TableSchema (layout 2)
     psc:{T}:state           hash     only while the table is not ready (psclient.redis.tables)
     psc:{T:p}               hash     field = key as 8 little-endian bytes, value = raw row bytes
+                                     (a quantized table's: payload and parameters)
     psc:{T:p}:changes       stream   partition p's change feed (psclient.redis.scripts)
     psc:{T:p}:last          string   the ID of that stream's newest entry
     psc:{T:p}:live          string   the table's existence marker in p's slot (writes check it)
@@ -46,6 +47,7 @@ from psclient.errors import (
     TableDroppedError,
 )
 from psclient.feed import FeedBatch
+from psclient.quantized import add_rows
 from psclient.redis import resp, scripts
 from psclient.redis.accumulate import compare_and_add, swap_commands
 from psclient.redis.conn import (
@@ -187,7 +189,9 @@ class RedisParameterServer(RedisTableLife, ParameterServer):
         if (new.layout, new.dim, new.dtype, new.partitions) != (
                 old.layout, old.dim, old.dtype, old.partitions):
             raise SchemaMismatchError(
-                f"{self._where} was created anew with another schema ({new}): connect again")
+                f"{self._where} was created anew with another schema: dim {new.dim}, dtype "
+                f"{new.dtype}, {new.partitions} partitions, layout {new.layout} (this handle "
+                f"opened dim {old.dim}, dtype {old.dtype}, {old.partitions}): connect again")
         self._schema, self._schema_raw = new, raw
         self._tails()
         return "the table was created anew (dropped, or lost in a restart, and written again)"
@@ -351,8 +355,7 @@ class RedisParameterServer(RedisTableLife, ParameterServer):
             return placed
 
         self._run(cmds, job, place)
-        flat = values.view(np.uint8)
-        out = torch.from_numpy(flat).view(self._schema.torch_dtype).reshape(n, self.dim)
+        out = self._schema.stored_view(torch.from_numpy(values.view(np.uint8)), n)
         return out, torch.from_numpy(found)
 
     def _place(self, dest: np.ndarray, reply: Any, keys: np.ndarray, values: np.ndarray,
@@ -402,11 +405,13 @@ class RedisParameterServer(RedisTableLife, ParameterServer):
         return torch.from_numpy(existed)
 
     def _accumulate(self, keys: np.ndarray, deltas: torch.Tensor) -> torch.Tensor:
-        # NOTE: read, add here, and write each row only if it is still the row read
+        # NOTE: read, add here (a quantized row: decoded, added to, encoded), and write
+        # each row only if its stored bytes are still the ones read
         # (psclient.redis.scripts.ACCUMULATE); rows another writer changed meanwhile are
         # read again and retried
+        schema = self._schema
         return compare_and_add(keys, deltas, self.dtype, self._lookup, self._swap,
-                               self._where)
+                               self._where, add=lambda r, s, k: add_rows(r, s, schema, k))
 
     def _swap(self, keys: np.ndarray, old: torch.Tensor, new: torch.Tensor) -> np.ndarray:
         """One compare-and-set per key: uint8 flags ``1`` / ``0`` / ``r`` (the script's)."""

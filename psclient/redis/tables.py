@@ -42,6 +42,7 @@ import logging
 import time
 from typing import Any
 
+from nvecache.common import rows
 from psclient.errors import (
     PSClientError,
     SchemaMismatchError,
@@ -188,7 +189,7 @@ class RedisTableLife:
                     masters = len(self._client.get_primaries()) if self._cluster else 1
                     partitions = max(64, 8 * masters)
                 schema = TableSchema(dim=dim, dtype=dtype or "float32", partitions=partitions,
-                                     marked=True)
+                                     marked=True, formats=rows.FORMATS)
                 rec, me = schema.encode(), Load.here()
                 raw = self._eval(_CREATE, [rec, me.token, me.encode()])
                 if raw is None:
@@ -263,7 +264,7 @@ class RedisTableLife:
                 "psclient, then run `psclient upgrade URL --table NAME` (or connect with "
                 "upgrade=True) once: the rows stay, the old feed is dropped, followers re-sync")
         new = TableSchema(dim=old.dim, dtype=old.dtype, partitions=old.partitions,
-                          created=old.created)
+                          created=old.created, formats=rows.FORMATS)
         pre = self._opts["prefix"]
         rec = new.encode()
         # NOTE: compare-and-set: only the process that still finds the old record upgrades

@@ -104,7 +104,8 @@ def bad_loads(d: Path) -> list[list[str]]:
         [str(d / "missing.npy")],
         [str(d / "rows.csv")],
         [f, "--format", "safetensors"],
-        [f, "--dtype", "int8"],
+        [f, "--dtype", "int16"],  # no table stores it (int8 is a quantized format)
+        [f, "--dtype", "int8", "--dim", "5"],  # a quantized table: rows still of its dim
     ]
 
 
