@@ -236,7 +236,8 @@ class HostCache(TableFiles, SharedTable, CacheProbes):
 
         Args:
             keys: int64 CPU ``[N]``; duplicates: the last occurrence wins.
-            values: ``[N, dim]`` rows of the table's dtype.
+            values: ``[N, dim]`` rows of the table's dtype (a quantized cache: float rows, or
+                its stored bytes, uint8 ``[N, stored_bytes]``).
             overwrite: Keys already cached get the new row (and every process's GPU cache
                 drops them). ``False`` leaves cached keys as they are: the safe way to fill
                 the cache with rows read from a parameter server, since a concurrent
@@ -287,8 +288,7 @@ class HostCache(TableFiles, SharedTable, CacheProbes):
         keys written, keys evicted)."""
         keys = check_cache_keys(keys)
         codec = self._codec
-        values = codec.checked(values, keys.numel())
-        codec.finite(values, keys, allow_nonfinite=allow_nonfinite)
+        values = codec.accept(values, keys, allow_nonfinite=allow_nonfinite)
         if keys.numel() == 0:
             return torch.zeros(0, dtype=torch.bool), 0, 0
         keys_np = keys.numpy()
@@ -360,8 +360,7 @@ class HostCache(TableFiles, SharedTable, CacheProbes):
             return present
         keys = check_cache_keys(keys)
         codec = self._codec
-        values = codec.checked(values, keys.numel())
-        codec.finite(values, keys, allow_nonfinite=allow_nonfinite)
+        values = codec.accept(values, keys, allow_nonfinite=allow_nonfinite)
         if keys.numel() == 0:
             return torch.zeros(0, dtype=torch.bool)
         with self._writing():
@@ -403,7 +402,7 @@ class HostCache(TableFiles, SharedTable, CacheProbes):
                 # NOTE: a quantized row: decoded, added in float32, quantized again
                 new = added(cur, sums[torch.from_numpy(found)])
                 codec.finite(new, distinct[torch.from_numpy(found)], allow_nonfinite=not q)
-                self._write_seqlocked(old_slots, ukeys[found], codec.raw(new),
+                self._write_seqlocked(old_slots, ukeys[found], codec.raw(codec.stored(new)),
                                       np.arange(old_slots.size), self._npolicy[:0], True, False)
             self.ring.append(torch.from_numpy(ukeys[found]))
             self._counters[C_UPDATES] += int(old_slots.size)

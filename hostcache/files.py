@@ -5,7 +5,9 @@ A file holds the rows as ``weight`` (``[N, dim]``, the table's dtype) and their 
 :class:`~hostcache.SharedMemBlock`'s row indices), and in its metadata the table's kind and
 geometry (``kind``, ``dim``, ``dtype``, ``capacity``, ``ways``, ``policy``), so a restore
 can create the table anew. It is the format ``psclient dump`` writes, so ``psclient load``
-reads a saved table too. Files hold plain rows: a quantized table is not saved or loaded.
+reads a saved table too. A quantized table's file holds its stored bytes (uint8, the
+format and dim in the metadata), restored bit for bit (:mod:`hostcache.saved`);
+:func:`load_rows` takes plain rows only.
 
 :func:`save` reads the table chunk by chunk (a cache's rows through its seqlocked lookup,
 never a torn row; keys evicted meanwhile are left out) and writes beside the destination,
@@ -45,10 +47,11 @@ from hostcache.errors import (
     SegmentNotFoundError,
 )
 from hostcache.memblock import SharedMemBlock
+from hostcache.saved import Saved, check_finite, check_fits, nonfinite_scan
 from hostcache.segment import attach as attach_segment
 from nvecache.common.finite import nonfinite_rows
 from psclient.errors import PSClientError
-from psclient.formats import KEYS_NAME, ROWS_NAME, RowsWriter
+from psclient.formats import ROWS_NAME, RowsWriter
 
 if TYPE_CHECKING:
     from tqdm import tqdm
@@ -79,15 +82,18 @@ def _chunks(table: SharedTable, chunk: int) -> Iterator[tuple[torch.Tensor, torc
     assert isinstance(table, HostCache)
     held = table._nkeys.copy()  # NOTE: one pass over the key slots; rows read seqlocked
     held = held[held != layout.EMPTY_KEY]
+    width = table._codec.width  # NOTE: rows as stored (a quantized cache's: its bytes)
     for a in range(0, held.size, chunk):
         keys = torch.from_numpy(held[a:a + chunk])
-        values, hit = table.lookup(keys, count=False)
+        values = torch.empty(keys.numel(), width, dtype=torch.uint8)
+        hit = table._read(keys, values, False)
         yield keys[hit], values[hit]
 
 
 def _plain_only(table: SharedTable, what: str) -> None:
     if table.geometry.row_format.quantized:
-        raise BadArgumentError(f"table {table.name!r} is quantized: not {what} yet (use write)")
+        raise BadArgumentError(f"table {table.name!r} is quantized: not {what} yet (restore "
+                               "a file `hostcache save` or `psclient dump` wrote of one)")
 
 
 def _raw(rows: torch.Tensor) -> np.ndarray:
@@ -121,7 +127,6 @@ def save(table: SharedTable | str, path: str | Path, *, chunk: int = CHUNK_ROWS)
     if isinstance(table, str):
         with open_table(table) as handle:
             return save(handle, path, chunk=chunk)
-    _plain_only(table, "saved")
     geo = table.geometry
     meta = {"kind": _kind(table), "table": table.name, "dim": str(geo.dim),
             "dtype": geo.dtype_name, "capacity": str(geo.capacity), "ways": str(geo.ways),
@@ -140,93 +145,7 @@ def save(table: SharedTable | str, path: str | Path, *, chunk: int = CHUNK_ROWS)
     return writer.rows
 
 
-class _Saved:
-    """A saved file, opened: its metadata, keys and a lazy view of its rows."""
-
-    def __init__(self, path: Path) -> None:
-        from safetensors import SafetensorError, safe_open
-
-        what = repr(str(path))
-        if not path.is_file():
-            raise BadArgumentError(f"no such file: {what}")
-        try:
-            self._f = safe_open(str(path), framework="pt")
-        except (SafetensorError, OSError) as e:
-            raise BadArgumentError(f"{what} is not a saved table (not a .safetensors "
-                                   f"file: {e}): restore a file `hostcache save` wrote") from e
-        names = set(self._f.keys())
-        if not {ROWS_NAME, KEYS_NAME} <= names:
-            raise BadArgumentError(f"{what} holds tensors {sorted(names)}, not a table's "
-                                   f"{ROWS_NAME!r} and {KEYS_NAME!r}: restore a file "
-                                   "`hostcache save` or `psclient dump` wrote")
-        self.meta = self._f.metadata() or {}
-        self.rows = self._f.get_slice(ROWS_NAME)
-        shape = self.rows.get_shape()
-        self.keys = self._f.get_tensor(KEYS_NAME)
-        if len(shape) != 2 or self.keys.dim() != 1 or self.keys.numel() != shape[0] \
-                or self.keys.dtype != torch.int64:
-            raise BadArgumentError(f"{what}: rows {shape} and keys {list(self.keys.shape)} "
-                                   f"{self.keys.dtype} do not make a table ([N, dim] rows, "
-                                   "[N] int64 keys)")
-        self.n, self.dim = shape
-        self.dtype = self.rows[0:0].dtype
-        self.what = what
-
-    def kind(self) -> str:
-        return self.meta.get("kind", "hostcache")
-
-    def geometry(self) -> str:
-        return f"dim {self.dim}, {str(self.dtype).removeprefix('torch.')}"
-
-
-def _check_fits(saved: _Saved, table: SharedTable, name: str) -> None:
-    geo = table.geometry
-    if saved.kind() != _kind(table) or saved.dim != geo.dim or saved.dtype != geo.dtype:
-        raise GeometryMismatchError(
-            f"{saved.what} holds a {saved.kind()} table of {saved.geometry()}, table {name!r} "
-            f"is a {_kind(table)} table of dim {geo.dim}, {geo.dtype_name}: restore into "
-            "another name (it is created) or remove the table first (hostcache rm)")
-    keys = saved.keys
-    if isinstance(table, SharedMemBlock) and saved.n and (
-            int(keys.min()) < 0 or int(keys.max()) >= table.num_rows):
-        raise GeometryMismatchError(
-            f"{saved.what} holds rows {int(keys.min())}..{int(keys.max())}, table {name!r} "
-            f"has {table.num_rows} rows: restore into a table of at least "
-            f"{int(keys.max()) + 1} rows")
-    if isinstance(table, HostCache) and saved.n > geo.capacity:
-        raise GeometryMismatchError(
-            f"{saved.what} holds {saved.n} rows, cache {name!r} holds {geo.capacity}: "
-            "restore into a cache of that capacity or more")
-
-
-def _nonfinite_scan(read: Callable[[int, int], torch.Tensor], n: int, chunk: int,
-                    bar: tqdm | None = None) -> tuple[int, int]:
-    """(how many of ``n`` rows hold NaN or an infinity, the first one's index or -1), the
-    rows read once, ``read(start, stop)`` a chunk at a time."""
-    bad, first = 0, -1
-    for a in range(0, n, chunk):
-        b = min(n, a + chunk)
-        at = nonfinite_rows(read(a, b))
-        if at is not None:
-            idx = torch.nonzero(at)[:, 0]
-            first = a + int(idx[0]) if first < 0 else first
-            bad += idx.numel()
-        if bar is not None:
-            bar.update(b - a)
-    return bad, first
-
-
-def _check_finite(saved: _Saved, chunk: int) -> None:
-    """Every saved row read once: NaN and infinities refused before the first write."""
-    bad, first = _nonfinite_scan(lambda a, b: saved.rows[a:b], saved.n, chunk)
-    if bad:
-        raise NonFiniteValuesError(
-            f"{saved.what}: {bad} of {saved.n} rows hold NaN or infinite values (the first: "
-            f"key {int(saved.keys[first])}); nothing was written: fix the file, or restore "
-            "it anyway with allow_nonfinite=True (--allow-nonfinite)")
-
-
-def _create(saved: _Saved, name: str) -> SharedTable:
+def _create(saved: Saved, name: str) -> SharedTable:
     meta = saved.meta
     if saved.kind() == "linear":
         rows = int(meta.get("capacity", 0)) or (int(saved.keys.max()) + 1 if saved.n else 1)
@@ -265,19 +184,19 @@ def restore(name: str, path: str | Path, *, create: bool = True, chunk: int = CH
     if Path(path).is_dir():
         return _restore_dir(name, Path(path), create=create, chunk=chunk,
                             allow_nonfinite=allow_nonfinite, tensor=tensor, progress=progress)
-    saved = _Saved(Path(path))
+    saved = Saved(Path(path))
     if saved.kind() not in _KINDS:
         raise BadArgumentError(f"{saved.what} is of table kind {saved.kind()!r}: a saved "
                                f"table is one of {', '.join(_KINDS)}")
     with _opened_or_created(name, create, lambda: _create(saved, name)) as table:
-        _check_fits(saved, table, name)
+        check_fits(saved, table, name)
         first = _consecutive(saved.keys, chunk)
-        if isinstance(table, SharedMemBlock) and first is not None:
+        if isinstance(table, SharedMemBlock) and first is not None and not saved.stored:
             _restore_span(table, saved, Path(path), first, chunk=chunk,
                           allow_nonfinite=allow_nonfinite, progress=progress)
             return table
-        if not allow_nonfinite:
-            _check_finite(saved, chunk)
+        if not allow_nonfinite or saved.stored:
+            check_finite(saved, chunk)
         for a in range(0, saved.n, chunk):
             b = min(saved.n, a + chunk)
             keys, rows = saved.keys[a:b], saved.rows[a:b]
@@ -305,7 +224,7 @@ def _consecutive(keys: torch.Tensor, chunk: int) -> int | None:
     return k0
 
 
-def _restore_span(block: SharedMemBlock, saved: _Saved, path: Path, first: int, *,
+def _restore_span(block: SharedMemBlock, saved: Saved, path: Path, first: int, *,
                   chunk: int, allow_nonfinite: bool, progress: bool | None) -> None:
     """A saved linear table's rows (keys ``first, first+1, ...``) streamed into ``block``."""
     rows = _open_source(path, ROWS_NAME, "safetensors")
@@ -377,8 +296,8 @@ def _scan(rows: RowReader, stage: torch.Tensor, chunk: int, bar: tqdm) -> tuple[
         return view if view is not None else _nonfinite_scan_staged(read, a, b, stage)
 
     if rows.mapped(0, min(rows.n, 1)) is None:
-        return _nonfinite_scan(read, rows.n, stage.shape[0], bar)
-    return _nonfinite_scan(mapped, rows.n, chunk, bar)
+        return nonfinite_scan(read, rows.n, stage.shape[0], bar)
+    return nonfinite_scan(mapped, rows.n, chunk, bar)
 
 
 def _nonfinite_scan_staged(read: Callable[[int, int], torch.Tensor], a: int, b: int,
@@ -463,7 +382,7 @@ def load_rows(block: SharedMemBlock, path: str | Path, *, tensor: str | None = N
     """
     if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0:
         raise BadArgumentError(f"chunk must be a positive int, got {chunk!r}")
-    _plain_only(block, "loaded from a file")
+    _plain_only(block, "loaded from rows of a file")
     rows = _open_source(path, tensor, format, block.dim, block.dtype)
     if rows.dim != block.dim or rows.dtype != block.dtype or rows.n > block.num_rows:
         raise GeometryMismatchError(

@@ -11,9 +11,9 @@ read-after-write section says).
 A table may store its rows quantized (``dtype=torch.int8``: row-wise int8 with a float32
 scale and bias; ``torch.float8_e4m3fn``: fp8 with a float32 scale;
 :mod:`nvecache.common.quant`): its writes take float rows and quantize them, its reads
-return them dequantized as float32, and :attr:`tensor` is then each row's stored bytes.
-The layers read plain tables only for now: one given a quantized block refuses it with
-``BadArgumentError``.
+return them dequantized as float32 (its writes also take its stored bytes as they are),
+and :attr:`tensor` is then each row's stored bytes. The layers read plain tables only for
+now: one given a quantized block refuses it with ``BadArgumentError``.
 """
 
 from __future__ import annotations
@@ -179,6 +179,8 @@ class SharedMemBlock(TableFiles, SharedTable):
     def write(self, indices: torch.Tensor, values: torch.Tensor, *,
               allow_nonfinite: bool = False) -> None:
         """Write rows and tell every process's GPU cache to drop them (last duplicate wins).
+        A quantized table takes float rows, or its stored bytes (uint8
+        ``[N, stored_bytes]``, as :attr:`tensor` holds them).
 
         In this process the write waits for lookups in flight (:attr:`gate`), so none
         returns a row half old, half new; writes from other processes are not gated.
@@ -189,10 +191,8 @@ class SharedMemBlock(TableFiles, SharedTable):
                 ``allow_nonfinite``; nothing is written.
         """
         idx = check_indices(indices, self.num_rows)
-        codec = self._codec
-        values = codec.checked(values, idx.numel())
-        codec.finite(values, idx, allow_nonfinite=allow_nonfinite, key_word="index")
-        values = codec.stored(values)
+        values = self._codec.accept(values, idx, allow_nonfinite=allow_nonfinite,
+                                    key_word="index")
         n = idx.numel()
         if n == 0:
             return
@@ -219,13 +219,13 @@ class SharedMemBlock(TableFiles, SharedTable):
                 ``allow_nonfinite``; nothing is written.
         """
         n = int(values.shape[0]) if isinstance(values, torch.Tensor) and values.dim() else 0
-        codec = self._codec
-        values = codec.checked(values, n)
+        at = start if isinstance(start, int) and not isinstance(start, bool) else 0
+        # NOTE: the values are checked first, their rows named by index
+        stored = self._codec.accept(values, _span(at, n), allow_nonfinite=allow_nonfinite,
+                                    key_word="index")
         first = _check_span(start, n, self.num_rows)
-        if codec.quantized or not allow_nonfinite:
-            codec.finite(values, _span(first, n), allow_nonfinite=False, key_word="index")
         if n:
-            self._copy_span(first, codec.stored(values))
+            self._copy_span(first, stored)
 
     def _copy_span(self, first: int, values: torch.Tensor) -> None:
         """Checked ``values`` to rows ``first ..``, announced, under the gate and lock."""

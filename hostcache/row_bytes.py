@@ -6,7 +6,10 @@ table's (int8, float8_e4m3fn) are encoded on the way in and decoded on the way o
 table's dtype; a quantized table, float rows of any plain dtype), the NaN/infinity rule (a
 quantized table stores finite rows only, whatever ``allow_nonfinite`` says: a row's range
 is its scale), the bytes stored, and the rows a read returns (a quantized table's in
-float32).
+float32). A quantized table's writes also take its stored bytes themselves (uint8
+``[N, stored_bytes]``, as its ``tensor`` holds them and a saved file or a parameter
+server's dump of it holds them), stored as they are once they decode to finite rows: a
+round trip through a file is bit for bit.
 """
 
 from __future__ import annotations
@@ -65,14 +68,35 @@ class RowBytes:
                 f"{key_word} {int(keys.reshape(-1)[int(pos[0, 0])])}); nothing was written: "
                 "a quantized table stores finite rows only, fix those rows")
 
+    def accept(self, values: object, keys: torch.Tensor, *, allow_nonfinite: bool,
+               key_word: str = "key") -> torch.Tensor:
+        """What a write of ``values`` for ``keys`` stores, checked (:meth:`checked`,
+        :meth:`finite`) and encoded; of a quantized table, uint8 stored bytes are taken as
+        they are, if they decode to finite rows.
+
+        Raises:
+            BadArgumentError: values of another dtype, device or shape.
+            NonFiniteValuesError: a row holds NaN or an infinity (see :meth:`finite`).
+        """
+        n = keys.numel()
+        if self.quantized and isinstance(values, torch.Tensor) and values.dtype == torch.uint8:
+            stored = check_values(values, n, self.width, torch.uint8,
+                                  what="stored rows (uint8)")
+            self.finite(self.rows(stored), keys, allow_nonfinite=False, key_word=key_word)
+            return stored
+        rows_in = self.checked(values, n)
+        self.finite(rows_in, keys, allow_nonfinite=allow_nonfinite, key_word=key_word)
+        return self.stored(rows_in)
+
     def stored(self, values: torch.Tensor) -> torch.Tensor:
         """Checked, finite rows as the table stores them (quantized: uint8, encoded)."""
         return quant.encode(values, self.fmt) if self.quantized else values
 
-    def raw(self, values: torch.Tensor) -> np.ndarray:
-        """uint8 ``[N, width]`` numpy bytes of checked, finite rows, for the compiled
-        loops."""
-        return self.stored(values).contiguous().view(torch.uint8).numpy()
+    @staticmethod
+    def raw(stored: torch.Tensor) -> np.ndarray:
+        """uint8 ``[N, width]`` numpy bytes of stored rows (:meth:`accept`'s), for the
+        compiled loops."""
+        return stored.contiguous().view(torch.uint8).numpy()
 
     def rows(self, stored: torch.Tensor) -> torch.Tensor:
         """The rows of stored bytes (``[N, width]``, uint8 for a quantized table; a plain

@@ -38,8 +38,9 @@ class TableFiles:
                 existing table; nothing was written.
         """
         from hostcache import files
+        from hostcache.saved import Saved
 
-        kind = files._Saved(Path(path)).kind()  # noqa: SLF001 - the module's own reader
+        kind = Saved(Path(path)).kind()
         if files._KINDS.get(kind) is not cls:  # noqa: SLF001
             raise GeometryMismatchError(
                 f"{str(path)!r} holds a {kind} table, not a {cls.__name__}: restore it with "

@@ -8,15 +8,23 @@ checked on attach; a Hierarchical layer does not take a quantized host cache yet
 from __future__ import annotations
 
 import multiprocessing as mp
+from pathlib import Path
 
 import pytest
 import torch
 
 from gpu import LayerType, NVEmbedding
 from gpu.errors import BadArgumentError as LayerArgumentError
-from hostcache import BadArgumentError, GeometryMismatchError, HostCache, NonFiniteValuesError
+from hostcache import (
+    BadArgumentError,
+    GeometryMismatchError,
+    HostCache,
+    NonFiniteValuesError,
+    files,
+)
 from nvecache.common import quant
 from nvecache.common.rows import QUANTIZED, RowFormat
+from psclient import connect
 from tests.hostcache import quant_workers
 
 CTX = mp.get_context("spawn")
@@ -145,3 +153,41 @@ def test_a_hierarchical_layer_refuses_a_quantized_host_cache(qcache: HostCache) 
     with pytest.raises(LayerArgumentError, match="host cache"):
         NVEmbedding(256, 13, torch.float32, LayerType.Hierarchical, device="cpu",
                     host_cache=qcache)
+
+
+def _stored(hc: HostCache, keys: torch.Tensor) -> torch.Tensor:
+    return torch.stack([hc._rows[int(s)] for s in hc._probe(keys.numpy())[0]])  # noqa: SLF001
+
+
+def test_a_saved_cache_restores_bit_for_bit(qcache: HostCache, table_name: str,
+                                            tmp_path: Path) -> None:
+    keys = torch.arange(0, 400, 3)[:100]
+    qcache.insert(keys, _rows(100, seed=9))
+    held = keys[qcache.contains(keys)]
+    path = tmp_path / "c.safetensors"
+    assert files.save(qcache, path) == held.numel()
+    with files.restore(table_name + "r", path) as back:
+        try:
+            assert isinstance(back, HostCache)
+            assert back.geometry.dtype == qcache.geometry.dtype
+            assert torch.equal(_stored(back, held), _stored(qcache, held))
+            assert torch.equal(back.lookup(held)[0], qcache.lookup(held)[0])
+        finally:
+            HostCache.unlink(table_name + "r")
+
+
+def test_a_parameter_servers_dump_restores_into_a_host_cache(
+        qcache: HostCache, table_name: str, tmp_path: Path) -> None:
+    """``psclient dump`` of a quantized table: its stored bytes, loaded as they are."""
+    dtype = qcache.geometry.dtype
+    keys = torch.tensor([3, 1 << 40, -5])
+    with connect(f"file://{tmp_path / 'ps'}", table="q", dim=13, dtype=dtype) as ps:
+        ps.insert(keys, _rows(3, seed=10))
+        want, _ = ps.lookup(keys)
+        ps.dump(tmp_path / "d.safetensors")
+    with files.restore(table_name + "d", tmp_path / "d.safetensors") as back:
+        try:
+            got, hit = back.lookup(keys)
+            assert bool(hit.all()) and torch.equal(got, want)
+        finally:
+            HostCache.unlink(table_name + "d")

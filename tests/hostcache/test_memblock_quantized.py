@@ -144,11 +144,55 @@ def test_an_int8_row_of_dim_128_takes_its_bytes_within_a_tenth(table_name: str) 
             SharedMemBlock.unlink(table_name)
 
 
+def test_a_saved_table_restores_bit_for_bit(qblock: SharedMemBlock, table_name: str,
+                                            tmp_path: Path) -> None:
+    """A file holds the stored bytes: restored into a new table (created in the format) or
+    the same one, the rows are those bytes; another format's table refuses the file."""
+    qblock.write(torch.arange(64), _rows(64, 13, seed=7))
+    path = tmp_path / "q.safetensors"
+    assert files.save(qblock, path) == 64
+    with files.restore(table_name + "r", path) as back:
+        try:
+            assert isinstance(back, SharedMemBlock) and back.dtype == qblock.dtype
+            assert torch.equal(back.tensor, qblock.tensor)
+        finally:
+            SharedMemBlock.unlink(table_name + "r")
+    qblock.write(torch.arange(3), torch.zeros(3, 13))
+    files.restore(qblock.name, path, create=False).close()
+    with files.restore(table_name + "r2", path) as again:
+        try:
+            assert torch.equal(again.tensor, qblock.tensor)
+        finally:
+            SharedMemBlock.unlink(table_name + "r2")
+    other = next(f for f in (torch.float32, *FORMATS) if f != qblock.dtype)
+    with SharedMemBlock.create(table_name + "o", num_rows=64, dim=13, dtype=other) as o:
+        try:
+            before = o.tensor.clone()
+            with pytest.raises(GeometryMismatchError):
+                files.restore(o.name, path, create=False)
+            assert torch.equal(o.tensor, before)
+        finally:
+            SharedMemBlock.unlink(table_name + "o")
+
+
+def test_stored_bytes_are_written_as_they_are_once_they_decode_finite(
+        qblock: SharedMemBlock) -> None:
+    fmt = RowFormat(qblock.dtype, 13)
+    stored = quant.encode(_rows(4, 13, seed=8), fmt)
+    qblock.write(torch.tensor([1, 2, 3, 4]), stored)
+    assert torch.equal(qblock.tensor[1:5], stored)
+    bad = stored.clone()
+    bad[2, fmt.meta_offset:fmt.meta_offset + 4] = torch.tensor(
+        [float("inf")]).view(torch.uint8)  # NOTE: an infinite scale
+    with pytest.raises(NonFiniteValuesError, match="finite rows only"):
+        qblock.write(torch.tensor([5, 6, 7, 8]), bad)
+    with pytest.raises(BadArgumentError, match="shape"):
+        qblock.write(torch.tensor([5]), stored[:1, :-1])
+    assert not qblock.tensor[5:9].any()
+
+
 def test_what_does_not_take_quantized_tables_yet_refuses_them(
         qblock: SharedMemBlock, tmp_path: Path) -> None:
-    with pytest.raises(BadArgumentError, match="quantized"):
-        files.save(qblock, tmp_path / "t.safetensors")
-    assert not (tmp_path / "t.safetensors").exists()
     with pytest.raises(BadArgumentError, match="quantized"):
         files.load_rows(qblock, tmp_path / "missing.npy")
     with pytest.raises(LayerArgumentError, match="storage"):
