@@ -23,15 +23,6 @@ from nvecache.common import quant, rows
 from nvecache.common.finite import nonfinite_rows
 
 
-def plain(dtype: torch.dtype) -> bool:
-    """Whether ``dtype`` is a plain row dtype (the float rows a quantized table takes)."""
-    try:
-        rows.dtype_name(dtype)
-    except rows.RowFormatError:
-        return False
-    return True
-
-
 class RowBytes:
     """One table's rows between torch and its stored bytes."""
 
@@ -48,7 +39,7 @@ class RowBytes:
     def checked(self, values: object, n: int) -> torch.Tensor:
         """Rows to write: ``[n, dim]`` CPU of the table's dtype; of a quantized table, of
         any plain float dtype."""
-        if self.quantized and isinstance(values, torch.Tensor) and plain(values.dtype):
+        if self.quantized and isinstance(values, torch.Tensor) and rows.is_plain(values.dtype):
             return check_values(values, n, self.fmt.dim, values.dtype)
         return check_values(values, n, self.fmt.dim,
                             torch.float32 if self.quantized else self.dtype)

@@ -26,11 +26,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from nvecache.common import quant
-from nvecache.common.rows import DTYPES, FORMATS, RowFormat, RowFormatError
+from nvecache.common.rows import DTYPES, FORMATS, RowFormat, RowFormatError, is_plain
 from nvecache.common.rows import dtype_name as format_name
 from psclient.errors import BadArgumentError, BadValuesError
 from psclient.load_checks import scan_finite
-from psclient.quantized import plain_float
 from psclient.schema import dtype_name
 
 if TYPE_CHECKING:
@@ -94,7 +93,7 @@ def check_rows(rows: RowSource, dim: int, dtype: torch.dtype, *, table: str, con
         )
     if rows.dtype == dtype and not fmt.quantized:
         return
-    if fmt.quantized and plain_float(rows.dtype):
+    if fmt.quantized and is_plain(rows.dtype):
         return  # NOTE: float rows: quantized as they are inserted
     if rows.dtype.is_complex or rows.dtype == torch.bool:
         raise BadValuesError(f"{rows.what} holds {_name(rows.dtype)} values; a table holds one of "

@@ -47,16 +47,6 @@ else:  # NOTE: the codec imports torch: both load when rows are first handled
 FINITE_ONLY = "a quantized table stores finite rows only (allow_nonfinite does not apply)"
 
 
-def plain_float(dtype: torch.dtype) -> bool:
-    """Whether ``dtype`` is one of the plain row dtypes (the float rows a quantized table
-    takes)."""
-    try:
-        rows.dtype_name(dtype)
-    except rows.RowFormatError:
-        return False
-    return True
-
-
 def check_float_rows(values: torch.Tensor, n: int, schema: TableSchema) -> torch.Tensor:
     """A quantized table's rows to write: ``[n, dim]`` CPU of a plain float dtype,
     contiguous.
@@ -64,7 +54,7 @@ def check_float_rows(values: torch.Tensor, n: int, schema: TableSchema) -> torch
     Raises:
         BadValuesError: another dtype, device or shape.
     """
-    if not plain_float(values.dtype):
+    if not rows.is_plain(values.dtype):
         raise BadValuesError(
             f"values must be float rows ({', '.join(rows.DTYPES)}) for a {schema.dtype} "
             f"table, which quantizes them; got {values.dtype}: convert with "

@@ -35,8 +35,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DTYPES", "FORMATS", "LAYER_DTYPES", "QUANTIZED", "ROW_ALIGN", "RowFormat",
-    "RowFormatError", "align_up", "code_of", "dtype_name", "name_of_code", "numpy_dtype",
-    "torch_dtype",
+    "RowFormatError", "align_up", "code_of", "dtype_name", "is_plain", "name_of_code",
+    "numpy_dtype", "torch_dtype",
 ]
 
 #: every stored row (payload and metadata) starts on a multiple of this many bytes in an
@@ -109,6 +109,16 @@ def dtype_name(dtype: object, allowed: tuple[str, ...] | None = None) -> str:
             f"unsupported dtype {dtype!r}: use one of {', '.join(names)} (a torch.dtype or "
             "its name)")
     return name
+
+
+def is_plain(dtype: object) -> bool:
+    """Whether ``dtype`` names a plain row dtype (one of :data:`DTYPES`: the float rows a
+    quantized table's writes take)."""
+    try:
+        dtype_name(dtype)
+    except RowFormatError:
+        return False
+    return True
 
 
 def torch_dtype(name: str) -> torch.dtype:
