@@ -101,6 +101,9 @@ class _NVBase(torch.nn.Module):
         self._owned: list[Any] = []
         #: set by close(): the stack is then a ClosedStack
         self._closed = False
+        if optimize_for_training and getattr(storage, "quantized", False):
+            raise BadArgumentError("training a layer over quantized rows is not supported yet: "
+                                   "train over a float table, then load it into a quantized one")
         fresh_table = weight_init is None and storage is None
         if self.row_width != embedding_size:
             weight_init, default_row = wide.stored(weight_init, default_row, embedding_size,

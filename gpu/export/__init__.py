@@ -252,7 +252,7 @@ def _layer_args(entry: dict[str, Any], private: dict[str, torch.Tensor],
                                         f"layer {entry['path']!r}: {e}") from None
             opened.append(ps)
             _geometry_check(f"parameter server table {table['ps_table']!r}", None, ps.dim,
-                            ps.dtype, entry)
+                            md.dtype_of(entry) if ps.quantized else ps.dtype, entry)
             kw["storage"] = ps
     return kw
 

@@ -236,8 +236,11 @@ def build_hierarchical(spec: StackSpec) -> HierarchicalStack:
         if not isinstance(storage, ParameterServer):
             raise BadArgumentError("storage of a Hierarchical layer must be a "
                                    "psclient.ParameterServer or a URL")
+        # NOTE: a quantized table's lookups return float32 rows, which the miss resolver
+        # converts to the layer's dtype: any layer dtype reads it
         check_geometry(f"parameter server table {storage.table!r}", storage.dim,
-                       storage.dtype, spec.dim, spec.dtype)
+                       spec.dtype if storage.quantized else storage.dtype, spec.dim,
+                       spec.dtype)
     if host_cache is None and storage is None:
         raise BadArgumentError("a Hierarchical layer needs a host_cache, a storage, or both")
     spec.default = _default_row(spec)

@@ -11,6 +11,9 @@ One tier: ``"gpu"`` this process's GPU cache only; ``"host"`` the host cache onl
 (announced as above); ``"storage"`` the parameter server only (announced on its change
 feed as any of its writes; the caches keep what they hold).
 
+Over a quantized parameter server the caches are written the rows as the server stores
+them (quantized, then dequantized), so every tier reads the same values.
+
 ``accumulate`` adds deltas where the rows are kept: with a parameter server there first
 (atomically per row), then the host cache gets the server's new rows through ``update``
 (so every GPU cache drops the keys); without one, in the host cache.
@@ -24,6 +27,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from gpu.errors import StorageWriteError
+from nvecache.common import quant
+from nvecache.common.rows import RowFormat
 from psclient import PSClientError
 
 if TYPE_CHECKING:
@@ -31,6 +36,13 @@ if TYPE_CHECKING:
     from gpu.stacks.protocol import Tier
 
 T = TypeVar("T")
+
+
+def as_stored(ps: Any, values: torch.Tensor) -> torch.Tensor:
+    """``values`` as a quantized parameter server stores them and its lookups return them
+    (dequantized), in their dtype."""
+    fmt = RowFormat(ps.dtype, ps.dim)
+    return quant.decode(quant.encode(values, fmt), fmt, values.dtype)
 
 
 class TierWrites:
@@ -82,6 +94,8 @@ class TierWrites:
             else:
                 self._at_ps(op, n, lambda: ps.erase(ck))
         host = self.host_cache
+        if ps is not None and ps.quantized and cv is not None:
+            cv = as_stored(ps, cv)  # NOTE: the caches hold what the server's lookups return
         if host is not None:
             if op == "erase":
                 host.erase(ck)
@@ -137,7 +151,8 @@ class TierWrites:
             found = host.accumulate(ck, cd, allow_nonfinite=True)
             self._written(keys, own_copies=False)
             return found.to(keys.device)
-        found = self._at_ps("accumulate", n, lambda: ps.accumulate(ck, cd, allow_nonfinite=True))
+        pd = cd.float() if ps.quantized else cd  # NOTE: a quantized table adds float32
+        found = self._at_ps("accumulate", n, lambda: ps.accumulate(ck, pd, allow_nonfinite=True))
         if host is not None and n:
             changed = torch.unique(ck[found])
             try:
