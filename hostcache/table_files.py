@@ -38,7 +38,7 @@ class TableFiles:
                 existing table; nothing was written.
         """
         from hostcache import files
-        from hostcache.saved import Saved
+        from hostcache.files.saved import Saved
 
         kind = Saved(Path(path)).kind()
         if files._KINDS.get(kind) is not cls:  # noqa: SLF001

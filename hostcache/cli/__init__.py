@@ -11,7 +11,7 @@ and exits 2, as argparse does for bad arguments; nothing prints a traceback.
 Inspecting a table attaches it like any other process does: the command holds a process
 counter slot for the moment it runs (its own slot is left out of what it prints) and, as
 any attacher, repairs a write section left by a dead writer. It reads a table through a
-:class:`~hostcache.cli_view.TableView` (its header and counters, no rows), so the table
+:class:`~hostcache.cli.view.TableView` (its header and counters, no rows), so the table
 commands load neither torch nor numba and answer at once; only a repair loads the table's
 own class.
 """
@@ -41,11 +41,11 @@ from nvecache.common.lazy import deferred, lazy_import
 from nvecache.common.rows import FORMATS
 
 if TYPE_CHECKING:
-    from hostcache import cli_view as view
     from hostcache import files, layout, segment
+    from hostcache.cli import view
     from hostcache.table import init_segment
 else:  # NOTE: numpy and the segment code load with a command that reads a table (not --help)
-    view = lazy_import("hostcache.cli_view", globals(), "view")
+    view = lazy_import("hostcache.cli.view", globals(), "view")
     files = lazy_import("hostcache.files", globals())  # NOTE: torch and safetensors: save/restore
     layout = lazy_import("hostcache.layout", globals())
     segment = lazy_import("hostcache.segment", globals())
@@ -384,7 +384,3 @@ def main(argv: list[str] | None = None, commands: Sequence[Command] = COMMANDS) 
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return EXIT_OK
-
-
-if __name__ == "__main__":
-    sys.exit(main())

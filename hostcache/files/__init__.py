@@ -6,7 +6,7 @@ A file holds the rows as ``weight`` (``[N, dim]``, the table's dtype) and their 
 geometry (``kind``, ``dim``, ``dtype``, ``capacity``, ``ways``, ``policy``), so a restore
 can create the table anew. It is the format ``psclient dump`` writes, so ``psclient load``
 reads a saved table too. A quantized table's file holds its stored bytes (uint8, the
-format and dim in the metadata), restored bit for bit (:mod:`hostcache.saved`);
+format and dim in the metadata), restored bit for bit (:mod:`hostcache.files.saved`);
 :func:`load_rows` takes plain rows only.
 
 :func:`save` reads the table chunk by chunk (a cache's rows through its seqlocked lookup,
@@ -46,8 +46,8 @@ from hostcache.errors import (
     SegmentExistsError,
     SegmentNotFoundError,
 )
+from hostcache.files.saved import Saved, check_finite, check_fits, nonfinite_scan
 from hostcache.memblock import SharedMemBlock
-from hostcache.saved import Saved, check_finite, check_fits, nonfinite_scan
 from hostcache.segment import attach as attach_segment
 from nvecache.common.finite import nonfinite_rows
 from psclient.errors import PSClientError
