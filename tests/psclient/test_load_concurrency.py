@@ -53,6 +53,16 @@ class Peek:
     def _env(self) -> Any:
         return lmdb.open(self.path, readonly=True, max_dbs=16, create=False, subdir=True)
 
+    @staticmethod
+    def _begin(env: Any) -> Any:
+        """A read transaction; a load that grew the map since ``env`` opened it
+        (MDB_MAP_RESIZED) is adopted first, as LMDB asks (``set_mapsize(0)``)."""
+        try:
+            return env.begin()
+        except lmdb.MapResizedError:
+            env.set_mapsize(0)
+            return env.begin()
+
     def has_row(self, table: str, key: int) -> bool:
         if self.path is None:
             pipe = self.r.pipeline(transaction=False)
@@ -63,7 +73,7 @@ class Peek:
             return False
         env = self._env()
         try:
-            with env.begin() as txn:
+            with self._begin(env) as txn:
                 name = b"rows:" + table.encode()
                 if txn.get(name) is None:
                     return False
@@ -83,7 +93,7 @@ class Peek:
             return []
         env = self._env()
         try:
-            with env.begin() as txn:
+            with self._begin(env) as txn:
                 keys = [k.decode() for k, _ in txn.cursor()
                         if k.decode().split(":")[-1] == table]
         finally:
