@@ -133,6 +133,7 @@ class _NVBase(torch.nn.Module):
         #: how the layer was built: its arguments as resolved and its tables by identity
         #: (a record: it stays after close())
         self.spec: LayerSpec = spec
+        self._quant = any(getattr(t, "quantized", False) for t in (storage, *self._owned))
         self.validate = bool(validate)
         self._tiers.validate = self.validate
         self._op = ops.register(self._tiers)
@@ -235,10 +236,10 @@ class _NVBase(torch.nn.Module):
         if values is not None:
             if keys.numel() and int(keys.min()) == RESERVED_KEY:  # NOTE: before any tier
                 raise BadArgumentError(RESERVED_KEY_RULE)
-            # NOTE: the one finiteness check of a layer's write: its tiers are told the rows
-            # were checked (allow_nonfinite=True), so none reads them again
+            # NOTE: the one finiteness check of a layer's write (a quantized table's rows are
+            # finite): its tiers are told the rows were checked, so none reads them again
             values = check_values(values, keys.numel(), self.embedding_size, self.data_type,
-                                  keys=keys, allow_nonfinite=allow_nonfinite)
+                                  keys=keys, allow_nonfinite=allow_nonfinite and not self._quant)
         return keys, values
 
     @torch.no_grad()

@@ -30,6 +30,7 @@ from gpu.errors import BadArgumentError
 from gpu.kernels.tiles import DEFAULT_TILES, Tiles
 from gpu.kernels.triton_access import kernel_module, triton_available
 from hostcache.layout import EMPTY_KEY
+from nvecache.common.rows import RowFormat
 
 if TYPE_CHECKING:
     from gpu.stacks.misses.miss_list import MissList
@@ -80,21 +81,23 @@ class CacheBackend(Protocol):
 
     def lookup(self, keys: torch.Tensor, table: torch.Tensor | None,
                cand: MissCandidates | None, host_table: bool, err: torch.Tensor | None,
-               misses: MissList | None, rotate: int, want_hit: bool, bind: bool
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+               misses: MissList | None, rotate: int, want_hit: bool, bind: bool,
+               fmt: RowFormat | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rows of ``keys`` (misses from row ``key`` of ``table``, or zero), counted; see
         ``GPUCache.lookup_linear`` for ``cand``, ``host_table``, ``err`` and
         ``GPUCache.serve`` for ``misses``. ``rotate``: where a page-ordered visit starts;
         ``want_hit``: return hit flags (else None may come back); ``bind``: the call's
-        ``table`` and ``err`` are the same objects call after call (a bound launch)."""
+        ``table`` and ``err`` are the same objects call after call (a bound launch);
+        ``fmt``: a quantized ``table``'s format (its stored bytes, read dequantized)."""
         ...
 
     def pooled(self, keys: torch.Tensor, offsets: torch.Tensor, mean: bool,
                weights: torch.Tensor | None, miss_values: torch.Tensor | None,
                table: torch.Tensor | None, cand: MissCandidates | None,
-               out_dtype: torch.dtype | None, err: torch.Tensor | None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pooled rows per bag and hit flags (``GPUCache.lookup_pooled``), counted."""
+               out_dtype: torch.dtype | None, err: torch.Tensor | None,
+               fmt: RowFormat | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pooled rows per bag and hit flags (``GPUCache.lookup_pooled``), counted;
+        ``fmt`` as for :meth:`lookup`."""
         ...
 
     def scatter(self, target: torch.Tensor, values: torch.Tensor, src: torch.Tensor) -> None:
@@ -155,8 +158,8 @@ class TritonBackend:
 
     def lookup(self, keys: torch.Tensor, table: torch.Tensor | None,
                cand: MissCandidates | None, host_table: bool, err: torch.Tensor | None,
-               misses: MissList | None, rotate: int, want_hit: bool, bind: bool
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+               misses: MissList | None, rotate: int, want_hit: bool, bind: bool,
+               fmt: RowFormat | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         t = self._t
         out, hit, _ = self._lookups.lookup(
             keys, t.tkeys, t.counters, t.rows, t.hits, t.num_buckets, t.ways,
@@ -165,22 +168,24 @@ class TritonBackend:
             cmax=twin.COUNTER_MAX, rotate=rotate, err=err,
             candidate_rows=cand.rows if cand is not None else None,
             misses=(misses.counter, misses.start, misses.view) if misses is not None else None,
-            bound=self.bound if bind else None, want_hit=want_hit, tiles=self.tiles)
+            bound=self.bound if bind else None, want_hit=want_hit, tiles=self.tiles,
+            table_format=fmt)
         assert out is not None
         return out, hit
 
     def pooled(self, keys: torch.Tensor, offsets: torch.Tensor, mean: bool,
                weights: torch.Tensor | None, miss_values: torch.Tensor | None,
                table: torch.Tensor | None, cand: MissCandidates | None,
-               out_dtype: torch.dtype | None, err: torch.Tensor | None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               out_dtype: torch.dtype | None, err: torch.Tensor | None,
+               fmt: RowFormat | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         t = self._t
         return self._pooled.pooled(
             keys, offsets, weights, miss_values, t.tkeys, t.counters, t.rows, t.hits,
             t.num_buckets, t.ways, mean=mean, empty=EMPTY_KEY, table=table,
             candidates=cand.buffer if cand is not None else None, cmax=twin.COUNTER_MAX,
             out_dtype=out_dtype, err=err,
-            candidate_rows=cand.rows if cand is not None else None, tiles=self.tiles)
+            candidate_rows=cand.rows if cand is not None else None, tiles=self.tiles,
+            table_format=fmt)
 
     def scatter(self, target: torch.Tensor, values: torch.Tensor, src: torch.Tensor) -> None:
         self._writes.scatter_rows(self._t.rows_all, target, values, src, tiles=self.tiles)
@@ -227,8 +232,8 @@ class TorchBackend:
 
     def lookup(self, keys: torch.Tensor, table: torch.Tensor | None,
                cand: MissCandidates | None, host_table: bool, err: torch.Tensor | None,
-               misses: MissList | None, rotate: int, want_hit: bool, bind: bool
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+               misses: MissList | None, rotate: int, want_hit: bool, bind: bool,
+               fmt: RowFormat | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         # NOTE: host_table, rotate and bind only change how the kernels run; err is the
         # kernels' device-side key check (the twin's callers check keys on the host)
         hit, slot = self._probe_counted(keys)
@@ -236,7 +241,7 @@ class TorchBackend:
             twin.list_misses(misses.counter, misses.start, misses.view, keys, hit)
         if table is None:
             return twin.gather(self._t.rows, slot, hit), hit
-        vals = twin.gather_linear(self._t.rows, slot, hit, keys, table)
+        vals = twin.gather_linear(self._t.rows, slot, hit, keys, table, fmt)
         if cand is not None:
             twin.collect_misses(cand.buffer, keys, hit, table.shape[0], vals, cand.rows)
         return vals, hit
@@ -244,12 +249,12 @@ class TorchBackend:
     def pooled(self, keys: torch.Tensor, offsets: torch.Tensor, mean: bool,
                weights: torch.Tensor | None, miss_values: torch.Tensor | None,
                table: torch.Tensor | None, cand: MissCandidates | None,
-               out_dtype: torch.dtype | None, err: torch.Tensor | None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               out_dtype: torch.dtype | None, err: torch.Tensor | None,
+               fmt: RowFormat | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         hit, slot = self._probe_counted(keys)
         rows = self._t.rows
         if table is not None:
-            vals = twin.gather_linear(rows, slot, hit, keys, table)
+            vals = twin.gather_linear(rows, slot, hit, keys, table, fmt)
             if cand is not None:
                 twin.collect_misses(cand.buffer, keys, hit, table.shape[0], vals, cand.rows)
         else:

@@ -60,26 +60,41 @@ class ArgumentChecks:
                 f"{what} are on {values.device} but the cache is on {self.device}")
         return values.contiguous()
 
-    def table(self, table: object) -> torch.Tensor:
+    def table(self, table: object, fmt: object = None) -> torch.Tensor:
         """A linear table ``[num_rows, dim]`` of the cache's dtype on its device, rows
-        contiguous (possibly padded: any row stride ``>= dim``)."""
+        contiguous (possibly padded: any row stride ``>= dim``); of a quantized format
+        ``fmt``, its stored bytes, uint8 ``[num_rows, fmt.stored_bytes]``."""
+        quant = fmt is not None
+        if quant and not (isinstance(fmt, rows.RowFormat) and fmt.quantized
+                          and fmt.dim == self.dim):
+            raise BadArgumentError(
+                f"table_format must be a quantized nvecache.common.rows.RowFormat of dim "
+                f"{self.dim} (or None for a table of the cache's dtype); got {fmt!r}")
+        width = fmt.stored_bytes if isinstance(fmt, rows.RowFormat) else self.dim
+        dtype = torch.uint8 if quant else self.dtype
         if not isinstance(table, torch.Tensor) or table.dim() != 2 \
-                or table.shape[1] != self.dim or table.dtype != self.dtype:
+                or table.shape[1] != width or table.dtype != dtype:
             got = (f"{table.dtype} {tuple(table.shape)}" if isinstance(table, torch.Tensor)
                    else type(table).__name__)
+            what = "its stored bytes" if quant else "a tensor"
             raise BadArgumentError(
-                f"table must be a [num_rows, {self.dim}] {self.dtype} tensor; got {got}")
+                f"table must be {what}, a [num_rows, {width}] {dtype} tensor; got {got}")
         if not same_device(table, self.device):
             raise BadArgumentError(
                 f"table is on {table.device} but the cache is on {self.device}; on CUDA pass "
                 "a zero-copy CUDA view of the registered host table")
         # NOTE: rows may be padded (a SharedMemBlock rounds them up to 16 bytes): the kernels
         # step by stride(0); only the elements of a row must be contiguous
-        if table.shape[0] > 1 and table.stride(0) < self.dim or (
-                self.dim > 1 and table.stride(1) != 1):
+        if table.shape[0] > 1 and table.stride(0) < width or (
+                width > 1 and table.stride(1) != 1):
             raise BadArgumentError(
-                f"table rows must each be contiguous and not overlap (strides (>= {self.dim}, "
+                f"table rows must each be contiguous and not overlap (strides (>= {width}, "
                 f"1)); got strides {tuple(table.stride())}: pass table.contiguous()")
+        if quant and (table.stride(0) % 4 or table.data_ptr() % 4):
+            raise BadArgumentError(
+                "a quantized table's rows must start on 4-byte boundaries (their float32 "
+                f"parameters are read in place); got row stride {table.stride(0)} at address "
+                f"{table.data_ptr():#x}: pass a SharedMemBlock's tensor")
         return table
 
     @staticmethod

@@ -32,6 +32,7 @@ from gpu.cuda.devices import resolve_device
 from gpu.errors import BadArgumentError
 from gpu.kernels.tiles import DEFAULT_TILES, Tiles
 from hostcache.layout import EMPTY_KEY
+from nvecache.common.rows import RowFormat
 
 if TYPE_CHECKING:
     from gpu.stacks.misses.miss_list import MissList
@@ -172,7 +173,7 @@ class GPUCache:
     def lookup_linear(
         self, keys: torch.Tensor, table: torch.Tensor, *, validate: bool = True,
         candidates: MissCandidates | None = None, host_table: bool = True,
-        err: torch.Tensor | None = None,
+        err: torch.Tensor | None = None, table_format: RowFormat | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Hits from the cache, misses from row ``key`` of ``table``, in one launch.
 
@@ -192,22 +193,28 @@ class GPUCache:
             err: A key-error flag (``gpu.stacks.key_flag``, int64 ``[1]`` on the device) that the
                 Triton kernel writes an out-of-range key into (the torch twin ignores it:
                 its callers check keys on the host).
+            table_format: The format of a quantized ``table``
+                (:data:`nvecache.common.rows.QUANTIZED`, of the cache's dim): ``table`` is
+                then its stored bytes, uint8 ``[num_rows, >= stored_bytes]`` (a quantized
+                ``SharedMemBlock``'s ``tensor``), its rows read dequantized in the cache's
+                dtype, as ``nvecache.common.quant.decode`` reads them.
 
         Returns:
             ``(values [N, dim], hit bool [N])``; ``keys[~hit]`` are the keys to insert.
         """
         keys = self._checks.keys(keys)
-        table = self._checks.table(table)
+        table = self._checks.table(table, table_format)
         if validate:
             self._checks.linear_keys(keys, table.shape[0])
         values, hit = self._lookup_rows(keys, table, self._checks.candidates(candidates),
-                                        host_table, err)
+                                        host_table, err, fmt=table_format)
         assert hit is not None
         return values, hit
 
     def gather_linear(
         self, keys: torch.Tensor, table: torch.Tensor, *,
         candidates: MissCandidates | None, host_table: bool, err: torch.Tensor | None,
+        table_format: RowFormat | None = None,
     ) -> torch.Tensor:
         """:meth:`lookup_linear` for a caller that checked its arguments (a layer's stack):
         no argument checks, no hit flags; keys outside the table read zero rows."""
@@ -215,12 +222,13 @@ class GPUCache:
         self._lookups += keys.numel()
         self._will_count(keys.numel())
         return self.ops.lookup(keys, table, candidates, host_table, err, None, rotate, False,
-                               True)[0]
+                               True, table_format)[0]
 
     def _lookup_rows(
         self, keys: torch.Tensor, table: torch.Tensor | None,
         cand: MissCandidates | None = None, host_table: bool = True,
         err: torch.Tensor | None = None, misses: MissList | None = None,
+        fmt: RowFormat | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Probe + gather (+ misses from row ``key`` of ``table``), counted as a lookup;
         with ``misses`` (no ``table``) the misses are listed there and no hit flags are
@@ -231,7 +239,7 @@ class GPUCache:
         self._lookups += keys.numel()
         self._will_count(keys.numel())
         return self.ops.lookup(keys, table, cand, host_table, err, misses, rotate,
-                               misses is None, table is None)
+                               misses is None, table is None, fmt)
 
     def lookup_pooled(
         self,
@@ -279,33 +287,34 @@ class GPUCache:
         *,
         validate: bool = True,
         candidates: MissCandidates | None = None,
-        err: torch.Tensor | None = None,
+        err: torch.Tensor | None = None, table_format: RowFormat | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`lookup_pooled` whose misses read row ``key`` of ``table`` in the same launch.
 
-        ``candidates`` and ``err`` as in :meth:`lookup_linear`.
+        ``candidates``, ``err`` and ``table_format`` as in :meth:`lookup_linear` (a
+        quantized table's rows are dequantized in the cache's dtype, then pooled).
 
         Returns:
             ``(pooled [B, dim], hit bool [N])``; ``keys[~hit]`` are the keys to insert.
         """
         keys = self._checks.keys(keys)
-        table = self._checks.table(table)
+        table = self._checks.table(table, table_format)
         offsets, w, _ = self._checks.bags(
             keys.numel(), offsets, mode, per_sample_weights, None, validate)
         if validate:
             self._checks.linear_keys(keys, table.shape[0])
         return self._pooled(keys, offsets, mode == "mean", w, None, table,
-                            self._checks.candidates(candidates), err=err)
+                            self._checks.candidates(candidates), err=err, fmt=table_format)
 
     def _pooled(
         self, keys: torch.Tensor, offsets: torch.Tensor, mean: bool, w: torch.Tensor | None,
         mv: torch.Tensor | None, table: torch.Tensor | None,
         cand: MissCandidates | None = None, out_dtype: torch.dtype | None = None,
-        err: torch.Tensor | None = None,
+        err: torch.Tensor | None = None, fmt: RowFormat | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         self._lookups += keys.numel()
         self._will_count(keys.numel())
-        return self.ops.pooled(keys, offsets, mean, w, mv, table, cand, out_dtype, err)
+        return self.ops.pooled(keys, offsets, mean, w, mv, table, cand, out_dtype, err, fmt)
 
     # ------------------------------------------------------------------ writes
 

@@ -34,6 +34,8 @@ import torch
 
 from hostcache.hashing import bucket_of
 from hostcache.layout import EMPTY_KEY
+from nvecache.common import quant
+from nvecache.common.rows import RowFormat
 
 #: saturation value of a slot's policy counter. Low enough that the hottest slots of a
 #: skewed stream saturate within a few batches: the kernels then skip their counter atomics
@@ -109,16 +111,20 @@ def gather(rows: torch.Tensor, slot: torch.Tensor, hit: torch.Tensor) -> torch.T
 
 def gather_linear(
     rows: torch.Tensor, slot: torch.Tensor, hit: torch.Tensor, keys: torch.Tensor,
-    table: torch.Tensor,
+    table: torch.Tensor, fmt: RowFormat | None = None,
 ) -> torch.Tensor:
-    """Hits from the cache rows, misses from row ``key`` of ``table``."""
+    """Hits from the cache rows, misses from row ``key`` of ``table`` (of a quantized
+    table, ``fmt``: its stored bytes, dequantized in the rows' dtype)."""
     vals = gather(rows, slot, hit)
     miss = ~hit
     inrange = (keys >= 0) & (keys < table.shape[0])
     idx = torch.where(miss & inrange, keys, 0)
     if table.shape[0] == 0:
         return vals
-    tvals = table[idx].to(vals.device)
+    tvals = table[idx]
+    if fmt is not None and fmt.quantized:
+        tvals = quant.decode(tvals, fmt, vals.dtype)
+    tvals = tvals.to(vals.device)
     zero = torch.zeros((), dtype=vals.dtype, device=vals.device)
     tvals = torch.where((miss & inrange)[:, None], tvals, zero)
     return torch.where(hit[:, None], vals, tvals)

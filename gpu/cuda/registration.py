@@ -84,8 +84,9 @@ ViewName = Literal["rows", "keys", "versions", "counters", "ring_seq", "ring_key
 # -- zero-copy views ---------------------------------------------------------------------
 
 #: the array interface's type of the layout's metadata words (keys, versions, counters, ring,
-#: header); a row's element is typed by its stored format (``nvecache.common.rows``)
-_WORD_TYPESTR = {torch.int64: "<i8", torch.int32: "<i4"}
+#: header) and of a quantized row's stored bytes; a plain row's element is typed by its
+#: stored format (``nvecache.common.rows``)
+_WORD_TYPESTR = {torch.int64: "<i8", torch.int32: "<i4", torch.uint8: "|u1"}
 
 
 def _element(dtype: torch.dtype) -> tuple[str, int]:
@@ -216,9 +217,14 @@ class HostRegistration:
         return _cuda_view(pinned, offset, shape, strides, dtype, self.device)
 
     def rows(self) -> torch.Tensor:
-        """``[slots, dim]`` rows in the table's dtype (row stride = the layout's, padded)."""
+        """``[slots, dim]`` rows in the table's dtype (row stride = the layout's, padded);
+        of a quantized table, ``[slots, stored_bytes]`` uint8, each row's stored bytes (as
+        its ``tensor`` on the CPU: :mod:`gpu.kernels.stored_rows` reads them)."""
         g = self.geometry
         fmt = g.row_format
+        if fmt.quantized:
+            return self._view(g.rows_off, (g.slots, fmt.stored_bytes), (fmt.stride, 1),
+                              torch.uint8)
         return self._view(g.rows_off, (g.slots, g.dim), (fmt.stride // fmt.itemsize, 1), g.dtype)
 
     def _hc_only(self, what: str) -> None:

@@ -53,6 +53,7 @@ import triton.language as tl
 from gpu.kernels.launch import BoundLaunch, DirectLaunch
 from gpu.kernels.tiles import Tiles
 from gpu.kernels.triton_access import helper_module
+from nvecache.common.rows import RowFormat
 
 # NOTE: the per-block device functions, decorated like this module's kernels (compiled or
 # interpreted)
@@ -61,6 +62,10 @@ add_combine = _parts.add_combine
 probe = _parts.probe
 _bump = _parts.bump
 _collect = _parts.collect
+_stored = helper_module("stored_rows")
+_load_rows = _stored.load_rows
+_to_dtype = _stored.to_dtype
+codec_constexprs = _stored.codec_constexprs
 
 
 # NOTE: sizes that only bound masks are not specialized: a candidate capacity or batch
@@ -76,7 +81,8 @@ def _lookup_kernel(
     EMPTY: tl.constexpr, STAT_STRIPES: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CMAX: tl.constexpr, ORDERED: tl.constexpr,
     WRITE_HIT: tl.constexpr, CHECK: tl.constexpr, COLLECT_ROWS: tl.constexpr,
-    LIST_MISSES: tl.constexpr, MARK_MISSES: tl.constexpr,
+    LIST_MISSES: tl.constexpr, MARK_MISSES: tl.constexpr, QUANT: tl.constexpr,
+    META: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -98,8 +104,8 @@ def _lookup_kernel(
                            mask=hit[:, None] & dmask[None, :], other=0.0)
             if LINEAR:
                 inrange = kmask & (keys >= 0) & (keys < num_rows) & (hit == 0)
-                tval = tl.load(table_ptr + keys[:, None] * tstride + d[None, :],
-                               mask=inrange[:, None] & dmask[None, :], other=0.0)
+                tval = _to_dtype(_load_rows(table_ptr, keys, inrange, tstride, d, dmask,
+                                            QUANT, META), rows_ptr.dtype.element_ty)
                 vals = tl.where(hit[:, None], vals, tval)
     else:
         # NOTE: a disabled cache (the GPULayer path) is a plain gather: no probe load, no
@@ -109,8 +115,8 @@ def _lookup_kernel(
         if GATHER:
             if LINEAR:
                 inrange = kmask & (keys >= 0) & (keys < num_rows)
-                vals = tl.load(table_ptr + keys[:, None] * tstride + d[None, :],
-                               mask=inrange[:, None] & dmask[None, :], other=0.0)
+                vals = _to_dtype(_load_rows(table_ptr, keys, inrange, tstride, d, dmask,
+                                            QUANT, META), rows_ptr.dtype.element_ty)
             else:
                 vals = tl.full([BLOCK_K, BLOCK_D], 0, rows_ptr.dtype.element_ty)
     if GATHER:
@@ -232,6 +238,7 @@ def lookup(
     candidate_rows: torch.Tensor | None = None,
     misses: tuple[torch.Tensor, int, torch.Tensor] | None = None,
     bound: dict[tuple[Any, ...], BoundLaunch] | None = None, tiles: Tiles,
+    table_format: RowFormat | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Probe (+ gather, + linear-table misses) of ``keys``: ``(values, hit, slots)``.
 
@@ -251,7 +258,9 @@ def lookup(
     the cache's own store of bound launches (:class:`~gpu.kernels.launch.BoundLaunch`) for
     gathers visited in batch order, keyed by what the call passes; ``table`` and ``err``
     are then the caller's own, the same objects call after call (a layer's stack).
-    ``tiles``: the cache's launch settings.
+    ``tiles``: the cache's launch settings. ``table_format``: a quantized table's format
+    (``table`` is then its stored bytes, uint8 ``[num_rows, >= stored_bytes]``; its misses
+    come back dequantized in the rows' dtype, :mod:`gpu.kernels.stored_rows`).
     """
     n = keys.numel()
     dim = rows.shape[1]
@@ -276,7 +285,7 @@ def lookup(
             launch = bound[bkey] = _bind_lookup(
                 tkeys, counters, rows, stats, num_buckets, ways, empty, count, table,
                 cmax, err, flags is not None, candidates is not None,
-                candidate_rows is not None, misses is not None, tiles)
+                candidate_rows is not None, misses is not None, tiles, table_format)
         # NOTE: only what the variant uses varies, in _bind_lookup's order
         given: list[Any] = [keys, n, out]
         if flags is not None:
@@ -301,7 +310,7 @@ def lookup(
         num_buckets > 0, gather, linear, want_slots, count,
         candidates is not None and not later, ways, empty, stats.numel(), bd, cmax,
         order is not None, want_hit, err is not None and linear, dim, rows.dtype, tiles,
-        candidate_rows is not None and not later, misses is not None, later)
+        candidate_rows is not None and not later, misses is not None, later, table_format)
     _LOOKUP(
         (_cdiv(n, tiles.lookup_block_k),),
         (keys, n, tkeys, counters, rows, stats, max(num_buckets, 1),
@@ -324,13 +333,13 @@ def _lookup_constexprs(
     has_cache: bool, gather: bool, linear: bool, want_slots: bool, count: bool,
     collect: bool, ways: int, empty: int, stripes: int, bd: int, cmax: int, ordered: bool,
     want_hit: bool, check: bool, dim: int, dtype: torch.dtype, tiles: Tiles,
-    collect_rows: bool, list_misses: bool, mark_misses: bool,
+    collect_rows: bool, list_misses: bool, mark_misses: bool, fmt: RowFormat | None,
 ) -> tuple[dict[str, object], tuple[object, ...]]:
     """The lookup kernel's constexprs for one variant and the key that names them (one
     dict per key, kept: gpu.kernels.launch.DirectLaunch compares them by identity first)."""
     cxkey = (has_cache, gather, linear, want_slots, count, collect, ways, empty, stripes, bd,
              cmax, ordered, want_hit, check, bd == dim, dtype, tiles, collect_rows,
-             list_misses, mark_misses)
+             list_misses, mark_misses, fmt)
     cx = _LOOKUP_CX.get(cxkey)
     if cx is None:
         cx = _LOOKUP_CX[cxkey] = dict(
@@ -338,7 +347,8 @@ def _lookup_constexprs(
             COUNT=count, COLLECT=collect, WAYS=ways, EMPTY=empty, STAT_STRIPES=stripes,
             BLOCK_K=tiles.lookup_block_k, BLOCK_D=bd, EVEN_D=bd == dim, CMAX=cmax,
             ORDERED=ordered, WRITE_HIT=want_hit, CHECK=check, COLLECT_ROWS=collect_rows,
-            LIST_MISSES=list_misses, MARK_MISSES=mark_misses, num_warps=tiles.lookup_warps)
+            LIST_MISSES=list_misses, MARK_MISSES=mark_misses, num_warps=tiles.lookup_warps,
+            **codec_constexprs(fmt))
     return cx, cxkey
 
 
@@ -354,7 +364,7 @@ def _bind_lookup(tkeys: torch.Tensor, counters: torch.Tensor, rows: torch.Tensor
                  stats: torch.Tensor, num_buckets: int, ways: int, empty: int, count: bool,
                  table: torch.Tensor | None, cmax: int, err: torch.Tensor | None,
                  want_hit: bool, has_cand: bool, has_crows: bool,
-                 has_list: bool, tiles: Tiles) -> BoundLaunch:
+                 has_list: bool, tiles: Tiles, fmt: RowFormat | None) -> BoundLaunch:
     """A gather in batch order with this cache's tables bound (the varying arguments'
     slots hold placeholders until a call gives them)."""
     dim = rows.shape[1]
@@ -362,7 +372,7 @@ def _bind_lookup(tkeys: torch.Tensor, counters: torch.Tensor, rows: torch.Tensor
     cx, cxkey = _lookup_constexprs(
         num_buckets > 0, True, linear, False, count, has_cand, ways, empty, stats.numel(),
         _block_d(dim), cmax, False, want_hit, err is not None and linear, dim, rows.dtype,
-        tiles, has_crows, has_list, False)
+        tiles, has_crows, has_list, False, fmt)
     args = (tkeys, 0, tkeys, counters, rows, stats, max(num_buckets, 1), rows, tkeys, tkeys,
             table if linear else rows, table.shape[0] if table is not None else 0,
             _row_stride(table, dim), dim, tkeys, 0, tkeys, err if err is not None else tkeys,

@@ -20,6 +20,7 @@ import triton.language as tl
 from gpu.kernels.launch import DirectLaunch
 from gpu.kernels.tiles import Tiles
 from gpu.kernels.triton_access import helper_module
+from nvecache.common.rows import RowFormat
 
 # NOTE: the per-block device functions, decorated like this module's kernels (compiled or
 # interpreted)
@@ -28,6 +29,10 @@ add_combine = _parts.add_combine
 probe = _parts.probe
 _bump = _parts.bump
 _collect = _parts.collect
+_stored = helper_module("stored_rows")
+_load_rows = _stored.load_rows
+_to_dtype = _stored.to_dtype
+codec_constexprs = _stored.codec_constexprs
 
 
 @triton.jit(do_not_specialize=["num_buckets", "num_rows", "cand_cap"])
@@ -40,7 +45,7 @@ def _pooled_kernel(
     LINEAR: tl.constexpr, MEAN: tl.constexpr, SPLIT: tl.constexpr, WAYS: tl.constexpr,
     EMPTY: tl.constexpr, STAT_STRIPES: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, COUNT: tl.constexpr, CMAX: tl.constexpr,
-    CHECK: tl.constexpr, COLLECT_ROWS: tl.constexpr,
+    CHECK: tl.constexpr, COLLECT_ROWS: tl.constexpr, QUANT: tl.constexpr, META: tl.constexpr,
 ):
     bag = tl.program_id(0)
     split = tl.program_id(1)
@@ -71,10 +76,10 @@ def _pooled_kernel(
             ).to(tl.float32)
             if LINEAR:
                 inrange = kmask & (keys >= 0) & (keys < num_rows) & (hit == 0)
-                tval = tl.load(
-                    table_ptr + keys[:, None] * tstride + d[None, :],
-                    mask=inrange[:, None] & dmask[None, :], other=0.0,
-                ).to(tl.float32)
+                # NOTE: a dequantized row in the cache's dtype first: what a hit reads
+                tval = _to_dtype(_load_rows(table_ptr, keys, inrange, tstride, d, dmask,
+                                            QUANT, META),
+                                 rows_ptr.dtype.element_ty).to(tl.float32)
                 vals = tl.where(hit[:, None], vals, tval)
             if HAS_MISS:
                 mval = tl.load(
@@ -87,10 +92,9 @@ def _pooled_kernel(
             slot = offs * 0
             if LINEAR:
                 inrange = kmask & (keys >= 0) & (keys < num_rows)
-                vals = tl.load(
-                    table_ptr + keys[:, None] * tstride + d[None, :],
-                    mask=inrange[:, None] & dmask[None, :], other=0.0,
-                ).to(tl.float32)
+                vals = _to_dtype(_load_rows(table_ptr, keys, inrange, tstride, d, dmask,
+                                            QUANT, META),
+                                 rows_ptr.dtype.element_ty).to(tl.float32)
             elif HAS_MISS:
                 vals = tl.load(
                     miss_ptr + offs[:, None] * dim + d[None, :],
@@ -194,12 +198,13 @@ def pooled(
     empty: int, table: torch.Tensor | None = None, candidates: torch.Tensor | None = None,
     count: bool = True, cmax: int, out_dtype: torch.dtype | None = None,
     err: torch.Tensor | None = None, candidate_rows: torch.Tensor | None = None,
-    tiles: Tiles,
+    tiles: Tiles, table_format: RowFormat | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Probe + gather + pool per bag, fused: ``(pooled [B, dim], hit [N])``; ``candidates``
     and ``candidate_rows`` as in ``gpu.kernels.cache_lookup.lookup``; ``out_dtype``: of
     ``pooled`` (default the rows' dtype; the sums are fp32 either way); ``tiles``: the
-    cache's launch settings.
+    cache's launch settings; ``table_format`` as in ``gpu.kernels.cache_lookup.lookup`` (a
+    quantized table's rows are dequantized, rounded to the rows' dtype, then pooled).
 
     Each bag is split over ``pooled_split`` programs (key blocks dealt round robin); with
     more than one, the programs write fp32 partial rows and a second launch sums them in a
@@ -225,7 +230,8 @@ def pooled(
              candidates is not None, linear, mean, split, ways, empty, stats.numel(), bd,
              bd == dim, count, cmax, err is not None and linear, tiles, offsets.dtype,
              w.dtype, mv.dtype, rows.dtype, out.dtype,
-             table.dtype if table is not None else None, candidate_rows is not None)
+             table.dtype if table is not None else None, candidate_rows is not None,
+             table_format)
     cx = _POOLED_CX.get(cxkey)
     if cx is None:
         cx = _POOLED_CX[cxkey] = dict(
@@ -233,7 +239,8 @@ def pooled(
             LINEAR=linear, MEAN=mean, SPLIT=split, WAYS=ways, EMPTY=empty,
             STAT_STRIPES=cxkey[9], BLOCK_K=tiles.pooled_block_k, BLOCK_D=bd,
             EVEN_D=bd == dim, COUNT=count, CMAX=cmax, CHECK=cxkey[14],
-            COLLECT_ROWS=cxkey[22], num_warps=tiles.pooled_warps)
+            COLLECT_ROWS=cxkey[22], num_warps=tiles.pooled_warps,
+            **codec_constexprs(table_format))
     _POOLED(
         (nbags, split),
         (keys, offsets, w, mv, tkeys, counters, rows, stats, max(num_buckets, 1), out, part,

@@ -7,7 +7,9 @@ lookup is bound by host time, not by this kernel. Keys outside ``[0, num_rows)``
 zero rows and, with ``CHECK``, are written to the layer's key-error flag
 (:mod:`gpu.stacks.key_flag`). The table's rows may be padded (row ``k`` starts ``k * tstride``
 elements in). Large batches over a table in host memory are visited in row (host page)
-order, as the cache lookups are (``gpu.kernels.cache_lookup.page_order``).
+order, as the cache lookups are (``gpu.kernels.cache_lookup.page_order``). A quantized
+table's rows are dequantized in the same load (:mod:`gpu.kernels.stored_rows`) and written
+in the output's dtype.
 """
 
 from __future__ import annotations
@@ -19,16 +21,21 @@ import triton.language as tl
 from gpu.kernels.launch import BoundLaunch, DirectLaunch
 from gpu.kernels.tiles import DEFAULT_TILES, Tiles
 from gpu.kernels.triton_access import helper_module
+from nvecache.common.rows import RowFormat
 
 # NOTE: the cache lookups' visit order (a torch function), from the same variant
 _page_order = helper_module("cache_lookup").page_order
+_stored = helper_module("stored_rows")
+_load_rows = _stored.load_rows
+_to_dtype = _stored.to_dtype
+codec_constexprs = _stored.codec_constexprs
 
 
 @triton.jit(do_not_specialize=["n", "num_rows", "tstride"])
 def _gather_kernel(
     keys_ptr, n, table_ptr, num_rows, tstride, out_ptr, err_ptr, order_ptr,
     DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, ORDERED: tl.constexpr,
-    CHECK: tl.constexpr,
+    CHECK: tl.constexpr, QUANT: tl.constexpr, META: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -39,10 +46,9 @@ def _gather_kernel(
     inrange = kmask & (keys >= 0) & (keys < num_rows)
     d = tl.arange(0, BLOCK_D)
     dmask = d < DIM
-    vals = tl.load(table_ptr + keys[:, None] * tstride + d[None, :],
-                   mask=inrange[:, None] & dmask[None, :], other=0.0)
-    tl.store(out_ptr + offs[:, None] * DIM + d[None, :], vals,
-             mask=kmask[:, None] & dmask[None, :])
+    vals = _load_rows(table_ptr, keys, inrange, tstride, d, dmask, QUANT, META)
+    tl.store(out_ptr + offs[:, None] * DIM + d[None, :],
+             _to_dtype(vals, out_ptr.dtype.element_ty), mask=kmask[:, None] & dmask[None, :])
     if CHECK:
         bad = kmask & (inrange == 0)
         # NOTE: any one bad key of the block lands in the flag (a store over the host link,
@@ -51,7 +57,7 @@ def _gather_kernel(
 
 
 _LAUNCH = DirectLaunch(_gather_kernel)
-_CONSTEXPRS: dict[tuple[int, bool, bool, torch.dtype, Tiles], dict[str, object]] = {}
+_CONSTEXPRS: dict[tuple[object, ...], dict[str, object]] = {}
 
 
 def _block_d(dim: int) -> int:
@@ -60,7 +66,8 @@ def _block_d(dim: int) -> int:
 
 def gather(keys: torch.Tensor, table: torch.Tensor, err: torch.Tensor | None, *,
            host_table: bool, bound: dict[tuple[object, ...], BoundLaunch] | None = None,
-           tiles: Tiles = DEFAULT_TILES) -> torch.Tensor:
+           tiles: Tiles = DEFAULT_TILES, fmt: RowFormat | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``table[keys]`` with zero rows for keys outside the table (reported in ``err``, an
     int64 ``[1]`` flag, when given). ``bound``: the caller's store of bound launches
     (:class:`~gpu.kernels.launch.BoundLaunch`: table and flag resolved once, a call passing only
@@ -68,11 +75,15 @@ def gather(keys: torch.Tensor, table: torch.Tensor, err: torch.Tensor | None, *,
     ``table`` and ``err`` are then the same objects call after call (a layer's), and so
     is ``tiles`` (the launch settings: ``gather_block_k``, ``gather_warps``, and
     ``linear_page_order``, from which a batch over a table in host memory is visited in
-    page order)."""
+    page order). ``fmt``: a quantized table's format (``table`` is then its stored bytes,
+    ``[num_rows, >= fmt.stored_bytes]`` uint8; its rows come back dequantized);
+    ``out_dtype``: the rows' dtype (default the table's; a quantized table's needs one)."""
     n = keys.numel()
-    dim = table.shape[1]
+    quant = fmt is not None and fmt.quantized
+    dim = fmt.dim if quant else table.shape[1]
+    dtype = out_dtype or table.dtype
     # NOTE: sizes as arguments, not a tuple: the cheaper parse
-    out = torch.empty(n, dim, dtype=table.dtype, device=keys.device)
+    out = torch.empty(n, dim, dtype=dtype, device=keys.device)
     if n == 0:
         return out
     order = None
@@ -80,21 +91,22 @@ def gather(keys: torch.Tensor, table: torch.Tensor, err: torch.Tensor | None, *,
     if host_table and 0 < tiles.linear_page_order <= n:
         order = _page_order(keys, table.shape[0], 0)
     elif bound is not None and err is not None:
-        launch = bound.get((id(table), id(err), tiles))
+        launch = bound.get((id(table), id(err), tiles, dtype))
         if launch is None:
             if len(bound) >= 4:  # NOTE: a caller passing new tables: bounded
                 bound.clear()
-            cx, key = _constexprs(dim, False, True, table.dtype, tiles)
+            cx, key = _constexprs(dim, False, True, table.dtype, dtype, fmt, tiles)
             # NOTE: placeholders of the parameters' types that the caller keeps (the flag
             # for the int64 ones): binding allocates nothing, so it may happen inside a
             # CUDA graph capture (torch.compile's reduce-overhead) without leaving a tensor
             # in the graph's pool
-            launch = bound[(id(table), id(err), tiles)] = BoundLaunch(
+            launch = bound[(id(table), id(err), tiles, dtype)] = BoundLaunch(
                 _LAUNCH, (err, 0, table, table.shape[0], table.stride(0), table, err, err),
                 cx, key, _VARYING)
         launch((n + bk - 1) // bk, keys, n, out)
         return out
-    cx, key = _constexprs(dim, order is not None, err is not None, table.dtype, tiles)
+    cx, key = _constexprs(dim, order is not None, err is not None, table.dtype, dtype, fmt,
+                          tiles)
     _LAUNCH(((n + bk - 1) // bk,),
             (keys, n, table, table.shape[0], table.stride(0), out,
              err if err is not None else keys, order if order is not None else keys),
@@ -106,14 +118,16 @@ def gather(keys: torch.Tensor, table: torch.Tensor, err: torch.Tensor | None, *,
 _VARYING = (0, 1, 5)
 
 
-def _constexprs(dim: int, ordered: bool, check: bool, dtype: torch.dtype, tiles: Tiles
-                ) -> tuple[dict[str, object], tuple[int, bool, bool, torch.dtype, Tiles]]:
+def _constexprs(dim: int, ordered: bool, check: bool, dtype: torch.dtype,
+                out_dtype: torch.dtype, fmt: RowFormat | None, tiles: Tiles
+                ) -> tuple[dict[str, object], tuple[object, ...]]:
     """A variant's constexprs (one dict per key, kept) and the key naming them with the
-    table's dtype (the pointers' element type)."""
-    key = (dim, ordered, check, dtype, tiles)
+    table's and the output's dtypes (the pointers' element types) and the table's
+    format."""
+    key = (dim, ordered, check, dtype, out_dtype, fmt, tiles)
     cx = _CONSTEXPRS.get(key)
     if cx is None:
         cx = _CONSTEXPRS[key] = {"DIM": dim, "BLOCK_K": tiles.gather_block_k,
                                  "BLOCK_D": _block_d(dim), "ORDERED": ordered, "CHECK": check,
-                                 "num_warps": tiles.gather_warps}
+                                 "num_warps": tiles.gather_warps, **codec_constexprs(fmt)}
     return cx, key

@@ -37,9 +37,17 @@ def _check(fmt: RowFormat) -> None:
         raise RowFormatError(f"{fmt.dtype} rows are not quantized: store them as they are")
 
 
-def encode(values: torch.Tensor, fmt: RowFormat) -> torch.Tensor:
+def encode(values: torch.Tensor, fmt: RowFormat, *, stochastic: bool = False,
+           generator: torch.Generator | None = None) -> torch.Tensor:
     """``[N, fmt.stored_bytes]`` uint8: rows ``values`` (``[N, fmt.dim]``, any float dtype,
     finite) in ``fmt``'s quantized bytes (the padding between payload and parameters zero).
+
+    By default each element is rounded to the nearest step. With ``stochastic=True`` it is
+    rounded to one of the two steps around it, the upper one with probability equal to
+    where it lies between them (uniform draws from ``generator``, on the rows' device), so
+    the decoded row equals the written one in expectation: what an accumulate writes, so
+    that repeated deltas under half a step add up instead of rounding away (each element
+    then reads back within one step, not half of one).
 
     Raises:
         RowFormatError: ``fmt`` is not quantized, ``values`` is not ``[N, fmt.dim]`` of a
@@ -61,17 +69,48 @@ def encode(values: torch.Tensor, fmt: RowFormat) -> torch.Tensor:
         scale = (hi - lo) / 255.0
         bias = lo + 128.0 * scale
         safe = torch.where(scale > 0, scale, 1.0)
-        q = torch.round((x - bias) / safe).clamp_(-128, 127)
+        t = (x - bias) / safe
+        if stochastic:
+            t = torch.floor(t + _uniform(t, generator))
+        q = torch.round(t).clamp_(-128, 127)
         q = torch.where(scale > 0, q, 0.0).to(torch.int8)
         params = torch.cat([scale, torch.where(scale > 0, bias, lo)], dim=1)
     else:
         scale = x.abs().amax(dim=1, keepdim=True) / FP8_MAX
         safe = torch.where(scale > 0, scale, 1.0)
-        q = (x / safe).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        y = (x / safe).clamp_(-FP8_MAX, FP8_MAX)
+        q = _stochastic_e4m3(y, generator) if stochastic else y.to(torch.float8_e4m3fn)
         params = scale
     out[:, :fmt.dim] = q.view(torch.uint8)
     out[:, fmt.meta_offset:fmt.stored_bytes] = params.contiguous().view(torch.uint8)
     return out
+
+
+def _uniform(like: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Uniform draws in ``[0, 1)`` of ``like``'s shape, float32, on its device."""
+    return torch.rand(like.shape, generator=generator, device=like.device,
+                      dtype=torch.float32)
+
+
+def _stochastic_e4m3(y: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """``y`` (float32, within +-448) rounded stochastically to e4m3fn: its magnitude to the
+    step below or above it (neighbours by their bits: e4m3fn's positive values are ordered
+    as their bit patterns), the upper with probability ``(|y| - lo) / (hi - lo)``."""
+    mag = y.abs()
+    near = mag.to(torch.float8_e4m3fn)
+    bits = near.view(torch.uint8).to(torch.int16)
+    nearf = near.float()
+    # NOTE: the other neighbour is one bit pattern up or down; |y| <= 448 = 0x7E, so up
+    # stays finite (a nearest of 0x7E is never below |y|), and down never passes zero
+    up = nearf < mag
+    other = torch.where(up, bits + 1, bits - 1).clamp_(0, 0x7E)
+    otherf = other.to(torch.uint8).view(torch.float8_e4m3fn).float()
+    lo = torch.where(up, nearf, otherf)
+    hi = torch.where(up, otherf, nearf)
+    gap = hi - lo
+    p = torch.where(gap > 0, (mag - lo) / torch.where(gap > 0, gap, 1.0), 0.0)
+    pick = torch.where(_uniform(mag, generator) < p, hi, lo)
+    return torch.where(y < 0, -pick, pick).to(torch.float8_e4m3fn)
 
 
 def parameters(stored: torch.Tensor, fmt: RowFormat) -> torch.Tensor:
@@ -86,12 +125,13 @@ def decode(stored: torch.Tensor, fmt: RowFormat, dtype: torch.dtype = torch.floa
            ) -> torch.Tensor:
     """Rows ``[N, fmt.dim]`` of ``dtype`` read from stored rows ``[N, >= fmt.stored_bytes]``
     uint8 (bytes past ``stored_bytes``, a stride's padding, ignored); computed in float32,
-    rounded once to ``dtype``."""
+    rounded once to ``dtype`` (to nearest, ties to even)."""
     params = parameters(stored, fmt)
     payload = stored[:, :fmt.dim].contiguous()
     if fmt.dtype == "int8":
-        q = payload.view(torch.int8).float()
-        rows = torch.addcmul(params[:, 1:2], q, params[:, 0:1])
+        # NOTE: a product, then a sum, each rounded (no fused multiply-add): the GPU kernels
+        # that dequantize compute it the same way, so every reader gets the same bits
+        rows = payload.view(torch.int8).float() * params[:, 0:1] + params[:, 1:2]
     else:
         rows = payload.view(torch.float8_e4m3fn).float() * params
     return rows.to(dtype)

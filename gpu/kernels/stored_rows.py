@@ -1,0 +1,94 @@
+# ruff: noqa: N803  (Triton convention: compile-time constants are UPPER_CASE parameters)
+"""Triton device functions that read a linear table's rows inside the kernels that gather
+them: plain rows as they are, quantized rows dequantized in the same load.
+
+Loaded only through :func:`gpu.kernels.triton_access.helper_module` by the kernel modules
+that read a linear table (:mod:`gpu.kernels.gather`, :mod:`gpu.kernels.cache_lookup`,
+:mod:`gpu.kernels.cache_pooled`). A quantized table (:data:`nvecache.common.rows.QUANTIZED`)
+is passed as its stored bytes, uint8 ``[num_rows, >= stored_bytes]`` with the row stride
+in bytes, and read as :func:`nvecache.common.quant.decode` reads it, bit for bit:
+
+- ``int8``: ``q * scale + bias``, the product and the sum each rounded (a variant that
+  reads int8 rows is compiled without fused multiply-adds: :func:`codec_constexprs`);
+- ``float8_e4m3fn``: the element decoded from its bits (exact in float32, the same in
+  Triton's interpreter as compiled), times ``scale``.
+
+:func:`to_dtype` rounds float32 to the output's dtype to nearest, ties to even, bfloat16
+by its bits (Triton's interpreter would otherwise truncate), so a dequantized row reads the
+same whether a GPU cache holds it or the table does, on either backend.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from nvecache.common.rows import RowFormat
+
+#: the ``QUANT`` constexpr of a table's format: 0 plain, 1 int8, 2 float8_e4m3fn
+_CODES = {"int8": 1, "float8_e4m3fn": 2}
+
+
+def codec_constexprs(fmt: RowFormat | None) -> dict[str, object]:
+    """The constexprs that tell a kernel how to read a table of format ``fmt`` (None: a
+    plain table of the kernel's dtype): ``QUANT``, ``META`` (the byte offset of the row's
+    parameters), and for int8 ``enable_fp_fusion=False`` (see the module docstring)."""
+    if fmt is None or not fmt.quantized:
+        return {"QUANT": 0, "META": 0}
+    cx: dict[str, object] = {"QUANT": _CODES[fmt.dtype], "META": fmt.meta_offset}
+    if fmt.dtype == "int8":
+        cx["enable_fp_fusion"] = False
+    return cx
+
+
+@triton.jit
+def load_rows(table_ptr, rows, rmask, tstride, d, dmask, QUANT: tl.constexpr,
+              META: tl.constexpr):
+    """``[BLOCK_K, BLOCK_D]``: elements ``d`` of rows ``rows`` (int64, masked by ``rmask``,
+    ``dmask``: zero there) of a table whose row ``r`` starts ``r * tstride`` elements (bytes,
+    quantized) in; a plain table's in its dtype, a quantized one's dequantized in float32."""
+    m = rmask[:, None] & dmask[None, :]
+    if QUANT == 0:
+        vals = tl.load(table_ptr + rows[:, None] * tstride + d[None, :], mask=m, other=0.0)
+    else:
+        base = table_ptr + rows * tstride
+        q = tl.load(base[:, None] + d[None, :], mask=m, other=0)
+        par = (base + META).to(tl.pointer_type(tl.float32))
+        scale = tl.load(par, mask=rmask, other=0.0)
+        if QUANT == 1:
+            bias = tl.load(par + 1, mask=rmask, other=0.0)
+            vals = q.to(tl.int8, bitcast=True).to(tl.float32) * scale[:, None] + bias[:, None]
+        else:
+            vals = _e4m3(q) * scale[:, None]
+        vals = tl.where(m, vals, 0.0)
+    return vals
+
+
+@triton.jit
+def _e4m3(q):
+    """float32 of e4m3fn bits (uint8): sign, 4 exponent bits (bias 7), 3 mantissa bits; no
+    infinities (the tables store no NaN: their writes refuse them)."""
+    b = q.to(tl.int32)
+    e = (b >> 3) & 15
+    m = b & 7
+    neg = (b >> 7) != 0
+    normal = ((e + 120) << 23) | (m << 20)
+    normal = tl.where(neg, normal | (-2147483647 - 1), normal).to(tl.float32, bitcast=True)
+    sub = m.to(tl.float32) * 0.001953125  # NOTE: 2**-9: a subnormal is m * 2**-6 / 8
+    sub = tl.where(neg, -sub, sub)
+    return tl.where(e == 0, sub, normal)
+
+
+@triton.jit
+def to_dtype(vals, OUT: tl.constexpr):
+    """``vals`` in dtype ``OUT``, float32 rounded to nearest, ties to even (bfloat16 by its
+    bits); values already of ``OUT`` as they are."""
+    if vals.dtype == OUT:
+        res = vals
+    elif OUT == tl.bfloat16:
+        bits = vals.to(tl.float32).to(tl.int32, bitcast=True)
+        bits = (bits + 32767 + ((bits >> 16) & 1)) >> 16
+        res = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        res = vals.to(OUT)
+    return res
