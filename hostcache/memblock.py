@@ -33,6 +33,7 @@ from hostcache.table import C_HITS, C_LOOKUPS, C_UPDATES, SharedTable
 from hostcache.table_files import TableFiles
 from hostcache.validate import check_indices, check_keys, dedup_last
 from nvecache.common.accumulate import add_at, check_deltas, sum_duplicates
+from nvecache.common.rows import RowFormat
 
 
 def _check_span(start: object, n: int, num_rows: int) -> int:
@@ -145,6 +146,12 @@ class SharedMemBlock(TableFiles, SharedTable):
         """Element type of the rows (a quantized table's: its format's, ``torch.int8`` or
         ``torch.float8_e4m3fn``)."""
         return self.geometry.dtype
+
+    @property
+    def row_format(self) -> RowFormat:
+        """How a row is stored (its format, bytes and stride): what a kernel reading
+        :attr:`tensor` is told."""
+        return self.geometry.row_format
 
     @property
     def quantized(self) -> bool:
