@@ -40,8 +40,8 @@ from hostcache.table_twin import GATE as LOOPS
 from hostcache.validate import check_cache_keys
 from nvecache.common import quant
 from nvecache.common.accumulate import added, check_deltas, sum_duplicates
-from nvecache.common.rows import RowFormat
 from nvecache.common.fanout import split_run
+from nvecache.common.rows import RowFormat
 
 _COUNTER_CAP = 1 << 30
 #: the dtypes a quantized cache's lookup decodes into (``out=``): a layer's output dtypes
