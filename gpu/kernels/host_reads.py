@@ -151,7 +151,7 @@ def _out_dtype(reg: Any, out_dtype: object) -> torch.dtype:
     quantized = g.row_format.quantized
     if out_dtype is None:
         return torch.float32 if quantized else g.dtype
-    if (quantized and out_dtype in _DECODED) or out_dtype == g.dtype:
+    if out_dtype in _DECODED if quantized else out_dtype == g.dtype:
         return out_dtype  # type: ignore[return-value]
     can = ", ".join(str(d) for d in _DECODED) if quantized else str(g.dtype)
     raise BadArgumentError(f"out_dtype {out_dtype!r}: table {reg.name!r} ({g.dtype_name}) is "
@@ -225,7 +225,7 @@ def hostcache_lookup(
     if path == "triton":
         return _lookup_triton(reg, keys, dedup=dedup, sort=sort, tiles=tiles, out_dtype=dtype)
     if path == "table":
-        if dtype == reg.table.geometry.dtype or not reg.geometry.row_format.quantized:
+        if not reg.geometry.row_format.quantized or dtype == torch.float32:
             return reg.table.lookup(keys)
         out = torch.empty((keys.numel(), reg.geometry.dim), dtype=dtype)
         return reg.table.lookup(keys, out=out)
