@@ -41,11 +41,11 @@ from hostcache.validate import check_cache_keys
 from nvecache.common import quant
 from nvecache.common.accumulate import added, check_deltas, sum_duplicates
 from nvecache.common.fanout import split_run
-from nvecache.common.rows import RowFormat
+from nvecache.common.rows import LAYER_DTYPES, RowFormat, torch_dtype
 
 _COUNTER_CAP = 1 << 30
 #: the dtypes a quantized cache's lookup decodes into (``out=``): a layer's output dtypes
-_DECODED = (torch.float32, torch.float16, torch.bfloat16)
+_DECODED = tuple(torch_dtype(name) for name in LAYER_DTYPES)
 
 
 #: the per-key loops for this call: compiled (:mod:`hostcache.table_loops`) once they are

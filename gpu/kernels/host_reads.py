@@ -55,7 +55,7 @@ from gpu.kernels.triton_access import kernel_module, triton_available
 from hostcache import hashing, layout
 from nvecache.common import quant
 from nvecache.common.keys import key_problem
-from nvecache.common.rows import RowFormat
+from nvecache.common.rows import LAYER_DTYPES, RowFormat, torch_dtype
 
 __all__ = ["Backend", "TritonNotInstalledError", "hostcache_lookup", "triton_lookup"]
 
@@ -141,7 +141,7 @@ def _backend(backend: object, device: torch.device) -> str:
 
 
 #: the dtypes a quantized table's rows are read as (a layer's output dtypes)
-_DECODED = (torch.float32, torch.float16, torch.bfloat16)
+_DECODED = tuple(torch_dtype(name) for name in LAYER_DTYPES)
 
 
 def _out_dtype(reg: Any, out_dtype: object) -> torch.dtype:
