@@ -168,11 +168,12 @@ def _block_k(block_d: int) -> int:
 
 def _codec(k: ModuleType, fmt: RowFormat) -> dict[str, Any]:
     """The gather's constexprs of a table's format (``gpu.kernels.stored_rows``, through
-    kernel module ``k``); a plain table's are the kernel's defaults, passed as none (its
-    variant stays the one it was)."""
+    kernel module ``k``): ``QUANT``, ``META`` (a plain table's 0: its variant compiles to
+    the code it did before quantized tables), int8's ``enable_fp_fusion=False``. Passed
+    every launch: a direct launch takes every constexpr by name, defaults included."""
     cx = _CODECS.get(fmt)
     if cx is None:
-        cx = _CODECS[fmt] = k.codec_constexprs(fmt) if fmt.quantized else {}
+        cx = _CODECS[fmt] = k.codec_constexprs(fmt)
     return cx
 
 
@@ -385,8 +386,8 @@ def _read_found(k: ModuleType, reg: Any, found: torch.Tensor, ver2: torch.Tensor
         cx = _codec(k, g.row_format)
         _launch(k, interpret, "gather_found_kernel", (_cdiv(n, bk),),
                 (found, rows, out, n, rows.stride(0), g.dim),
-                (bk, bd, bd == g.dim, tiles.host_warps, rows.dtype, out_dtype,
-                 cx.get("QUANT", 0), cx.get("META", 0)),
+                (bk, bd, bd == g.dim, tiles.host_warps, rows.dtype, out_dtype, cx["QUANT"],
+                 cx["META"]),
                 BLOCK_K=bk, BLOCK_D=bd, EVEN_D=bd == g.dim, num_warps=tiles.host_warps, **cx)
     _launch(k, interpret, "verify_kernel", (_cdiv(n, 1024),), (found, ver2, hit, n), (),
             BLOCK=1024)

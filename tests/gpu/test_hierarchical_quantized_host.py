@@ -169,7 +169,7 @@ POOLING = [("sum", False), ("mean", False), ("max", False), ("sum", True)]
 
 @pytest.mark.parametrize(("device", "reads"), PATHS)
 @pytest.mark.parametrize("store", ["file", "none"])
-@pytest.mark.parametrize("dim", [5, 128])
+@pytest.mark.parametrize("dim", [1, 5, 13, 128])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
 @pytest.mark.parametrize(("mode", "weighted"), POOLING, ids=["sum", "mean", "max", "weighted"])
