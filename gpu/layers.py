@@ -133,7 +133,7 @@ class _NVBase(torch.nn.Module):
         #: how the layer was built: its arguments as resolved and its tables by identity
         #: (a record: it stays after close())
         self.spec: LayerSpec = spec
-        self._quant = any(getattr(t, "quantized", False) for t in (storage, *self._owned))
+        self._quant = any(getattr(t, "quantized", 0) for t in (storage, host_cache, *self._owned))
         self.validate = bool(validate)
         self._tiers.validate = self.validate
         self._op = ops.register(self._tiers)

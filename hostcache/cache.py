@@ -38,10 +38,14 @@ from hostcache.table import (
 from hostcache.table_files import TableFiles
 from hostcache.table_twin import GATE as LOOPS
 from hostcache.validate import check_cache_keys
+from nvecache.common import quant
 from nvecache.common.accumulate import added, check_deltas, sum_duplicates
 from nvecache.common.fanout import split_run
+from nvecache.common.rows import LAYER_DTYPES, RowFormat, torch_dtype
 
 _COUNTER_CAP = 1 << 30
+#: the dtypes a quantized cache's lookup decodes into (``out=``): a layer's output dtypes
+_DECODED = tuple(torch_dtype(name) for name in LAYER_DTYPES)
 
 
 #: the per-key loops for this call: compiled (:mod:`hostcache.table_loops`) once they are
@@ -146,6 +150,17 @@ class HostCache(TableFiles, SharedTable, CacheProbes):
         self._bucket_policy: np.ndarray = self._npolicy.reshape(-1, ways)
         self._nraw = raw.view(slots, geo.row_stride).numpy()
 
+    @property
+    def row_format(self) -> RowFormat:
+        """How a row is stored (its format, bytes and stride): what a kernel reading the
+        registered rows is told."""
+        return self.geometry.row_format
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the rows are stored quantized (lookups dequantize them)."""
+        return self.geometry.row_format.quantized
+
     def _drop_views(self) -> None:
         empty = torch.empty(0)
         self._keys = self._versions = self._policy = self._rows = empty
@@ -164,7 +179,9 @@ class HostCache(TableFiles, SharedTable, CacheProbes):
         ``count=False`` is a peek: no hit counters or policy counters change. ``out``: a
         contiguous CPU ``[N, dim]`` tensor of the table's dtype to read the rows into
         (returned as ``values``), instead of a new one. A quantized cache's rows are
-        returned dequantized, in float32 (``out`` of float32).
+        returned dequantized, in float32; or in ``out``'s dtype, float32, float16 or
+        bfloat16, decoded straight into it (bit for bit
+        ``quant.decode(stored, fmt, out.dtype)``: what a layer of that dtype reads).
         """
         keys = check_cache_keys(keys)
         geo, codec = self.geometry, self._codec
@@ -172,16 +189,18 @@ class HostCache(TableFiles, SharedTable, CacheProbes):
         want = codec.out_dtype
         if out is None:
             out = torch.empty((n, geo.dim), dtype=want)
-        elif (out.dtype != want or out.shape != (n, geo.dim) or out.device.type != "cpu"
+        elif ((out.dtype != want and not (codec.quantized and out.dtype in _DECODED))
+              or out.shape != (n, geo.dim) or out.device.type != "cpu"
               or not out.is_contiguous() or out.stride(-1) != 1):
+            dtypes = (", ".join(str(d) for d in _DECODED) if codec.quantized else str(want))
             raise BadArgumentError(
                 f"out must be a contiguous CPU tensor of shape ({n}, {geo.dim}) and dtype "
-                f"{want}; got {tuple(out.shape)} {out.dtype} on {out.device}, strides "
+                f"{dtypes}; got {tuple(out.shape)} {out.dtype} on {out.device}, strides "
                 f"{out.stride()}")
-        if codec.quantized:  # NOTE: the stored bytes read seqlocked, then decoded
+        if codec.quantized:  # NOTE: the stored bytes read seqlocked, then decoded into out
             stored = torch.empty((n, codec.width), dtype=torch.uint8)
             hit = self._read(keys, stored, count)
-            out.copy_(codec.rows(stored))
+            quant.decode(stored, codec.fmt, out=out)
             return out, hit
         return out, self._read(keys, out, count)
 

@@ -242,7 +242,8 @@ def _layer_args(entry: dict[str, Any], private: dict[str, torch.Tensor],
                                         f"{entry['path']!r} cannot be attached: {e}") from None
             opened.append(hc)
             g = hc.geometry
-            _geometry_check(f"host cache {table['host_cache']!r}", None, g.dim, g.dtype, entry)
+            _geometry_check(f"host cache {table['host_cache']!r}", None, g.dim,
+                            md.dtype_of(entry) if hc.quantized else g.dtype, entry)
             kw["host_cache"] = hc
         if table["ps_url"] is not None:
             try:

@@ -6,7 +6,11 @@ results; ``backend="torch"`` runs the same seqlock probe in torch ops over the r
 views (any device: where Triton is missing); with ``backend="triton"`` on CPU tensors the
 very same Triton kernels run under Triton's interpreter, so the kernel logic is tested on
 machines without a GPU. (A registered :class:`hostcache.SharedMemBlock` is read by the
-GPULayer gather, :mod:`gpu.kernels.gather`, and the GPU cache's linear lookups.)
+GPULayer gather, :mod:`gpu.kernels.gather`, and the GPU cache's linear lookups.) A quantized
+host cache (int8, float8_e4m3fn) is read as its stored bytes and dequantized in the gather
+(:mod:`gpu.kernels.stored_rows`), in the dtype a caller asks for (``out_dtype``: a layer's),
+bit for bit :func:`nvecache.common.quant.decode`; the torch path decodes the stored bytes
+it copied out inside the seqlock window, the CPU path is the table's own lookup.
 
 This module checks the arguments, picks the backend and runs the batch pipelines; the
 kernels, and the memory-ordering argument for why a lookup is three launches (probe ->
@@ -49,7 +53,9 @@ from gpu.errors import BadArgumentError, TritonNotInstalledError
 from gpu.kernels.tiles import DEFAULT_TILES, Tiles
 from gpu.kernels.triton_access import kernel_module, triton_available
 from hostcache import hashing, layout
+from nvecache.common import quant
 from nvecache.common.keys import key_problem
+from nvecache.common.rows import LAYER_DTYPES, RowFormat, torch_dtype
 
 __all__ = ["Backend", "TritonNotInstalledError", "hostcache_lookup", "triton_lookup"]
 
@@ -134,12 +140,44 @@ def _backend(backend: object, device: torch.device) -> str:
     raise BadArgumentError(f"backend must be 'auto', 'torch' or 'triton'; got {backend!r}")
 
 
+#: the dtypes a quantized table's rows are read as (a layer's output dtypes)
+_DECODED = tuple(torch_dtype(name) for name in LAYER_DTYPES)
+
+
+def _out_dtype(reg: Any, out_dtype: object) -> torch.dtype:
+    """The rows' dtype of a lookup: the table's (a quantized one's: float32), or
+    ``out_dtype`` where the table reads as it."""
+    g = reg.geometry
+    quantized = g.row_format.quantized
+    if out_dtype is None:
+        return torch.float32 if quantized else g.dtype
+    if out_dtype in _DECODED if quantized else out_dtype == g.dtype:
+        return out_dtype  # type: ignore[return-value]
+    can = ", ".join(str(d) for d in _DECODED) if quantized else str(g.dtype)
+    raise BadArgumentError(f"out_dtype {out_dtype!r}: table {reg.name!r} ({g.dtype_name}) is "
+                           f"read as {can}")
+
+
 def _block_d(dim: int) -> int:
     return 1 << max(0, (dim - 1).bit_length())
 
 
 def _block_k(block_d: int) -> int:
     return max(1, min(32, 2048 // block_d))
+
+
+def _codec(k: ModuleType, fmt: RowFormat) -> dict[str, Any]:
+    """The gather's constexprs of a table's format (``gpu.kernels.stored_rows``, through
+    kernel module ``k``): ``QUANT``, ``META`` (a plain table's 0: its variant compiles to
+    the code it did before quantized tables), int8's ``enable_fp_fusion=False``. Passed
+    every launch: a direct launch takes every constexpr by name, defaults included."""
+    cx = _CODECS.get(fmt)
+    if cx is None:
+        cx = _CODECS[fmt] = k.codec_constexprs(fmt)
+    return cx
+
+
+_CODECS: dict[RowFormat, dict[str, Any]] = {}
 
 
 # -- host cache lookup ---------------------------------------------------------------------
@@ -153,6 +191,7 @@ def hostcache_lookup(
     dedup: bool = True,
     sort: bool = True,
     tiles: Tiles = DEFAULT_TILES,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Look ``keys`` up in a registered :class:`hostcache.HostCache`.
 
@@ -166,24 +205,32 @@ def hostcache_lookup(
         dedup: fetch each distinct key once (Triton path).
         sort: visit keys in bucket (= host page) order (Triton path).
         tiles: the kernels' launch settings (Triton path).
+        out_dtype: the rows' dtype: a plain table's own (None); a quantized table's rows
+            are dequantized in the gather, in float32 (None), float16 or bfloat16, bit for
+            bit ``nvecache.common.quant.decode(stored, fmt, out_dtype)``.
 
     Returns:
-        ``(values [N, dim] in the table's dtype, hit bool [N])`` on ``reg.device``; rows of
-        missing keys are zeros.
+        ``(values [N, dim] of out_dtype, hit bool [N])`` on ``reg.device``; rows of missing
+        keys are zeros.
 
     Raises:
-        BadArgumentError: wrong registration kind, dtype, shape or device of ``keys``.
+        BadArgumentError: wrong registration kind, dtype, shape or device of ``keys``, an
+            ``out_dtype`` the table does not read as.
         RegistrationClosedError: ``reg`` is closed.
         TritonNotInstalledError: ``backend="triton"`` without triton.
     """
     _check_reg(reg)
     keys = _check_ids(keys, reg, "keys")
+    dtype = _out_dtype(reg, out_dtype)
     path = _backend(backend, reg.device)
     if path == "triton":
-        return _lookup_triton(reg, keys, dedup=dedup, sort=sort, tiles=tiles)
+        return _lookup_triton(reg, keys, dedup=dedup, sort=sort, tiles=tiles, out_dtype=dtype)
     if path == "table":
-        return reg.table.lookup(keys)
-    return _lookup_torch(reg, keys)
+        if not reg.geometry.row_format.quantized or dtype == torch.float32:
+            return reg.table.lookup(keys)
+        out = torch.empty((keys.numel(), reg.geometry.dim), dtype=dtype)
+        return reg.table.lookup(keys, out=out)
+    return _lookup_torch(reg, keys, dtype)
 
 
 def triton_lookup(
@@ -196,11 +243,12 @@ def triton_lookup(
     fence: bool = True,
     gather: bool = True,
     tiles: Tiles = DEFAULT_TILES,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton lookup (``backend="triton"``) with the variants tests and benches use.
 
     Args:
-        reg, keys, dedup, sort, tiles: as for :func:`hostcache_lookup`.
+        reg, keys, dedup, sort, tiles, out_dtype: as for :func:`hostcache_lookup`.
         versions_again: int64 ``[slots]`` read by the check launch instead of the table's
             versions: a stand-in for a writer that changed slots while the rows were read.
         fence: ``False`` leaves out the probe's ``fence.acq_rel.sys`` (bench only: a
@@ -212,11 +260,15 @@ def triton_lookup(
     _check_reg(reg)
     keys = _check_ids(keys, reg, "keys")
     return _lookup_triton(reg, keys, dedup=dedup, sort=sort, versions_again=versions_again,
-                          fence=fence, gather=gather, tiles=tiles)
+                          fence=fence, gather=gather, tiles=tiles,
+                          out_dtype=_out_dtype(reg, out_dtype))
 
 
-def _lookup_torch(reg: Any, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The seqlock probe in torch ops over the registered views (zero-copy on CUDA)."""
+def _lookup_torch(reg: Any, keys: torch.Tensor, out_dtype: torch.dtype
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The seqlock probe in torch ops over the registered views (zero-copy on CUDA); a
+    quantized table's stored rows (payload and parameters) copied out in the window, then
+    decoded."""
     g = reg.geometry
     versions, tab_keys, rows = reg.versions(), reg.keys(), reg.rows()
     bucket = hashing.bucket_of(keys, g.num_buckets)
@@ -229,6 +281,8 @@ def _lookup_torch(reg: Any, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     values = rows.index_select(0, slot)
     v2 = versions.index_select(0, slot)
     hit = match.any(dim=1) & (v1 == v2) & ((v1 & 1) == 0)
+    if g.row_format.quantized:
+        values = quant.decode(values, g.row_format, out_dtype)
     values.masked_fill_(~hit[:, None], 0)
     return values, hit
 
@@ -244,6 +298,7 @@ def _lookup_triton(
     fence: bool = True,
     gather: bool = True,
     tiles: Tiles = DEFAULT_TILES,
+    out_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton probe, gather, verify (see :func:`triton_lookup` for the variants)."""
     g = reg.geometry
@@ -276,7 +331,7 @@ def _lookup_triton(
         _launch(k, interpret, "probe_kernel", (_cdiv(n, pk),),
                 (keys, perm, head, tab_keys, versions, found, n, g.num_buckets),
                 (True, dedup, *common.values()), PERM=True, DEDUP=dedup, **common)
-        out, hit = _read_found(k, reg, found, ver2, gather, tiles)
+        out, hit = _read_found(k, reg, found, ver2, gather, tiles, out_dtype)
         if dedup:
             head = torch.cummax(head, 0).values
             bkf = max(1, min(64, 4096 // bd))
@@ -304,21 +359,23 @@ def _lookup_triton(
         _launch(k, interpret, "probe_kernel", (_cdiv(n, pk),),
                 (visit, pos, pos, tab_keys, versions, found, n, g.num_buckets),
                 (False, False, *common.values()), PERM=False, DEDUP=False, **common)
-    out, hit = _read_found(k, reg, found, ver2, gather, tiles)
+    out, hit = _read_found(k, reg, found, ver2, gather, tiles, out_dtype)
     if inverse is not None:
         return out.index_select(0, inverse), hit.index_select(0, inverse)
     return out, hit
 
 
 def _read_found(k: ModuleType, reg: Any, found: torch.Tensor, ver2: torch.Tensor,
-                gather: bool, tiles: Tiles) -> tuple[torch.Tensor, torch.Tensor]:
-    """Steps 2 and 3 of a lookup: the rows of the probed slots, then the versions again;
-    rows of keys whose version changed are zeroed (``gather=False``: no rows, zeros)."""
+                gather: bool, tiles: Tiles, out_dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Steps 2 and 3 of a lookup: the rows of the probed slots (a quantized table's
+    dequantized in the gather, in ``out_dtype``), then the versions again; rows of keys
+    whose version changed are zeroed (``gather=False``: no rows, zeros)."""
     g = reg.geometry
     interpret = reg.device.type != "cuda"
     n = found.numel()
     rows = reg.rows()
-    out = (torch.empty if gather else torch.zeros)((n, g.dim), dtype=g.dtype,
+    out = (torch.empty if gather else torch.zeros)((n, g.dim), dtype=out_dtype,
                                                    device=found.device)
     hit = torch.empty(n, dtype=torch.bool, device=found.device)
     if n == 0:
@@ -326,10 +383,12 @@ def _read_found(k: ModuleType, reg: Any, found: torch.Tensor, ver2: torch.Tensor
     if gather:
         bd = _block_d(g.dim)
         bk = tiles.host_block_k or _block_k(bd)
+        cx = _codec(k, g.row_format)
         _launch(k, interpret, "gather_found_kernel", (_cdiv(n, bk),),
                 (found, rows, out, n, rows.stride(0), g.dim),
-                (bk, bd, bd == g.dim, tiles.host_warps, g.dtype),
-                BLOCK_K=bk, BLOCK_D=bd, EVEN_D=bd == g.dim, num_warps=tiles.host_warps)
+                (bk, bd, bd == g.dim, tiles.host_warps, rows.dtype, out_dtype, cx["QUANT"],
+                 cx["META"]),
+                BLOCK_K=bk, BLOCK_D=bd, EVEN_D=bd == g.dim, num_warps=tiles.host_warps, **cx)
     _launch(k, interpret, "verify_kernel", (_cdiv(n, 1024),), (found, ver2, hit, n), (),
             BLOCK=1024)
     if gather:

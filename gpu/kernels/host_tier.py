@@ -54,6 +54,15 @@ version is compared modulo 2^24, the bits packed beside the slot: a false match 
 writes to one slot while one lookup reads it.) Under the Triton interpreter loads run one
 after another in program order; the fence is compiled out there.
 
+Quantized caches (int8, float8_e4m3fn): a slot's row is its stored bytes, the payload and
+then its float32 scale (and bias) at ``META`` (:mod:`gpu.kernels.stored_rows`). The writer
+stores them together inside its write section, as any row byte; the gather loads the
+payload and the parameters in the same launch (``load_rows`` with ``".cv"``), between the
+probe's ``v1`` and the check's ``v2``, and dequantizes them there. So the argument above
+covers the parameters as it covers the payload: a scale or bias of another write than the
+payload it is applied to would have been read inside a write section, and the check then
+sees ``v2 != v1`` and the key is a miss (its row zeroed by the launcher).
+
 Keys equal to ``hostcache.layout.EMPTY_KEY`` (reserved) are misses here: checking would
 cost a device sync. Nothing here bumps the tables' LFU counters or hit statistics.
 """
@@ -70,6 +79,11 @@ from hostcache import layout
 _hash = helper_module("key_hash")
 hash_keys = _hash.hash_keys
 bucket_of = _hash.bucket_of
+# NOTE: a quantized cache's rows read dequantized, as the linear tables' kernels read them
+_stored = helper_module("stored_rows")
+_load_rows = _stored.load_rows
+_to_dtype = _stored.to_dtype
+codec_constexprs = _stored.codec_constexprs
 
 _EMPTY: tl.constexpr = tl.constexpr(layout.EMPTY_KEY)
 
@@ -214,7 +228,8 @@ def probe_kernel(
 @triton.jit
 def gather_found_kernel(
     found_ptr,  # int64 [n] packed (slot, version) from probe_kernel, or -1
-    rows_ptr,  # [slots, dim] registered rows, row stride `row_stride` elements
+    rows_ptr,  # [slots, dim] registered rows, row stride `row_stride` elements; QUANT:
+    # uint8 [slots, stored bytes], the stored rows, row stride `row_stride` bytes
     out_ptr,  # [n, dim] output rows (contiguous); zeros where not found
     n,
     row_stride,
@@ -222,8 +237,11 @@ def gather_found_kernel(
     BLOCK_K: tl.constexpr,  # noqa: N803
     BLOCK_D: tl.constexpr,  # noqa: N803
     EVEN_D: tl.constexpr,  # noqa: N803 - dim == BLOCK_D: no column mask (wide loads)
+    QUANT: tl.constexpr = 0,  # noqa: N803 - the rows' format (gpu.kernels.stored_rows)
+    META: tl.constexpr = 0,  # noqa: N803 - byte offset of a quantized row's parameters
 ):
-    """Step 2: the rows of the found slots (a launch after every v1 was read)."""
+    """Step 2: the rows of the found slots (a launch after every v1 was read); a quantized
+    cache's dequantized (payload, scale and bias loaded together) in ``out_ptr``'s dtype."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     m = offs < n
     f = tl.load(found_ptr + offs, mask=m, other=-1)
@@ -231,8 +249,14 @@ def gather_found_kernel(
     slot = tl.where(ok, f >> _VER_BITS, 0)
     d = tl.arange(0, BLOCK_D)
     dmask = (d < BLOCK_D) if EVEN_D else (d < dim)
-    row = tl.load(rows_ptr + slot[:, None] * row_stride + d[None, :],
-                  mask=ok[:, None] & dmask[None, :], other=0, cache_modifier=".cv")
+    if QUANT == 0:
+        row = tl.load(rows_ptr + slot[:, None] * row_stride + d[None, :],
+                      mask=ok[:, None] & dmask[None, :], other=0, cache_modifier=".cv")
+    else:
+        # NOTE: the parameters are bytes of the same slot's row, loaded in this launch
+        # with the payload (".cv" too): inside the v1..v2 window that verify_kernel checks
+        row = _to_dtype(_load_rows(rows_ptr, slot, ok, row_stride, d, dmask, QUANT, META,
+                                   ".cv"), out_ptr.dtype.element_ty)
     tl.store(out_ptr + offs[:, None] * dim + d[None, :], row, mask=m[:, None] & dmask[None, :])
 
 

@@ -4,7 +4,8 @@ them: plain rows as they are, quantized rows dequantized in the same load.
 
 Loaded only through :func:`gpu.kernels.triton_access.helper_module` by the kernel modules
 that read a linear table (:mod:`gpu.kernels.gather`, :mod:`gpu.kernels.cache_lookup`,
-:mod:`gpu.kernels.cache_pooled`). A quantized table (:data:`nvecache.common.rows.QUANTIZED`)
+:mod:`gpu.kernels.cache_pooled`) or a registered host cache's rows
+(:mod:`gpu.kernels.host_tier`). A quantized table (:data:`nvecache.common.rows.QUANTIZED`)
 is passed as its stored bytes, uint8 ``[num_rows, >= stored_bytes]`` with the row stride
 in bytes, and read as :func:`nvecache.common.quant.decode` reads it, bit for bit:
 
@@ -43,20 +44,23 @@ def codec_constexprs(fmt: RowFormat | None) -> dict[str, object]:
 
 @triton.jit
 def load_rows(table_ptr, rows, rmask, tstride, d, dmask, QUANT: tl.constexpr,
-              META: tl.constexpr):
+              META: tl.constexpr, CACHE: tl.constexpr = ""):
     """``[BLOCK_K, BLOCK_D]``: elements ``d`` of rows ``rows`` (int64, masked by ``rmask``,
     ``dmask``: zero there) of a table whose row ``r`` starts ``r * tstride`` elements (bytes,
-    quantized) in; a plain table's in its dtype, a quantized one's dequantized in float32."""
+    quantized) in; a plain table's in its dtype, a quantized one's dequantized in float32.
+    ``CACHE``: the loads' cache modifier (``".cv"``: the host tier's seqlocked reads fetch
+    every byte again, the row's parameters as its payload)."""
     m = rmask[:, None] & dmask[None, :]
     if QUANT == 0:
-        vals = tl.load(table_ptr + rows[:, None] * tstride + d[None, :], mask=m, other=0.0)
+        vals = tl.load(table_ptr + rows[:, None] * tstride + d[None, :], mask=m, other=0.0,
+                       cache_modifier=CACHE)
     else:
         base = table_ptr + rows * tstride
-        q = tl.load(base[:, None] + d[None, :], mask=m, other=0)
+        q = tl.load(base[:, None] + d[None, :], mask=m, other=0, cache_modifier=CACHE)
         par = (base + META).to(tl.pointer_type(tl.float32))
-        scale = tl.load(par, mask=rmask, other=0.0)
+        scale = tl.load(par, mask=rmask, other=0.0, cache_modifier=CACHE)
         if QUANT == 1:
-            bias = tl.load(par + 1, mask=rmask, other=0.0)
+            bias = tl.load(par + 1, mask=rmask, other=0.0, cache_modifier=CACHE)
             vals = q.to(tl.int8, bitcast=True).to(tl.float32) * scale[:, None] + bias[:, None]
         else:
             vals = _e4m3(q) * scale[:, None]

@@ -223,8 +223,10 @@ def build_hierarchical(spec: StackSpec) -> HierarchicalStack:
         if not isinstance(host_cache, HostCache):
             raise BadArgumentError("host_cache must be a hostcache.HostCache or its name")
         g = host_cache.geometry
-        check_geometry(f"host cache {host_cache.name!r}", g.dim, g.dtype, spec.dim,
-                       spec.dtype)
+        # NOTE: a quantized cache's rows are read dequantized in the layer's dtype (the CPU
+        # lookup and the GPU read kernel alike): any layer dtype reads it
+        check_geometry(f"host cache {host_cache.name!r}", g.dim,
+                       spec.dtype if host_cache.quantized else g.dtype, spec.dim, spec.dtype)
     if isinstance(storage, str):
         name = spec.table or (host_cache.name if host_cache is not None else None)
         if name is None:

@@ -11,8 +11,14 @@ One tier: ``"gpu"`` this process's GPU cache only; ``"host"`` the host cache onl
 (announced as above); ``"storage"`` the parameter server only (announced on its change
 feed as any of its writes; the caches keep what they hold).
 
-Over a quantized parameter server the caches are written the rows as the server stores
-them (quantized, then dequantized), so every tier reads the same values.
+Where a tier below the GPU cache stores rows quantized (a quantized parameter server, a
+quantized host cache, or both) every tier reads the same values
+(:mod:`gpu.stacks.misses.tier_formats`): a write through every tier gives the host cache
+the rows as the parameter server's lookups return them (a quantized host cache encodes
+those), and a ``tier="gpu"`` insert writes this process's GPU cache the rows a write
+through every tier would read back (quantized, then dequantized, by each quantized tier
+below), not the float rows given: the GPU cache holds no row a tier below could not hold,
+and reads the same before and after the row is dropped from it and read again.
 
 ``accumulate`` adds deltas where the rows are kept: with a parameter server there first
 (atomically per row), then the host cache gets the server's new rows through ``update``
@@ -27,22 +33,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from gpu.errors import StorageWriteError
-from nvecache.common import quant
-from nvecache.common.rows import RowFormat
 from psclient import PSClientError
 
 if TYPE_CHECKING:
     from gpu.stacks.misses.admission import PendingAdmissions
+    from gpu.stacks.misses.resolver import Resolver
     from gpu.stacks.protocol import Tier
 
 T = TypeVar("T")
-
-
-def as_stored(ps: Any, values: torch.Tensor) -> torch.Tensor:
-    """``values`` as a quantized parameter server stores them and its lookups return them
-    (dequantized), in their dtype."""
-    fmt = RowFormat(ps.dtype, ps.dim)
-    return quant.decode(quant.encode(values, fmt), fmt, values.dtype)
 
 
 class TierWrites:
@@ -51,6 +49,8 @@ class TierWrites:
 
     host_cache: Any
     ps: Any
+    dtype: torch.dtype
+    resolver: Resolver
     pending: PendingAdmissions
     guard: Any
     follower: Any
@@ -94,8 +94,9 @@ class TierWrites:
             else:
                 self._at_ps(op, n, lambda: ps.erase(ck))
         host = self.host_cache
-        if ps is not None and ps.quantized and cv is not None:
-            cv = as_stored(ps, cv)  # NOTE: the caches hold what the server's lookups return
+        formats = self.resolver.formats
+        if formats.quantized and cv is not None:
+            cv = formats.for_host(cv)  # NOTE: what the server's lookups return of the rows
         if host is not None:
             if op == "erase":
                 host.erase(ck)
@@ -117,7 +118,9 @@ class TierWrites:
         if tier is None:
             self._write("insert", keys, values)
         elif tier == "gpu":
-            self.insert_cached(keys, values)
+            formats = self.resolver.formats
+            # NOTE: over a quantized tier, the rows a write through every tier reads back
+            self.insert_cached(keys, formats.read(values) if formats.quantized else values)
         elif tier == "host":
             self.host_cache.update(keys.cpu(), values.cpu(), insert_missing=True,
                                    allow_nonfinite=True)
@@ -148,7 +151,9 @@ class TierWrites:
         n = ck.numel()
         ps, host = self.ps, self.host_cache
         if ps is None:
-            found = host.accumulate(ck, cd, allow_nonfinite=True)
+            # NOTE: a quantized host cache adds float32 deltas (decoded, added, encoded)
+            found = host.accumulate(ck, cd.float() if host.quantized else cd,
+                                    allow_nonfinite=True)
             self._written(keys, own_copies=False)
             return found.to(keys.device)
         pd = cd.float() if ps.quantized else cd  # NOTE: a quantized table adds float32
@@ -164,9 +169,13 @@ class TierWrites:
                     f"accumulate of {n} keys: the parameter server added the deltas but "
                     f"could not be read back: {e}; the keys were dropped from the caches "
                     "(the next lookups read them from the parameter server)") from e
-            # NOTE: a key erased since the add is dropped from the host cache too
-            host.update(changed[held], rows[held].to(host.geometry.dtype),
-                        insert_missing=True, allow_nonfinite=True)
+            # NOTE: a key erased since the add is dropped from the host cache too, and so is
+            # a row a quantized host cache cannot hold (NaN or infinite: read from the server)
+            new_rows, holds = self.resolver.formats.host_rows(rows)
+            if holds is not None:
+                held = held & holds
+            host.update(changed[held], new_rows[held], insert_missing=True,
+                        allow_nonfinite=True)
             if not bool(held.all()):
                 host.erase(changed[~held])
         self._written(keys, own_copies=host is None)

@@ -121,11 +121,18 @@ def parameters(stored: torch.Tensor, fmt: RowFormat) -> torch.Tensor:
     return raw.view(torch.float32)
 
 
-def decode(stored: torch.Tensor, fmt: RowFormat, dtype: torch.dtype = torch.float32
-           ) -> torch.Tensor:
+def decode(stored: torch.Tensor, fmt: RowFormat, dtype: torch.dtype = torch.float32, *,
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """Rows ``[N, fmt.dim]`` of ``dtype`` read from stored rows ``[N, >= fmt.stored_bytes]``
     uint8 (bytes past ``stored_bytes``, a stride's padding, ignored); computed in float32,
-    rounded once to ``dtype`` (to nearest, ties to even)."""
+    rounded once to ``dtype`` (to nearest, ties to even).
+
+    ``out``: a ``[N, fmt.dim]`` tensor on ``stored``'s device to decode into (its dtype, not
+    ``dtype``, is the rows'), returned; the same values bit for bit, without the payload's
+    float32 copy (a float32 ``out`` is computed in place; another dtype through one float32
+    buffer)."""
+    if out is not None:
+        return _decode_into(stored, fmt, out)
     params = parameters(stored, fmt)
     payload = stored[:, :fmt.dim].contiguous()
     if fmt.dtype == "int8":
@@ -135,6 +142,24 @@ def decode(stored: torch.Tensor, fmt: RowFormat, dtype: torch.dtype = torch.floa
     else:
         rows = payload.view(torch.float8_e4m3fn).float() * params
     return rows.to(dtype)
+
+
+def _decode_into(stored: torch.Tensor, fmt: RowFormat, out: torch.Tensor) -> torch.Tensor:
+    """:func:`decode` into ``out``: the payload converted (exactly) into float32, then the
+    product and the sum each rounded, as :func:`decode` computes them."""
+    if out.shape != (stored.shape[0], fmt.dim) or not out.is_floating_point():
+        raise RowFormatError(f"out must be a float [{stored.shape[0]}, {fmt.dim}] tensor")
+    params = parameters(stored, fmt)
+    payload = stored[:, :fmt.dim].view(torch.int8 if fmt.dtype == "int8"
+                                       else torch.float8_e4m3fn)
+    rows = out if out.dtype == torch.float32 else torch.empty(out.shape, device=out.device)
+    rows.copy_(payload)
+    rows.mul_(params[:, 0:1])
+    if fmt.dtype == "int8":
+        rows.add_(params[:, 1:2])
+    if rows is not out:
+        out.copy_(rows)
+    return out
 
 
 def error_bound(stored: torch.Tensor, fmt: RowFormat) -> torch.Tensor:

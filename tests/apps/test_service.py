@@ -88,8 +88,15 @@ mode = "0660"
 @pytest.mark.parametrize(("text", "field"), [
     ('[[hostcache]]\nname = "a"\ncapacity = -1\ndim = 4\n', "hostcache[0] (a).capacity"),
     ('[[hostcache]]\nname = "a"\ncapacity = 8\ndim = 4\nways = 5\n', "hostcache[0] (a).ways"),
-    ('[[hostcache]]\nname = "a"\ncapacity = 8\ndim = 4\ndtype = "int8"\n',
+    ('[[hostcache]]\nname = "a"\ncapacity = 8\ndim = 4\ndtype = "int4"\n',
      "hostcache[0] (a).dtype"),
+    ('[[linear]]\nname = "a"\nrows = 8\ndim = 4\ndtype = "int8"\n', "linear[0] (a).dtype"),
+    ('[[hostcache]]\nname = "a"\ncapacity = 8\ndim = 4\nps_dtype = "int8"\n',
+     "hostcache[0] (a).ps_dtype"),
+    ('[[hostcache]]\nname = "a"\ncapacity = 8\ndim = 4\nps_url = "file:///x"\n'
+     'ps_dtype = "fp8"\n', "hostcache[0] (a).ps_dtype"),
+    ('[[linear]]\nname = "a"\nrows = 8\ndim = 4\nps_url = "file:///x"\nps_dtype = "int8"\n',
+     "linear[0].ps_dtype"),
     ('[[hostcache]]\nname = "a/b"\ncapacity = 8\ndim = 4\n', "hostcache[0].name"),
     ('[[hostcache]]\nname = "a"\ndim = 4\n', "hostcache[0].capacity"),
     ('[[hostcache]]\nname = "a"\ncapacity = 8\ndim = 4\ncolour = 1\n', "hostcache[0].colour"),

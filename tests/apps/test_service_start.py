@@ -15,7 +15,7 @@ import torch
 import psclient
 from hostcache import SharedMemoryFullError, segment
 from nvecache.apps.errors import PSTableMissingError
-from nvecache.apps.service import NodeService, ServiceConfig, build_config
+from nvecache.apps.service import NodeService, ServiceConfig, ServiceConfigError, build_config
 from tests.test_failures import DIM, rows_of, write_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -133,3 +133,67 @@ def test_a_linear_table_too_large_for_shm_names_its_rows(tmp_path: Path, table_n
     assert "overcommit" not in str(err.value)
     assert err.value.needed > err.value.free
     assert shm_entries(table_name) == []
+
+
+# -- quantized host caches ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn"])
+def test_a_quantized_host_cache_over_a_float32_table(tmp_path: Path, table_name: str,
+                                                     store: str, fmt: str) -> None:
+    """``dtype = "int8"`` (or fp8) and ``ps_dtype = "float32"``: the service creates the
+    quantized cache, warms it with the server's rows encoded (a row with a NaN left out),
+    and a Hierarchical layer over both reads the round trip from either tier."""
+    from gpu import LayerType, NVEmbedding
+    from hostcache import HostCache
+    from nvecache.common import quant
+    from nvecache.common.rows import RowFormat
+
+    ps = psclient.connect(store, table=table_name)
+    bad = rows_of(torch.tensor([3]), 0)
+    bad[0, 1] = float("nan")
+    ps.update(torch.tensor([3]), bad, allow_nonfinite=True)
+    ps.close()
+    cfg = build_config(config_file(tmp_path, [
+        {"name": table_name, "capacity": 1024, "dim": DIM, "dtype": fmt, "ps_url": store,
+         "ps_dtype": "float32", "warmup": "all"}]), env={})
+    assert (cfg.tables[0].dtype, cfg.tables[0].ps_format) == (fmt, "float32")
+    service = NodeService(cfg)
+    service.start()
+    try:
+        keys = torch.arange(10)
+        f = RowFormat(fmt, DIM)
+        want = quant.decode(quant.encode(rows_of(keys, 0), f), f)
+        with HostCache.attach(table_name) as hc:
+            assert hc.quantized and hc.row_format == f
+            assert hc.contains(keys).tolist() == [k != 3 for k in range(10)]
+            values, _ = hc.lookup(keys)
+            held = keys != 3
+            assert torch.equal(values[held], want[held])
+            with psclient.connect(store, table=table_name) as server, \
+                    NVEmbedding(10, DIM, torch.float32, LayerType.Hierarchical, host_cache=hc,
+                                storage=server, device="cpu") as layer:
+                got = layer(keys)  # NOTE: key 3 from the server, as it holds it
+                assert torch.equal(got[held], want[held])
+                assert bool(torch.isnan(got[3, 1]))
+    finally:
+        service.stop()
+    assert shm_entries(table_name) == []
+
+
+def test_a_quantized_ps_table_is_created_in_its_format(tmp_path: Path, table_name: str,
+                                                       store: str) -> None:
+    new = table_name + "-q"
+    cfg = build_config(config_file(tmp_path, [
+        {"name": table_name, "capacity": 1024, "dim": DIM, "dtype": "float8_e4m3fn",
+         "ps_url": store, "ps_table": new, "ps_create": True}]), env={})
+    service = NodeService(cfg)
+    service.start()
+    service.stop()
+    ps = psclient.connect(store, table=new)
+    assert (ps.dim, ps.dtype, ps.quantized) == (DIM, torch.float8_e4m3fn, True)
+    ps.close()
+    with pytest.raises(ServiceConfigError, match=r"\[\[hostcache\]\] tables"):
+        build_config(config_file(tmp_path, [
+            {"kind": "linear", "name": table_name, "rows": 8, "dim": DIM, "dtype": "int8"}]),
+            env={})

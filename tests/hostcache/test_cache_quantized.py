@@ -149,9 +149,30 @@ def test_a_reader_never_sees_a_row_of_two_writes(table_name: str) -> None:
         HostCache.unlink(table_name)
 
 
-def test_a_hierarchical_layer_refuses_a_quantized_host_cache(qcache: HostCache) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_a_lookup_decodes_into_out_of_a_layers_dtype(qcache: HostCache,
+                                                      dtype: torch.dtype) -> None:
+    keys = torch.arange(5)
+    qcache.insert(keys, _rows(5, seed=3))
+    want = quant.decode(_stored(qcache, keys), qcache.row_format, dtype)
+    out = torch.full((6, 13), 7.0, dtype=dtype)
+    values, hit = qcache.lookup(torch.cat([keys, torch.tensor([99])]), out=out)
+    assert values is out and hit.tolist() == [True] * 5 + [False]
+    assert torch.equal(out[:5].view(torch.uint8), want.view(torch.uint8))
+    assert not out[5].any()  # a miss: zeros
+    with pytest.raises(BadArgumentError, match="bfloat16"):
+        qcache.lookup(keys, out=torch.empty(5, 13, dtype=torch.float64))
+
+
+def test_a_hierarchical_layer_reads_a_quantized_host_cache(qcache: HostCache) -> None:
+    keys = torch.arange(3)
+    qcache.insert(keys, _rows(3, seed=4))
+    with NVEmbedding(256, 13, torch.float16, LayerType.Hierarchical, device="cpu",
+                     host_cache=qcache) as layer:
+        want = qcache.lookup(keys, out=torch.empty(3, 13, dtype=torch.float16))[0]
+        assert torch.equal(layer(keys), want)
     with pytest.raises(LayerArgumentError, match="host cache"):
-        NVEmbedding(256, 13, torch.float32, LayerType.Hierarchical, device="cpu",
+        NVEmbedding(256, 12, torch.float32, LayerType.Hierarchical, device="cpu",
                     host_cache=qcache)
 
 

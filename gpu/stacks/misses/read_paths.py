@@ -154,7 +154,9 @@ class DeviceReads(HostReads):
         idx[:at_pos], idx[at_pos:at_inverse], idx[at_inverse:] = ukeys, mpos, inverse
         sent = staging.send(idx.nbytes).view(torch.int64)
         distinct_keys, pos, distinct_of = sent[:at_pos], sent[at_pos:at_inverse], sent[at_inverse:]
-        distinct_rows, hit = hostcache_lookup(self.registration, distinct_keys)
+        # NOTE: a quantized host cache's rows dequantized in the gather, in the layer's dtype
+        distinct_rows, hit = hostcache_lookup(self.registration, distinct_keys,
+                                              out_dtype=res.dtype)
         hit_host = torch.empty(n_distinct, dtype=torch.bool, pin_memory=True)
         hit_host.copy_(hit, non_blocking=True)
         torch.cuda.current_stream(self.device).synchronize()

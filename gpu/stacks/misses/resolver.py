@@ -8,6 +8,11 @@ cache with ``overwrite=False`` and a cursor check (``since``), so a concurrent `
 (the parameter server first, then the host cache, announced to every process) always
 wins; those fills, and the reports of host-cache hits the GPU read itself, run on the
 stack's worker thread (:mod:`gpu.stacks.misses.host_filler`): no lookup waits for them.
+
+A quantized host cache's rows are decoded straight into that buffer, in the layer's dtype
+(``HostCache.lookup(out=)``); rows the parameter server gives are returned as the host
+cache would return them, and fill it with their stored bytes
+(:mod:`gpu.stacks.misses.tier_formats`).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from gpu.errors import KeyNotFoundError, StorageUnavailableError
 from gpu.layer_config import InsertPolicy
 from gpu.stacks.misses.counters import MissCounters
 from gpu.stacks.misses.host_filler import HostFiller
+from gpu.stacks.misses.tier_formats import TierFormats
 from nvecache.common import rows
 from psclient import PSClientError
 
@@ -67,6 +73,8 @@ class Resolver:
         self.counts = counts
         self._default = default_row
         self._host_share = policy.host
+        #: how the tiers below the GPU cache store rows (quantized or not)
+        self.formats = TierFormats(host_cache, ps, dtype)
         self._touch_sample = touch_sample
         #: how the table's rows are stored (``nvecache.common.rows``); rows read on the CPU
         #: are moved as their ``row_bytes`` payload bytes
@@ -99,6 +107,7 @@ class Resolver:
         n = keys.size
         need: np.ndarray | None = None  # NOTE: None: every key
         if from_host and self.host_cache is not None:
+            # NOTE: a quantized cache's rows decoded into ``out`` in the layer's dtype
             _, hit = self.host_cache.lookup(torch.from_numpy(keys), out=self.as_rows(out))
             found = hit.numpy()
             nh = int(np.count_nonzero(found))
@@ -174,24 +183,26 @@ class Resolver:
                 ) from e
             logger.warning("parameter server unavailable (%s); serving default rows", e)
             return np.empty((keys.size, self.row_bytes), np.uint8), np.zeros(keys.size, bool), 0
-        if values.dtype != self.dtype:
-            values = values.to(self.dtype)
+        # NOTE: as a lookup returns them (a quantized host cache: as it would return them);
+        # ``stored``: the bytes that fill a quantized host cache, ``holds`` its rows
+        values, stored, holds = self.formats.fetched(values)
+        fills = values if stored is None else stored
         ok_np = ok.numpy()
         nf = int(np.count_nonzero(ok_np))
         self.counts.count_storage(keys.size, nf)
         rows = values.contiguous().view(torch.uint8).numpy().reshape(keys.size, -1)
         share = self._host_share
         if self.host_cache is not None and nf and share > 0.0:
-            if nf == keys.size and share >= 1.0:
+            if nf == keys.size and share >= 1.0 and holds is None:
                 # NOTE: the common case (every key found, every row offered): no masks
-                self.filler.submit(self._fill, (keys_t, values, since), nf)
+                self.filler.submit(self._fill, (keys_t, fills, since), nf)
             else:
-                admit = ok.clone()
+                admit = ok.clone() if holds is None else ok & holds
                 if share < 1.0:
                     admit &= torch.rand(admit.numel()) < share
                 if bool(admit.any()):
                     fill = keys_t[admit]
-                    self.filler.submit(self._fill, (fill, values[admit], since), fill.numel())
+                    self.filler.submit(self._fill, (fill, fills[admit], since), fill.numel())
         return rows, ok_np, nf
 
     def _fill(self, fills: list[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
@@ -201,7 +212,8 @@ class Resolver:
         keys = torch.cat([k for k, _, _ in fills])
         values = torch.cat([v for _, v, _ in fills])
         since = min(c for _, _, c in fills)
-        # NOTE: the rows as the parameter server holds them: not checked again
+        # NOTE: the rows as the parameter server holds them (a quantized host cache: their
+        # stored bytes, taken as they are): not checked again
         done = self.host_cache.insert(keys, values, overwrite=False, since=since,
                                       allow_nonfinite=True)
         self.counts.host_placed += done.written

@@ -97,9 +97,10 @@ def _mode(where: str, value: object) -> int:
     return value
 
 
-def _dtype(where: str, value: object) -> str:
-    if not isinstance(value, str) or value not in rows.DTYPES:
-        raise ServiceConfigError(where, f"must be one of {sorted(rows.DTYPES)}; got {value!r}")
+def _dtype(where: str, value: object, names: tuple[str, ...] = tuple(rows.DTYPES),
+           hint: str = "") -> str:
+    if not isinstance(value, str) or value not in names:
+        raise ServiceConfigError(where, f"must be one of {sorted(names)}; got {value!r}{hint}")
     return value
 
 
@@ -137,7 +138,8 @@ class TableConfig:
     #: host cache: rows it holds (rounded up to whole buckets); linear: number of rows.
     capacity: int
     #: a stored dtype name of ``nvecache.common.rows.DTYPES`` (``float32``, ``float16``,
-    #: ``bfloat16``, ``float64``).
+    #: ``bfloat16``, ``float64``); a host cache's may be a quantized format (``int8``,
+    #: ``float8_e4m3fn``: its rows stored quantized, read dequantized by the layers).
     dtype: str = "float32"
     #: slots per bucket of a host cache (4, 8, 16 or 32); 0 for a linear table.
     ways: int = 8
@@ -149,6 +151,9 @@ class TableConfig:
     ps_url: str | None = None
     #: the table's name in the parameter server (default: ``name``).
     ps_table: str | None = None
+    #: a host cache's parameter-server table's dtype, any stored format (default:
+    #: ``dtype``): a quantized host cache in front of a float32 table, say.
+    ps_dtype: str | None = None
     #: create the parameter-server table (empty, with this dim and dtype) when it does not
     #: exist; False: a missing one is an error (load it first with ``psclient load``).
     ps_create: bool = False
@@ -168,6 +173,15 @@ class TableConfig:
     def ps_name(self) -> str:
         return self.ps_table or self.name
 
+    @property
+    def ps_format(self) -> str:
+        """The parameter-server table's dtype name (``ps_dtype``, default ``dtype``)."""
+        return self.ps_dtype or self.dtype
+
+    @property
+    def ps_torch_dtype(self) -> torch.dtype:
+        return rows.torch_dtype(self.ps_format)
+
     def geometry(self) -> layout.Geometry:
         """The segment geometry this table asks for (as ``layout.plan`` computes it)."""
         kind = layout.KIND_HOST_CACHE if self.kind == "hostcache" else layout.KIND_LINEAR
@@ -177,8 +191,10 @@ class TableConfig:
 
 
 _HC_FIELDS = {"name", "capacity", "dim", "dtype", "ways", "mode", "ring_capacity", "ps_url",
-              "ps_table", "ps_create", "ps_options", "warmup", "warmup_keys"}
-_LINEAR_FIELDS = (_HC_FIELDS - {"capacity", "ways"}) | {"rows"}
+              "ps_table", "ps_dtype", "ps_create", "ps_options", "warmup", "warmup_keys"}
+_QUANTIZED_HINT = (" (quantized rows, int8 or float8_e4m3fn, are served in [[hostcache]] "
+                   "tables; a [[linear]] table stores a plain dtype)")
+_LINEAR_FIELDS = (_HC_FIELDS - {"capacity", "ways", "ps_dtype"}) | {"rows"}
 
 
 def table_from_dict(kind: str, raw: Mapping[str, Any], where: str) -> TableConfig:
@@ -212,6 +228,15 @@ def table_from_dict(kind: str, raw: Mapping[str, Any], where: str) -> TableConfi
     if keys_file is not None and not os.path.isfile(_str(f"{where}.warmup_keys", keys_file)):
         raise ServiceConfigError(f"{where}.warmup_keys", f"no such file: {keys_file!r}")
     ways = _int(f"{where}.ways", raw.get("ways", 8), 4, 32) if kind == "hostcache" else 0
+    dtype = (_dtype(f"{where}.dtype", raw.get("dtype", "float32"), rows.FORMATS)
+             if kind == "hostcache" else
+             _dtype(f"{where}.dtype", raw.get("dtype", "float32"), hint=_QUANTIZED_HINT))
+    ps_dtype = raw.get("ps_dtype")
+    if ps_dtype is not None:
+        if ps_url is None:
+            raise ServiceConfigError(f"{where}.ps_dtype", "needs ps_url (the parameter server "
+                                     "whose table has it); set ps_url or remove ps_dtype")
+        ps_dtype = _dtype(f"{where}.ps_dtype", ps_dtype, rows.FORMATS)
     if kind == "hostcache" and ways not in (4, 8, 16, 32):
         raise ServiceConfigError(f"{where}.ways", f"must be 4, 8, 16 or 32; got {ways}")
     cfg = TableConfig(
@@ -219,7 +244,7 @@ def table_from_dict(kind: str, raw: Mapping[str, Any], where: str) -> TableConfi
         name=name,
         dim=_int(f"{where}.dim", raw["dim"], 1, 1 << 20),
         capacity=_int(f"{where}.{size_field}", raw[size_field], 1),
-        dtype=_dtype(f"{where}.dtype", raw.get("dtype", "float32")),
+        dtype=dtype,
         ways=ways,
         mode=_mode(f"{where}.mode", raw.get("mode", 0o600)),
         ring_capacity=_int(f"{where}.ring_capacity",
@@ -227,6 +252,7 @@ def table_from_dict(kind: str, raw: Mapping[str, Any], where: str) -> TableConfi
         ps_url=ps_url,
         ps_table=None if raw.get("ps_table") is None
         else _name(f"{where}.ps_table", raw["ps_table"]),
+        ps_dtype=ps_dtype,
         ps_create=ps_create,
         ps_options=dict(options),
         warmup=warmup,

@@ -67,8 +67,9 @@ def ps_identity(cfg: TableConfig) -> str:
 def connect_ps(cfg: TableConfig) -> Any:
     """Open the parameter-server table behind ``cfg``; create it only if ``ps_create``.
 
-    Without ``ps_create`` the table must exist with the configured dim and dtype: a name
-    mistyped in the config is an error, never a new empty table.
+    Without ``ps_create`` the table must exist with the configured dim and dtype
+    (``ps_dtype``, default the table's ``dtype``): a name mistyped in the config is an
+    error, never a new empty table.
 
     Args:
         cfg: a table config with a ``ps_url``.
@@ -83,7 +84,7 @@ def connect_ps(cfg: TableConfig) -> Any:
     """
     assert cfg.ps_url is not None  # only tables with a ps_url have a parameter server
     if cfg.ps_create:
-        return connect(cfg.ps_url, table=cfg.ps_name, dim=cfg.dim, dtype=cfg.torch_dtype,
+        return connect(cfg.ps_url, table=cfg.ps_name, dim=cfg.dim, dtype=cfg.ps_torch_dtype,
                        **cfg.ps_options)
     try:
         ps = connect(cfg.ps_url, table=cfg.ps_name, **cfg.ps_options)
@@ -95,7 +96,7 @@ def connect_ps(cfg: TableConfig) -> Any:
             "ps_url / ps_table if they are mistyped, or set ps_create = true for this table "
             "to create it empty") from None
     try:
-        ps.schema.check(cfg.ps_name, dim=cfg.dim, dtype=cfg.dtype, partitions=None)
+        ps.schema.check(cfg.ps_name, dim=cfg.dim, dtype=cfg.ps_format, partitions=None)
     except BaseException:
         ps.close()
         raise

@@ -21,6 +21,7 @@ from tqdm import tqdm
 from hostcache import HostCache, SharedMemBlock
 from nvecache.apps.errors import ServiceConfigError
 from nvecache.apps.service.config import TableConfig
+from nvecache.common.finite import nonfinite_rows
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ def load_rows(cfg: TableConfig, table: HostCache | SharedMemBlock, ps: Any,
             k = keys[start : start + BATCH]
             values, found = ps.lookup(k)
             if isinstance(table, HostCache):
+                values, found = _for_cache(cfg, table, values, found)
                 # NOTE: the parameter server's rows as it holds them: not checked again
                 table.insert(k[found], values[found], overwrite=False, allow_nonfinite=True)
             else:
@@ -79,6 +81,22 @@ def load_rows(cfg: TableConfig, table: HostCache | SharedMemBlock, ps: Any,
             loaded += int(found.sum())
             bar.update(k.numel())
     return loaded
+
+
+def _for_cache(cfg: TableConfig, table: HostCache, values: torch.Tensor, found: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The server's rows as a host cache takes them: a plain one's in its dtype (a server
+    of another dtype, ``ps_dtype``), a quantized one's as the server returned them (it
+    encodes those, as a layer's fill does) less rows holding NaN or an infinity, which it
+    cannot hold (logged; the layers read them from the server)."""
+    if not table.quantized:
+        return values.to(table.geometry.dtype), found
+    bad = nonfinite_rows(values)
+    if bad is None:
+        return values, found
+    logger.warning("table %s: %d rows of the parameter server hold NaN or an infinity; a "
+                   "quantized host cache does not hold them", cfg.name, int((bad & found).sum()))
+    return values, found & ~bad
 
 
 def warm(cfg: TableConfig, table: HostCache | SharedMemBlock, ps: Any) -> int:
