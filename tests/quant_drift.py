@@ -21,7 +21,9 @@ anyway. The tolerance is under a twentieth of what rounding to nearest loses.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -81,6 +83,18 @@ def scenario(dtype: torch.dtype | str, seed: int = 0) -> Drift:
     return Drift(fmt, start, delta, step)
 
 
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch on one thread while a run's thousand small calls go (on a busy machine two
+    threads' hand-offs cost tens of milliseconds a call); the count is restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def tolerance(case: Drift, n: int = ADDS) -> float:
     """The bound on the mean error over the moving elements after ``n`` accumulates."""
     m = int(case.moving.sum())
@@ -91,8 +105,9 @@ def nearest_run(case: Drift, start: torch.Tensor, n: int = ADDS) -> torch.Tensor
     """The rows after ``n`` accumulates from ``start`` (as read back) rounded to nearest,
     computed with the codec: the comparison."""
     stored = quant.encode(start, case.fmt)
-    for _ in range(n):
-        stored = quant.encode(quant.decode(stored, case.fmt) + case.delta, case.fmt)
+    with one_thread():
+        for _ in range(n):
+            stored = quant.encode(quant.decode(stored, case.fmt) + case.delta, case.fmt)
     return quant.decode(stored, case.fmt)
 
 
