@@ -136,7 +136,9 @@ def _encode(values: torch.Tensor, fmt: RowFormat, how: str,
         scale = x.abs().amax(dim=1, keepdim=True) / FP8_MAX
         safe = torch.where(scale > 0, scale, 1.0)
         y = (x / safe).clamp_(-FP8_MAX, FP8_MAX)
-        q = y.to(torch.float8_e4m3fn) if how == "nearest" else _e4m3(y, how, generator)
+        q = (y.to(torch.float8_e4m3fn) if how == "nearest"
+             else _e4m3_stochastic(y, generator) if how == "stochastic"
+             else _e4m3(y, how))
         params = scale
     out[:, :fmt.dim] = q.view(torch.uint8)
     out[:, fmt.meta_offset:fmt.stored_bytes] = params.contiguous().view(torch.uint8)
@@ -149,12 +151,34 @@ def _uniform(like: torch.Tensor, generator: torch.Generator | None) -> torch.Ten
                       dtype=torch.float32)
 
 
-def _e4m3(y: torch.Tensor, how: str, generator: torch.Generator | None) -> torch.Tensor:
-    """``y`` (float32, within +-448) rounded to e4m3fn: its magnitude to the step below or
-    above it (neighbours by their bits: e4m3fn's positive values are ordered as their bit
-    patterns), stochastically the upper with probability ``(|y| - lo) / (hi - lo)``, or
-    the step below / above ``y`` in value (``how``: ``"stochastic"``, ``"below"``,
-    ``"above"``)."""
+#: e4m3fn's smallest normal magnitude (below it the step is 2**-9 throughout)
+FP8_MIN_NORMAL = 2.0 ** -6
+#: float32 mantissa bits below e4m3's 3
+_DROPPED = 23 - 3
+
+
+def _e4m3_stochastic(y: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """``y`` (float32, within +-448) rounded stochastically to e4m3fn: its magnitude to the
+    step below or above it, the upper with probability by where it lies between them. For
+    a normal magnitude, a uniform integer below ``2**20`` added to its float32 bits before
+    the 20 bits e4m3 does not keep are cut (a carry is the step up, exact in float32, and
+    448 is a step: nothing passes it); below e4m3's smallest normal, the fixed step
+    ``2**-9``: ``floor(m) + (u < frac(m))`` of ``m = |y| * 2**9``."""
+    mag = y.abs()
+    u = _uniform(mag, generator)
+    bits = mag.view(torch.int32) + (u * (1 << _DROPPED)).to(torch.int32)
+    normal = (bits & ~((1 << _DROPPED) - 1)).view(torch.float32)
+    m = mag * 512.0
+    down = torch.floor(m)
+    small = (down + (u < m - down).float()) / 512.0
+    pick = torch.where(mag < FP8_MIN_NORMAL, small, normal)
+    return torch.where(y < 0, -pick, pick).to(torch.float8_e4m3fn)
+
+
+def _e4m3(y: torch.Tensor, how: str) -> torch.Tensor:
+    """``y`` (float32, within +-448) rounded to the e4m3fn step below or above it in value
+    (``how``: ``"below"``, ``"above"``; :func:`steps_around`): its magnitude's neighbours by
+    their bits (e4m3fn's positive values are ordered as their bit patterns)."""
     mag = y.abs()
     near = mag.to(torch.float8_e4m3fn)
     bits = near.view(torch.uint8).to(torch.int16)
@@ -169,12 +193,8 @@ def _e4m3(y: torch.Tensor, how: str, generator: torch.Generator | None) -> torch
     neg = y < 0
     if how == "below":  # NOTE: in value: a negative y's step below has the larger magnitude
         pick = torch.where(neg, hi, torch.where(mag < hi, lo, hi))
-    elif how == "above":
-        pick = torch.where(neg, lo, hi)
     else:
-        gap = hi - lo
-        p = torch.where(gap > 0, (mag - lo) / torch.where(gap > 0, gap, 1.0), 0.0)
-        pick = torch.where(_uniform(mag, generator) < p, hi, lo)
+        pick = torch.where(neg, lo, hi)
     return torch.where(neg, -pick, pick).to(torch.float8_e4m3fn)
 
 
