@@ -13,9 +13,9 @@ short of the exact sum), its mean magnitude and the largest, in steps and as the
 of the exact movement kept.
 
 Cost: one accumulate of ``rows`` rows of dim 128 as a tier computes it (decode, add,
-encode), rounded to nearest vs stochastically, interleaved call by call (median of
-``--reps``), and a ``SharedMemBlock.accumulate`` of the same rows (the whole call: checks,
-the writer lock, the ring; stochastic). One torch thread (two threads on a busy 2-core
+encode), rounded to nearest vs stochastically, and a ``SharedMemBlock.accumulate`` of the
+same rows (the whole call: checks, the writer lock, the ring; stochastic), interleaved
+call by call (median of ``--reps``). One torch thread (two threads on a busy 2-core
 machine wait on each other).
 
 Prints one JSON line per figure. Run: ``python bench/bench_quantized_accumulate.py
@@ -124,31 +124,29 @@ def cost(rows: int, reps: int) -> None:
         fmt = quant_drift.scenario(dtype).fmt
         stored = quant.encode(torch.randn(rows, DIM, generator=gen), fmt)
         delta = torch.randn(rows, DIM, generator=gen) * 1e-3
-        ways = {"nearest": functools.partial(add_encode, stored, delta, fmt, False),
-                "stochastic": functools.partial(add_encode, stored, delta, fmt, True)}
-        for fn in ways.values():
-            fn()  # NOTE: warm-up
-        times: dict[str, list[float]] = {k: [] for k in ways}
-        for _ in range(reps):  # NOTE: interleaved call by call
-            for k, fn in ways.items():
-                times[k].append(timed(fn))
-        med = {k: statistics.median(v) for k, v in times.items()}
         name = fresh_name("bqa")
         idx = torch.arange(rows)
         with SharedMemBlock.create(name, num_rows=rows, dim=DIM, dtype=dtype) as mb:
             try:
                 mb.write(idx, quant.decode(stored, fmt))
-                mb.accumulate(idx, delta)
-                call = functools.partial(mb.accumulate, idx, delta)
-                tier = statistics.median(timed(call) for _ in range(reps))
+                ways = {"nearest": functools.partial(add_encode, stored, delta, fmt, False),
+                        "stochastic": functools.partial(add_encode, stored, delta, fmt, True),
+                        "memblock": functools.partial(mb.accumulate, idx, delta)}
+                for fn in ways.values():
+                    fn()  # NOTE: warm-up
+                times: dict[str, list[float]] = {k: [] for k in ways}
+                for _ in range(reps):  # NOTE: interleaved call by call
+                    for k, fn in ways.items():
+                        times[k].append(timed(fn))
             finally:
                 SharedMemBlock.unlink(name)
+        med = {k: statistics.median(v) for k, v in times.items()}
         emit(bench="accumulate_cost", dtype=str(dtype), rows=rows, dim=DIM, reps=reps,
              nearest_us=round(med["nearest"] * 1e6, 1),
              stochastic_us=round(med["stochastic"] * 1e6, 1),
              stochastic_over_nearest=round(med["stochastic"] / med["nearest"], 3),
              extra_us_per_row=round((med["stochastic"] - med["nearest"]) * 1e6 / rows, 4),
-             memblock_accumulate_us=round(tier * 1e6, 1))
+             memblock_accumulate_us=round(med["memblock"] * 1e6, 1))
 
 
 def main() -> None:
