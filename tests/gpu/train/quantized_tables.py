@@ -68,12 +68,15 @@ def tables(kind: str, fmt: torch.dtype, w: torch.Tensor, device: str, tmp_path: 
         args: dict[str, Any] = dict(cache)
         if kind in ("host", "ps-file+qhost", "ps-file+host"):
             host_fmt = torch.float32 if kind == "ps-file+host" else fmt
-            hc = stack.enter_context(HostCache.create(name, capacity=max(32, rows), dim=dim,
+            # NOTE: room for every row (without a parameter server the host cache is the
+            # table: no row may be evicted)
+            hc = stack.enter_context(HostCache.create(name, capacity=4 * rows, dim=dim,
                                                       dtype=host_fmt, ways=4))
             stack.callback(HostCache.unlink, name)
             args["host_cache"] = hc
             if kind == "host":
                 hc.insert(torch.arange(rows), w)
+                assert bool(hc.lookup(torch.arange(rows))[1].all())
         if kind.startswith("ps-"):
             url = (request.getfixturevalue("redis_url") if kind == "ps-redis"
                    else f"file://{tmp_path}/{name}")
