@@ -7,6 +7,7 @@ generator; and many small deltas add up where rounding to nearest loses them."""
 from __future__ import annotations
 
 import math
+import multiprocessing as mp
 
 import pytest
 import torch
@@ -83,10 +84,9 @@ def test_elements_on_a_step_are_kept_and_a_generator_repeats(dtype: str) -> None
     a = quant.encode_sum(y, fmt, generator=torch.Generator().manual_seed(9))
     b = quant.encode_sum(y, fmt, generator=torch.Generator().manual_seed(9))
     assert torch.equal(a, b)
-    torch.manual_seed(9)
-    c = quant.encode_sum(y, fmt)  # NOTE: torch's default generator
-    torch.manual_seed(9)
-    assert torch.equal(quant.encode(y, fmt, stochastic=True), c)
+    quant.seed_rounding(9)
+    c = quant.encode_sum(y, fmt)  # NOTE: the rounding generator, seeded
+    assert torch.equal(c, a)
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=str)
@@ -102,3 +102,27 @@ def test_many_small_deltas_add_up_in_the_codec(dtype: torch.dtype) -> None:
             stored = quant.encode_sum(quant.decode(stored, case.fmt) + case.delta,
                                       case.fmt, generator=gen)
     quant_drift.check_drift(case, start, quant.decode(stored, case.fmt))
+
+
+def _rounding_seed() -> int:
+    return quant.rounding_generator("cpu").initial_seed()
+
+
+def test_rounding_draws_from_a_generator_of_its_own_per_process() -> None:
+    """An accumulate's rounding leaves torch's default generator alone (a training loop's
+    dropout draws the same with or without it), and another process draws other numbers
+    (two processes adding to one table do not round alike)."""
+    fmt = RowFormat("int8", 16)
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(2))
+    torch.manual_seed(3)
+    want = torch.rand(4)
+    torch.manual_seed(3)
+    quant.encode_sum(x, fmt)
+    assert torch.equal(torch.rand(4), want)
+    seeds = []
+    for _ in range(2):  # NOTE: a process each
+        with mp.get_context("spawn").Pool(1) as pool:
+            seeds.append(pool.apply(_rounding_seed))
+    assert len({*seeds, _rounding_seed()}) == 3
+    quant.seed_rounding(4)  # NOTE: seeds the generators that exist and those made later
+    assert quant.rounding_generator("cpu").initial_seed() == 4

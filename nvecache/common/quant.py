@@ -36,11 +36,15 @@ refuse them before encoding, with their own typed error; :func:`encode` raises
 
 from __future__ import annotations
 
+import os
+import threading
+
 import torch
 
 from nvecache.common.rows import RowFormat, RowFormatError
 
-__all__ = ["decode", "encode", "encode_sum", "error_bound", "parameters", "steps_around"]
+__all__ = ["decode", "encode", "encode_sum", "error_bound", "parameters", "rounding_generator",
+           "seed_rounding", "steps_around"]
 
 #: e4m3fn's largest finite magnitude
 FP8_MAX = 448.0
@@ -80,13 +84,58 @@ def encode_sum(values: torch.Tensor, fmt: RowFormat, *,
     parameter servers, a ``gpu.DistMemBlock``) and of a training step written to one;
     writes of new rows (insert, update, loads) round to nearest.
 
-    Draws come from ``generator``, or torch's default generator of the rows' device (so
-    ``torch.manual_seed`` makes a run repeatable).
+    Draws come from ``generator``, by default this process's rounding generator of the
+    rows' device (:func:`rounding_generator`: processes round independently, the caller's
+    torch random streams are left alone; :func:`seed_rounding` makes a run repeatable).
 
     Raises:
         RowFormatError: as :func:`encode`.
     """
+    if generator is None and isinstance(values, torch.Tensor):
+        generator = rounding_generator(values.device)
     return encode(values, fmt, stochastic=True, generator=generator)
+
+
+class _Rounding:
+    """This process's rounding generators, one per device (see :func:`rounding_generator`)."""
+
+    lock = threading.Lock()
+    pid = os.getpid()
+    seed: int | None = None
+    generators: dict[str, torch.Generator] = {}
+
+
+def rounding_generator(device: torch.device | str) -> torch.Generator:
+    """The generator an accumulate's stochastic rounding draws from on ``device``
+    (:func:`encode_sum`): one per process and device, seeded from the OS's entropy when
+    first used (and again in a forked child), so that processes adding to one shared table
+    round independently of each other, and the caller's own torch random streams (dropout,
+    sampling) are not consumed; :func:`seed_rounding` seeds them all instead."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    key = str(dev)
+    with _Rounding.lock:
+        if _Rounding.pid != os.getpid():  # NOTE: a forked child: not its parent's draws
+            _Rounding.pid, _Rounding.generators = os.getpid(), {}
+        g = _Rounding.generators.get(key)
+        if g is None:
+            g = torch.Generator(device=dev)
+            seed = _Rounding.seed
+            g.manual_seed(int.from_bytes(os.urandom(8), "little") >> 1 if seed is None
+                          else seed)
+            _Rounding.generators[key] = g
+    return g
+
+
+def seed_rounding(seed: int) -> None:
+    """Seed this process's rounding generators (:func:`rounding_generator`), those of
+    devices used later too, with ``seed``: an accumulate's draws on a device are then those
+    of ``torch.Generator(device).manual_seed(seed)``, so a run repeats (tests, benches)."""
+    with _Rounding.lock:
+        _Rounding.seed = int(seed)
+        for g in _Rounding.generators.values():
+            g.manual_seed(int(seed))
 
 
 def steps_around(values: torch.Tensor, fmt: RowFormat) -> tuple[torch.Tensor, torch.Tensor]:

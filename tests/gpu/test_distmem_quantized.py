@@ -81,7 +81,7 @@ def test_stored_bytes_are_written_as_they_are_and_announced(fmt: torch.dtype, de
 def test_accumulate_decodes_adds_and_rounds_stochastically(fmt: torch.dtype, device: str,
                                                           table_name: str) -> None:
     """Bit for bit ``quant.encode_sum`` of the decoded rows plus the summed deltas, with the
-    same draws (torch's generator of the device, seeded), on the block's device; each
+    same draws (the device's rounding generator, seeded), on the block's device; each
     element a step beside the exact sum, within one step of it; announced."""
     f = RowFormat(fmt, DIM)
     with DistMemBlock(300, DIM, fmt, devices=_devices(device), name=table_name) as block:
@@ -90,13 +90,13 @@ def test_accumulate_decodes_adds_and_rounds_stochastically(fmt: torch.dtype, dev
         idx = torch.tensor([7, 299, 7, 0, 7, 150, 150])
         deltas = _rows(idx.numel(), seed=4) / 10
         cursor = block.change_cursor
-        torch.manual_seed(5)
+        quant.seed_rounding(5)
         block.accumulate(idx.to(device), deltas.to(device))
         uidx = torch.tensor([0, 7, 150, 299])
         sums = torch.zeros(300, DIM).index_add_(0, idx, deltas)[uidx]
         exact = quant.decode(before[uidx.to(device)], f) + sums.to(device)
-        torch.manual_seed(5)
-        want = quant.encode_sum(exact, f)
+        want = quant.encode_sum(exact, f,
+                                generator=torch.Generator(device=device).manual_seed(5))
         after = block.view()[:, :f.stored_bytes]
         assert torch.equal(after[uidx.to(device)], want)
         others = torch.ones(300, dtype=torch.bool)
@@ -123,7 +123,7 @@ def test_many_small_deltas_add_up(fmt: torch.dtype, device: str, table_name: str
         block.write(idx, case.start.to(device))
         start = block.read(idx.cpu())
         delta = case.delta.to(device)
-        torch.manual_seed(0)
+        quant.seed_rounding(0)
         with quant_drift.one_thread():
             for _ in range(quant_drift.ADDS):
                 block.accumulate(idx, delta)
