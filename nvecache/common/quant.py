@@ -208,20 +208,19 @@ _DROPPED = 23 - 3
 
 def _e4m3_stochastic(y: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """``y`` (float32, within +-448) rounded stochastically to e4m3fn: its magnitude to the
-    step below or above it, the upper with probability by where it lies between them. For
-    a normal magnitude, a uniform integer below ``2**20`` added to its float32 bits before
-    the 20 bits e4m3 does not keep are cut (a carry is the step up, exact in float32, and
-    448 is a step: nothing passes it); below e4m3's smallest normal, the fixed step
-    ``2**-9``: ``floor(m) + (u < frac(m))`` of ``m = |y| * 2**9``."""
+    step below or above it, the upper with probability by where it lies between them. A
+    uniform integer below ``2**20`` is added to the magnitude's float32 bits before the 20
+    bits e4m3 does not keep are cut (a carry is the step up, exact in float32, and 448 is
+    a step: nothing passes it). Below e4m3's smallest normal the step is ``2**-9``
+    throughout: those magnitudes get ``2**-6`` added first, which puts them in the binade
+    whose step is that, and taken off after (exact)."""
     mag = y.abs()
-    u = _uniform(mag, generator)
-    bits = mag.view(torch.int32) + (u * (1 << _DROPPED)).to(torch.int32)
-    normal = (bits & ~((1 << _DROPPED) - 1)).view(torch.float32)
-    m = mag * 512.0
-    down = torch.floor(m)
-    small = (down + (u < m - down).float()) / 512.0
-    pick = torch.where(mag < FP8_MIN_NORMAL, small, normal)
-    return torch.where(y < 0, -pick, pick).to(torch.float8_e4m3fn)
+    bits = torch.randint(0, 1 << _DROPPED, mag.shape, generator=generator, device=mag.device,
+                         dtype=torch.int32)
+    off = torch.where(mag < FP8_MIN_NORMAL, FP8_MIN_NORMAL, 0.0)
+    bits += (mag + off).view(torch.int32)
+    pick = (bits & ~((1 << _DROPPED) - 1)).view(torch.float32) - off
+    return torch.copysign(pick, y).to(torch.float8_e4m3fn)
 
 
 def _e4m3(y: torch.Tensor, how: str) -> torch.Tensor:
