@@ -5,9 +5,10 @@ accumulate on the CPU.
 
 Drift: the scenario of the tests (tests/quant_drift.py): 16 rows of dim 128 whose
 quantization step stays fixed while ``--adds`` accumulates of a delta well under half a
-step (int8: 1/20 of a step; fp8: 1/64 to 1/128 of one) move most elements by tens of
-steps. Run through a real ``SharedMemBlock`` (stochastic, its accumulate) and through the
-codec alone, each rule (decode, add the delta, encode: what a tier's accumulate does). Each
+step (int8: 1/20 of a step; fp8: 1/71 to 1/143 of one) move most elements by 51 steps
+(int8) or 7 (fp8). Run through a real ``SharedMemBlock`` (stochastic, its accumulate)
+and through the codec alone, each rule (decode, add the delta, encode: what a tier's
+accumulate does). Each
 line gives the mean error over the moving elements, signed along the delta (negative:
 short of the exact sum), its mean magnitude and the largest, in steps and as the fraction
 of the exact movement kept.

@@ -3,7 +3,7 @@
 
 :func:`scenario` gives rows whose quantization step stays the same while
 :data:`ADDS` accumulates of a delta well under half a step (int8: a twentieth of a step;
-fp8: about a hundredth) move most elements by tens of steps: the rows' range (int8) or
+fp8: about a hundredth) move most elements by 51 steps (int8) or 7 (fp8): the rows' range (int8) or
 largest magnitude (fp8) is held by elements that get no delta, and the moving elements
 stay inside it. Rounded to nearest, each addition rounds back to the row it started from
 and the rows never move (:func:`nearest_run`, the comparison); rounded stochastically
@@ -77,7 +77,7 @@ def scenario(dtype: torch.dtype | str, seed: int = 0) -> Drift:
         # where e4m3's step of x / scale is at most 16
         start = sign * (torch.rand(ROWS, DIM, generator=gen) * 0.05 + 0.15)
         start[:, 0] = 1.0
-        delta = sign * (0.25 / ADDS)  # 0.0156 of the step at 64..128, 0.0078 above
+        delta = sign * (0.25 / ADDS)  # 0.014 of the step at 64..128, 0.007 above
         delta[:, 0] = 0.0
         step = 16.0 / 448.0
     return Drift(fmt, start, delta, step)

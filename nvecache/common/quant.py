@@ -22,8 +22,8 @@ stores the sum of a decoded row and its deltas with stochastic rounding instead
 quantized table apply): each element is rounded to the step below or above it, the upper
 with probability equal to where it lies between them, so the stored row equals the sum in
 expectation and repeated deltas under half a step add up instead of rounding away (to
-nearest, a row accumulated a thousand times by a tenth of a step never moves). The price:
-such an element reads back within one step of the sum, not half of one
+nearest, a row accumulated a thousand times by a twentieth of a step never moves). The
+price: such an element reads back within one step of the sum, not half of one
 (:func:`error_bound` with ``stochastic=True``), and as each accumulate's rounding error
 has mean zero whatever the row was before, the error of many accumulates grows as the
 square root of their number (standard deviation at most ``sqrt(n) / 2`` steps), not
