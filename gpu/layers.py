@@ -44,7 +44,7 @@ from gpu.stacks.builders import build_layer
 from gpu.stacks.closed import ClosedStack, close_all
 from gpu.stacks.protocol import LayerStack, LinearState, Tier, check_tier
 from gpu.tier_config import TierConfig
-from gpu.train import wide
+from gpu.train import quantized, wide
 from gpu.train.autograd import Lookup
 from gpu.train.step import Trainer
 from gpu.train.weight import TableWeight
@@ -101,9 +101,8 @@ class _NVBase(torch.nn.Module):
         self._owned: list[Any] = []
         #: set by close(): the stack is then a ClosedStack
         self._closed = False
-        if optimize_for_training and getattr(storage, "quantized", False):
-            raise BadArgumentError("training a layer over quantized rows is not supported yet: "
-                                   "train over a float table, then load it into a quantized one")
+        if optimize_for_training:  # NOTE: stateful optimizers refused over quantized rows
+            quantized.check_optimizer(optimizer, (storage, host_cache))
         fresh_table = weight_init is None and storage is None
         if self.row_width != embedding_size:
             weight_init, default_row = wide.stored(weight_init, default_row, embedding_size,
@@ -116,13 +115,11 @@ class _NVBase(torch.nn.Module):
                 weight_init=weight_init, table=table, default_row=default_row,
                 insert_policy=insert_policy, tuning=tuning, owned=self._owned)
         except (BadArgumentError, SchemaMismatchError) as e:
+            err = quantized.build_error(e, optimizer, embedding_size, data_type, self._owned)
             close_all(self._owned)
-            if self.row_width == embedding_size:
+            if err is None:
                 raise
-            raise BadArgumentError(
-                f"{e} (a layer trained with {type(optimizer).__name__} stores its state "
-                f"beside each row: its tables have rows of optimizer.row_width("
-                f"{embedding_size}, {data_type}) = {self.row_width} elements)") from e
+            raise err from e
         except BaseException:
             close_all(self._owned)  # NOTE: a failed build keeps nothing open
             raise
@@ -133,7 +130,8 @@ class _NVBase(torch.nn.Module):
         #: how the layer was built: its arguments as resolved and its tables by identity
         #: (a record: it stays after close())
         self.spec: LayerSpec = spec
-        self._quant = any(getattr(t, "quantized", 0) for t in (storage, host_cache, *self._owned))
+        self._quant = quantized.settle(optimizer if optimize_for_training else None,
+                                       (storage, host_cache), self._tiers, self._owned)
         self.validate = bool(validate)
         self._tiers.validate = self.validate
         self._op = ops.register(self._tiers)
@@ -153,7 +151,7 @@ class _NVBase(torch.nn.Module):
             self._anchor = torch.zeros(0, device=self.device, requires_grad=True)
 
     def _weight_data(self) -> torch.Tensor:
-        if isinstance(self._tiers, LinearState):
+        if isinstance(self._tiers, LinearState) and not self._quant:  # NOTE: float rows
             return self._tiers.table_view()[:, :self.embedding_size]
         zero = torch.zeros((), dtype=self.data_type, device=self.device)
         return zero.expand(self.num_embeddings, self.embedding_size)
@@ -330,6 +328,7 @@ class _NVBase(torch.nn.Module):
             StorageWriteError: the parameter server refused the write (Hierarchical).
         """
         keys, deltas = self._write_args(keys, deltas, allow_nonfinite)
+        deltas = deltas.float() if self._quant else deltas  # NOTE: added in float32
         if self.row_width != self.embedding_size and self.data_type != torch.float32:
             # NOTE: 16-bit rows hold their float32 state bit for bit: not added to
             assert self._trainer is not None

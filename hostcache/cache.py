@@ -397,7 +397,10 @@ class HostCache(TableFiles, SharedTable, CacheProbes):
         """Add ``deltas`` (``[N, dim]``, the table's dtype or float32) to the rows of cached
         keys under the writer lock; returns bool [N] of keys that were cached. Duplicates
         are summed, float16/bfloat16 rows added in float32 and rounded once
-        (:mod:`nvecache.common.accumulate`); announced as :meth:`update` announces. Bad
+        (:mod:`nvecache.common.accumulate`); a quantized table's rows (float32 deltas)
+        decoded, added in float32 and encoded with stochastic rounding, so deltas under
+        half a step add up over many calls (:func:`nvecache.common.quant.encode_sum`);
+        announced as :meth:`update` announces. Bad
         arguments, or deltas holding NaN or an infinity (unless ``allow_nonfinite``), raise
         :class:`BadArgumentError` / :class:`NonFiniteValuesError`; nothing is written."""
         keys = check_cache_keys(keys)
@@ -416,12 +419,12 @@ class HostCache(TableFiles, SharedTable, CacheProbes):
             if old_slots.size:
                 old = np.empty((old_slots.size, codec.width), np.uint8)
                 _loops().read_slots(self._nraw, old_slots, old)
-                cur = torch.from_numpy(old)
-                cur = codec.rows(cur) if q else cur.view(geo.dtype)
-                # NOTE: a quantized row: decoded, added in float32, quantized again
-                new = added(cur, sums[torch.from_numpy(found)])
-                codec.finite(new, distinct[torch.from_numpy(found)], allow_nonfinite=not q)
-                self._write_seqlocked(old_slots, ukeys[found], codec.raw(codec.stored(new)),
+                cur, held = torch.from_numpy(old), torch.from_numpy(found)
+                # NOTE: a quantized row: decoded, added in float32, encoded again with
+                # stochastic rounding (RowBytes.added: small deltas add up)
+                new = (codec.added(cur, sums[held], distinct[held]) if q
+                       else added(cur.view(geo.dtype), sums[held]))
+                self._write_seqlocked(old_slots, ukeys[found], codec.raw(new),
                                       np.arange(old_slots.size), self._npolicy[:0], True, False)
             self.ring.append(torch.from_numpy(ukeys[found]))
             self._counters[C_UPDATES] += int(old_slots.size)

@@ -306,7 +306,10 @@ class SharedMemBlock(TableFiles, SharedTable):
         them.
 
         Duplicate indices have their deltas summed; float16/bfloat16 rows are added in
-        float32 and rounded once (:mod:`nvecache.common.accumulate`). Each row's read, add
+        float32 and rounded once (:mod:`nvecache.common.accumulate`); a quantized row is
+        decoded, added to in float32 and encoded with stochastic rounding, so deltas under
+        half its step add up over many calls (:func:`nvecache.common.quant.encode_sum`:
+        each element within one step of the sum, not half of one). Each row's read, add
         and write happens under the table's writer lock, so accumulates and :meth:`write`
         calls of any process of the node never lose one another's rows (writes straight
         into :attr:`tensor` are not serialized with them).
@@ -333,13 +336,14 @@ class SharedMemBlock(TableFiles, SharedTable):
 
     def _add_quantized(self, idx: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
         """Deltas added to quantized rows (under the writer lock): each distinct row
-        decoded, added in float32 and encoded again, so a delta under half the row's step
-        may round away. A sum that is not finite leaves every row as it was."""
-        codec = self._codec
+        decoded, added in float32 and encoded again with stochastic rounding
+        (:meth:`hostcache.row_bytes.RowBytes.added`), so deltas under half the row's step
+        add up over many calls instead of rounding away. A sum that is not finite leaves
+        every row as it was."""
         uidx, sums, _ = sum_duplicates(idx, deltas, torch.float32)
-        new = codec.rows(self._rows.index_select(0, uidx)) + sums
-        codec.finite(new, uidx, allow_nonfinite=False, key_word="index")
-        self._rows.index_copy_(0, uidx, codec.stored(new))
+        new = self._codec.added(self._rows.index_select(0, uidx), sums, uidx,
+                                key_word="index")
+        self._rows.index_copy_(0, uidx, new)
         return uidx
 
     def exclusive(self) -> Any:

@@ -10,6 +10,10 @@ float32). A quantized table's writes also take its stored bytes themselves (uint
 ``[N, stored_bytes]``, as its ``tensor`` holds them and a saved file or a parameter
 server's dump of it holds them), stored as they are once they decode to finite rows: a
 round trip through a file is bit for bit.
+
+Writes round a quantized row to nearest; an accumulate (:meth:`RowBytes.added`) stores a
+decoded row plus its deltas with stochastic rounding (:func:`nvecache.common.quant.encode_sum`),
+so that repeated deltas under half a step add up instead of rounding away.
 """
 
 from __future__ import annotations
@@ -82,6 +86,21 @@ class RowBytes:
     def stored(self, values: torch.Tensor) -> torch.Tensor:
         """Checked, finite rows as the table stores them (quantized: uint8, encoded)."""
         return quant.encode(values, self.fmt) if self.quantized else values
+
+    def added(self, stored: torch.Tensor, sums: torch.Tensor, keys: torch.Tensor, *,
+              key_word: str = "key") -> torch.Tensor:
+        """The stored bytes of a quantized table's rows ``stored`` (uint8 ``[U, width]``)
+        plus their summed float32 deltas ``sums``: decoded, added in float32 and encoded
+        with stochastic rounding (:func:`nvecache.common.quant.encode_sum`: unbiased, so
+        deltas under half a step are not lost; each element within one step of the sum).
+
+        Raises:
+            NonFiniteValuesError: a sum is not finite (float32 overflow), naming the first
+                of ``keys``; the caller writes nothing.
+        """
+        new = self.rows(stored) + sums
+        self.finite(new, keys, allow_nonfinite=False, key_word=key_word)
+        return quant.encode_sum(new, self.fmt)
 
     @staticmethod
     def raw(stored: torch.Tensor) -> np.ndarray:

@@ -178,8 +178,10 @@ class ParameterServer(HandleFiles, ABC):
         update of the same row, from any process, never loses an addition. The deltas of
         a key repeated in the batch are summed first; float16 and bfloat16 rows are added
         in float32 and rounded once (:mod:`nvecache.common.accumulate`); a quantized row
-        is decoded, added to in float32 and encoded again (so a delta under half its
-        quantization step may round away). The changed keys are announced on the change
+        is decoded, added to in float32 and encoded again with stochastic rounding
+        (:func:`nvecache.common.quant.encode_sum`: deltas under half its quantization
+        step add up over many calls instead of rounding away; each element within one
+        step of the sum). The changed keys are announced on the change
         feed as an update's are.
 
         Args:

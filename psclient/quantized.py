@@ -12,8 +12,10 @@ What a quantized table does, as a :class:`hostcache.SharedMemBlock` of that form
 - lookups return ``quant.decode(stored)`` as float32 (a missing key's row of zero bytes
   reads as zeros, as on a plain table);
 - accumulate decodes a row, adds the float32 sum of its deltas, and encodes the result
-  (:func:`add_rows`), in the backend's atomic step per row: so a delta under half the
-  row's quantization step may round away, and a sum that is no longer finite (a float32
+  with stochastic rounding (:func:`add_rows`, :func:`nvecache.common.quant.encode_sum`),
+  in the backend's atomic step per row: unbiased, so deltas under half the row's
+  quantization step add up over many calls instead of rounding away (each element within
+  one step of the sum, not half of one), and a sum that is no longer finite (a float32
   overflow) is refused like a non-finite row;
 - a load may also give a quantized table's stored bytes themselves (uint8 ``[N,
   row_bytes]``, what ``psclient dump`` writes of it): they are stored as they are, once
@@ -91,8 +93,10 @@ def refuse_nonfinite(keys: np.ndarray, values: torch.Tensor, what: str = "values
 
 
 def encode_rows(keys: np.ndarray, values: torch.Tensor, schema: TableSchema,
-                what: str = "values") -> torch.Tensor:
-    """Checked float rows as a quantized table stores them: uint8 ``[N, row_bytes]``.
+                what: str = "values", *, summed: bool = False) -> torch.Tensor:
+    """Checked float rows as a quantized table stores them: uint8 ``[N, row_bytes]``,
+    rounded to nearest (a write), or, ``summed``, stochastically (an accumulate's sums:
+    :func:`nvecache.common.quant.encode_sum`).
 
     Raises:
         NonFiniteValuesError: a row holds NaN or an infinity (:func:`refuse_nonfinite`),
@@ -100,7 +104,8 @@ def encode_rows(keys: np.ndarray, values: torch.Tensor, schema: TableSchema,
             ``-3.4e38`` to near ``3.4e38``: its scale would overflow).
     """
     refuse_nonfinite(keys, values, what)
-    stored = quant.encode(values, schema.row_format)
+    fmt = schema.row_format
+    stored = quant.encode_sum(values, fmt) if summed else quant.encode(values, fmt)
     wide = ~torch.isfinite(quant.parameters(stored, schema.row_format)).all(dim=1)
     if bool(wide.any()):
         pos = torch.nonzero(wide)[:, 0]
@@ -121,7 +126,9 @@ def add_rows(stored: torch.Tensor, sums: torch.Tensor, schema: TableSchema,
              keys: np.ndarray) -> torch.Tensor:
     """Stored rows plus their summed deltas (``sums``, the accumulator dtype), as stored
     rows: a plain table's added and rounded once (:func:`nvecache.common.accumulate.added`);
-    a quantized table's decoded, added in float32 and encoded again.
+    a quantized table's decoded, added in float32 and encoded again with stochastic
+    rounding (:func:`nvecache.common.quant.encode_sum`: deltas under half a step are not
+    lost, each element within one step of the sum).
 
     Raises:
         NonFiniteValuesError: (quantized) a sum is not finite (float32 overflow): no row
@@ -130,7 +137,7 @@ def add_rows(stored: torch.Tensor, sums: torch.Tensor, schema: TableSchema,
     if not schema.quantized:
         return added(stored, sums)
     return encode_rows(keys, quant.decode(stored, schema.row_format) + sums, schema,
-                       "rows plus deltas")
+                       "rows plus deltas", summed=True)
 
 
 def check_stored(keys: np.ndarray, raw: torch.Tensor, schema: TableSchema) -> torch.Tensor:

@@ -120,11 +120,12 @@ def test_a_dist_block_lays_rows_out_by_the_row_format(name: str, table_name: str
 
 
 def test_a_dist_block_refuses_what_a_layer_does_not_compute_in(table_name: str) -> None:
+    """A layer dtype or a quantized format (read dequantized); nothing else."""
     from gpu import BadArgumentError, DistMemBlock
 
-    for bad in (torch.float64, torch.int16):
-        with pytest.raises(BadArgumentError,
-                           match=f"dtype must be one of {LAYER_CHOICES}; got {bad}"):
+    choices = f"{LAYER_CHOICES}, torch.int8, torch.float8_e4m3fn"
+    for bad in (torch.float64, torch.int16, torch.uint8):
+        with pytest.raises(BadArgumentError, match=f"dtype must be one of {choices}; got {bad}"):
             DistMemBlock(4, 4, bad, devices="cpu", name=table_name)
 
 

@@ -8,7 +8,9 @@ so row ``i`` sits at ``base + i * row_bytes`` and a GPU reads any row with a pla
 
 Layout
 ------
-``row_bytes = dim * element size``; the table's ``num_rows * row_bytes`` bytes are cut
+``row_bytes = dim * element size`` (a quantized block's rows, ``dtype=torch.int8`` or
+``torch.float8_e4m3fn``: their stored bytes at ``row_format.stride``, :mod:`gpu.dist.rowio`);
+the table's ``num_rows * row_bytes`` bytes are cut
 into ``S`` equal shards (``S`` = the number of participating devices over all processes),
 each rounded up to the allocation granularity (2 MiB on CUDA, a page on the CPU twin).
 Shard ``k`` covers bytes ``[k * shard_bytes, (k + 1) * shard_bytes)`` of the range and
@@ -63,14 +65,13 @@ from typing import Any
 
 import torch
 
-from gpu.cache.twin import last_occurrence
 from gpu.cuda.devices import resolve_device
 from gpu.dist.accumulate import Accumulating
 from gpu.dist.groups import as_group, exchange_fds
+from gpu.dist.rowio import RowIO, block_format
 from gpu.dist.journal import check_journal_name, new_name, open_journal
 from gpu.dist.vmm import CudaVMM, HostVMM, backend
 from gpu.errors import BadArgumentError, DestructionOrderError, GPUError, GroupError, VMMError
-from gpu.inputs import check_row_format
 from hostcache.gate import TableGate, gate_for
 
 logger = logging.getLogger(__name__)
@@ -159,12 +160,15 @@ _OPEN: list[weakref.ref[DistMemBlock]] = []
 _OPEN_LOCK = threading.Lock()
 
 
-class DistMemBlock(Accumulating):
+class DistMemBlock(RowIO, Accumulating):
     """A linear table sharded over several GPUs' memory, mapped as one range (see module).
 
     Args:
         num_rows, dim, dtype: the table's geometry (``dtype``: a layer dtype of
-            ``nvecache.common.rows.LAYER_DTYPES``).
+            ``nvecache.common.rows.LAYER_DTYPES``, or a quantized format, ``torch.int8``
+            or ``torch.float8_e4m3fn``: :mod:`gpu.dist.rowio`). Every rank of a group
+            passes the same: a rank with another dtype, a quantized format included, is
+            a ``BadArgumentError`` on every rank.
         devices: the GPUs whose memory holds this process's shards (``int``, ``"cuda:N"``,
             ``torch.device`` or a list); ``"cpu"`` for the CPU twin. Default: every
             visible GPU for one process, the current GPU for a group, the CPU without CUDA.
@@ -190,21 +194,21 @@ class DistMemBlock(Accumulating):
             raise BadArgumentError(f"num_rows must be a positive int; got {num_rows!r}")
         if not isinstance(dim, int) or isinstance(dim, bool) or dim <= 0:
             raise BadArgumentError(f"dim must be a positive int; got {dim!r}")
-        fmt = check_row_format(dtype, dim)
+        fmt = block_format(dtype, dim)
         if name is not None:
             check_journal_name(name)
         g = as_group(group)
         devs = _resolve_devices(devices, solo=g.size == 1)
         kind = devs[0].type
-        self.num_rows, self.dim, self.dtype = num_rows, dim, dtype
-        #: how a row is stored (``nvecache.common.rows``): rows lie ``row_bytes`` apart
-        self.row_format = fmt
-        self.row_bytes = fmt.row_bytes
+        self.num_rows, self.dim, self.dtype = num_rows, dim, fmt.torch_dtype
+        self._format = fmt  # NOTE: row_format and quantized (gpu.dist.rowio)
+        #: bytes from one row to the next: a plain row's, a quantized row's stride
+        self.row_bytes = fmt.stride if fmt.quantized else fmt.row_bytes
         self.devices = devs
         self.group = g
         self.rank, self.world_size = g.rank, g.size
         vmm = backend(kind)
-        mine = {"geometry": [num_rows, dim, str(dtype), kind], "shards": len(devs),
+        mine = {"geometry": [num_rows, dim, fmt.dtype, kind], "shards": len(devs),
                 "granularity": max(vmm.granularity(d.index or 0) for d in devs),
                 "name": name, "pid": os.getpid()}
         for d in devs:
@@ -311,76 +315,43 @@ class DistMemBlock(Accumulating):
 
     def view(self, device: Any = None) -> torch.Tensor:
         """The whole table ``[num_rows, dim]`` as a zero-copy tensor on ``device`` (one of
-        :attr:`devices`; default the first). The range stays mapped while it lives."""
+        :attr:`devices`; default the first); a quantized block's, uint8 ``[num_rows,
+        row_format.stride]``: each row's stored bytes and its padding. The range stays
+        mapped while it lives."""
         rng = self._live()
         dev = self.devices[0] if device is None else resolve_device(device)
         if dev not in self.devices and not (dev.type == "cpu" == self.devices[0].type):
             raise BadArgumentError(
                 f"DistMemBlock {self.name!r} is mapped for {self.devices} in this process; "
                 f"{dev} cannot read it. Create the block with devices including {dev}")
-        shape = (self.num_rows, self.dim)
+        q = self.quantized
+        shape = (self.num_rows, self.row_bytes if q else self.dim)
+        dtype = torch.uint8 if q else self.dtype
         if dev.type == "cpu":
             raw = (ctypes.c_byte * (self.num_rows * self.row_bytes)).from_address(rng.base)
             raw._range = rng  # type: ignore[attr-defined]  # NOTE: keeps the mapping alive
-            return torch.frombuffer(raw, dtype=self.dtype).view(shape)
+            return torch.frombuffer(raw, dtype=dtype).view(shape)
         # NOTE: the interface speaks numpy dtypes (bfloat16 travels as its int16 bits)
-        fmt = self.row_format
-        holder = _Holder(rng, shape, (self.row_bytes, fmt.itemsize), fmt.numpy_dtype.str)
+        size, typestr = (1, "|u1") if q else (self._format.itemsize,
+                                              self._format.numpy_dtype.str)
+        holder = _Holder(rng, shape, (self.row_bytes, size), typestr)
         with torch.cuda.device(dev):
             t = torch.as_tensor(holder, device=dev)
         if t.data_ptr() != rng.base:
             raise GPUError("torch copied the block instead of viewing it; report this with "
                            "your torch version")
-        return t if t.dtype == self.dtype else t.view(self.dtype)
+        return t if t.dtype == dtype else t.view(dtype)
 
     @property
     def tensor(self) -> torch.Tensor:
         """:meth:`view` on the first device."""
         return self.view()
 
-    def _rows(self, indices: torch.Tensor) -> torch.Tensor:
-        if not isinstance(indices, torch.Tensor) or indices.dtype != torch.int64 \
-                or indices.dim() != 1:
-            raise BadArgumentError(f"indices must be a 1-D int64 tensor; got {indices!r:.80}")
-        if indices.numel():
-            lo, hi = torch.aminmax(indices)
-            if int(lo) < 0 or int(hi) >= self.num_rows:
-                raise BadArgumentError(f"indices must be in [0, {self.num_rows}); got values "
-                                       f"in [{int(lo)}, {int(hi)}]")
-        return indices
-
-    def read(self, indices: torch.Tensor) -> torch.Tensor:
-        """Rows ``indices`` (int64 [N]) as a tensor on the first device."""
-        idx = self._rows(indices)
-        v = self.view()
-        return v.index_select(0, idx.to(v.device))
-
     @property
     def gate(self) -> TableGate:
         """This process's read/write gate of the block: lookups hold its read side,
         :meth:`write` its write side (no lookup of this process returns a torn row)."""
         return gate_for(("distmem", self.name))
-
-    def write(self, indices: torch.Tensor, values: torch.Tensor) -> None:
-        """Store rows and announce them in the journal (every layer over the block, in any
-        process, drops its cached copies before its next lookup). Last write wins."""
-        idx = self._rows(indices)
-        vals = values
-        if not isinstance(vals, torch.Tensor) or vals.dtype != self.dtype \
-                or vals.shape != (idx.numel(), self.dim):
-            raise BadArgumentError(f"values must be {self.dtype} of shape "
-                                   f"({idx.numel()}, {self.dim}); got {vals.dtype} "
-                                   f"{tuple(vals.shape)}")
-        v = self.view()
-        idx, vals = idx.to(v.device), vals.to(v.device)
-        if idx.numel() > 1:  # duplicates: the last one wins (index_copy_ picks any)
-            idx, last, _ = last_occurrence(idx)
-            vals = vals.index_select(0, last)
-        with self.gate.writing():
-            v.index_copy_(0, idx, vals)
-            if v.device.type == "cuda":
-                torch.cuda.synchronize(v.device)  # the rows are in place before the news
-        self.invalidate(idx)
 
     def invalidate(self, indices: torch.Tensor) -> None:
         """Announce rows changed by other means (e.g. written through :meth:`view`)."""

@@ -7,7 +7,9 @@ gradient tensor is kept between steps and ``layer.weight.grad`` stays None. Its 
 extra columns of the stored row, so it moves with the row on admission and eviction,
 persists where the tables persist, and a second process attaching the same tables
 continues from it. :meth:`Optimizer.row_width` gives the width those tables are built
-with. Math is float32 whatever the table's dtype.
+with. Math is float32 whatever the table's dtype. Over a quantized table (int8,
+float8_e4m3fn) only :class:`SGD` trains: the others' state would be quantized with the row
+(:mod:`gpu.train.quantized`).
 """
 
 from __future__ import annotations

@@ -7,5 +7,6 @@ for its whole table (:mod:`gpu.train.weight`); under grad mode its lookups go th
 then either hands ``weight`` a coalesced sparse gradient (for ``torch.optim.SGD``) or,
 with ``optimizer=``, applies the fused optimizer to the rows in every tier at once
 (:mod:`gpu.train.step`). Rows with their optimizer state are stored wide
-(:mod:`gpu.train.wide`).
+(:mod:`gpu.train.wide`). Over a quantized table the stateless optimizers train, their steps
+added through the table's stochastically rounded accumulate (:mod:`gpu.train.quantized`).
 """

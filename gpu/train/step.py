@@ -20,6 +20,11 @@ summing per key first (the table's add sums duplicates); there an occurrence who
 gradient is not finite is skipped, and counted. A torch optimizer's step on
 ``layer.weight`` adds its (per key) deltas, a key whose delta is not finite skipped and
 counted, on every layer type.
+
+Over a quantized table (int8, float8_e4m3fn) every step, fused SGD's or a torch
+optimizer's, is written as float32 deltas through the stack's ``accumulate``, which adds
+them to the dequantized rows and encodes the sums with stochastic rounding
+(:mod:`gpu.train.quantized`): small steps are not lost to rounding.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import torch
 
 from gpu.optim.rules import SGD
 from gpu.stacks.linear_tables import finite_rows
-from gpu.train import wide
+from gpu.train import quantized, wide
 
 if TYPE_CHECKING:
     from gpu.optim.rules import Optimizer
@@ -63,6 +68,9 @@ class Trainer:
         self._hierarchical = layer.layer_type.name == "Hierarchical"
         self._adds = self._hierarchical and (
             self.dtype == torch.float32 or self.width == self.dim)
+        #: the layer reads a quantized table: a step is written as float32 deltas through
+        #: its accumulate, rounded stochastically there (gpu.train.quantized)
+        self._quantized = bool(getattr(layer, "_quant", False))
         #: the indices' address of the last sparse gradient handed to ``weight``
         self.last_grad = 0
         #: rows a step skipped for a non-finite gradient (a device tensor)
@@ -130,6 +138,10 @@ class Trainer:
         duplicates), no dedup; an occurrence whose gradient is not finite adds nothing."""
         assert self.optimizer is not None
         self.optimizer.steps += 1
+        if self._quantized:
+            self.stack.accumulate(keys, quantized.step_deltas(grad, -self.optimizer.lr,
+                                                              self.skipped))
+            return
         self.stack.step_add(keys, grad, -self.optimizer.lr, self.skipped)
 
     @torch.no_grad()
@@ -138,13 +150,16 @@ class Trainer:
         optimizer's step on the sparse gradient (a layer without optimizer state)."""
         stack = self.stack
         if not self._hierarchical:
-            stack.step_add(keys, deltas, 1.0, self.skipped)
+            if self._quantized:  # NOTE: float32 deltas, rounded stochastically by the table
+                stack.accumulate(keys, quantized.step_deltas(deltas, 1.0, self.skipped))
+            else:
+                stack.step_add(keys, deltas, 1.0, self.skipped)
             return
         ok = finite_rows(deltas)
         self.skipped += (~ok).sum()
         keys = keys[ok]  # NOTE: the few rows of a Hierarchical step: a host sync is paid
         deltas = deltas[ok]
-        found = stack.accumulate(keys, deltas.to(self.dtype))
+        found = stack.accumulate(keys, deltas if self._quantized else deltas.to(self.dtype))
         self._insert_missing(stack, keys, found, None, deltas)
 
     @torch.no_grad()
@@ -168,7 +183,7 @@ class Trainer:
         if self._adds:
             delta = (new - cur if self.dtype == torch.float32 else
                      new.float() - cur.float())
-            found = stack.accumulate(keys, delta.to(self.dtype))
+            found = stack.accumulate(keys, delta if self._quantized else delta.to(self.dtype))
         else:
             found = stack.update(keys, new)
         self._insert_missing(stack, keys, found, new, None)

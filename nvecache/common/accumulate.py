@@ -6,6 +6,12 @@ float64 for float64 rows. A row is then read as that dtype, its summed delta add
 the result rounded to the row's dtype once. So a float16 or bfloat16 row gets one rounding
 per call, however many times its key repeats, and every tier (parameter server, host
 cache, linear tables, GPU cache) computes the same bits for the same call.
+
+A quantized row (int8, float8_e4m3fn) takes float32 deltas: it is decoded to float32, its
+summed delta added, and the sum encoded with stochastic rounding
+(:func:`nvecache.common.quant.encode_sum`), so deltas under half a quantization step add up
+over many calls instead of rounding away; every tier that stores quantized rows applies
+that one function.
 """
 
 from __future__ import annotations

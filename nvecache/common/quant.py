@@ -8,12 +8,26 @@ from ``fmt.meta_offset``, little-endian float32 parameters:
 - ``int8``: ``scale, bias``; element ``q`` (-128..127) reads as ``q * scale + bias``. The
   row's range ``[min, max]`` maps onto the 256 steps (``scale = (max - min) / 255``), so
   each element reads back within half a step (``scale / 2``) of what was written, plus
-  float32 rounding; a constant row reads back exactly (``scale = 0``, ``bias`` the value).
+  float32 rounding (rounded to nearest; one step when rounded stochastically, below); a
+  constant row reads back exactly (``scale = 0``, ``bias`` the value).
 - ``float8_e4m3fn``: ``scale``; element ``q`` reads as ``float(q) * scale``, where
   ``scale = max|x| / 448`` (448: e4m3fn's largest finite value), so each element reads back
   within e4m3's rounding of ``x / scale`` (3 mantissa bits: a relative error of at most
-  2**-4 for the normal range, an absolute one of 2**-10 * scale below it); a zero row reads
-  back as zeros.
+  2**-4 for the normal range, an absolute one of 2**-10 * scale below it; twice that when
+  rounded stochastically); a zero row reads back as zeros.
+
+Writes (insert, update, loads) round each element to the nearest step. An accumulate
+stores the sum of a decoded row and its deltas with stochastic rounding instead
+(:func:`encode_sum`, the one rule every tier's accumulate and a training step over a
+quantized table apply): each element is rounded to the step below or above it, the upper
+with probability equal to where it lies between them, so the stored row equals the sum in
+expectation and repeated deltas under half a step add up instead of rounding away (to
+nearest, a row accumulated a thousand times by a twentieth of a step never moves). The
+price: such an element reads back within one step of the sum, not half of one
+(:func:`error_bound` with ``stochastic=True``), and as each accumulate's rounding error
+has mean zero whatever the row was before, the error of many accumulates grows as the
+square root of their number (standard deviation at most ``sqrt(n) / 2`` steps), not
+linearly.
 
 Rows holding NaN or an infinity cannot be encoded (their range is not finite): the tiers
 refuse them before encoding, with their own typed error; :func:`encode` raises
@@ -22,11 +36,15 @@ refuse them before encoding, with their own typed error; :func:`encode` raises
 
 from __future__ import annotations
 
+import os
+import threading
+
 import torch
 
 from nvecache.common.rows import RowFormat, RowFormatError
 
-__all__ = ["decode", "encode", "error_bound", "parameters"]
+__all__ = ["decode", "encode", "encode_sum", "error_bound", "parameters", "rounding_generator",
+           "seed_rounding", "steps_around"]
 
 #: e4m3fn's largest finite magnitude
 FP8_MAX = 448.0
@@ -43,16 +61,100 @@ def encode(values: torch.Tensor, fmt: RowFormat, *, stochastic: bool = False,
     finite) in ``fmt``'s quantized bytes (the padding between payload and parameters zero).
 
     By default each element is rounded to the nearest step. With ``stochastic=True`` it is
-    rounded to one of the two steps around it, the upper one with probability equal to
-    where it lies between them (uniform draws from ``generator``, on the rows' device), so
-    the decoded row equals the written one in expectation: what an accumulate writes, so
-    that repeated deltas under half a step add up instead of rounding away (each element
-    then reads back within one step, not half of one).
+    rounded to one of the two steps around it (:func:`steps_around`), the upper one with
+    probability equal to where it lies between them (uniform draws from ``generator``, on
+    the rows' device), so the decoded row equals the written one in expectation: what an
+    accumulate writes (:func:`encode_sum`), so that repeated deltas under half a step add
+    up instead of rounding away (each element then reads back within one step, not half
+    of one). The row's parameters (scale, bias) are the same either way: they depend on
+    its range only.
 
     Raises:
         RowFormatError: ``fmt`` is not quantized, ``values`` is not ``[N, fmt.dim]`` of a
             floating dtype, or a row holds NaN or an infinity.
     """
+    return _encode(values, fmt, "stochastic" if stochastic else "nearest", generator)
+
+
+def encode_sum(values: torch.Tensor, fmt: RowFormat, *,
+               generator: torch.Generator | None = None) -> torch.Tensor:
+    """What an accumulate stores of ``values``, rows that are a decoded row plus its summed
+    float32 deltas: :func:`encode` with stochastic rounding (the module docstring says
+    why). The one rule of every quantized table's accumulate (the host tables, the
+    parameter servers, a ``gpu.DistMemBlock``) and of a training step written to one;
+    writes of new rows (insert, update, loads) round to nearest.
+
+    Draws come from ``generator``, by default this process's rounding generator of the
+    rows' device (:func:`rounding_generator`: processes round independently, the caller's
+    torch random streams are left alone; :func:`seed_rounding` makes a run repeatable).
+
+    Raises:
+        RowFormatError: as :func:`encode`.
+    """
+    if generator is None and isinstance(values, torch.Tensor):
+        generator = rounding_generator(values.device)
+    return encode(values, fmt, stochastic=True, generator=generator)
+
+
+class _Rounding:
+    """This process's rounding generators, one per device (see :func:`rounding_generator`)."""
+
+    lock = threading.Lock()
+    pid = os.getpid()
+    seed: int | None = None
+    generators: dict[str, torch.Generator] = {}
+
+
+def rounding_generator(device: torch.device | str) -> torch.Generator:
+    """The generator an accumulate's stochastic rounding draws from on ``device``
+    (:func:`encode_sum`): one per process and device, seeded from the OS's entropy when
+    first used (and again in a forked child), so that processes adding to one shared table
+    round independently of each other, and the caller's own torch random streams (dropout,
+    sampling) are not consumed; :func:`seed_rounding` seeds them all instead."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    key = str(dev)
+    with _Rounding.lock:
+        if _Rounding.pid != os.getpid():  # NOTE: a forked child: not its parent's draws
+            _Rounding.pid, _Rounding.generators = os.getpid(), {}
+        g = _Rounding.generators.get(key)
+        if g is None:
+            g = torch.Generator(device=dev)
+            seed = _Rounding.seed
+            g.manual_seed(int.from_bytes(os.urandom(8), "little") >> 1 if seed is None
+                          else seed)
+            _Rounding.generators[key] = g
+    return g
+
+
+def seed_rounding(seed: int) -> None:
+    """Seed this process's rounding generators (:func:`rounding_generator`), those of
+    devices used later too, with ``seed``: an accumulate's draws on a device are then those
+    of ``torch.Generator(device).manual_seed(seed)``, so a run repeats (tests, benches)."""
+    with _Rounding.lock:
+        _Rounding.seed = int(seed)
+        for g in _Rounding.generators.values():
+            g.manual_seed(int(seed))
+
+
+def steps_around(values: torch.Tensor, fmt: RowFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(below, above)``: rows ``values`` encoded as :func:`encode` does (the same
+    parameters), each element rounded to the step at or below it, and to a step above it
+    (int8: the next step up; fp8: the step at or above it in magnitude, so a positive
+    element lying on a step gets that step in both). Stochastic rounding picks each
+    element from these two; rounding to nearest picks one of them too.
+
+    Raises:
+        RowFormatError: as :func:`encode`.
+    """
+    return (_encode(values, fmt, "below", None), _encode(values, fmt, "above", None))
+
+
+def _encode(values: torch.Tensor, fmt: RowFormat, how: str,
+            generator: torch.Generator | None) -> torch.Tensor:
+    """:func:`encode`, each element rounded ``how``: ``"nearest"``, ``"stochastic"``,
+    ``"below"`` or ``"above"`` (:func:`steps_around`)."""
     _check(fmt)
     if (not isinstance(values, torch.Tensor) or values.dim() != 2
             or values.shape[1] != fmt.dim or not values.is_floating_point()):
@@ -70,16 +172,22 @@ def encode(values: torch.Tensor, fmt: RowFormat, *, stochastic: bool = False,
         bias = lo + 128.0 * scale
         safe = torch.where(scale > 0, scale, 1.0)
         t = (x - bias) / safe
-        if stochastic:
-            t = torch.floor(t + _uniform(t, generator))
-        q = torch.round(t).clamp_(-128, 127)
-        q = torch.where(scale > 0, q, 0.0).to(torch.int8)
+        down = torch.floor(t)
+        # NOTE: stochastic: floor(t) + 1 with probability t - floor(t), so an element on
+        # a step (the row's min and max) stays on it; floor(t + u) would now and then
+        # round t + u up to the next step (a 2**-18 chance at t = -128)
+        q = (torch.round(t) if how == "nearest" else down if how == "below"
+             else down + 1 if how == "above"
+             else down + (_uniform(t, generator) < t - down).float())
+        q = torch.where(scale > 0, q.clamp_(-128, 127), 0.0).to(torch.int8)
         params = torch.cat([scale, torch.where(scale > 0, bias, lo)], dim=1)
     else:
         scale = x.abs().amax(dim=1, keepdim=True) / FP8_MAX
         safe = torch.where(scale > 0, scale, 1.0)
         y = (x / safe).clamp_(-FP8_MAX, FP8_MAX)
-        q = _stochastic_e4m3(y, generator) if stochastic else y.to(torch.float8_e4m3fn)
+        q = (y.to(torch.float8_e4m3fn) if how == "nearest"
+             else _e4m3_stochastic(y, generator) if how == "stochastic"
+             else _e4m3(y, how))
         params = scale
     out[:, :fmt.dim] = q.view(torch.uint8)
     out[:, fmt.meta_offset:fmt.stored_bytes] = params.contiguous().view(torch.uint8)
@@ -92,10 +200,33 @@ def _uniform(like: torch.Tensor, generator: torch.Generator | None) -> torch.Ten
                       dtype=torch.float32)
 
 
-def _stochastic_e4m3(y: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+#: e4m3fn's smallest normal magnitude (below it the step is 2**-9 throughout)
+FP8_MIN_NORMAL = 2.0 ** -6
+#: float32 mantissa bits below e4m3's 3
+_DROPPED = 23 - 3
+
+
+def _e4m3_stochastic(y: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """``y`` (float32, within +-448) rounded stochastically to e4m3fn: its magnitude to the
-    step below or above it (neighbours by their bits: e4m3fn's positive values are ordered
-    as their bit patterns), the upper with probability ``(|y| - lo) / (hi - lo)``."""
+    step below or above it, the upper with probability by where it lies between them. A
+    uniform integer below ``2**20`` is added to the magnitude's float32 bits before the 20
+    bits e4m3 does not keep are cut (a carry is the step up, exact in float32, and 448 is
+    a step: nothing passes it). Below e4m3's smallest normal the step is ``2**-9``
+    throughout: those magnitudes get ``2**-6`` added first, which puts them in the binade
+    whose step is that, and taken off after (exact)."""
+    mag = y.abs()
+    bits = torch.randint(0, 1 << _DROPPED, mag.shape, generator=generator, device=mag.device,
+                         dtype=torch.int32)
+    off = torch.where(mag < FP8_MIN_NORMAL, FP8_MIN_NORMAL, 0.0)
+    bits += (mag + off).view(torch.int32)
+    pick = (bits & ~((1 << _DROPPED) - 1)).view(torch.float32) - off
+    return torch.copysign(pick, y).to(torch.float8_e4m3fn)
+
+
+def _e4m3(y: torch.Tensor, how: str) -> torch.Tensor:
+    """``y`` (float32, within +-448) rounded to the e4m3fn step below or above it in value
+    (``how``: ``"below"``, ``"above"``; :func:`steps_around`): its magnitude's neighbours by
+    their bits (e4m3fn's positive values are ordered as their bit patterns)."""
     mag = y.abs()
     near = mag.to(torch.float8_e4m3fn)
     bits = near.view(torch.uint8).to(torch.int16)
@@ -107,10 +238,12 @@ def _stochastic_e4m3(y: torch.Tensor, generator: torch.Generator | None) -> torc
     otherf = other.to(torch.uint8).view(torch.float8_e4m3fn).float()
     lo = torch.where(up, nearf, otherf)
     hi = torch.where(up, otherf, nearf)
-    gap = hi - lo
-    p = torch.where(gap > 0, (mag - lo) / torch.where(gap > 0, gap, 1.0), 0.0)
-    pick = torch.where(_uniform(mag, generator) < p, hi, lo)
-    return torch.where(y < 0, -pick, pick).to(torch.float8_e4m3fn)
+    neg = y < 0
+    if how == "below":  # NOTE: in value: a negative y's step below has the larger magnitude
+        pick = torch.where(neg, hi, torch.where(mag < hi, lo, hi))
+    else:
+        pick = torch.where(neg, lo, hi)
+    return torch.where(neg, -pick, pick).to(torch.float8_e4m3fn)
 
 
 def parameters(stored: torch.Tensor, fmt: RowFormat) -> torch.Tensor:
@@ -162,13 +295,18 @@ def _decode_into(stored: torch.Tensor, fmt: RowFormat, out: torch.Tensor) -> tor
     return out
 
 
-def error_bound(stored: torch.Tensor, fmt: RowFormat) -> torch.Tensor:
+def error_bound(stored: torch.Tensor, fmt: RowFormat, *, stochastic: bool = False
+                ) -> torch.Tensor:
     """float32 ``[N, 1]``: the most an element of each stored row may differ from the value
-    it was encoded from (int8: half a step and float32 rounding; fp8: e4m3's rounding of the
-    row's largest magnitude, ``2**-4 * 448 * scale``, an upper bound for every element)."""
+    it was encoded from: rounded to nearest, int8: half a step and float32 rounding; fp8:
+    e4m3's rounding of the row's largest magnitude, ``2**-4 * 448 * scale``, an upper bound
+    for every element. Rounded stochastically (``stochastic=True``: an accumulate's rows,
+    :func:`encode_sum`), one step instead of half: int8 ``scale`` and float32 rounding;
+    fp8 ``2**-3 * 448 * scale``."""
     params = parameters(stored, fmt)
+    steps = 1.0 if stochastic else 0.5
     if fmt.dtype == "int8":
         scale, bias = params[:, 0:1], params[:, 1:2]
         magnitude = bias.abs() + 128.0 * scale
-        return scale / 2 + magnitude * 2.0 ** -22
-    return params * (FP8_MAX * 2.0 ** -4)
+        return scale * steps + magnitude * 2.0 ** -22
+    return params * (FP8_MAX * 2.0 ** -3 * steps)

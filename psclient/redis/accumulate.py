@@ -17,16 +17,18 @@ twice either.
 
 A quantized table (``int8``, ``float8_e4m3fn``) is accumulated the same way, on its stored
 bytes: the client decodes the row it read, adds the float32 sum of its deltas, encodes the
-result (:func:`psclient.quantized.add_rows`) and swaps it for the bytes it read. This
+result with stochastic rounding (:func:`psclient.quantized.add_rows`) and swaps it for
+the bytes it read; a round retried on a changed row draws its rounding again. This
 optimistic compare-and-set was chosen over doing the addition in a Lua script (which
 would need the codec's float32 arithmetic, rounding and fp8 tables written again in Lua,
 where numbers are doubles: its bytes would not be :mod:`nvecache.common.quant`'s) and
 over ``WATCH``/``MULTI``/``EXEC`` (a ``WATCH`` covers a whole partition hash, so every
 write to any row of the partition would abort the transaction, and a cluster would need
 one connection per watched slot): the compare covers exactly the rows the write touches,
-one script per partition chunk on a cluster as on one server, and encoding is
-deterministic, so equal bytes mean the row is the one that was read (a row changed and
-changed back to the same bytes holds the same values: adding to it is still right).
+one script per partition chunk on a cluster as on one server, and a row's values are a
+function of its bytes, so equal bytes mean the row holds the values that were read (a
+row changed and changed back to the same bytes holds the same values: adding to it is
+still right).
 Rows whose sum cannot be encoded (a float32 overflow) are refused before any swap of the
 round that computed them (the first round: before anything is written).
 """

@@ -154,3 +154,53 @@ def scenario_mpi(rank: int, world: int, dev: torch.device, name: str) -> Any:
     assert torch.equal(block.read(torch.arange(1000)).cpu(), expected_rows(1000, 16))
     comm.Barrier()
     block.close()
+
+
+def scenario_quantized(rank: int, world: int, dev: torch.device, name: str) -> None:
+    """An int8 block over every rank's shard: each rank writes its stripe of rows and reads
+    everyone's dequantized; then every rank accumulates into the same rows at once and no
+    addition is lost (rows every step of which int8 stores exactly: constant rows)."""
+    from gpu import DistMemBlock
+    from nvecache.common import quant
+
+    rows, dim, rounds = 513, 20, 30
+    block = DistMemBlock(rows, dim, torch.int8, devices=dev, group="torch", name=name)
+    assert block.quantized and block.row_format.dtype == "int8"
+    fmt = block.row_format
+    want = expected_rows(rows, dim) / 1000
+    mine = torch.arange(rank, rows, world)
+    block.write(mine.to(dev), want[mine].to(dev))
+    dist.barrier()
+    assert torch.equal(block.read(torch.arange(rows)).cpu(),
+                       quant.decode(quant.encode(want, fmt), fmt))
+    assert torch.equal(block.view(dev)[:, :fmt.stored_bytes].cpu(), quant.encode(want, fmt))
+    dist.barrier()
+    hot = torch.arange(0, rows, 7)
+    if rank == 0:
+        block.write(hot.to(dev), torch.full((hot.numel(), dim), 2.0, device=dev))
+    dist.barrier()
+    idx = torch.cat([hot[:1], hot]).to(dev)  # the first row twice a call
+    for _ in range(rounds):
+        block.accumulate(idx, torch.ones(idx.numel(), dim, device=dev))
+    dist.barrier()
+    got = block.read(hot).cpu()
+    added = torch.full((hot.numel(), 1), float(world * rounds))
+    added[0] *= 2
+    assert torch.equal(got, (2.0 + added).expand(-1, dim)), got[:, 0].tolist()
+    dist.barrier()
+    block.close()
+
+
+def scenario_mismatch_dtype(rank: int, world: int, dev: torch.device, name: str) -> None:
+    """A rank joining with another dtype (a quantized format against float32, or the other
+    format) gets a typed error on every rank, and nothing is left."""
+    from gpu import BadArgumentError, DistMemBlock
+
+    for mine in ([torch.int8, torch.float32], [torch.int8, torch.float8_e4m3fn]):
+        try:
+            DistMemBlock(100, 8, mine[rank % 2], devices=dev, group="torch", name=name)
+        except BadArgumentError as e:
+            assert "disagree" in str(e)
+        else:
+            raise AssertionError("ranks joining with another dtype must raise")
+        dist.barrier()

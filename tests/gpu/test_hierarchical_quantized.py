@@ -1,8 +1,10 @@
 """A Hierarchical layer over a quantized parameter server (int8, float8_e4m3fn), a plain
 host cache and GPU cache in front: lookups (plain and pooled) return the server's
 dequantized rows in the layer's dtype, through every tier; updates and accumulates reach
-the server quantized and every tier reads them back; an export reopens it; training over
-it is refused. file:// and Redis; the CPU and CUDA."""
+the server quantized and every tier reads them back (an accumulate rounded
+stochastically); an export reopens it; training over it with a stateful fused optimizer is
+refused (the stateless ones train: tests/gpu/train/test_quantized.py). file:// and Redis;
+the CPU and CUDA."""
 
 from __future__ import annotations
 
@@ -114,8 +116,14 @@ def test_writes_reach_the_server_quantized_and_every_tier_reads_them(
         found = layer.accumulate(torch.tensor([4, 4, 6, 7]).to(device), deltas.to(device))
         assert bool(found.all())
         sums = torch.stack([want[0] + 1.0, want[2] + 0.5])
-        after = dequantized(sums, fmt)
-        assert torch.equal(ps.lookup(torch.tensor([4, 6]))[0], after)
+        # NOTE: the server's accumulate rounds stochastically: each element one of the two
+        # steps around the sum (quant.steps_around), and every tier reads that same row
+        f = RowFormat(fmt, DIM)
+        after = ps.lookup(torch.tensor([4, 6]))[0]
+        below, above = (quant.decode(s, f) for s in quant.steps_around(sums, f))
+        assert bool(((after == below) | (after == above)).all())
+        bound = quant.error_bound(quant.encode(sums, f), f, stochastic=True)
+        assert bool(((after - sums).abs() <= bound).all())
         assert torch.equal(layer(torch.tensor([4, 6]).to(device)).cpu(), after)
         assert torch.equal(hc.lookup(torch.tensor([4, 6]))[0], after)
 
@@ -136,11 +144,34 @@ def test_an_export_reopens_the_quantized_server(fmt: torch.dtype, tmp_path: Path
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
-def test_training_over_a_quantized_server_is_refused(fmt: torch.dtype, tmp_path: Path,
-                                                     request: pytest.FixtureRequest) -> None:
+def test_training_with_state_is_refused_and_sgd_trains(fmt: torch.dtype, tmp_path: Path,
+                                                      request: pytest.FixtureRequest) -> None:
+    """A stateful fused optimizer's state would be quantized with the row: refused, naming
+    the table and what to do, nothing written; SGD (fused, or torch's on layer.weight)
+    trains over the server (its steps through the server's stochastic accumulate)."""
     with server("file", fmt, tmp_path, request) as ps:
-        for opt in (None, optim.SGD(0.1)):
-            with pytest.raises(BadArgumentError, match="quantized rows"):
+        before = ps.lookup(torch.arange(ROWS))[0]
+        for opt in (optim.Adagrad(0.1), optim.RowwiseAdagrad(0.1), optim.Adam(0.1)):
+            with pytest.raises(BadArgumentError, match="cannot train over the quantized") as e:
                 layer_on(ps, None, "cpu", torch.float32, optimize_for_training=True,
                          optimizer=opt)
-        assert ps.lookup(torch.tensor([0]))[1].all()
+            assert ps.table in str(e.value) and "gpu.optim.SGD" in str(e.value)
+        assert torch.equal(ps.lookup(torch.arange(ROWS))[0], before)
+        keys = torch.tensor([3, 4, 3])
+        for opt in (None, optim.SGD(0.1)):
+            with layer_on(ps, None, "cpu", torch.float32, optimize_for_training=True,
+                          optimizer=opt) as layer:
+                sgd = torch.optim.SGD(layer.parameters(), lr=0.1) if opt is None else None
+                layer(keys).sum().backward()  # a gradient of ones: each row steps by -0.1 x n
+                if sgd is not None:
+                    sgd.step()
+        got = ps.lookup(torch.tensor([3, 4]))[0]
+        exact = before[[3, 4]] - torch.tensor([[0.4], [0.2]])
+        f = RowFormat(fmt, DIM)
+        # NOTE: two steps, each rounded within one quantization step of its row, whose range
+        # moves with the step: its bound lies between those of the first and last rows
+        first, last = (quant.error_bound(quant.encode(r, f), f, stochastic=True)
+                       for r in (before[[3, 4]], exact))
+        bound = 2 * torch.maximum(first, last) * 1.01 + 1e-5
+        assert bool(((got - exact).abs() <= bound).all())
+        assert not torch.equal(got, before[[3, 4]])

@@ -1,7 +1,8 @@
 """HostCache.accumulate and SharedMemBlock.accumulate: rows against torch (every dtype,
 duplicates summed, float16/bfloat16 added in float32 and rounded once), keys not cached
 neither written nor inserted, the change announced on the ring, refused arguments writing
-nothing, and accumulates from several processes losing no addition."""
+nothing, and accumulates from several processes losing no addition (into int8 and fp8
+tables too)."""
 
 from __future__ import annotations
 
@@ -183,11 +184,11 @@ def test_read_slots_twin_matches_the_compiled_loop() -> None:
 
 
 def add_ones(table: HostCache | SharedMemBlock, keys: list[int], rounds: int,
-             start: Any) -> int:
-    """Add 1 to every key (twice to the first, a duplicate) ``rounds`` times."""
+             start: Any, unit: float = 1.0) -> int:
+    """Add ``unit`` to every key (twice to the first, a duplicate) ``rounds`` times."""
     try:
         k = torch.tensor([keys[0], *keys])
-        ones = torch.ones(k.numel(), DIM)
+        ones = torch.full((k.numel(), DIM), unit)
         start.wait()
         for _ in range(rounds):
             table.accumulate(k, ones)
@@ -196,33 +197,37 @@ def add_ones(table: HostCache | SharedMemBlock, keys: list[int], rounds: int,
         table.close()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8, torch.float8_e4m3fn], ids=str)
 @pytest.mark.parametrize("kind", ["cache", "block"])
 def test_concurrent_accumulates_from_processes_lose_no_addition(
-        kind: str, table_name: str) -> None:
+        kind: str, dtype: torch.dtype, table_name: str) -> None:
     """Each call's read-add-write spans a few thousand rows, so the processes' calls
-    overlap."""
+    overlap. A quantized table's rows are constant rows of multiples of ``unit``, which its
+    format stores exactly (int8: scale 0; fp8: scale a whole number, every element 448), so
+    its stochastic rounding has nothing to round: any lost addition shows."""
     procs, rounds, n = 3, 60, 3000
+    unit = 448.0 if dtype == torch.float8_e4m3fn else 1.0
     keys = list(range(0, 2 * n, 2))
     name = f"{table_name}-c"
     table: HostCache | SharedMemBlock
     if kind == "cache":
-        table = HostCache.create(name, capacity=4 * n, dim=DIM, ways=32)
+        table = HostCache.create(name, capacity=4 * n, dim=DIM, ways=32, dtype=dtype)
         table.insert(torch.tensor(keys), torch.zeros(n, DIM))
         assert bool(table.contains(torch.tensor(keys)).all())
     else:
-        table = SharedMemBlock.create(name, num_rows=2 * n, dim=DIM)
+        table = SharedMemBlock.create(name, num_rows=2 * n, dim=DIM, dtype=dtype)
     try:
         ctx = mp.get_context("spawn")
         with ctx.Manager() as manager:
             start = manager.Barrier(procs + 1)
             with ctx.Pool(procs) as pool:
-                jobs = [pool.apply_async(add_ones, (table, keys, rounds, start))
+                jobs = [pool.apply_async(add_ones, (table, keys, rounds, start, unit))
                         for _ in range(procs)]
                 start.wait()
                 assert [j.get(timeout=300) for j in jobs] == [rounds] * procs
         got = (table.lookup(torch.tensor(keys))[0] if isinstance(table, HostCache)
                else table.read(torch.tensor(keys)))
-        want = torch.full((n, DIM), float(procs * rounds))
+        want = torch.full((n, DIM), float(procs * rounds) * unit)
         want[0] *= 2
         assert torch.equal(got, want)
     finally:

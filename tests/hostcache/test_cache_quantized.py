@@ -2,8 +2,9 @@
 as nvecache.common.quant does (differential against it), lookups return the rows
 dequantized in float32 and never a row whose bytes and parameters are of two writes
 (a writer process against a reader process), accumulate decodes, adds in float32 and
-quantizes again, non-finite rows refused with nothing written, the header's format
-checked on attach; a Hierarchical layer does not take a quantized host cache yet."""
+quantizes again with stochastic rounding (many small deltas add up), non-finite rows
+refused with nothing written, the header's format checked on attach; a Hierarchical layer
+does not take a quantized host cache yet."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from hostcache import (
 from nvecache.common import quant
 from nvecache.common.rows import QUANTIZED, RowFormat
 from psclient import connect
+from tests import quant_drift
 from tests.hostcache import quant_workers
 
 CTX = mp.get_context("spawn")
@@ -78,23 +80,55 @@ def test_inserts_quantize_and_lookups_dequantize(qcache: HostCache, given: torch
     assert bool(qcache.lookup(torch.tensor([77]))[1][0])
 
 
-def test_accumulate_decodes_adds_in_float32_and_quantizes_again(qcache: HostCache) -> None:
+def test_accumulate_decodes_adds_in_float32_and_rounds_stochastically(qcache: HostCache
+                                                                     ) -> None:
+    """Bit for bit the codec's ``encode_sum`` of the decoded rows plus their deltas, with
+    the same draws (the rounding generator, seeded); each element one of the two steps
+    around the sum, within one step of it."""
     fmt = qcache.geometry.row_format
     keys = torch.tensor([1, 2, 3])
     qcache.insert(keys, _rows(3, seed=3))
     cur = qcache.lookup(keys)[0]
     deltas = _rows(4, seed=4)
     idx = torch.tensor([3, 1, 3, 99])
+    quant.seed_rounding(21)
     found = qcache.accumulate(idx, deltas)
     assert found.tolist() == [True, True, True, False]
     sums = torch.zeros(3, 13)
     sums[0] = deltas[1]
     sums[2] = deltas[0] + deltas[2]
-    want = quant.decode(quant.encode(cur + sums, fmt), fmt)
+    exact = (cur + sums)[[0, 2]]
+    want = quant.decode(quant.encode_sum(exact, fmt,
+                                         generator=torch.Generator().manual_seed(21)), fmt)
     got = qcache.lookup(keys)[0]
-    assert torch.equal(got[[0, 2]], want[[0, 2]]) and torch.equal(got[1], cur[1])
+    assert torch.equal(got[[0, 2]], want) and torch.equal(got[1], cur[1])
+    below, above = (quant.decode(s, fmt) for s in quant.steps_around(exact, fmt))
+    assert bool(((want == below) | (want == above)).all())
+    bound = quant.error_bound(quant.encode(exact, fmt), fmt, stochastic=True)
+    assert bool(((want - exact).abs() <= bound).all())
     with pytest.raises(BadArgumentError, match="float32"):
         qcache.accumulate(idx, deltas.half())
+
+
+@pytest.mark.parametrize("dtype", FORMATS, ids=str)
+def test_many_small_deltas_add_up(dtype: torch.dtype, table_name: str) -> None:
+    """A thousand accumulates of a delta well under half a step end near the exact sum
+    (tests/quant_drift.py), where rounding to nearest would lose every one."""
+    case = quant_drift.scenario(dtype)
+    keys = torch.arange(quant_drift.ROWS) * 7 - 20
+    with HostCache.create(table_name, capacity=64, dim=quant_drift.DIM, dtype=dtype,
+                          ways=8) as hc:
+        try:
+            hc.insert(keys, case.start)
+            start, hit = hc.lookup(keys)
+            assert bool(hit.all())
+            quant.seed_rounding(0)
+            with quant_drift.one_thread():
+                for _ in range(quant_drift.ADDS):
+                    assert bool(hc.accumulate(keys, case.delta).all())
+            quant_drift.check_drift(case, start, hc.lookup(keys)[0])
+        finally:
+            HostCache.unlink(table_name)
 
 
 @pytest.mark.parametrize("allow", [False, True])

@@ -1,7 +1,8 @@
 """A SharedMemBlock storing quantized rows (int8, float8_e4m3fn): the header records the
 format and attaching with another is refused; writes quantize as nvecache.common.quant
 does (differential against it), reads dequantize; non-finite rows refused with nothing
-written; accumulate reads, adds in float32 and quantizes again; another process reads the
+written; accumulate reads, adds in float32 and quantizes again with stochastic rounding
+(many small deltas add up where rounding to nearest loses them); another process reads the
 same rows; the bytes a row takes; what does not take a quantized table yet refuses it."""
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from hostcache import (
 from hostcache.cli import main as hostcache_main
 from nvecache.common import quant
 from nvecache.common.rows import QUANTIZED, RowFormat
+from tests import quant_drift
 
 FORMATS = [getattr(torch, name) for name in QUANTIZED]
 
@@ -106,19 +108,50 @@ def test_rows_that_are_not_finite_are_refused_with_nothing_written(
     assert torch.equal(qblock.tensor, before) and qblock.change_cursor == start
 
 
-def test_accumulate_adds_in_float32_and_quantizes_again(qblock: SharedMemBlock) -> None:
+def test_accumulate_adds_in_float32_and_rounds_stochastically(qblock: SharedMemBlock) -> None:
+    """Decoded, added in float32, encoded with stochastic rounding: bit for bit the codec's
+    ``encode_sum`` with the same draws (the rounding generator, seeded), each element
+    one of the two steps around the sum, within one step of it."""
     fmt = RowFormat(qblock.dtype, 13)
     qblock.write(torch.arange(4), _rows(4, 13, seed=4))
     before = qblock.tensor[:4].clone()
     deltas = _rows(5, 13, seed=5)
     idx = torch.tensor([2, 0, 2, 3, 0])
+    quant.seed_rounding(12)
     qblock.accumulate(idx, deltas)
     sums = torch.zeros(4, 13).index_add_(0, idx, deltas)
-    want = quant.encode(quant.decode(before, fmt) + sums, fmt)
-    assert torch.equal(qblock.tensor[[0, 2, 3]], want[[0, 2, 3]])
+    exact = (quant.decode(before, fmt) + sums)[[0, 2, 3]]
+    want = quant.encode_sum(exact, fmt, generator=torch.Generator().manual_seed(12))
+    got = qblock.tensor[[0, 2, 3]]
+    assert torch.equal(got, want)
+    below, above = quant.steps_around(exact, fmt)
+    back = quant.decode(got, fmt)
+    assert bool(((back == quant.decode(below, fmt)) | (back == quant.decode(above, fmt))).all())
+    assert bool(((back - exact).abs() <= quant.error_bound(got, fmt, stochastic=True)).all())
     assert torch.equal(qblock.tensor[1], before[1])
     with pytest.raises(BadArgumentError, match="float32"):
         qblock.accumulate(idx, deltas.half())
+
+
+@pytest.mark.parametrize("dtype", FORMATS, ids=str)
+def test_many_small_deltas_add_up(dtype: torch.dtype, table_name: str) -> None:
+    """A thousand accumulates of a delta well under half a step end near the exact sum
+    (tests/quant_drift.py: within 6 standard deviations of the rounding, on average),
+    where rounding to nearest would lose every one."""
+    case = quant_drift.scenario(dtype)
+    idx = torch.arange(quant_drift.ROWS)
+    with SharedMemBlock.create(table_name, num_rows=quant_drift.ROWS, dim=quant_drift.DIM,
+                               dtype=dtype) as mb:
+        try:
+            mb.write(idx, case.start)
+            start = mb.read(idx)
+            quant.seed_rounding(0)
+            with quant_drift.one_thread():
+                for _ in range(quant_drift.ADDS):
+                    mb.accumulate(idx, case.delta)
+            quant_drift.check_drift(case, start, mb.read(idx))
+        finally:
+            SharedMemBlock.unlink(table_name)
 
 
 def test_another_process_reads_the_dequantized_rows(qblock: SharedMemBlock) -> None:
