@@ -132,8 +132,8 @@ def build_gpu_layer(spec: StackSpec) -> DeviceTable:
         if storage is not None:
             raise BadArgumentError(
                 "weight_dtype is the format of a GPULayer's own table; with storage= the "
-                "layer reads the storage in its own format (a quantized SharedMemBlock: "
-                "SharedMemBlock.create(..., dtype=torch.int8)): drop weight_dtype")
+                "storage's format is used (a quantized one: SharedMemBlock.create(..., "
+                "dtype=torch.int8)): drop weight_dtype")
         spec.tables[:] = [TableRef("own")]
         # NOTE: weight_init: float rows of the layer's dtype (quantized here), or the table's
         # stored bytes (uint8, an export's or a state_dict's: stored as they are)

@@ -6,14 +6,18 @@ HostLayer, LinearUVM)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from gpu.errors import NonFiniteValuesError
 from gpu.inputs import check_range
 from gpu.stacks.key_flag import RangeCheck
 from gpu.stacks.quantized import add_stored, block_format, write_stored
+from hostcache.errors import NonFiniteValuesError as HostNonFiniteValuesError
 from hostcache.gate import TableGate, gate_for
 from hostcache.memblock import SharedMemBlock
 from nvecache.common.accumulate import added, sum_duplicates
@@ -50,7 +54,9 @@ def write_linear(block: Any, keys: torch.Tensor, values: torch.Tensor) -> None:
     if isinstance(block, DistMemBlock):
         block.write(keys, values)  # on the device, no host round trip
     else:
-        block.write(keys.cpu(), values.cpu(), allow_nonfinite=True)  # the layer checked
+        # NOTE: the layer checked the rows (a quantized block checks them anyway)
+        with _nonfinite_as_layer_error():
+            block.write(keys.cpu(), values.cpu(), allow_nonfinite=True)
 
 
 def add_linear(block: Any, keys: torch.Tensor, deltas: torch.Tensor) -> None:
@@ -61,7 +67,18 @@ def add_linear(block: Any, keys: torch.Tensor, deltas: torch.Tensor) -> None:
     if isinstance(block, DistMemBlock):
         block.accumulate(keys, deltas)  # on the device, no host round trip
     else:
-        block.accumulate(keys.cpu(), deltas.cpu(), allow_nonfinite=True)  # the layer checked
+        with _nonfinite_as_layer_error():  # NOTE: a quantized block's sums may overflow
+            block.accumulate(keys.cpu(), deltas.cpu(), allow_nonfinite=True)
+
+
+@contextlib.contextmanager
+def _nonfinite_as_layer_error() -> Iterator[None]:
+    """A block's refusal of rows that are not finite (a quantized block stores finite rows
+    only) raised as the layer's own error."""
+    try:
+        yield
+    except HostNonFiniteValuesError as e:
+        raise NonFiniteValuesError(str(e)) from None
 
 
 def table_gate(storage: Any, device: torch.device) -> TableGate:
