@@ -268,10 +268,10 @@ def check_rows(layer: _NVBase, value: Any, key: str) -> torch.Tensor:
         return value  # NOTE: this rank's share is the table's rows already
     if isinstance(stack, LinearState) and _same_memory(value, _view(layer, stack)):
         return value  # NOTE: the rows are the table's already
-    stored = fmt is not None and value.dtype == torch.uint8
+    stored = fmt if value.dtype == torch.uint8 else None
     row_bytes = layer.embedding_size * (4 if stored else value.element_size())
     for start, stop in _spans(value.shape[0], row_bytes):
-        part = quant.decode(value[start:stop], fmt) if stored else value[start:stop]
+        part = value[start:stop] if stored is None else quant.decode(value[start:stop], stored)
         if not bool(torch.isfinite(part).all()):
             raise _mismatch(layer, stack, f"{key} holds NaN or an infinity in rows "
                                           f"{start}..{stop}")

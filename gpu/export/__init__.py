@@ -220,7 +220,7 @@ def _layer_args(entry: dict[str, Any], private: dict[str, torch.Tensor],
         shape = tuple(rows.shape)
         stored = md.weight_dtype_of(entry)
         if stored is not None:  # NOTE: the table's stored bytes, as the layer's state_dict
-            fmt = RowFormat(stored, entry["embedding_size"])
+            fmt = RowFormat(entry["weight_dtype"], entry["embedding_size"])
             if shape != (entry["num_embeddings"], fmt.stored_bytes) or rows.dtype != torch.uint8:
                 raise ShapeMismatchError(
                     f"private table {table['key']!r} is {list(shape)} {rows.dtype}; the "

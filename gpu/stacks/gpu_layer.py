@@ -75,7 +75,7 @@ class DeviceTable(LinearTable):
         #: the table's lookups; of a quantized table, with its format bound (NOTE: chosen
         #: here once: a plain table's call passes what it always did)
         self._gather, self._pooled = gather, pool.lookup_linear_pooled if triton else None
-        if self.fmt is not None and triton:
+        if self.fmt is not None and gather is not None:
             self._gather = functools.partial(gather, fmt=self.fmt, out_dtype=dtype)
             self._pooled = functools.partial(pool.lookup_linear_pooled,
                                              table_format=self.fmt)

@@ -53,8 +53,9 @@ def weight_format(weight_dtype: object, data_type: torch.dtype, dim: int
         return None
     quantized = ", ".join(f"torch.{name}" for name in rows.QUANTIZED)
     is_dtype = isinstance(weight_dtype, torch.dtype)
-    if is_dtype and str(weight_dtype).removeprefix("torch.") in rows.QUANTIZED:
-        return rows.RowFormat(weight_dtype, dim)
+    name = str(weight_dtype).removeprefix("torch.")
+    if is_dtype and name in rows.QUANTIZED:
+        return rows.RowFormat(name, dim)
     plain = is_dtype and rows.is_plain(weight_dtype)
     hint = (f"; to store {weight_dtype} rows, build the layer with data_type={weight_dtype}"
             if plain else "")
