@@ -14,6 +14,15 @@ from nvecache.common.finite import nonfinite_message, nonfinite_rows
 from nvecache.common.keys import key_problem
 
 
+def positive_int(name: str, value: object, *, zero: bool = False) -> int:
+    """``value`` if it is an int > 0 (``zero``: >= 0), else a :class:`BadArgumentError`
+    naming the argument."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < (0 if zero else 1):
+        bound = ">= 0" if zero else "> 0"
+        raise BadArgumentError(f"{name} must be an int {bound}; got {value!r}")
+    return value
+
+
 def check_dtype(dtype: object, *, name: str = "data_type",
                 allowed: tuple[str, ...] = DATA_TYPES) -> torch.dtype:
     """A torch dtype a layer computes in (``allowed``: stored names of

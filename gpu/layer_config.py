@@ -102,6 +102,10 @@ class LayerSpec:
     default_row: tuple[float, ...] | None
     #: the tables the layer reads, nearest first
     tables: tuple[TableRef, ...]
+    #: the quantized format a GPULayer's own table is stored in (``weight_dtype=``:
+    #: ``torch.int8``, ``torch.float8_e4m3fn``), None where it stores ``data_type`` (or
+    #: has no table of its own: a block's format is the block's)
+    weight_dtype: torch.dtype | None = None
 
     def table(self, kind: TableKind) -> TableRef | None:
         """The layer's table of ``kind``, or None when it has none."""

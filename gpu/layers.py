@@ -29,7 +29,6 @@ through :class:`gpu.stacks.protocol.LayerStack` only.
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Self
 
 import torch
@@ -37,12 +36,13 @@ import torch
 from gpu import ops, state, traced_lookup
 from gpu.cuda.devices import resolve_device
 from gpu.errors import BadArgumentError
-from gpu.inputs import bags, check_dtype, check_keys, check_values
+from gpu.inputs import bags, check_dtype, check_keys, check_values, positive_int
 from gpu.layer_config import InsertPolicy, LayerSpec, LayerStats, LayerType, PoolingMode
 from gpu.optim.rules import Optimizer
 from gpu.stacks.builders import build_layer
 from gpu.stacks.closed import ClosedStack, close_all
 from gpu.stacks.protocol import LayerStack, LinearState, Tier, check_tier
+from gpu.stacks.quantized import weight_format
 from gpu.tier_config import TierConfig
 from gpu.train import quantized, wide
 from gpu.train.autograd import Lookup
@@ -50,14 +50,6 @@ from gpu.train.step import Trainer
 from gpu.train.weight import TableWeight
 from nvecache.common.keys import RESERVED_KEY, RESERVED_KEY_RULE
 from psclient.errors import SchemaMismatchError
-
-logger = logging.getLogger(__name__)
-
-def _positive(name: str, value: object, *, zero: bool = False) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < (0 if zero else 1):
-        bound = ">= 0" if zero else "> 0"
-        raise BadArgumentError(f"{name} must be an int {bound}; got {value!r}")
-    return value
 
 
 class _NVBase(torch.nn.Module):
@@ -71,13 +63,14 @@ class _NVBase(torch.nn.Module):
         optimize_for_training: bool = False, device: object = None,
         default_row: Any = None, insert_policy: InsertPolicy | None = None,
         table: str | None = None, validate: bool = False, tuning: TierConfig | None = None,
-        optimizer: Optimizer | None = None,
+        optimizer: Optimizer | None = None, weight_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        self.num_embeddings = _positive("num_embeddings", num_embeddings)
-        self.embedding_size = _positive("embedding_size", embedding_size)
-        _positive("gpu_cache_size", gpu_cache_size, zero=True)
+        self.num_embeddings = positive_int("num_embeddings", num_embeddings)
+        self.embedding_size = positive_int("embedding_size", embedding_size)
+        positive_int("gpu_cache_size", gpu_cache_size, zero=True)
         data_type = check_dtype(data_type)
+        own_fmt = weight_format(weight_dtype, data_type, embedding_size)
         if not isinstance(layer_type, LayerType):
             raise BadArgumentError(f"layer_type must be a gpu.LayerType; got {layer_type!r}")
         if optimizer is not None and not isinstance(optimizer, Optimizer):
@@ -102,7 +95,7 @@ class _NVBase(torch.nn.Module):
         #: set by close(): the stack is then a ClosedStack
         self._closed = False
         if optimize_for_training:  # NOTE: stateful optimizers refused over quantized rows
-            quantized.check_optimizer(optimizer, (storage, host_cache))
+            quantized.check_optimizer(optimizer, (storage, host_cache, own_fmt))
         fresh_table = weight_init is None and storage is None
         if self.row_width != embedding_size:
             weight_init, default_row = wide.stored(weight_init, default_row, embedding_size,
@@ -113,7 +106,8 @@ class _NVBase(torch.nn.Module):
                 layer_type, num_embeddings, self.row_width, data_type, self.device,
                 gpu_cache_size=gpu_cache_size, host_cache=host_cache, storage=storage,
                 weight_init=weight_init, table=table, default_row=default_row,
-                insert_policy=insert_policy, tuning=tuning, owned=self._owned)
+                insert_policy=insert_policy, tuning=tuning, owned=self._owned,
+                weight_format=own_fmt)
         except (BadArgumentError, SchemaMismatchError) as e:
             err = quantized.build_error(e, optimizer, embedding_size, data_type, self._owned)
             close_all(self._owned)
@@ -131,7 +125,7 @@ class _NVBase(torch.nn.Module):
         #: (a record: it stays after close())
         self.spec: LayerSpec = spec
         self._quant = quantized.settle(optimizer if optimize_for_training else None,
-                                       (storage, host_cache), self._tiers, self._owned)
+                                       (storage, host_cache, own_fmt), self._tiers, self._owned)
         self.validate = bool(validate)
         self._tiers.validate = self.validate
         self._op = ops.register(self._tiers)
@@ -427,6 +421,9 @@ class NVEmbedding(_NVBase):
         optimizer: a fused optimizer of :mod:`gpu.optim`, applied inside backward to the
             rows in every tier; its state is stored beside each row, so the layer's
             tables have rows of ``optimizer.row_width(embedding_size, data_type)``.
+        weight_dtype: GPULayer without ``storage``: the format its own table is stored in,
+            ``torch.int8`` or ``torch.float8_e4m3fn`` (quantized, read in ``data_type``);
+            None (the default) or ``data_type``: stored as ``data_type``.
         device: "cpu" or a CUDA device (default: the current CUDA device, else the CPU).
         default_row: Hierarchical: row (or scalar) for keys in no tier; None raises
             KeyNotFoundError (and StorageUnavailableError while the PS is down).

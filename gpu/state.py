@@ -22,6 +22,16 @@ torch.chunk's split, :func:`share`), each rank's local part a view of its share,
 plain tensor loaded on every rank of such a table is written by each rank for its share
 only; every rank checks the whole tensor first, so all of them accept it or none does.
 
+A quantized table's ``weight`` (a quantized ``SharedMemBlock``'s, a ``DistMemBlock``'s,
+a GPULayer's own table stored with ``weight_dtype=``) is its stored bytes, uint8
+``[num_rows, stored_bytes]`` (each row's payload and its float32 parameters,
+``nvecache.common.rows.RowFormat``), a view as any table's: a checkpoint round-trips bit
+for bit, and DCP loads it in place. Loading takes those bytes as they are (once they decode
+to finite rows) or float rows ``[num_rows, embedding_size]`` of any float dtype, quantized
+as they are written (an ``nn.Embedding`` checkpoint into a quantized layer). A plain layer
+refuses stored bytes (their format is not its rows'): load them into a layer over a table
+of that format.
+
 A layer trained with a fused optimizer (:mod:`gpu.optim`) stores its state beside each
 row; its ``weight`` is the rows without it (a strided view), and loading rows starts
 their state over (the state itself persists in the tables).
@@ -45,6 +55,8 @@ import torch
 from gpu.errors import GroupError, LayerClosedError, StateDictError
 from gpu.stacks.protocol import LinearState, NamedState
 from gpu.train import wide
+from nvecache.common import quant
+from nvecache.common.rows import RowFormat, is_plain
 
 if TYPE_CHECKING:
     from gpu.layers import _NVBase
@@ -132,9 +144,36 @@ def save_to_state_dict(layer: _NVBase, destination: dict[str, Any], prefix: str,
 
 
 def _view(layer: _NVBase, stack: LinearState) -> torch.Tensor:
-    """The table's rows without their optimizer state (a view: no copy)."""
+    """The table's rows without their optimizer state (a view: no copy); a quantized
+    table's stored bytes."""
     view = stack.table_view()
-    return view if view.shape[1] == layer.embedding_size else view[:, :layer.embedding_size]
+    if view.shape[1] == layer.embedding_size or _format(stack) is not None:
+        return view
+    return view[:, :layer.embedding_size]
+
+
+def _format(stack: Any) -> RowFormat | None:
+    """The quantized format of a linear stack's table (None: plain, or no linear table)."""
+    return stack.table_format() if isinstance(stack, LinearState) else None
+
+
+def _shape_problem(layer: _NVBase, value: torch.Tensor, fmt: RowFormat | None,
+                   key: str) -> str | None:
+    """What keeps ``value`` from being loaded as the layer's rows (None: nothing)."""
+    want = (layer.num_embeddings, layer.embedding_size)
+    got = f"{key} is {list(value.shape)} {value.dtype}"
+    if fmt is not None:
+        if (value.dtype == torch.uint8 and tuple(value.shape) == (want[0], fmt.stored_bytes)
+                or tuple(value.shape) == want and is_plain(value.dtype)):
+            return None
+        return (f"{got}; the layer's table is stored {fmt.dtype}: load its stored bytes "
+                f"[{want[0]}, {fmt.stored_bytes}] torch.uint8 (its state_dict's) or float "
+                f"rows [{want[0]}, {want[1]}] (quantized as they are written)")
+    if tuple(value.shape) == want and value.dtype == layer.data_type:
+        return None
+    hint = ("; uint8 rows are a quantized table's stored bytes: load them into a layer over "
+            "a table of that format" if value.dtype == torch.uint8 else "")
+    return f"{got}, the layer's table [{want[0]}, {want[1]}] {layer.data_type}{hint}"
 
 
 def _spans(rows: int, row_bytes: int, first: int = 0) -> Iterator[tuple[int, int]]:
@@ -217,11 +256,10 @@ def check_rows(layer: _NVBase, value: Any, key: str) -> torch.Tensor:
     stack = _stack(layer)
     if not isinstance(value, torch.Tensor):
         raise _mismatch(layer, stack, f"{key} is a {type(value).__name__}, not a tensor")
-    want = (layer.num_embeddings, layer.embedding_size)
-    if tuple(value.shape) != want or value.dtype != layer.data_type:
-        raise _mismatch(layer, stack, f"{key} is {list(value.shape)} {value.dtype}, the "
-                                      f"layer's table [{want[0]}, {want[1]}] "
-                                      f"{layer.data_type}")
+    fmt = _format(stack)
+    problem = _shape_problem(layer, value, fmt, key)
+    if problem is not None:
+        raise _mismatch(layer, stack, problem)
     if _local_part(value) is not None:
         if _own_share(stack, value) is None:
             raise _mismatch(layer, stack, f"{key} is a DTensor that is not this layer's "
@@ -230,8 +268,11 @@ def check_rows(layer: _NVBase, value: Any, key: str) -> torch.Tensor:
         return value  # NOTE: this rank's share is the table's rows already
     if isinstance(stack, LinearState) and _same_memory(value, _view(layer, stack)):
         return value  # NOTE: the rows are the table's already
-    for start, stop in _spans(want[0], want[1] * value.element_size()):
-        if not bool(torch.isfinite(value[start:stop]).all()):
+    stored = fmt if value.dtype == torch.uint8 else None
+    row_bytes = layer.embedding_size * (4 if stored else value.element_size())
+    for start, stop in _spans(value.shape[0], row_bytes):
+        part = value[start:stop] if stored is None else quant.decode(value[start:stop], stored)
+        if not bool(torch.isfinite(part).all()):
             raise _mismatch(layer, stack, f"{key} holds NaN or an infinity in rows "
                                           f"{start}..{stop}")
     return value
@@ -245,6 +286,7 @@ def load_rows(layer: _NVBase, value: torch.Tensor, key: str) -> None:
     from tqdm import tqdm
 
     stack = _stack(layer)
+    pad = _format(stack) is None  # NOTE: a quantized table has no optimizer state
     rows, row_bytes = value.shape[0], value.shape[1] * value.element_size()
     first, mine = 0, _own_share(stack, value)
     if mine is not None:  # a DTensor that dcp.load filled: this rank's share, in place
@@ -262,7 +304,8 @@ def load_rows(layer: _NVBase, value: torch.Tensor, key: str) -> None:
             if inplace:
                 stack.rows_changed(start, stop)
             else:
-                stack.write_rows(start, wide.pad(value[start:stop], layer.row_width)
+                part = value[start:stop]
+                stack.write_rows(start, (wide.pad(part, layer.row_width) if pad else part)
                                  .contiguous())
             bar.update(stop - start)
 

@@ -12,8 +12,7 @@ A table may store its rows quantized (``dtype=torch.int8``: row-wise int8 with a
 scale and bias; ``torch.float8_e4m3fn``: fp8 with a float32 scale;
 :mod:`nvecache.common.quant`): its writes take float rows and quantize them, its reads
 return them dequantized as float32 (its writes also take its stored bytes as they are),
-and :attr:`tensor` is then each row's stored bytes. The layers read plain tables only for
-now: one given a quantized block refuses it with ``BadArgumentError``.
+and :attr:`tensor` is then each row's stored bytes.
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ from gpu.layers import NVEmbedding, NVEmbeddingBag, _NVBase
 from gpu.stacks.closed import close_all
 from hostcache import HostCache, SharedMemBlock
 from hostcache.errors import SegmentNotFoundError
+from nvecache.common.rows import RowFormat
 from psclient import connect
 from psclient.errors import TableNotFoundError
 
@@ -68,8 +69,9 @@ def save(model: torch.nn.Module, example_args: tuple[Any, ...], path: str | os.P
         path: the directory to write (created; files of an earlier export are replaced).
         aot: write an AOTInductor package (``package.pt2``, compiled for the device of
             the example arguments) instead of the program. A GPULayer's lookup (a
-            HostLayer's on the CPU; not max bags, not ``validate=True`` on CUDA) is
-            compiled into the package; the other layers' lookups stay calls into Python.
+            HostLayer's on the CPU; not max bags, not ``validate=True`` on CUDA, not a
+            quantized table, which its kernels dequantize) is compiled into the package;
+            the other layers' lookups stay calls into Python.
         dynamic: let every tensor argument's first dimension (the batch) vary.
 
     Returns:
@@ -118,7 +120,7 @@ def save(model: torch.nn.Module, example_args: tuple[Any, ...], path: str | os.P
         save_file(private, str(tables))
     elif tables.exists():
         tables.unlink()
-    meta = {"format": md.FORMAT, "version": md.FORMAT_VERSION, "torch": torch.__version__,
+    meta = {"format": md.FORMAT, "version": md.version_of(entries), "torch": torch.__version__,
             "aot": aot, "program": None if aot else md.PROGRAM,
             "package": aoti.PACKAGE if aot else None, "layers": entries}
     (out / md.METADATA).write_text(json.dumps(meta, indent=1))
@@ -216,8 +218,18 @@ def _layer_args(entry: dict[str, Any], private: dict[str, torch.Tensor],
             raise MissingTableError(f"private table {table['key']!r} is not in "
                                     f"{md.TABLES}")
         shape = tuple(rows.shape)
-        _geometry_check(f"private table {table['key']!r}", shape[0] if len(shape) == 2
-                        else -1, shape[-1], rows.dtype, entry)
+        stored = md.weight_dtype_of(entry)
+        if stored is not None:  # NOTE: the table's stored bytes, as the layer's state_dict
+            fmt = RowFormat(entry["weight_dtype"], entry["embedding_size"])
+            if shape != (entry["num_embeddings"], fmt.stored_bytes) or rows.dtype != torch.uint8:
+                raise ShapeMismatchError(
+                    f"private table {table['key']!r} is {list(shape)} {rows.dtype}; the "
+                    f"exported layer {entry['path']!r} stores its table {fmt.dtype}: "
+                    f"[{entry['num_embeddings']}, {fmt.stored_bytes}] torch.uint8")
+            kw["weight_dtype"] = stored
+        else:
+            _geometry_check(f"private table {table['key']!r}", shape[0] if len(shape) == 2
+                            else -1, shape[-1], rows.dtype, entry)
         if entry["layer_type"] == LayerType.GPULayer.name:
             kw["weight_init"] = rows
         else:
@@ -229,8 +241,9 @@ def _layer_args(entry: dict[str, Any], private: dict[str, torch.Tensor],
             raise MissingTableError(f"SharedMemBlock {table['name']!r} of layer "
                                     f"{entry['path']!r} cannot be attached: {e}") from None
         opened.append(block)
+        # NOTE: a quantized block is read in any layer dtype (the layer takes its format)
         _geometry_check(f"SharedMemBlock {table['name']!r}", block.num_rows, block.dim,
-                        block.dtype, entry)
+                        md.dtype_of(entry) if block.quantized else block.dtype, entry)
         kw["storage"] = block
     else:
         kw.update(default_row=entry.get("default_row"))

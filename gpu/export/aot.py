@@ -41,8 +41,9 @@ PREFIX = "model."
 
 def inline_args(layer: _NVBase) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(table, flag)`` when ``layer``'s lookup compiles into a package as torch ops: a
-    GPULayer (or HostLayer) whose table its device reads as a tensor, keys checked on the
-    device, sum or mean bags."""
+    GPULayer (or HostLayer) whose table its device reads as a tensor (not quantized: the
+    kernels that gather its rows dequantize them), keys checked on the device, sum or mean
+    bags."""
     if getattr(layer, "mode", "sum") == "max":
         return None  # NOTE: a max bag's zero rows for bad keys are not torch's max
     args = getattr(layer._tiers, "inline_args", None)

@@ -8,7 +8,11 @@ policy (every layer type), a Hierarchical layer's default row, and where its row
 HostLayer reads in place, saved in the directory as safetensors; a loaded LinearUVM
 layer or HostLayer reads the loaded rows as its storage), ``memblock``
 (a SharedMemBlock attached by name) or ``tiers`` (a host cache by name and/or a
-parameter-server URL and table).
+parameter-server URL and table). A GPULayer whose own table is stored quantized
+(``weight_dtype=``) records its format (``weight_dtype``), and its private rows are the
+table's stored bytes (uint8), loaded back bit for bit; such a directory is format version
+2 (a reader of version 1 refuses it with ``FormatVersionError`` instead of misreading the
+bytes), any other version 1.
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ from gpu.layer_config import InsertPolicy, LayerType
 from gpu.tier_config import DEFAULT, TierConfig
 from nvecache.common import rows
 
-#: the format this library writes; it reads every version up to this one
-FORMAT_VERSION = 1
+#: the newest format this library writes; it reads every version up to this one (2: a
+#: layer's private table may be stored quantized, ``weight_dtype``)
+FORMAT_VERSION = 2
 FORMAT = "nvecache.gpu.export"
 PROGRAM = "program.pt2"
 TABLES = "tables.safetensors"
@@ -93,10 +98,24 @@ def describe(path: str, layer: Any) -> tuple[dict[str, Any], torch.Tensor | None
     entry["insert_policy"] = dataclasses.asdict(spec.insert_policy)
     entry["default_row"] = None if spec.default_row is None else list(spec.default_row)
     entry["table"] = _table_entry(path, layer)
+    if spec.weight_dtype is not None:  # NOTE: its private rows are its stored bytes
+        entry["weight_dtype"] = rows.dtype_name(spec.weight_dtype, rows.FORMATS)
     if entry["table"]["kind"] != "private":
         return entry, None
     # NOTE: the layer's checkpoint view of its own table (gpu.state): no copy
     return entry, layer.state_dict(keep_vars=True)["weight"].detach()
+
+
+def version_of(entries: list[dict[str, Any]]) -> int:
+    """The format version a directory of these layers is written in: the oldest that
+    holds them (1, unless a private table is stored quantized)."""
+    return 2 if any("weight_dtype" in e for e in entries) else 1
+
+
+def weight_dtype_of(entry: dict[str, Any]) -> torch.dtype | None:
+    """The quantized format a layer's own table was stored in (None: its data_type)."""
+    name = entry.get("weight_dtype")
+    return None if name is None else rows.torch_dtype(name)
 
 
 def policy_of(entry: dict[str, Any]) -> InsertPolicy | None:

@@ -91,6 +91,7 @@ def gather(keys: torch.Tensor, table: torch.Tensor, err: torch.Tensor | None, *,
     if host_table and 0 < tiles.linear_page_order <= n:
         order = _page_order(keys, table.shape[0], 0)
     elif bound is not None and err is not None:
+        # NOTE: a table's format goes with the table (a layer binds both once): not a key
         launch = bound.get((id(table), id(err), tiles, dtype))
         if launch is None:
             if len(bound) >= 4:  # NOTE: a caller passing new tables: bounded

@@ -22,8 +22,10 @@ from gpu.stacks.hierarchical import HierarchicalStack
 from gpu.stacks.linear_tables import table_gate, write_linear, write_tensor
 from gpu.stacks.linear_uvm import LinearStack
 from gpu.stacks.protocol import LayerStack
+from gpu.stacks.quantized import block_format, no_weight_format, own_table
 from gpu.tier_config import DEFAULT, TierConfig
 from hostcache import HostCache, SharedMemBlock
+from nvecache.common.rows import RowFormat
 from psclient import ParameterServer, connect
 
 #: the linear tables a GPULayer or LinearUVM layer may be built over
@@ -52,6 +54,8 @@ class StackSpec:
     tables: list[TableRef] = field(default_factory=list)
     #: the checked default row (Hierarchical), set by the builder
     default: torch.Tensor | None = None
+    #: the quantized format of a GPULayer's own table (``weight_dtype=``), or None
+    weight_format: RowFormat | None = None
 
 
 def check_geometry(what: str, dim: int, dtype: torch.dtype, want_dim: int,
@@ -104,8 +108,15 @@ def _linear_block(spec: StackSpec) -> bool:
     if not isinstance(storage, LINEAR_BLOCKS):
         spec.tables[:] = [TableRef("own")]
         return False
-    check_geometry("storage", storage.dim, storage.dtype, spec.dim, spec.dtype,
-                   storage.num_rows, spec.num_rows)
+    fmt = block_format(storage)
+    if fmt is not None and (storage.dim, storage.num_rows) != (spec.dim, spec.num_rows):
+        raise BadArgumentError(
+            f"storage (quantized, {fmt.dtype}) has dim={storage.dim}, rows={storage.num_rows}"
+            f"; the layer has dim={spec.dim}, rows={spec.num_rows} (a quantized table is read "
+            "in any layer dtype: its dim and rows must be the layer's)")
+    # NOTE: a quantized block is read dequantized in the layer's dtype, whatever it is
+    check_geometry("storage", storage.dim, spec.dtype if fmt is not None else storage.dtype,
+                   spec.dim, spec.dtype, storage.num_rows, spec.num_rows)
     spec.tables[:] = [TableRef("memblock" if isinstance(storage, SharedMemBlock) else "distmem",
                                storage.name)]
     return True
@@ -116,7 +127,22 @@ def build_gpu_layer(spec: StackSpec) -> DeviceTable:
     if spec.gpu_cache_size:
         raise BadArgumentError("gpu_cache_size must be 0 for LayerType.GPULayer (the whole "
                                "table is GPU-accessible; it has no cache)")
-    storage, init, device = spec.storage, _init(spec), spec.device
+    storage, device, fmt = spec.storage, spec.device, spec.weight_format
+    if fmt is not None:
+        if storage is not None:
+            raise BadArgumentError(
+                "weight_dtype is the format of a GPULayer's own table; with storage= the "
+                "storage's format is used (a quantized one: SharedMemBlock.create(..., "
+                "dtype=torch.int8)): drop weight_dtype")
+        spec.tables[:] = [TableRef("own")]
+        # NOTE: weight_init: float rows of the layer's dtype (quantized here), or the table's
+        # stored bytes (uint8, an export's or a state_dict's: stored as they are)
+        init = spec.weight_init
+        if not (isinstance(init, torch.Tensor) and init.dtype == torch.uint8):
+            init = _init(spec)
+        table = own_table(spec.num_rows, fmt, device, init)
+        return DeviceTable(table, spec.dim, spec.dtype, device, spec.config, fmt)
+    init = _init(spec)
     if _linear_block(spec):
         _write_init(storage, init)
         return DeviceTable(storage, spec.dim, spec.dtype, device, spec.config)
@@ -273,11 +299,14 @@ def build_layer(layer_type: LayerType, num_rows: int, dim: int, dtype: torch.dty
                 device: torch.device, *, gpu_cache_size: int, host_cache: Any, storage: Any,
                 weight_init: Any, table: str | None, default_row: Any,
                 insert_policy: InsertPolicy | None, tuning: TierConfig | None,
-                owned: list[Any]) -> tuple[LayerStack, LayerSpec]:
+                owned: list[Any], weight_format: RowFormat | None = None
+                ) -> tuple[LayerStack, LayerSpec]:
     """The stack of a layer of ``layer_type``, and the record of how it was built (its
     arguments as resolved, its tables by identity); the tables it opens itself (a host
     cache attached by name, a parameter server connected from a URL) are appended to
-    ``owned``: the layer closes them, also when this raises.
+    ``owned``: the layer closes them, also when this raises. ``weight_format``: the
+    quantized format a GPULayer's own table is stored in (``weight_dtype=``, checked by
+    :func:`gpu.stacks.quantized.weight_format`), None for rows of ``dtype``.
 
     Raises:
         BadArgumentError: an argument the layer type does not take, or of the wrong kind
@@ -298,10 +327,14 @@ def build_layer(layer_type: LayerType, num_rows: int, dim: int, dtype: torch.dty
     if layer_type is not LayerType.Hierarchical and default_row is not None:
         raise BadArgumentError("default_row is only used by LayerType.Hierarchical (a linear "
                                "table has every row)")
+    if weight_format is not None and layer_type is not LayerType.GPULayer:
+        raise no_weight_format(layer_type.name)
     spec = StackSpec(num_rows, dim, dtype, device, gpu_cache_size, host_cache, storage,
-                     weight_init, table, default_row, policy, config, owned)
+                     weight_init, table, default_row, policy, config, owned,
+                     weight_format=weight_format)
     stack = builder(spec)
     default = (None if spec.default is None
                else tuple(float(x) for x in spec.default.detach().cpu().float().tolist()))
     return stack, LayerSpec(layer_type, num_rows, dim, dtype, device, gpu_cache_size, policy,
-                            config, default, tuple(spec.tables))
+                            config, default, tuple(spec.tables),
+                            None if weight_format is None else weight_format.torch_dtype)

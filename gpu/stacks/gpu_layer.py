@@ -6,6 +6,12 @@ device by default (:class:`gpu.stacks.key_flag.RangeCheck`). A table whose row e
 not contiguous (a user's strided storage tensor) is read by torch's gathers instead,
 with its keys checked on the host. :class:`HostTable` (HostLayer) is the same stack over
 host memory, its one tier named ``"storage"``.
+
+A quantized table (a quantized block, or the layer's own table stored with
+``weight_dtype=``: :mod:`gpu.stacks.quantized`) is read dequantized in the layer's dtype by
+the same kernels, its format bound once here (``fmt=``, a constexpr of theirs), so a plain
+table's call is the one it was; the torch paths (the CPU, max bags) decode the rows a call
+reads.
 """
 
 from __future__ import annotations
@@ -20,9 +26,12 @@ from gpu.cache.gpu_cache import GPUCache
 from gpu.inputs import check_range
 from gpu.kernels.triton_access import kernel_module
 from gpu.layer_config import LayerStats, PoolingMode, TierStats
+from gpu.stacks.cached import pool_rows
 from gpu.stacks.linear_tables import LinearTable, add_occurrences
 from gpu.stacks.protocol import Tier, linear_erase_error
+from gpu.stacks.quantized import decoded
 from gpu.tier_config import DEFAULT, TierConfig
+from nvecache.common.rows import RowFormat
 
 
 @functools.cache
@@ -41,25 +50,35 @@ class DeviceTable(LinearTable):
     tiers: tuple[Tier, ...] = ("gpu",)
 
     def __init__(self, table: torch.Tensor | Any, dim: int, dtype: torch.dtype,
-                 device: torch.device, config: TierConfig = DEFAULT) -> None:
+                 device: torch.device, config: TierConfig = DEFAULT,
+                 fmt: RowFormat | None = None) -> None:
         self.dim, self.dtype, self.device = dim, dtype, device
         #: the kernels' launch settings
         self._tiles = config.tiles
-        self._open_table(table, device)
+        self._open_table(table, device, fmt)
         self._lookups = 0
         #: the kernels read row ``key`` at ``key * stride(0)`` (rows may be padded, as a
         #: SharedMemBlock's are); a view whose row elements are not contiguous (a user's
         #: storage tensor) takes torch's gathers, its keys checked on the host
-        fits = (self.table.stride(-1) == 1 or dim == 1) and (
-            self.num_rows <= 1 or self.table.stride(0) >= dim)
+        width = self.table.shape[1]  # NOTE: a quantized table's: its stored bytes
+        fits = (self.table.stride(-1) == 1 or width == 1) and (
+            self.num_rows <= 1 or self.table.stride(0) >= width)
         #: pooled lookups: the cache's fused pooled kernel over a zero-slot cache, whose
         #: backend choice (Triton on CUDA, or forced) is the gather's too
         pool = GPUCache(0, dim, dtype, device, backend=config.cache_backend,
                         tiles=config.tiles)
         triton = fits and pool.backend == "triton"
         self._pool = pool if triton else None
-        self._gather = (kernel_module("gather", interpret=device.type != "cuda").gather
-                        if triton else None)
+        gather = (kernel_module("gather", interpret=device.type != "cuda").gather
+                  if triton else None)
+        self._pooled: Any
+        #: the table's lookups; of a quantized table, with its format bound (NOTE: chosen
+        #: here once: a plain table's call passes what it always did)
+        self._gather, self._pooled = gather, pool.lookup_linear_pooled if triton else None
+        if self.fmt is not None and gather is not None:
+            self._gather = functools.partial(gather, fmt=self.fmt, out_dtype=dtype)
+            self._pooled = functools.partial(pool.lookup_linear_pooled,
+                                             table_format=self.fmt)
         self._host_checks = self._gather is None
         #: the gather's bound launches (gpu.kernels.launch.BoundLaunch): table and flag bound once
         self._bound: dict[tuple[object, ...], Any] = {}
@@ -78,6 +97,8 @@ class DeviceTable(LinearTable):
                 return self._gather(keys, self.table, self.check.err, host_table=self._host,
                                     bound=self._bound, tiles=self._tiles)
             with torch.no_grad():
+                if self.fmt is not None:  # NOTE: the torch path: only these rows decoded
+                    return decoded(self.table, keys, self.fmt, self.dtype)
                 return self.table.index_select(0, keys)
 
     def pooled(self, keys: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
@@ -86,19 +107,22 @@ class DeviceTable(LinearTable):
             check_range(keys, self.num_rows)  # torch's gathers: checked on the host
             self._lookups += keys.numel()
             with self._gate, torch.no_grad():
+                if self.fmt is not None:  # NOTE: the bag's rows decoded, then pooled
+                    return pool_rows(decoded(self.table, keys, self.fmt, self.dtype),
+                                     offsets, weights, mode)
                 return F.embedding_bag(keys, self.table, offsets, mode=mode,
                                        per_sample_weights=weights, include_last_offset=True)
         self.check(keys)
         self._lookups += keys.numel()
         with self._gate:
-            return self._pool.lookup_linear_pooled(
-                keys, offsets, self.table, mode, weights, validate=False,
-                err=self.check.err)[0]
+            return self._pooled(keys, offsets, self.table, mode, weights, validate=False,
+                                err=self.check.err)[0]
 
     def _in_place(self) -> bool:
         """Whether training steps write the table in place, without the gate's drains and
-        syncs on CUDA: the layer's own table (no other process reads it)."""
-        return self._own is not None and not self._host
+        syncs on CUDA: the layer's own plain table (no other process reads it; a quantized
+        one's steps go through :meth:`accumulate` and :meth:`update`, which encode)."""
+        return self._own is not None and not self._host and self.fmt is None
 
     def step_add(self, keys: torch.Tensor, grad: torch.Tensor, alpha: float,
                  skipped: torch.Tensor) -> None:
@@ -129,9 +153,11 @@ class DeviceTable(LinearTable):
     def inline_args(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The table and key-error flag a lookup written as torch ops reads
         (:mod:`gpu.traced_lookup`), or None where it cannot be: a host table read by a
-        GPU, or keys checked on the host before each CUDA lookup (``validate=True``)."""
-        if self._host or (self.check.on_host and self.device.type == "cuda"):
-            return None
+        GPU, a quantized table, or keys checked on the host before each CUDA lookup
+        (``validate=True``)."""
+        if self._host or self.fmt is not None or (
+                self.check.on_host and self.device.type == "cuda"):
+            return None  # NOTE: a quantized table is read by the kernels that decode it
         return self.table, self.check.flag.device_view
 
     def insert(self, keys: torch.Tensor, values: torch.Tensor,
@@ -162,7 +188,7 @@ class DeviceTable(LinearTable):
         self._block = None
         self.table = self.table.new_empty((0, self.dim))
         self._bound.clear()
-        self._pool = None
+        self._pool = self._pooled = None
 
 
 class HostTable(DeviceTable):

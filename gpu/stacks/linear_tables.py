@@ -1,20 +1,27 @@
 """Linear tables a layer reads (its own tensor, a user's CPU tensor registered in place for
-a CUDA layer, a ``SharedMemBlock``, a ``DistMemBlock``):
-the zero-copy row views, the read/write gate, the writes every process sees, and
-:class:`LinearTable`, the base of the stacks over one (GPULayer, LinearUVM)."""
+a CUDA layer, a ``SharedMemBlock``, a ``DistMemBlock``), plain or quantized
+(:mod:`gpu.stacks.quantized`): the zero-copy row views, the read/write gate, the writes
+every process sees, and :class:`LinearTable`, the base of the stacks over one (GPULayer,
+HostLayer, LinearUVM)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from gpu.errors import NonFiniteValuesError
 from gpu.inputs import check_range
 from gpu.stacks.key_flag import RangeCheck
+from gpu.stacks.quantized import add_stored, block_format, write_stored
+from hostcache.errors import NonFiniteValuesError as HostNonFiniteValuesError
 from hostcache.gate import TableGate, gate_for
 from hostcache.memblock import SharedMemBlock
 from nvecache.common.accumulate import added, sum_duplicates
+from nvecache.common.rows import RowFormat
 
 
 def registered_rows(table: Any, device: torch.device) -> tuple[Any, torch.Tensor]:
@@ -47,7 +54,9 @@ def write_linear(block: Any, keys: torch.Tensor, values: torch.Tensor) -> None:
     if isinstance(block, DistMemBlock):
         block.write(keys, values)  # on the device, no host round trip
     else:
-        block.write(keys.cpu(), values.cpu(), allow_nonfinite=True)  # the layer checked
+        # NOTE: the layer checked the rows (a quantized block checks them anyway)
+        with _nonfinite_as_layer_error():
+            block.write(keys.cpu(), values.cpu(), allow_nonfinite=True)
 
 
 def add_linear(block: Any, keys: torch.Tensor, deltas: torch.Tensor) -> None:
@@ -58,7 +67,18 @@ def add_linear(block: Any, keys: torch.Tensor, deltas: torch.Tensor) -> None:
     if isinstance(block, DistMemBlock):
         block.accumulate(keys, deltas)  # on the device, no host round trip
     else:
-        block.accumulate(keys.cpu(), deltas.cpu(), allow_nonfinite=True)  # the layer checked
+        with _nonfinite_as_layer_error():  # NOTE: a quantized block's sums may overflow
+            block.accumulate(keys.cpu(), deltas.cpu(), allow_nonfinite=True)
+
+
+@contextlib.contextmanager
+def _nonfinite_as_layer_error() -> Iterator[None]:
+    """A block's refusal of rows that are not finite (a quantized block stores finite rows
+    only) raised as the layer's own error."""
+    try:
+        yield
+    except HostNonFiniteValuesError as e:
+        raise NonFiniteValuesError(str(e)) from None
 
 
 def table_gate(storage: Any, device: torch.device) -> TableGate:
@@ -133,17 +153,29 @@ class LinearTable:
 
     A subclass calls :meth:`_open_table` from its ``__init__`` and overrides
     :meth:`_written` to drop what a write made stale (a GPU cache's copies).
+
+    A quantized table (:attr:`fmt` not None: a quantized block, or a GPULayer's own table
+    stored quantized) is :attr:`table` as its stored bytes, uint8 ``[num_rows,
+    stored_bytes]``; its lookups return rows of the stack's dtype (``dtype``), read
+    dequantized by the kernels (the format is one of their constexprs, chosen here once),
+    and its writes encode (:mod:`gpu.stacks.quantized`).
     """
 
     dim: int
     dtype: torch.dtype
     device: torch.device
+    #: the table's quantized format (None: a plain table of ``dtype``)
+    fmt: RowFormat | None = None
     #: check keys on the host whatever ``validate`` says (a table torch's gathers read:
     #: they assert on the device for a bad key)
     _host_checks = False
 
-    def _open_table(self, storage: Any, device: torch.device) -> None:
+    def _open_table(self, storage: Any, device: torch.device,
+                    fmt: RowFormat | None = None) -> None:
+        """Open ``storage``: a block (its format its own), or a tensor of the layer's own
+        (``fmt``: the quantized format of its stored bytes, a GPULayer's ``weight_dtype``)."""
         self._block = None if isinstance(storage, torch.Tensor) else storage
+        self.fmt = fmt if self._block is None else block_format(storage)
         self._reg = None
         #: the tensor that writes go to and a checkpoint views: the layer's own tensor (a
         #: user's CPU tensor a CUDA layer reads through a registration), None for a block
@@ -189,6 +221,8 @@ class LinearTable:
         self._checked(keys)
         if self._block is not None:
             write_linear(self._block, keys, values)
+        elif self.fmt is not None:
+            write_stored(self._gate, self._own_rows(), self.fmt, keys, values)
         else:
             write_tensor(self._gate, self._own_rows(), keys, values)
         self._written(keys)
@@ -196,10 +230,13 @@ class LinearTable:
 
     def accumulate(self, keys: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
         """Add ``deltas`` to rows of the table, duplicates summed (announced as a write);
-        all True."""
+        all True. A quantized table adds in float32 (a block: its own accumulate; the
+        layer's own table: decoded, added, encoded with stochastic rounding)."""
         self._checked(keys)
         if self._block is not None:
-            add_linear(self._block, keys, deltas)
+            add_linear(self._block, keys, deltas if self.fmt is None else deltas.float())
+        elif self.fmt is not None:
+            add_stored(self._gate, self._own_rows(), self.fmt, keys, deltas)
         else:
             add_tensor(self._gate, self._own_rows(), keys, deltas)
         self._written(keys)
@@ -227,8 +264,12 @@ class LinearTable:
 
     def table_view(self) -> torch.Tensor:
         """The table's rows where they live (see :class:`gpu.stacks.protocol.LinearState`):
-        a user's storage tensor is itself."""
+        a user's storage tensor is itself; a quantized table's stored bytes."""
         return self.table if self._own is None else self._own
+
+    def table_format(self) -> RowFormat | None:
+        """The table's quantized format (None: plain rows of the layer's dtype)."""
+        return self.fmt
 
     def table_block(self) -> Any:
         """The block the table lives in, None for a tensor."""

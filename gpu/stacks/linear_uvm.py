@@ -8,10 +8,16 @@ change feed to the cache (:mod:`gpu.stacks.misses.change_follower`). No host syn
 the output, and a Python path of a few microseconds: on CUDA the kernel is launched
 directly (:mod:`gpu.kernels.launch`) and keys are checked on the device
 (:mod:`gpu.stacks.key_flag`).
+
+A quantized table (a quantized ``SharedMemBlock`` or ``DistMemBlock``) is read by the same
+launch dequantized in the layer's dtype (its format bound once here, a constexpr of the
+kernels); the GPU cache holds rows of the layer's dtype, and admission takes the rows the
+lookup read, already dequantized (``MissCandidates.rows``).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -39,6 +45,15 @@ class LinearStack(LinearTable, CachedStack):
         feed = None if isinstance(storage, torch.Tensor) else storage
         CachedStack.__init__(self, dim, dtype, device, cache_bytes, config, feed)
         self._open_table(storage, device)
+        #: the cache's linear lookups; of a quantized table, with its format bound (NOTE:
+        #: chosen here once: a plain table's call passes what it always did)
+        self._gather_linear: Any = self.cache.gather_linear
+        self._pooled_linear: Any = self.cache.lookup_linear_pooled
+        if self.fmt is not None:
+            self._gather_linear = functools.partial(self.cache.gather_linear,
+                                                    table_format=self.fmt)
+            self._pooled_linear = functools.partial(self.cache.lookup_linear_pooled,
+                                                    table_format=self.fmt)
         self.log = MissLog(self.cache, self.budget, config, policy.gpu, self.num_rows,
                           self.guard)
         #: a change to the table makes logged rows stale: the log goes with the cache's
@@ -60,8 +75,8 @@ class LinearStack(LinearTable, CachedStack):
                 if warm:
                     self.budget.make_warm()
                 self.log.drop()  # NOTE: a log sized for this budget
-                self.cache.gather_linear(key, self.table, candidates=self.log.candidates(1),
-                                         host_table=self._host, err=self.check.err)
+                self._gather_linear(key, self.table, candidates=self.log.candidates(1),
+                                    host_table=self._host, err=self.check.err)
                 self.log.round()
             self.log.keep()  # NOTE: warm rounds from a CUDA graph, captured now
             self.budget.reset()
@@ -71,9 +86,9 @@ class LinearStack(LinearTable, CachedStack):
         self.check(keys)
         with self._gate, self.guard:
             self.follower.sync()
-            values = self.cache.gather_linear(keys, self.table,
-                                              candidates=self.log.candidates(keys.numel()),
-                                              host_table=self._host, err=self.check.err)
+            values = self._gather_linear(keys, self.table,
+                                         candidates=self.log.candidates(keys.numel()),
+                                         host_table=self._host, err=self.check.err)
             if self.log.active:
                 self.log.logged(keys.numel())
         return values
@@ -85,10 +100,10 @@ class LinearStack(LinearTable, CachedStack):
         self.check(keys)
         with self._gate, self.guard:
             self.follower.sync()
-            out, _ = self.cache.lookup_linear_pooled(keys, offsets, self.table, mode, weights,
-                                                     validate=False,
-                                                     candidates=self.log.candidates(keys.numel()),
-                                                     err=self.check.err)
+            out, _ = self._pooled_linear(keys, offsets, self.table, mode, weights,
+                                         validate=False,
+                                         candidates=self.log.candidates(keys.numel()),
+                                         err=self.check.err)
             if self.log.active:
                 self.log.logged(keys.numel())
         return out

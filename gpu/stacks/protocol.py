@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     import torch
 
     from gpu.layer_config import LayerStats, PoolingMode
+    from nvecache.common.rows import RowFormat
 
 #: A tier a per-tier write names.
 Tier = Literal["gpu", "host", "storage"]
@@ -111,11 +112,18 @@ class LinearState(Protocol):
 
     def table_view(self) -> torch.Tensor:
         """The table's ``[num_rows, dim]`` rows where they live (the layer's own tensor, a
-        ``SharedMemBlock``'s or ``DistMemBlock``'s rows): a view, no copy."""
+        ``SharedMemBlock``'s or ``DistMemBlock``'s rows): a view, no copy (a quantized
+        table's: its stored bytes)."""
         ...
 
     def table_label(self) -> str:
         """The table as an error names it (its kind and name)."""
+        ...
+
+    def table_format(self) -> RowFormat | None:
+        """The table's quantized format (:data:`nvecache.common.rows.QUANTIZED`; its
+        :meth:`table_view` is then its stored bytes, uint8 ``[num_rows, stored_bytes]``),
+        None for plain rows of the layer's dtype."""
         ...
 
     def table_block(self) -> object | None:

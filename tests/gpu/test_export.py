@@ -17,6 +17,7 @@ import torch
 
 from gpu import LayerType, NVEmbedding, NVEmbeddingBag
 from gpu import export as gx
+from gpu.export import metadata as md
 from hostcache import SharedMemBlock
 from tests import aot_probe
 from tests.conftest import fresh_name
@@ -157,9 +158,10 @@ def test_load_errors_are_typed_and_name_the_table(tmp_path: Path) -> None:
     # a newer format version
     meta_file = path / "metadata.json"
     meta = json.loads(meta_file.read_text())
-    meta["version"] += 1
+    newer = md.FORMAT_VERSION + 1
+    meta["version"] = newer
     meta_file.write_text(json.dumps(meta))
-    with pytest.raises(gx.FormatVersionError, match="format version 2"):
+    with pytest.raises(gx.FormatVersionError, match=f"format version {newer}"):
         gx.load(path)
 
 

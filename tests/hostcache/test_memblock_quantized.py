@@ -3,7 +3,8 @@ format and attaching with another is refused; writes quantize as nvecache.common
 does (differential against it), reads dequantize; non-finite rows refused with nothing
 written; accumulate reads, adds in float32 and quantizes again with stochastic rounding
 (many small deltas add up where rounding to nearest loses them); another process reads the
-same rows; the bytes a row takes; what does not take a quantized table yet refuses it."""
+same rows; the bytes a row takes; what does not take a quantized table yet refuses it (the
+layers read one: tests/gpu/test_linear_quantized*.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu import LayerType, NVEmbedding
-from gpu.errors import BadArgumentError as LayerArgumentError
 from hostcache import (
     BadArgumentError,
     GeometryMismatchError,
@@ -228,8 +227,6 @@ def test_what_does_not_take_quantized_tables_yet_refuses_them(
         qblock: SharedMemBlock, tmp_path: Path) -> None:
     with pytest.raises(BadArgumentError, match="quantized"):
         files.load_rows(qblock, tmp_path / "missing.npy")
-    with pytest.raises(LayerArgumentError, match="storage"):
-        NVEmbedding(64, 13, torch.float32, LayerType.LinearUVM, device="cpu", storage=qblock)
 
 
 def test_the_command_line_creates_quantized_tables(table_name: str, capsys) -> None:
