@@ -12,9 +12,10 @@ Writes encode on the table's device, under the table's gate (as
 :func:`gpu.stacks.linear_tables.write_tensor` writes a plain table): an update stores
 ``quant.encode(rows)`` (or stored bytes given as they are, a checkpoint's), an accumulate
 decodes the rows, adds the deltas in float32 and encodes the sums with stochastic rounding
-(``quant.encode(..., stochastic=True)``), so repeated deltas under half a step add up in
-expectation instead of rounding away. Rows holding NaN or an infinity cannot be stored
-(their range is their scale): :class:`~gpu.errors.NonFiniteValuesError`, nothing written.
+(``quant.encode_sum``, the accumulate rule of every quantized table), so repeated deltas
+under half a step add up in expectation instead of rounding away. Rows holding NaN or an
+infinity cannot be stored (their range is their scale):
+:class:`~gpu.errors.NonFiniteValuesError`, nothing written.
 """
 
 from __future__ import annotations
@@ -181,6 +182,6 @@ def add_stored(gate: TableGate, table: torch.Tensor, fmt: rows.RowFormat,
     with gate.writing():
         new = quant.decode(table.index_select(0, ukeys), fmt) + sums
         _finite(new, ukeys, "sums")
-        table[ukeys] = quant.encode(new, fmt, stochastic=True)
+        table[ukeys] = quant.encode_sum(new, fmt)
         if table.is_cuda:
             torch.cuda.current_stream(dev).synchronize()

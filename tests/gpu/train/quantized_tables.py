@@ -1,12 +1,7 @@
 """The quantized tables a training test builds a layer over (tests/gpu/train/test_quantized.py).
 
 Each kind names the layer type and the quantized table(s) it reads; the rows ``w`` are
-written quantized (rounded to nearest). Kinds in :data:`NOW` build today; those in
-:data:`PENDING` build once the layers read those tables (issue 36: the linear layers
-reading a quantized ``SharedMemBlock`` / ``DistMemBlock``, and the Hierarchical layer
-reading a quantized ``HostCache``, on their own branches): until then the layer's build
-refuses the table's dtype and :func:`build` skips the test, saying so. After those
-branches merge, every kind must build and pass (the lead runs them).
+written quantized (rounded to nearest).
 """
 
 from __future__ import annotations
@@ -20,21 +15,18 @@ import pytest
 import torch
 
 import psclient
-from gpu import BadArgumentError, DistMemBlock, LayerType, NVEmbedding
+from gpu import DistMemBlock, LayerType, NVEmbedding
 from gpu.tier_config import TierConfig
 from hostcache import HostCache, SharedMemBlock
 from tests.conftest import fresh_name
 
-#: kinds that build today: a Hierarchical layer over a quantized parameter server
-#: (file://, Redis), with a plain host cache in front or without one
-NOW = ["ps-file", pytest.param("ps-redis", marks=pytest.mark.redis), "ps-file+host"]
-#: kinds whose layers read quantized tables once the other branches of issue 36 merge
-PENDING = ["host", "ps-file+qhost", "memblock-GPULayer", "memblock-LinearUVM",
-           "distmem-GPULayer", "distmem-LinearUVM"]
-KINDS = [*NOW, *PENDING]
-#: why a pending kind is skipped
-PENDING_REASON = ("PENDING-MERGE (issue 36): the layer refuses this quantized table until "
-                  "the branch making the layers read it merges; run this test after it")
+#: every table a layer trains over quantized: a Hierarchical layer over a quantized parameter
+#: server (file://, Redis; a plain or a quantized host cache in front, or none), over a
+#: quantized host cache alone; a GPULayer's own table (weight_dtype=); GPULayer and
+#: LinearUVM over a quantized SharedMemBlock or DistMemBlock
+KINDS = ["ps-file", pytest.param("ps-redis", marks=pytest.mark.redis), "ps-file+host",
+         "host", "ps-file+qhost", "own-GPULayer", "memblock-GPULayer", "memblock-LinearUVM",
+         "distmem-GPULayer", "distmem-LinearUVM"]
 #: admissions at once (the GPU cache holds what a lookup read)
 TUNING = TierConfig(admit_batches=1)
 
@@ -48,6 +40,9 @@ def tables(kind: str, fmt: torch.dtype, w: torch.Tensor, device: str, tmp_path: 
     name = fresh_name()
     cache = {"gpu_cache_size": 16 * dim * 4}
     with contextlib.ExitStack() as stack:
+        if kind == "own-GPULayer":
+            yield LayerType.GPULayer, {"weight_dtype": fmt, "weight_init": w}
+            return
         if kind.startswith("memblock-"):
             mb = stack.enter_context(SharedMemBlock.create(name, num_rows=rows, dim=dim,
                                                            dtype=fmt))
@@ -89,13 +84,6 @@ def tables(kind: str, fmt: torch.dtype, w: torch.Tensor, device: str, tmp_path: 
 
 def build(layer_type: LayerType, args: dict[str, Any], fmt: torch.dtype, device: str,
           optimizer: Any, rows: int, dim: int) -> Any:
-    """A float32 training layer over the tables, or a skip naming :data:`PENDING_REASON`
-    where the layer refuses the quantized table's dtype (a pending kind)."""
-    try:
-        return NVEmbedding(rows, dim, torch.float32, layer_type, device=device,
-                           optimize_for_training=True, optimizer=optimizer, tuning=TUNING,
-                           **args)
-    except BadArgumentError as e:
-        if str(fmt).removeprefix("torch.") in str(e) and "cannot train" not in str(e):
-            pytest.skip(f"{PENDING_REASON}: {e}")
-        raise
+    """A float32 training layer over the tables (``fmt`` is theirs, in ``args``)."""
+    return NVEmbedding(rows, dim, torch.float32, layer_type, device=device,
+                       optimize_for_training=True, optimizer=optimizer, tuning=TUNING, **args)

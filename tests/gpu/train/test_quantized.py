@@ -12,9 +12,7 @@ steps of MSE over batches of 3 x 9 keys with repeats, lr 0.05):
   the sum of the steps' bounds (each step's map is non-expansive for this loss, so the
   rounding errors add at most), the loss falling as float32's does.
 
-Over every table a layer type can read quantized (tests/gpu/train/quantized_tables.py):
-the kinds in ``NOW`` run today; those in ``PENDING`` skip, saying so, until the branches
-that make the layers read those tables merge.
+Over every table a layer type can read quantized (tests/gpu/train/quantized_tables.py).
 """
 
 from __future__ import annotations
