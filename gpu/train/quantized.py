@@ -30,6 +30,7 @@ import torch
 from gpu.errors import BadArgumentError
 from gpu.optim.rules import Optimizer
 from gpu.stacks.closed import close_all
+from nvecache.common.rows import RowFormat
 
 
 def is_quantized(table: Any) -> bool:
@@ -51,6 +52,8 @@ def refusal(optimizer: Optimizer, table: Any = None) -> BadArgumentError:
     row_format = getattr(getattr(table, "geometry", None), "row_format", None)
     dtype = getattr(row_format, "dtype", None) or getattr(table, "dtype", None)
     fmt = f" ({str(dtype).removeprefix('torch.')})" if dtype is not None else ""
+    if isinstance(table, RowFormat):  # NOTE: a GPULayer's own table (weight_dtype=)
+        what, named, fmt = " own table of the layer", "", f" (weight_dtype={table.dtype})"
     return BadArgumentError(
         f"{type(optimizer).__name__} cannot train over the quantized{what}{named}{fmt}: it "
         "keeps float32 state beside each row, as extra elements of the stored row, which a "
