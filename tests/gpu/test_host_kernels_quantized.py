@@ -17,21 +17,8 @@ from gpu.kernels.tiles import DEFAULT_TILES
 from hostcache import HostCache
 from nvecache.common import quant
 from nvecache.common.rows import QUANTIZED, RowFormat
+from tests.gpu.test_host_kernels import needs_cuda, needs_triton
 
-try:
-    import triton  # noqa: F401
-
-    HAVE_TRITON = True
-except Exception:  # noqa: BLE001
-    HAVE_TRITON = False
-
-needs_triton = pytest.mark.skipif(
-    not HAVE_TRITON, reason="needs the triton package (`pip install triton`) for its interpreter"
-)
-needs_cuda = pytest.mark.skipif(
-    not torch.cuda.is_available(),
-    reason="needs a CUDA GPU (torch.cuda.is_available() is False), cuda-python and triton",
-)
 FORMATS = [getattr(torch, name) for name in QUANTIZED]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
