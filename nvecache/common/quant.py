@@ -264,28 +264,23 @@ def decode(stored: torch.Tensor, fmt: RowFormat, dtype: torch.dtype = torch.floa
     ``dtype``, is the rows'), returned; the same values bit for bit, without the payload's
     float32 copy (a float32 ``out`` is computed in place; another dtype through one float32
     buffer)."""
-    if out is not None:
-        return _decode_into(stored, fmt, out)
-    params = parameters(stored, fmt)
-    payload = stored[:, :fmt.dim].contiguous()
-    if fmt.dtype == "int8":
-        # NOTE: a product, then a sum, each rounded (no fused multiply-add): the GPU kernels
-        # that dequantize compute it the same way, so every reader gets the same bits
-        rows = payload.view(torch.int8).float() * params[:, 0:1] + params[:, 1:2]
-    else:
-        rows = payload.view(torch.float8_e4m3fn).float() * params
-    return rows.to(dtype)
+    if out is None:
+        out = torch.empty((stored.shape[0], fmt.dim), dtype=dtype, device=stored.device)
+    return _decode_into(stored, fmt, out)
 
 
 def _decode_into(stored: torch.Tensor, fmt: RowFormat, out: torch.Tensor) -> torch.Tensor:
     """:func:`decode` into ``out``: the payload converted (exactly) into float32, then the
-    product and the sum each rounded, as :func:`decode` computes them."""
+    product and the sum each rounded (no fused multiply-add: the GPU kernels that dequantize
+    compute it the same way, so every reader gets the same bits), then rounded once to
+    ``out``'s dtype."""
     if out.shape != (stored.shape[0], fmt.dim) or not out.is_floating_point():
         raise RowFormatError(f"out must be a float [{stored.shape[0]}, {fmt.dim}] tensor")
     params = parameters(stored, fmt)
     payload = stored[:, :fmt.dim].view(torch.int8 if fmt.dtype == "int8"
                                        else torch.float8_e4m3fn)
-    rows = out if out.dtype == torch.float32 else torch.empty(out.shape, device=out.device)
+    rows = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32,
+                                                              device=out.device)
     rows.copy_(payload)
     rows.mul_(params[:, 0:1])
     if fmt.dtype == "int8":
