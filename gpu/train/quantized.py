@@ -34,14 +34,9 @@ from nvecache.common.rows import RowFormat
 
 
 def is_quantized(table: Any) -> bool:
-    """Whether ``table`` (any of a layer's tables, or None) stores quantized rows: its
-    ``quantized`` (a block, a parameter server), else its geometry's row format (a host
-    cache)."""
-    q = getattr(table, "quantized", None)
-    if q is None:
-        fmt = getattr(getattr(table, "geometry", None), "row_format", None)
-        q = getattr(fmt, "quantized", False)
-    return bool(q)
+    """Whether ``table`` (any of a layer's tables, a GPULayer's own ``RowFormat``, or None)
+    stores quantized rows: each of them says so in its ``quantized``."""
+    return bool(getattr(table, "quantized", False))
 
 
 def refusal(optimizer: Optimizer, table: Any = None) -> BadArgumentError:
