@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,3 +49,27 @@ def tables(layer_type: LayerType, tmp_path: Path, w: torch.Tensor) -> Iterator[d
                     yield {"host_cache": hc, "storage": ps, "gpu_cache_size": 16 * 64}
             finally:
                 HostCache.unlink(name)
+
+
+def race(write: Callable[[], None], read: Callable[[Any], None], readers: list[Any],
+         done: threading.Event) -> None:
+    """``write()`` on one thread and ``read(layer)`` on one thread per reader, all joined;
+    the first exception any of them raised is raised here (it sets ``done`` first, so the
+    others stop: ``write`` sets it when it ends, the readers read until it is set)."""
+    errors: list[BaseException] = []
+
+    def guarded(fn: Callable[..., None], *args: Any) -> None:
+        try:
+            fn(*args)
+        except BaseException as e:  # noqa: BLE001 - reported by the calling thread
+            errors.append(e)
+            done.set()
+
+    threads = [threading.Thread(target=guarded, args=(write,))] + [
+        threading.Thread(target=guarded, args=(read, r)) for r in readers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]

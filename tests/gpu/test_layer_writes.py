@@ -35,6 +35,7 @@ from gpu import (
 )
 from hostcache import HostCache, SharedMemBlock
 from tests.conftest import fresh_name
+from tests.gpu.layer_tables import race
 
 CUDA = torch.cuda.is_available()
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
@@ -132,7 +133,7 @@ def test_a_write_racing_lookups_never_tears_and_is_seen_once_it_returned(
         # one reader reads the host cache on the CPU, one with the GPU kernel (Hierarchical)
         readers = [layer_over(layer_type, kw, rows, dim, device),
                    layer_over(layer_type, kw, rows, dim, device, **gpu_reads(layer_type))]
-        started, acked, errors = [0], [0], []
+        started, acked = [0], [0]
         done = threading.Event()
 
         def write() -> None:
@@ -150,32 +151,21 @@ def test_a_write_racing_lookups_never_tears_and_is_seen_once_it_returned(
                 done.set()
 
         def read(layer: Any) -> None:
-            try:
-                while not done.is_set():
-                    floor = acked[0]  # acknowledged before this lookup began
-                    out = on_own_stream(device, lambda: layer(keys.to(device)))
-                    ceil = started[0]
-                    ver = decode(out, keys)
-                    erased = ver.isnan()
-                    if erased.any():  # the default row: an erased state (even, >= 2) between
-                        even = ceil - (ceil % 2)
-                        assert op == "erase" and even >= max(floor, 2), (floor, ceil)
-                    got = ver[~erased]
-                    assert ((got >= floor) & (got <= ceil)).all(), (floor, ceil, got.tolist())
-                    if op == "erase":  # versions only from the insert states (odd, or 0)
-                        assert ((got % 2 == 1) | (got == 0)).all(), got.tolist()
-            except BaseException as e:  # noqa: BLE001 - reported by the main thread
-                errors.append(e)
-                done.set()
+            while not done.is_set():
+                floor = acked[0]  # acknowledged before this lookup began
+                out = on_own_stream(device, lambda: layer(keys.to(device)))
+                ceil = started[0]
+                ver = decode(out, keys)
+                erased = ver.isnan()
+                if erased.any():  # the default row: an erased state (even, >= 2) between
+                    even = ceil - (ceil % 2)
+                    assert op == "erase" and even >= max(floor, 2), (floor, ceil)
+                got = ver[~erased]
+                assert ((got >= floor) & (got <= ceil)).all(), (floor, ceil, got.tolist())
+                if op == "erase":  # versions only from the insert states (odd, or 0)
+                    assert ((got % 2 == 1) | (got == 0)).all(), got.tolist()
 
-        threads = [threading.Thread(target=write)] + [
-            threading.Thread(target=read, args=(r,)) for r in readers]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+        race(write, read, readers, done)
         # the last write, acknowledged: every layer reads it now
         last = versioned(keys, writes, dim)
         for layer in [writer_layer, *readers]:

@@ -28,7 +28,7 @@ import torch
 from gpu import LayerType, NVEmbedding
 from nvecache.common.rows import RowFormat
 from tests.gpu import quantized_workers
-from tests.gpu.layer_tables import DEVICES
+from tests.gpu.layer_tables import DEVICES, race
 from tests.gpu.quantized_tables import FORMATS, cache_bytes, quantized_block, reference
 from tests.gpu.test_layer_writes import on_own_stream
 
@@ -70,7 +70,7 @@ def test_a_write_in_this_process_never_tears_a_row(fmt: torch.dtype, kind: str,
             readers = [NVEmbedding(ROWS, DIM, torch.float32, LayerType.LinearUVM, storage=mb,
                                    device=device, gpu_cache_size=cache_bytes(DIM, torch.float32)),
                        writer]
-        acked, seen, errors = [0], [], []
+        acked, seen = [0], []
         done = threading.Event()
 
         def write() -> None:
@@ -82,27 +82,16 @@ def test_a_write_in_this_process_never_tears_a_row(fmt: torch.dtype, kind: str,
                 done.set()
 
         def read(layer: Any) -> None:
-            try:
-                while not done.is_set():
-                    floor = acked[0]
-                    got = hashed(on_own_stream(device, lambda: layer(keys)).cpu())
-                    match = got[None, :] == allowed  # [versions, ROWS]
-                    assert bool(match.any(dim=0).all()), "a row of no version (torn)"
-                    version = match.int().argmax(dim=0)
-                    assert bool((version >= floor).all()), (floor, version.tolist())
-                    seen.append(version)
-            except BaseException as e:  # noqa: BLE001 - reported by the main thread
-                errors.append(e)
-                done.set()
+            while not done.is_set():
+                floor = acked[0]
+                got = hashed(on_own_stream(device, lambda: layer(keys)).cpu())
+                match = got[None, :] == allowed  # [versions, ROWS]
+                assert bool(match.any(dim=0).all()), "a row of no version (torn)"
+                version = match.int().argmax(dim=0)
+                assert bool((version >= floor).all()), (floor, version.tolist())
+                seen.append(version)
 
-        threads = [threading.Thread(target=write)] + [
-            threading.Thread(target=read, args=(r,)) for r in readers]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+        race(write, read, readers, done)
         assert seen, "no lookup ran"
         for layer in {id(r): r for r in readers}.values():
             assert torch.equal(layer(keys).cpu(), as_read[writes])
