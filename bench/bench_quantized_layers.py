@@ -40,6 +40,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import psclient  # noqa: E402
+from bench.bench_per_call import p50_p99  # noqa: E402
+from bench.bench_training_tiers import back_to_back as tiers_back_to_back  # noqa: E402
 from bench.workloads import ZipfKeys  # noqa: E402
 from gpu import LayerType, NVEmbedding, NVEmbeddingBag  # noqa: E402
 from hostcache import HostCache, SharedMemBlock  # noqa: E402
@@ -59,11 +61,6 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def p50_p99(ts: list[float]) -> tuple[float, float]:
-    ts = sorted(ts)
-    return ts[len(ts) // 2] * 1e6, ts[min(len(ts) - 1, int(len(ts) * 0.99))] * 1e6
-
-
 def per_call(fn: Callable[[torch.Tensor], Any], batches: list[torch.Tensor], reps: int
              ) -> tuple[float, float]:
     """(p50, p99) in microseconds of one call and a sync, over distinct batches."""
@@ -80,18 +77,11 @@ def per_call(fn: Callable[[torch.Tensor], Any], batches: list[torch.Tensor], rep
     return p50_p99(ts)
 
 
-def back_to_back(fn: Callable[[torch.Tensor], Any], batches: list[torch.Tensor],
-                 min_s: float = 0.5) -> float:
-    """Seconds per call, wall clock over back-to-back calls on distinct batches."""
+def back_to_back(fn: Callable[[torch.Tensor], Any], batches: list[torch.Tensor]) -> float:
+    """Seconds per call, wall clock over back-to-back calls on distinct batches, warmed."""
     for b in batches[:3]:
         fn(b)
-    sync()
-    calls, t0 = 0, time.perf_counter()
-    while calls < 2 * len(batches) or time.perf_counter() - t0 < min_s:
-        fn(batches[calls % len(batches)])
-        calls += 1
-    sync()
-    return (time.perf_counter() - t0) / calls
+    return tiers_back_to_back(fn, batches, sync, 0.5)[0]
 
 
 def name_of(dtype: torch.dtype) -> str:
