@@ -1,5 +1,7 @@
-"""A Hierarchical layer's construction and first lookup in a fresh process, with numba's
-cache cold (a fresh install) and warm.
+"""A Hierarchical layer's construction and first lookup in a fresh process, with the
+compiled caches (numba's and, on CUDA, Triton's) cold (a fresh install), warm (a process
+ran before), or filled by the node service's warm-up child (what a replica on a node whose
+``hostcache serve`` has started sees).
 
 A ``file://`` store of 1M x 128 fp32 rows (``--quick``: 100k), written by a process of its
 own; ``--redis URL`` adds the same table in Redis. Per store, a fresh Python process with
@@ -10,12 +12,16 @@ gpu_cache_size=2**24, host_cache=..., storage=URL, device="cpu", default_row=0.0
 its first lookup of 1,024 uniform keys; then how long until the compiled loops are ready
 (where the tree has loop gates), and the steady state: the median of 30 lookups of fresh
 1,024-key batches once they are. A second process does the same with the cache the first
-left (warm). One JSON line per process; ``counted_s`` is imports + create + construction +
-first lookup.
+left (warm). A third process starts with new empty caches that ``python -m
+nvecache.apps.service.compiled 128:float32:hostcache`` (the service's child) filled first
+(service). ``--device cuda`` runs the layer on the GPU (``TRITON_CACHE_DIR`` fresh per
+store as numba's). One JSON line per process; ``counted_s`` is imports + create +
+construction + first lookup.
 
 ``--root PATH`` measures another checkout of the project with the same script (the tree
 before a change, from ``git archive``): every process puts it first on ``sys.path``.
-Run: ``python bench/bench_cold_start.py [--quick] [--redis URL] [--root PATH]``.
+Run: ``python bench/bench_cold_start.py [--quick] [--redis URL] [--root PATH]
+[--device cuda]``.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -52,13 +59,18 @@ ps.drop()
 MEASURE = r"""
 import json, os, sys, time
 sys.path.insert(0, sys.argv[1])
-url, table, rows, name = sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
+url, table, rows, name, device = sys.argv[2], sys.argv[3], int(sys.argv[4]), *sys.argv[5:7]
 t = time.perf_counter()
 import torch
 torch_s = time.perf_counter() - t
 t = time.perf_counter()
-import hostcache, psclient, gpu
+import gpu
+gpu_import_s = time.perf_counter() - t
+import hostcache, psclient
 import_s = time.perf_counter() - t
+def sync():
+    if device != "cpu":
+        torch.cuda.synchronize()
 from gpu import LayerType, NVEmbedding
 from hostcache import HostCache
 t = time.perf_counter()
@@ -67,15 +79,20 @@ create_s = time.perf_counter() - t
 try:
     t = time.perf_counter()
     layer = NVEmbedding(rows, 128, torch.float32, LayerType.Hierarchical, gpu_cache_size=2**24,
-                        host_cache=hc, storage=url, table=table, device="cpu", default_row=0.0)
+                        host_cache=hc, storage=url, table=table, device=device, default_row=0.0)
+    sync()
     build_s = time.perf_counter() - t
     keys = torch.randint(0, rows, (1024,), generator=torch.Generator().manual_seed(2))
+    keys = keys.to(device)
+    sync()
     t = time.perf_counter()
     layer(keys)
+    sync()
     first_s = time.perf_counter() - t
     numba_at_first = "numba" in sys.modules
     t = time.perf_counter()
-    if not os.path.exists(os.path.join(sys.argv[1], "psclient", "loop_gate.py")):
+    if not any(os.path.exists(os.path.join(sys.argv[1], *p, "loop_gate.py"))
+               for p in (("psclient",), ("nvecache", "common"))):
         ready_s = 0.0  # NOTE: a tree without loop gates: compiled before the first lookup
     else:
         from gpu.stacks.misses.miss_twin import GATE as MISS
@@ -86,9 +103,11 @@ try:
     g = torch.Generator().manual_seed(3)
     times = []
     for _ in range(30):
-        batch = torch.randint(0, rows, (1024,), generator=g)
+        batch = torch.randint(0, rows, (1024,), generator=g).to(device)
+        sync()
         t = time.perf_counter()
         layer(batch)
+        sync()
         times.append(time.perf_counter() - t)
     layer.close()
 finally:
@@ -96,7 +115,8 @@ finally:
     HostCache.unlink(name)
 times.sort()
 print(json.dumps({
-    "torch_import_s": torch_s, "imports_s": import_s, "host_cache_create_s": create_s,
+    "torch_import_s": torch_s, "gpu_import_s": gpu_import_s, "imports_s": import_s,
+    "host_cache_create_s": create_s,
     "construct_s": build_s, "first_lookup_s": first_s,
     "counted_s": import_s + create_s + build_s + first_s,
     "numba_loaded_at_first_lookup": numba_at_first, "compiled_ready_after_s": ready_s,
@@ -115,6 +135,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="100k rows instead of 1M")
     parser.add_argument("--redis", metavar="URL", help="also a Redis store at URL")
     parser.add_argument("--root", default=str(ROOT), help="the checkout to measure")
+    parser.add_argument("--device", default="cpu", help="the layer's device (cpu, cuda)")
     args = parser.parse_args()
     rows = 100_000 if args.quick else 1_000_000
     root = os.path.abspath(args.root)
@@ -128,14 +149,24 @@ def main() -> None:
             python(PREPARE, root, url, table, str(rows), env=prep_env)
         try:
             for backend, url in stores:
-                cache = f"{tmp}/numba-{backend}"  # NOTE: new and empty: a cold cache
-                for state in ("cold", "warm"):
-                    env = {**os.environ, "NUMBA_CACHE_DIR": cache}
+                for state in ("cold", "warm", "service"):
+                    # NOTE: new and empty caches for cold (warm reuses them) and service
+                    caches = f"{tmp}/caches-{backend}-{'service' if state == 'service' else 'own'}"
+                    env = {**os.environ, "NUMBA_CACHE_DIR": f"{caches}/numba",
+                           "TRITON_CACHE_DIR": f"{caches}/triton",
+                           "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+                    warm_s = None
+                    if state == "service":
+                        t0 = time.perf_counter()
+                        subprocess.run([sys.executable, "-m", "nvecache.apps.service.compiled",
+                                        "128:float32:hostcache"], env=env, check=True)
+                        warm_s = time.perf_counter() - t0
                     out = python(MEASURE, root, url, table, str(rows),
-                                 f"bench-cold-{uuid.uuid4().hex[:8]}", env=env)
+                                 f"bench-cold-{uuid.uuid4().hex[:8]}", args.device, env=env)
                     fields = json.loads(out.splitlines()[-1])
                     print(json.dumps({"bench": "cold_start", "backend": backend,
-                                      "numba_cache": state, "rows": rows, **fields}),
+                                      "device": args.device, "caches": state,
+                                      "service_warm_up_s": warm_s, "rows": rows, **fields}),
                           flush=True)
         finally:
             if args.redis:

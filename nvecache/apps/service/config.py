@@ -286,6 +286,11 @@ class ServiceConfig:
     settle: float = 1.0
     #: keep the segments on a clean shutdown instead of removing them.
     keep: bool = False
+    #: at start, compile the per-key loops and (on a CUDA node) the kernels of every layer
+    #: type that can read each table into the node's on-disk caches, in a child process,
+    #: so that replicas load them instead of compiling on their first lookups
+    #: (``nvecache.apps.service.compiled``).
+    warm_compiled: bool = True
     #: ``"text"`` or ``"json"`` (one JSON object per log line).
     log_format: LogFormat = "text"
     #: DEBUG, INFO, WARNING or ERROR.
@@ -319,7 +324,7 @@ def _node_fields(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
             out[key] = _float(w, value, 0.01, 3600.0)
         elif key == "settle":
             out[key] = _float(w, value, 0.0, 600.0)
-        elif key == "keep":
+        elif key in ("keep", "warm_compiled"):
             out[key] = _bool(w, value)
         elif key == "log_format":
             if value not in ("text", "json"):

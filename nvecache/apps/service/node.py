@@ -40,6 +40,7 @@ from hostcache import (
     segment,
 )
 from nvecache.apps.errors import ServiceRunningError
+from nvecache.apps.service.compiled import CompiledWarmer, table_spec
 from nvecache.apps.service.config import ServiceConfig, TableConfig
 from nvecache.apps.service.feed import CursorStore, FeedFollower, connect_ps
 from nvecache.apps.service.metrics import EndpointServer
@@ -72,6 +73,8 @@ class NodeService:
         self._lock_fd: int | None = None
         self._http: EndpointServer | None = None
         self._started = 0.0
+        #: the child filling the node's compiled caches (None: ``warm_compiled`` off)
+        self.warmer: CompiledWarmer | None = None
 
     # -- start ------------------------------------------------------------------------------
 
@@ -103,6 +106,10 @@ class NodeService:
                                      settle=self.cfg.settle, ps=ps, start_cursor=cursor)
                     self.followers[t.name] = f
                     f.start()
+            if self.cfg.warm_compiled:
+                self.warmer = CompiledWarmer(table_spec(t.dim, t.dtype, t.kind)
+                                             for t in self.cfg.tables)
+                self.warmer.start()
             if self.cfg.metrics_port >= 0:
                 self._http = EndpointServer(self.cfg.metrics_host, self.cfg.metrics_port,
                                             self.snapshot, self.health)
@@ -303,8 +310,12 @@ class NodeService:
             if attached:
                 entry["replicas"] = len(self._replicas(table))  # type: ignore[arg-type]
             tables[t.name] = entry
-        return ok, {"status": "ok" if ok else "unhealthy", "pid": os.getpid(),
-                    "tables": tables}
+        body: dict[str, Any] = {"status": "ok" if ok else "unhealthy", "pid": os.getpid(),
+                                "tables": tables}
+        if self.warmer is not None:
+            # NOTE: not part of ok: replicas serve either way, compiling what is not warm
+            body["compiled"] = self.warmer.state
+        return ok, body
 
     # -- stop ------------------------------------------------------------------------------
 
@@ -314,6 +325,8 @@ class NodeService:
 
     def _teardown(self, *, remove: bool, only_created: bool) -> None:
         self._stop.set()
+        if self.warmer is not None:
+            self.warmer.stop()
         for f in self.followers.values():
             f.join(timeout=10)
         self.followers.clear()
