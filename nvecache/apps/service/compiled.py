@@ -40,8 +40,6 @@ logger = logging.getLogger(__name__)
 #: the per-key loop modules (numba); each has a ``warm_up()``
 LOOP_MODULES = ("hostcache.table_loops", "psclient.file.mirror_loops",
                 "gpu.stacks.misses.miss_loops")
-#: output dtypes a quantized table is read in
-_QUANT_OUTPUTS = ("float32", "float16", "bfloat16")
 
 
 def table_spec(dim: int, dtype: str, kind: str) -> str:
@@ -185,8 +183,12 @@ def warm_kernels(dim: int, dtype: str, kind: str, device: Any) -> None:
     from nvecache.common import rows as row_formats
 
     stored = row_formats.torch_dtype(dtype)
-    quantized = stored in (torch.int8, torch.float8_e4m3fn)
-    outputs = [row_formats.torch_dtype(o) for o in _QUANT_OUTPUTS] if quantized else [stored]
+    quantized = dtype in row_formats.QUANTIZED
+    if not quantized and dtype not in row_formats.LAYER_DTYPES:
+        return  # NOTE: no layer reads it on the GPU (float64): no kernel to compile
+    # NOTE: a quantized table is read in every dtype a layer computes in
+    outputs = ([row_formats.torch_dtype(o) for o in row_formats.LAYER_DTYPES] if quantized
+               else [stored])
     n = 8192
     gen = torch.Generator().manual_seed(0)
     values = torch.randn(n, dim, generator=gen)
