@@ -66,7 +66,7 @@ class CompiledWarmer:
         self.seconds: float | None = None
 
     def start(self) -> None:
-        """Start the child at a low priority; a thread logs how it ended."""
+        """Start the child (it lowers its own priority); a thread logs how it ended."""
         cmd = [sys.executable, "-m", __name__, *self.specs]
         with self._lock:
             if self._stopped:
@@ -74,8 +74,7 @@ class CompiledWarmer:
             try:
                 self._child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL,
                                                stdout=subprocess.DEVNULL,
-                                               stderr=subprocess.PIPE,
-                                               preexec_fn=_lower_priority)
+                                               stderr=subprocess.PIPE)
             except OSError as e:
                 self.state = "failed"
                 logger.warning("could not start the compiled-code warm-up (%s); each "
@@ -154,13 +153,6 @@ def _remove_private_tables(pid: int) -> None:
                 segment.unlink(name)
 
 
-def _lower_priority() -> None:
-    try:
-        os.nice(10)
-    except OSError:
-        pass
-
-
 # -- the child ------------------------------------------------------------------------------
 
 
@@ -199,7 +191,7 @@ def warm_kernels(dim: int, dtype: str, kind: str, device: Any) -> None:
     # over it (the GPU reads the host cache), then both again (GPU-cache hits)
     small = torch.arange(64, device=device)
     large = torch.arange(64, 64 + 5000, device=device)
-    offsets = torch.arange(0, 64, 8, device=device)
+    batches = [small, large, small, large]
     if kind == "hostcache":
         table = HostCache.create(name, capacity=2 * n, dim=dim, dtype=stored)
         try:
@@ -209,14 +201,7 @@ def warm_kernels(dim: int, dtype: str, kind: str, device: Any) -> None:
                     layer = cls(n, dim, out, LayerType.Hierarchical, host_cache=table,
                                 gpu_cache_size=n * dim * 4, device=device,
                                 default_row=0.0)
-                    try:
-                        for keys in (small, large, small, large):
-                            if cls is NVEmbeddingBag:
-                                layer(keys, offsets[offsets < keys.numel()])
-                            else:
-                                layer(keys)
-                    finally:
-                        layer.close()
+                    _lookups(layer, batches)
         finally:
             table.close()
             HostCache.unlink(name)
@@ -234,23 +219,35 @@ def warm_kernels(dim: int, dtype: str, kind: str, device: Any) -> None:
                     if layer_type is LayerType.LinearUVM:
                         kwargs["gpu_cache_size"] = n * dim
                     layer = cls(n, dim, out, layer_type, device=device, **kwargs)
-                    try:
-                        for keys in (small, large, small, large):
-                            if cls is NVEmbeddingBag:
-                                layer(keys, offsets[offsets < keys.numel()])
-                            else:
-                                layer(keys)
-                    finally:
-                        layer.close()
+                    _lookups(layer, batches)
     finally:
         block.close()
         SharedMemBlock.unlink(name)
+
+
+def _lookups(layer: Any, batches: list[Any]) -> None:
+    """Each batch looked up (a bag layer: in 8 bags), then the layer closed."""
+    import torch
+
+    from gpu import NVEmbeddingBag
+
+    try:
+        for keys in batches:
+            if isinstance(layer, NVEmbeddingBag):
+                n = keys.numel()
+                layer(keys, torch.arange(0, n, n // 8, device=keys.device)[:8])
+            else:
+                layer(keys)
+    finally:
+        layer.close()
 
 
 def main(argv: list[str]) -> int:
     # NOTE: the service stops this child with SIGTERM: exit through the finally blocks,
     # which remove the private tables
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    with contextlib.suppress(OSError):
+        os.nice(10)  # NOTE: below the replicas and the service
     warm_loops()
     import torch
 
