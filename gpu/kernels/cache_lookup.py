@@ -105,7 +105,7 @@ def _lookup_kernel(
             if LINEAR:
                 inrange = kmask & (keys >= 0) & (keys < num_rows) & (hit == 0)
                 tval = _to_dtype(_load_rows(table_ptr, keys, inrange, tstride, d, dmask,
-                                            QUANT, META), rows_ptr.dtype.element_ty)
+                                            QUANT, META, 0), rows_ptr.dtype.element_ty)
                 vals = tl.where(hit[:, None], vals, tval)
     else:
         # NOTE: a disabled cache (the GPULayer path) is a plain gather: no probe load, no
@@ -116,7 +116,7 @@ def _lookup_kernel(
             if LINEAR:
                 inrange = kmask & (keys >= 0) & (keys < num_rows)
                 vals = _to_dtype(_load_rows(table_ptr, keys, inrange, tstride, d, dmask,
-                                            QUANT, META), rows_ptr.dtype.element_ty)
+                                            QUANT, META, 0), rows_ptr.dtype.element_ty)
             else:
                 vals = tl.full([BLOCK_K, BLOCK_D], 0, rows_ptr.dtype.element_ty)
     if GATHER:

@@ -78,7 +78,7 @@ def _pooled_kernel(
                 inrange = kmask & (keys >= 0) & (keys < num_rows) & (hit == 0)
                 # NOTE: a dequantized row in the cache's dtype first: what a hit reads
                 tval = _to_dtype(_load_rows(table_ptr, keys, inrange, tstride, d, dmask,
-                                            QUANT, META),
+                                            QUANT, META, 0),
                                  rows_ptr.dtype.element_ty).to(tl.float32)
                 vals = tl.where(hit[:, None], vals, tval)
             if HAS_MISS:
@@ -93,7 +93,7 @@ def _pooled_kernel(
             if LINEAR:
                 inrange = kmask & (keys >= 0) & (keys < num_rows)
                 vals = _to_dtype(_load_rows(table_ptr, keys, inrange, tstride, d, dmask,
-                                            QUANT, META),
+                                            QUANT, META, 0),
                                  rows_ptr.dtype.element_ty).to(tl.float32)
             elif HAS_MISS:
                 vals = tl.load(

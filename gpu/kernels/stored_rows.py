@@ -44,28 +44,39 @@ def codec_constexprs(fmt: RowFormat | None) -> dict[str, object]:
 
 @triton.jit
 def load_rows(table_ptr, rows, rmask, tstride, d, dmask, QUANT: tl.constexpr,
-              META: tl.constexpr, CACHE: tl.constexpr = ""):
+              META: tl.constexpr, VOLATILE: tl.constexpr):
     """``[BLOCK_K, BLOCK_D]``: elements ``d`` of rows ``rows`` (int64, masked by ``rmask``,
     ``dmask``: zero there) of a table whose row ``r`` starts ``r * tstride`` elements (bytes,
     quantized) in; a plain table's in its dtype, a quantized one's dequantized in float32.
-    ``CACHE``: the loads' cache modifier (``".cv"``: the host tier's seqlocked reads fetch
-    every byte again, the row's parameters as its payload)."""
+    ``VOLATILE``: 1 loads with the ``".cv"`` cache modifier (the host tier's seqlocked reads
+    fetch every byte again, the row's parameters as its payload), 0 without. NOTE: an int
+    every caller passes, not the modifier's string as a default: Triton 3.6 does not make a
+    called function's default a constexpr."""
     m = rmask[:, None] & dmask[None, :]
     if QUANT == 0:
-        vals = tl.load(table_ptr + rows[:, None] * tstride + d[None, :], mask=m, other=0.0,
-                       cache_modifier=CACHE)
+        vals = _load(table_ptr + rows[:, None] * tstride + d[None, :], m, 0.0, VOLATILE)
     else:
         base = table_ptr + rows * tstride
-        q = tl.load(base[:, None] + d[None, :], mask=m, other=0, cache_modifier=CACHE)
+        q = _load(base[:, None] + d[None, :], m, 0, VOLATILE)
         par = (base + META).to(tl.pointer_type(tl.float32))
-        scale = tl.load(par, mask=rmask, other=0.0, cache_modifier=CACHE)
+        scale = _load(par, rmask, 0.0, VOLATILE)
         if QUANT == 1:
-            bias = tl.load(par + 1, mask=rmask, other=0.0, cache_modifier=CACHE)
+            bias = _load(par + 1, rmask, 0.0, VOLATILE)
             vals = q.to(tl.int8, bitcast=True).to(tl.float32) * scale[:, None] + bias[:, None]
         else:
             vals = _e4m3(q) * scale[:, None]
         vals = tl.where(m, vals, 0.0)
     return vals
+
+
+@triton.jit
+def _load(ptr, mask, other, VOLATILE: tl.constexpr):
+    """``tl.load``, with the ``".cv"`` modifier where ``VOLATILE``."""
+    if VOLATILE:
+        v = tl.load(ptr, mask=mask, other=other, cache_modifier=".cv")
+    else:
+        v = tl.load(ptr, mask=mask, other=other)
+    return v
 
 
 @triton.jit
