@@ -164,10 +164,15 @@ def warm_loops() -> None:
         importlib.import_module(name).warm_up()
 
 
-def warm_kernels(dim: int, dtype: str, kind: str, device: Any) -> None:
+def warm_kernels(dim: int, dtype: str, kind: str, device: Any, tuning: Any = None, *,
+                 rows: int = 8192, small: int = 64, large: int = 5000) -> None:
     """Run, on ``device``, the lookups of every layer type that can read a table of
     ``dim`` x ``dtype`` (``kind`` ``hostcache``: Hierarchical; ``linear``: LinearUVM,
-    HostLayer and GPULayer), in each output dtype it can be read in, so their kernels compile."""
+    HostLayer and GPULayer), in each output dtype it can be read in, so their kernels
+    compile. ``tuning``: the replicas' ``gpu.TierConfig`` (its tiles choose kernel
+    variants; default the layers' default). ``rows``: the private tables' rows; ``small``
+    and ``large``: the two batches' keys (the default ``large`` is over
+    ``TierConfig.host_gpu_read_keys``: the GPU reads the host cache itself)."""
     import torch
 
     from gpu import LayerType, NVEmbedding, NVEmbeddingBag
@@ -181,7 +186,7 @@ def warm_kernels(dim: int, dtype: str, kind: str, device: Any) -> None:
     # NOTE: a quantized table is read in every dtype a layer computes in
     outputs = ([row_formats.torch_dtype(o) for o in row_formats.LAYER_DTYPES] if quantized
                else [stored])
-    n = 8192
+    n = rows
     gen = torch.Generator().manual_seed(0)
     values = torch.randn(n, dim, generator=gen)
     if not quantized:
@@ -189,9 +194,9 @@ def warm_kernels(dim: int, dtype: str, kind: str, device: Any) -> None:
     name = _private_name(os.getpid()) + uuid.uuid4().hex[:8]
     # NOTE: a batch under TierConfig.host_gpu_read_keys (misses read on the CPU), one
     # over it (the GPU reads the host cache), then both again (GPU-cache hits)
-    small = torch.arange(64, device=device)
-    large = torch.arange(64, 64 + 5000, device=device)
-    batches = [small, large, small, large]
+    first = torch.arange(small, device=device)
+    second = torch.arange(small, small + large, device=device)
+    batches = [first, second, first, second]
     if kind == "hostcache":
         table = HostCache.create(name, capacity=2 * n, dim=dim, dtype=stored)
         try:
@@ -200,7 +205,7 @@ def warm_kernels(dim: int, dtype: str, kind: str, device: Any) -> None:
                 for cls in (NVEmbedding, NVEmbeddingBag):
                     layer = cls(n, dim, out, LayerType.Hierarchical, host_cache=table,
                                 gpu_cache_size=n * dim * 4, device=device,
-                                default_row=0.0)
+                                default_row=0.0, tuning=tuning)
                     _lookups(layer, batches)
         finally:
             table.close()
@@ -218,7 +223,8 @@ def warm_kernels(dim: int, dtype: str, kind: str, device: Any) -> None:
                         if layer_type is LayerType.GPULayer else {"storage": block})
                     if layer_type is LayerType.LinearUVM:
                         kwargs["gpu_cache_size"] = n * dim
-                    layer = cls(n, dim, out, layer_type, device=device, **kwargs)
+                    layer = cls(n, dim, out, layer_type, device=device, tuning=tuning,
+                                **kwargs)
                     _lookups(layer, batches)
     finally:
         block.close()
