@@ -11,13 +11,14 @@ Lifecycle (``start`` then ``stop``; ``serve`` runs both around a wait loop):
 * tables: each configured table is created, or, when a segment of that name exists (the
   service crashed and replicas kept serving), re-adopted if its geometry matches the
   config exactly; any difference raises ``GeometryMismatchError`` and nothing is changed;
-* warm-up (created tables only) and the compiled-code warm-up child
-  (:mod:`~nvecache.apps.service.compiled`), then one
+* warm-up (created tables only), then one
   :class:`~nvecache.apps.service.feed.FeedFollower` per table with a ``ps_url``, then the
-  HTTP endpoints, then ``<state_dir>/endpoint.json``;
+  compiled-code warm-up child (:mod:`~nvecache.apps.service.compiled`; the service does
+  not wait for it), then the HTTP endpoints, then ``<state_dir>/endpoint.json``;
 * while running: every ``reap_interval`` the counter slots of dead processes are freed
   (which, taking the writer lock, also repairs a write section a dead writer left);
-* ``stop``: followers joined, endpoints closed, segments removed unless ``keep``.
+* ``stop``: the warm-up child stopped, followers joined, endpoints closed, segments
+  removed unless ``keep``.
 """
 
 from __future__ import annotations
