@@ -84,8 +84,9 @@ class CompiledWarmer:
         self._thread = threading.Thread(target=self._wait, name="nvecache-warm-compiled",
                                         daemon=True)
         self._thread.start()
-        logger.info("warming the node's compiled caches (numba loops%s) in pid %d",
-                    ", Triton kernels" if self.specs else "", self._child.pid)
+        logger.info("warming the node's compiled caches (numba loops; on a CUDA node the "
+                    "Triton kernels of %d table formats) in pid %d", len(self.specs),
+                    self._child.pid)
 
     @property
     def pid(self) -> int | None:
