@@ -32,8 +32,8 @@ from gpu.cuda.registration import register  # noqa: E402
 from gpu.kernels.host_reads import hostcache_lookup  # noqa: E402
 from gpu.kernels.triton_access import kernel_module  # noqa: E402
 from hostcache import HostCache  # noqa: E402
-from nvecache.apps.service.compiled import warm_kernels  # noqa: E402
-from nvecache.common.rows import LAYER_DTYPES, torch_dtype  # noqa: E402
+from nvecache.apps.service.compiled import read_dtypes, warm_kernels  # noqa: E402
+from nvecache.common.rows import torch_dtype  # noqa: E402
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
                                 reason="the GPU suite compiles and runs them itself")
@@ -90,23 +90,23 @@ def launches() -> Iterator[dict[tuple[Any, ...], tuple[Any, ...]]]:
             # NOTE: small tables and batches: the interpreter runs every launch
             warm_kernels(dim, dtype, kind, cpu, triton_backend, rows=96, small=16, large=48)
             if kind == "hostcache":
-                _host_reads(dim, torch_dtype(dtype))
+                _host_reads(dim, dtype)
     finally:
         mp.undo()
     yield seen
 
 
-def _host_reads(dim: int, dtype: torch.dtype) -> None:
-    """The GPU's reads of a host cache of ``dtype`` rows, in every output dtype it has."""
-    hc = HostCache.create(f"kc-{dim}-{str(dtype)[6:]}-{id(dtype)}", capacity=256, dim=dim,
-                          dtype=dtype)
+def _host_reads(dim: int, dtype: str) -> None:
+    """The GPU's reads of a host cache of stored format ``dtype``, in every dtype the
+    layers read it in."""
+    outs = read_dtypes(dtype)
+    hc = HostCache.create(f"kernels-compile-{dim}-{dtype}", capacity=256, dim=dim,
+                          dtype=torch_dtype(dtype))
     try:
-        hc.insert(torch.arange(100), torch.randn(100, dim).to(
-            dtype if dtype in (torch.float32, torch.float16, torch.bfloat16) else
-            torch.float32))
+        rows = torch.randn(100, dim)  # NOTE: a quantized cache takes float32 rows
+        hc.insert(torch.arange(100), rows if hc.quantized else rows.to(outs[0]))
         reg = register(hc, torch.device("cpu"))
         try:
-            outs = ([torch_dtype(o) for o in LAYER_DTYPES] if hc.quantized else [dtype])
             for out in outs:
                 hostcache_lookup(reg, torch.arange(150), backend="triton", out_dtype=out)
         finally:

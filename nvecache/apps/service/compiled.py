@@ -165,6 +165,17 @@ def warm_loops() -> None:
         importlib.import_module(name).warm_up()
 
 
+def read_dtypes(dtype: str) -> list[Any]:
+    """The torch dtypes the layers read a table of stored format ``dtype`` in on the GPU:
+    a quantized one in every dtype a layer computes in, a plain one in its own (none for
+    float64, which the kernels do not read)."""
+    from nvecache.common import rows as row_formats
+
+    if dtype in row_formats.QUANTIZED:
+        return [row_formats.torch_dtype(o) for o in row_formats.LAYER_DTYPES]
+    return [row_formats.torch_dtype(dtype)] if dtype in row_formats.LAYER_DTYPES else []
+
+
 def warm_kernels(dim: int, dtype: str, kind: str, device: Any, tuning: Any = None, *,
                  rows: int = 8192, small: int = 64, large: int = 5000) -> None:
     """Run, on ``device``, the lookups of every layer type that can read a table of
@@ -182,11 +193,9 @@ def warm_kernels(dim: int, dtype: str, kind: str, device: Any, tuning: Any = Non
 
     stored = row_formats.torch_dtype(dtype)
     quantized = dtype in row_formats.QUANTIZED
-    if not quantized and dtype not in row_formats.LAYER_DTYPES:
+    outputs = read_dtypes(dtype)
+    if not outputs:
         return  # NOTE: no layer reads it on the GPU (float64): no kernel to compile
-    # NOTE: a quantized table is read in every dtype a layer computes in
-    outputs = ([row_formats.torch_dtype(o) for o in row_formats.LAYER_DTYPES] if quantized
-               else [stored])
     n = rows
     gen = torch.Generator().manual_seed(0)
     values = torch.randn(n, dim, generator=gen)
