@@ -47,7 +47,9 @@ add_combine = _parts.add_combine
 min_combine = _parts.min_combine
 
 
-@triton.jit
+# NOTE: batch sizes and table sizes are not specialized (as in gpu.kernels.cache_lookup):
+# a replica's sizes would otherwise compile variants its node's warm-up did not
+@triton.jit(do_not_specialize=["n"])
 def _scatter_rows_kernel(
     rows_ptr, target_ptr, values_ptr, src_ptr, n, dim,
     BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -67,7 +69,7 @@ def _max_combine(a, b):
     return tl.maximum(a, b)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "num_buckets"])
 def _insert_last_kernel(
     ks_ptr, n, num_buckets, skey_ptr, EMPTY: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -86,7 +88,7 @@ def _insert_last_kernel(
              mask=kmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "num_buckets"])
 def _insert_probe_kernel(
     sb_ptr, order_ptr, ks_ptr, n, tkeys_ptr, num_buckets, slot_ptr, mark_ptr,
     WAYS: tl.constexpr, EMPTY: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -105,7 +107,7 @@ def _insert_probe_kernel(
     tl.store(mark_ptr + slot, tl.full([BLOCK_K], 1, tl.int8), mask=present)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "num_buckets", "trash"])
 def _insert_plan_kernel(
     sb_ptr, start_ptr, order_ptr, ks_ptr, src_ptr, slot_ptr, mark_ptr, n, tkeys_ptr,
     counters_ptr, num_buckets, trash, key_target_ptr, new_keys_ptr, new_counters_ptr,
@@ -175,7 +177,7 @@ def _insert_plan_kernel(
     tl.atomic_add(stats_ptr + 2, dropped, sem="relaxed")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _insert_decay_kernel(
     sb_ptr, decay_ptr, n, counters_ptr, CMAX: tl.constexpr, DECAY_AT: tl.constexpr,
     WAYS: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -192,7 +194,7 @@ def _insert_decay_kernel(
     tl.store(counters_ptr + bslots, bc, mask=m[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "trash"])
 def _insert_apply_kernel(
     key_target_ptr, new_keys_ptr, new_counters_ptr, n, tkeys_ptr, counters_ptr, trash,
     BLOCK_K: tl.constexpr,

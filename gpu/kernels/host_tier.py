@@ -123,7 +123,9 @@ def _sys_fence(x, FENCE: tl.constexpr):  # noqa: N803
         return (x * 0).to(tl.int64)
 
 
-@triton.jit
+# NOTE: batch sizes and table sizes are not specialized (as in gpu.kernels.cache_lookup):
+# a replica's sizes would otherwise compile variants its node's warm-up did not
+@triton.jit(do_not_specialize=["n", "num_buckets"])
 def bucket_kernel(keys_ptr, out_ptr, n, num_buckets, BLOCK: tl.constexpr):  # noqa: N803
     """The bucket of every key (``hostcache.hashing.bucket_of``)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -132,7 +134,7 @@ def bucket_kernel(keys_ptr, out_ptr, n, num_buckets, BLOCK: tl.constexpr):  # no
     tl.store(out_ptr + offs, bucket_of(k, num_buckets), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "num_buckets"])
 def sort_key_kernel(keys_ptr, out_ptr, n, num_buckets, SHIFT: tl.constexpr,  # noqa: N803
                     BLOCK: tl.constexpr):  # noqa: N803
     """``bucket << SHIFT | low SHIFT bits of the hash``: bucket order, and equal keys
@@ -147,7 +149,7 @@ def sort_key_kernel(keys_ptr, out_ptr, n, num_buckets, SHIFT: tl.constexpr,  # n
     tl.store(out_ptr + offs, c, mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def fill_dups_kernel(
     perm_ptr, head_ptr, out_ptr, hit_ptr, n, dim,
     BLOCK_K: tl.constexpr,  # noqa: N803
@@ -176,7 +178,7 @@ _VER_BITS: tl.constexpr = tl.constexpr(24)
 _VER_MASK: tl.constexpr = tl.constexpr((1 << 24) - 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "num_buckets"])
 def probe_kernel(
     keys_ptr,  # int64 [n] keys to look up (sorted by bucket for page order), or with
     # PERM the batch's keys in their own order
@@ -225,7 +227,7 @@ def probe_kernel(
     tl.store(found_ptr + pos, found, mask=inside)  # (DEDUP: -1 for a run's other keys)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def gather_found_kernel(
     found_ptr,  # int64 [n] packed (slot, version) from probe_kernel, or -1
     rows_ptr,  # [slots, dim] registered rows, row stride `row_stride` elements; QUANT:
@@ -260,7 +262,7 @@ def gather_found_kernel(
     tl.store(out_ptr + offs[:, None] * dim + d[None, :], row, mask=m[:, None] & dmask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def verify_kernel(
     found_ptr,  # int64 [n] packed (slot, version) from probe_kernel, or -1
     tab_ver_ptr,  # int64 [slots] registered versions (the second read: v2)

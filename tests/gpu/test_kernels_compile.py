@@ -9,7 +9,10 @@ layers' lookups run on the CPU through the Triton backend (the service's warm-up
 format, row and pooled, hits and misses; and the GPU's read of a host cache of each
 format, in each output dtype); each distinct launch (kernel, argument types,
 constexprs, options) is recorded and compiled to PTX for sm_90 by ``triton.compile``,
-which needs no device.
+which needs no device. A replica's lookups over tables, caches and batches sized unlike
+the warm-up's launch no variant it did not (Triton compiles one per constexprs and per
+specialization of its other arguments: an integer's 1 or 16-divisibility, a pointer's
+16-byte alignment), so a node whose service warmed up compiles nothing while serving.
 """
 
 from __future__ import annotations
@@ -22,16 +25,17 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton")
-from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton._C.libtriton import native_specialize_impl  # noqa: E402
+from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from triton.runtime.jit import mangle_type  # noqa: E402
 
-from gpu import TierConfig  # noqa: E402
+from gpu import LayerType, NVEmbedding, NVEmbeddingBag, TierConfig  # noqa: E402
 from gpu.cuda.registration import register  # noqa: E402
 from gpu.kernels.host_reads import hostcache_lookup  # noqa: E402
 from gpu.kernels.triton_access import kernel_module  # noqa: E402
-from hostcache import HostCache  # noqa: E402
+from hostcache import HostCache, SharedMemBlock  # noqa: E402
 from nvecache.apps.service.compiled import read_dtypes, warm_kernels  # noqa: E402
 from nvecache.common.rows import torch_dtype  # noqa: E402
 
@@ -46,8 +50,10 @@ OPTIONS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "maxnreg")
 
 
 def _launch(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-            ) -> tuple[str, str, dict[str, str], dict[str, Any], dict[str, Any]]:
-    """(kernel module stem, kernel name, signature, constexprs, options) of one launch."""
+            ) -> tuple[str, str, dict[str, str], dict[str, Any], dict[str, Any], tuple[Any, ...]]:
+    """(kernel module stem, kernel name, signature, constexprs, options, specialization)
+    of one launch: the specialization as the compiled kernel's launcher computes it (each
+    argument's type and key, or, unless the kernel declines it, its value where it is 1)."""
     py = fn.fn
     stem = py.__module__.rsplit(".", 1)[-1].removesuffix("_interpreted")
     fn = getattr(kernel_module(stem, interpret=False), py.__name__)  # NOTE: its parameters
@@ -59,6 +65,7 @@ def _launch(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
             values[p.name] = p.default
     sig: dict[str, str] = {}
     cx: dict[str, Any] = {}
+    spec: list[Any] = []
     for p in fn.params:
         v = values.get(p.name)
         if p.is_constexpr or v is None:
@@ -66,34 +73,99 @@ def _launch(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
             cx[p.name] = v
         else:
             sig[p.name] = mangle_type(v)
+            spec.append((p.name, *native_specialize_impl(
+                BaseBackend, v, p.is_const, not p.do_not_specialize,
+                not p.do_not_specialize_on_alignment)))
     options = {k: v for k, v in kwargs.items() if k in OPTIONS}
-    return stem, py.__name__, sig, cx, options
+    return stem, py.__name__, sig, cx, options, tuple(spec)
+
+
+class Recorder:
+    """Every distinct launch while installed, by phase: ``variants[phase]`` holds each
+    launch's (kernel, signature, constexprs, options, specialization); ``launches`` one
+    entry per compiled kernel (specializations aside) to compile."""
+
+    def __init__(self) -> None:
+        self.phase = ""
+        self.variants: dict[str, set[tuple[Any, ...]]] = {}
+        self.launches: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+
+    def record(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        stem, name, sig, cx, options, spec = _launch(fn, args, kwargs)
+        key = (stem, name, tuple(sig.items()), repr(sorted(cx.items())),
+               tuple(sorted(options.items())))
+        self.launches.setdefault(key, (stem, name, sig, cx, options))
+        self.variants.setdefault(self.phase, set()).add((*key, spec))
 
 
 @pytest.fixture(scope="module")
-def launches() -> Iterator[dict[tuple[Any, ...], tuple[Any, ...]]]:
-    seen: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+def recorder() -> Iterator[Recorder]:
+    rec = Recorder()
     run = InterpretedFunction.run
 
     def record(self: Any, *args: Any, grid: Any, warmup: Any, **kwargs: Any) -> Any:
-        stem, name, sig, cx, options = _launch(self, args, kwargs)
-        key = (stem, name, tuple(sig.items()), repr(sorted(cx.items())),
-               tuple(sorted(options.items())))
-        seen.setdefault(key, (stem, name, sig, cx, options))
+        rec.record(self, args, kwargs)
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     mp = pytest.MonkeyPatch()
     mp.setattr(InterpretedFunction, "run", record)
     cpu, triton_backend = torch.device("cpu"), TierConfig(cache_backend="triton")
     try:
+        rec.phase = "warm-up"
         for dim, dtype, kind in TABLES:
             # NOTE: small tables and batches: the interpreter runs every launch
             warm_kernels(dim, dtype, kind, cpu, triton_backend, rows=96, small=16, large=48)
             if kind == "hostcache":
                 _host_reads(dim, dtype)
+        rec.phase = "replica"
+        _replica(cpu, triton_backend)
     finally:
         mp.undo()
-    yield seen
+    yield rec
+
+
+@pytest.fixture(scope="module")
+def launches(recorder: Recorder) -> dict[tuple[Any, ...], tuple[Any, ...]]:
+    return recorder.launches
+
+
+def _replica(device: torch.device, tuning: TierConfig) -> None:
+    """A replica's layers over tables and caches sized unlike the warm-up's (the first two
+    TABLES' formats), looked up in batches of odd sizes, one key too, row and pooled."""
+    hc = HostCache.create("kernels-compile-replica-hc", capacity=500, dim=16)
+    mb = SharedMemBlock.create("kernels-compile-replica-mb", num_rows=300, dim=16,
+                               dtype=torch.int8)
+    g = torch.Generator().manual_seed(1)
+    try:
+        hc.insert(torch.arange(200), torch.randn(200, 16, generator=g))
+        mb.write(torch.arange(300), torch.randn(300, 16, generator=g))
+        common = {"device": device, "tuning": tuning}
+        hier = {"host_cache": hc, "gpu_cache_size": 64 * 40, "default_row": 0.0, **common}
+        layers = [
+            NVEmbedding(1000, 16, torch.float32, LayerType.Hierarchical, **hier),
+            NVEmbeddingBag(1000, 16, torch.float32, LayerType.Hierarchical, **hier),
+            NVEmbedding(300, 16, torch.float16, LayerType.LinearUVM, storage=mb,
+                        gpu_cache_size=16 * 40, **common),
+            NVEmbeddingBag(300, 16, torch.bfloat16, LayerType.GPULayer,
+                           weight_init=torch.randn(300, 16, generator=g).bfloat16(),
+                           weight_dtype=torch.int8, **common),
+        ]
+        try:
+            for n in (3, 70, 33, 70, 1, 45):
+                keys = torch.randint(0, 300, (n,), generator=g)
+                for layer in layers:
+                    if isinstance(layer, NVEmbeddingBag):
+                        layer(keys, torch.arange(0, n, 10))
+                    else:
+                        layer(keys)
+        finally:
+            for layer in layers:
+                layer.close()
+    finally:
+        hc.close()
+        HostCache.unlink(hc.name)
+        mb.close()
+        SharedMemBlock.unlink(mb.name)
 
 
 def _host_reads(dim: int, dtype: str) -> None:
@@ -134,3 +206,11 @@ def test_every_launched_variant_compiles_for_sm90(launches: dict) -> None:
             continue
         assert "ptx" in compiled.asm
     assert not failed, "\n".join(failed)
+
+
+def test_a_replica_launches_no_variant_the_warm_up_did_not(recorder: Recorder) -> None:
+    warmed, served = recorder.variants["warm-up"], recorder.variants["replica"]
+    assert {v[:2] for v in served} >= {("cache_insert", "_insert_plan_kernel"),
+                                       ("cache_lookup", "_lookup_kernel")}
+    new = served - warmed
+    assert not new, "\n".join(f"{v[0]}.{v[1]} {v[5]}" for v in sorted(new, key=str))

@@ -86,8 +86,10 @@ class HostReads:
         position and row (and the found ones' indices), sent in one copy."""
         res = self.resolver
         n_distinct, n_missed, row_bytes = ukeys.size, mkeys.size, res.row_bytes
-        # NOTE: keys, positions, the found ones' indices (at most one per miss)
-        at_rows = 3 * n_missed * 8
+        # NOTE: keys, positions, the found ones' indices (at most one per miss), each from
+        # a 16-byte boundary, then the rows
+        n2 = _even(n_missed)
+        at_rows = 3 * n2 * 8
         nbytes = at_rows + n_missed * row_bytes
         staging = self.staging()
         buf = staging.take(nbytes)
@@ -102,18 +104,18 @@ class HostReads:
             np.take(distinct_rows, inverse, axis=0, out=rows_at)
             found = None if found is None else found[inverse]
         ints[:n_missed] = mkeys
-        ints[n_missed:2 * n_missed] = mpos
+        ints[n2:n2 + n_missed] = mpos
         found_at = np.empty(0, np.int64) if found is None else np.flatnonzero(found)
-        ints[2 * n_missed:2 * n_missed + found_at.size] = found_at
+        ints[2 * n2:2 * n2 + found_at.size] = found_at
         dev = staging.send(nbytes)
         sent_ints = dev[:at_rows].view(torch.int64)
         rows = dev[at_rows:].view(res.dtype).view(n_missed, res.dim)
         # NOTE: offered per miss (a key repeated in the batch is offered as often as it
         # missed; an insert keeps one of equal rows)
         found_sent = (None if found is None
-                      else sent_ints[2 * n_missed:2 * n_missed + found_at.size])
+                      else sent_ints[2 * n2:2 * n2 + found_at.size])
         self._offer(sent_ints[:n_missed], rows, found_sent, found is None, since, stream)
-        return rows, sent_ints[n_missed:2 * n_missed]
+        return rows, sent_ints[n2:n2 + n_missed]
 
 
 class DeviceReads(HostReads):
@@ -149,11 +151,13 @@ class DeviceReads(HostReads):
         res = self.resolver
         staging = self.staging()
         n_distinct, n_missed, row_bytes = ukeys.size, mpos.size, res.row_bytes
-        at_pos, at_inverse = n_distinct, n_distinct + n_missed
+        at_pos = _even(n_distinct)
+        at_inverse = at_pos + _even(n_missed)
         idx = staging.take(8 * (at_inverse + n_missed)).view(np.int64)
-        idx[:at_pos], idx[at_pos:at_inverse], idx[at_inverse:] = ukeys, mpos, inverse
+        idx[:n_distinct], idx[at_pos:at_pos + n_missed], idx[at_inverse:] = ukeys, mpos, inverse
         sent = staging.send(idx.nbytes).view(torch.int64)
-        distinct_keys, pos, distinct_of = sent[:at_pos], sent[at_pos:at_inverse], sent[at_inverse:]
+        distinct_keys, pos = sent[:n_distinct], sent[at_pos:at_pos + n_missed]
+        distinct_of = sent[at_inverse:]
         # NOTE: a quantized host cache's rows dequantized in the gather, in the layer's dtype
         distinct_rows, hit = hostcache_lookup(self.registration, distinct_keys,
                                               out_dtype=res.dtype)
@@ -169,15 +173,15 @@ class DeviceReads(HostReads):
         rest = np.flatnonzero(~hit_np)
         n_rest = rest.size
         # NOTE: the pinned buffer's copy of this call's indices is done: the sync above
-        at_rows = 8 * n_rest
+        at_rows = 8 * _even(n_rest)
         at_found = at_rows + n_rest * row_bytes
         buf = staging.take(at_found + n_rest)
-        buf[:at_rows] = rest.view(np.uint8)
+        buf[:8 * n_rest] = rest.view(np.uint8)
         found = res.resolve(ukeys[rest], buf[at_rows:at_found].reshape(n_rest, row_bytes),
                             since, from_host=False)
         buf[at_found:] = True if found is None else found.view(np.uint8)
         dev = staging.send(at_found + n_rest)
-        rest_sent = dev[:at_rows].view(torch.int64)
+        rest_sent = dev[:8 * n_rest].view(torch.int64)
         rest_rows = dev[at_rows:at_found].view(res.dtype).view(n_rest, res.dim)
         distinct_rows.index_copy_(0, rest_sent, rest_rows)
         if found is None:
@@ -187,6 +191,14 @@ class DeviceReads(HostReads):
             flags.index_copy_(0, rest_sent, dev[at_found:].view(torch.bool))
             self._offer(distinct_keys, distinct_rows, flags, False, since, stream)
         return distinct_rows.index_select(0, distinct_of), pos
+
+
+def _even(n: int) -> int:
+    """``n`` int64s rounded up to a whole number of 16-byte steps: what each array sent
+    in one buffer starts after, so that every pointer a kernel gets is 16-byte aligned
+    whatever the batch (Triton compiles a variant per pointer alignment: a misaligned
+    one would compile again in the middle of serving, and load narrower)."""
+    return n + (n & 1)
 
 
 def read_path(resolver: Resolver, device: torch.device, pending: PendingAdmissions,

@@ -213,8 +213,10 @@ def warm_kernels(dim: int, dtype: str, kind: str, device: Any, tuning: Any = Non
             table.insert(torch.arange(n), values)
             for out in outputs:
                 for cls in (NVEmbedding, NVEmbeddingBag):
+                    # NOTE: a GPU cache of a quarter of the rows (float32): the large
+                    # batch's admissions evict, as a replica's do
                     layer = cls(n, dim, out, LayerType.Hierarchical, host_cache=table,
-                                gpu_cache_size=n * dim * 4, device=device,
+                                gpu_cache_size=n * dim, device=device,
                                 default_row=0.0, tuning=tuning)
                     _lookups(layer, batches)
         finally:
