@@ -82,16 +82,16 @@ def _load(ptr, mask, other, VOLATILE: tl.constexpr):
 @triton.jit
 def _e4m3(q):
     """float32 of e4m3fn bits (uint8): sign, 4 exponent bits (bias 7), 3 mantissa bits; no
-    infinities (the tables store no NaN: their writes refuse them)."""
+    infinities (the tables store no NaN: their writes refuse them). The sign goes in as a
+    bit: a compiled ``-x`` is ``0 - x``, which makes -0.0 (byte 0x80) +0.0."""
     b = q.to(tl.int32)
     e = (b >> 3) & 15
     m = b & 7
-    neg = (b >> 7) != 0
     normal = ((e + 120) << 23) | (m << 20)
-    normal = tl.where(neg, normal | (-2147483647 - 1), normal).to(tl.float32, bitcast=True)
-    sub = m.to(tl.float32) * 0.001953125  # NOTE: 2**-9: a subnormal is m * 2**-6 / 8
-    sub = tl.where(neg, -sub, sub)
-    return tl.where(e == 0, sub, normal)
+    # NOTE: 2**-9: a subnormal is m * 2**-6 / 8 (its magnitude's bits)
+    sub = (m.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True)
+    mag = tl.where(e == 0, sub, normal)
+    return (mag | ((b & 128) << 24)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
