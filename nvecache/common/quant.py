@@ -317,8 +317,8 @@ def _e4m3_values() -> torch.Tensor:
 
 def _fp8_on_cpu(payload: torch.Tensor, rows: torch.Tensor) -> None:
     """``rows`` (float32) = e4m3fn ``payload`` on the CPU, by a table of the 256 bit
-    patterns' values (exact, the values torch's conversion gives): 1.7 ns an element on the
-    development VM against 2.9 for torch's element-wise CPU conversion (2,000 x 128)."""
+    patterns' values (exact, the values torch's conversion gives), faster than torch's
+    element-wise CPU conversion (bench/RESULTS.md, "Quantized rows: layers")."""
     idx = payload.view(torch.uint8).to(torch.int64)
     if rows.is_contiguous():
         torch.index_select(_e4m3_values(), 0, idx.view(-1), out=rows.view(-1))
