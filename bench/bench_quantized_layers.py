@@ -25,6 +25,7 @@ Run on a CUDA machine: ``python bench/bench_quantized_layers.py [--quick] [--onl
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -43,7 +44,8 @@ import psclient  # noqa: E402
 from bench.bench_per_call import p50_p99  # noqa: E402
 from bench.bench_training_tiers import back_to_back as tiers_back_to_back  # noqa: E402
 from bench.workloads import ZipfKeys  # noqa: E402
-from gpu import LayerType, NVEmbedding, NVEmbeddingBag  # noqa: E402
+from gpu import LayerType, NVEmbedding, NVEmbeddingBag, TierConfig  # noqa: E402
+from gpu.kernels.tiles import DEFAULT_TILES  # noqa: E402
 from hostcache import HostCache, SharedMemBlock  # noqa: E402
 from nvecache.common import quant  # noqa: E402
 from nvecache.common.rows import RowFormat  # noqa: E402
@@ -140,6 +142,49 @@ def gpulayer(device: torch.device, rows: int, quick: bool, reps: int) -> None:
         for layer in (*layers.values(), *bags.values()):
             if hasattr(layer, "close"):
                 layer.close()
+
+
+#: pooled launch settings compared by :func:`pooled_tiles`: (keys per program, warps,
+#: programs in all); the first is the default's
+POOLED_TILES = ((64, 8, 256), (64, 8, 1024), (64, 8, 2048), (128, 8, 1024), (32, 4, 1024),
+                (32, 4, 2048), (64, 4, 1024), (128, 8, 2048), (16, 4, 4096))
+
+
+def pooled_tiles(device: torch.device, rows: int, quick: bool, reps: int) -> None:
+    """GPULayer pooled 256x1024 (fp16 output for the quantized tables, fp32 for float32)
+    under each of :data:`POOLED_TILES`, back to back, against the float32 layer with the
+    default settings in the same run: which launch settings each format wants."""
+    weights = torch.randn(rows, DIM, device=device)
+    nb, per = (32, 256) if quick else (256, 1024)
+    made: list[Any] = []
+    try:
+        for alpha in (1.05, 0.0):
+            z = ZipfKeys(rows, alpha, seed=7)
+            batches = [z.sample(nb * per).to(device).view(nb, per) for _ in range(8)]
+            base = None
+            for wd in (torch.float32, *FORMATS):
+                out = torch.float32 if wd == torch.float32 else torch.float16
+                init = weights.to(out)
+                for bk, warps, programs in POOLED_TILES:
+                    tiles = dataclasses.replace(DEFAULT_TILES, pooled_block_k=bk,
+                                                pooled_warps=warps, pooled_programs=programs)
+                    bag = NVEmbeddingBag(rows, DIM, out, LayerType.GPULayer,
+                                         weight_dtype=None if wd == torch.float32 else wd,
+                                         weight_init=init, mode="sum", device=device,
+                                         tuning=TierConfig(tiles=tiles))
+                    made.append(bag)
+                    t = back_to_back(bag, batches)
+                    if base is None:
+                        base = t
+                    emit(bench="pooled_tiles", alpha=alpha, weight=name_of(wd),
+                         out=name_of(out), block_k=bk, warps=warps, programs=programs,
+                         us_per_call=t * 1e6, speedup_vs_fp32_default=base / t)
+                    bag.close()
+                    made.pop()
+                del init
+    finally:
+        for bag in made:
+            bag.close()
 
 
 def seed_config(device: torch.device, rows: int, quick: bool, reps: int) -> None:
@@ -276,8 +321,8 @@ def hierarchical(device: torch.device, rows: int, quick: bool, reps: int) -> Non
             HostCache.unlink(name)
 
 
-BENCHES = {"gpulayer": gpulayer, "seed": seed_config, "linear_uvm": linear_uvm,
-           "hierarchical": hierarchical}
+BENCHES = {"gpulayer": gpulayer, "pooled_tiles": pooled_tiles, "seed": seed_config,
+           "linear_uvm": linear_uvm, "hierarchical": hierarchical}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -291,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=200, help="calls timed per p50/p99")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    defaults = {"gpulayer": 1 << 22, "seed": 1 << 26, "linear_uvm": 1 << 24,
+    defaults = {"gpulayer": 1 << 22, "pooled_tiles": 1 << 22, "seed": 1 << 26, "linear_uvm": 1 << 24,
                 "hierarchical": 1 << 20}
     if args.quick or device.type == "cpu":
         defaults = dict.fromkeys(defaults, 1 << 16)
