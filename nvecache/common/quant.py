@@ -32,19 +32,30 @@ linearly.
 Rows holding NaN or an infinity cannot be encoded (their range is not finite): the tiers
 refuse them before encoding, with their own typed error; :func:`encode` raises
 :class:`~nvecache.common.rows.RowFormatError` if given one.
+
+On the CPU, encoding to nearest and decoding run in compiled loops once they are ready
+(:mod:`nvecache.common.quant_loops`: a pass or two over each row, the same bits; the
+batch split over a few threads when large), this module's torch code until then and
+everywhere else (CUDA tensors, stochastic rounding): the reference the loops and every
+kernel that dequantizes are tested against.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
+from typing import Any
 
+import numpy as np
 import torch
 
+from nvecache.common.fanout import split_run
+from nvecache.common.loop_gate import LoopGate
 from nvecache.common.rows import RowFormat, RowFormatError
 
-__all__ = ["decode", "encode", "encode_sum", "error_bound", "parameters", "rounding_generator",
-           "seed_rounding", "steps_around"]
+__all__ = ["decode", "encode", "encode_finite", "encode_sum", "error_bound", "parameters",
+           "rounding_generator", "seed_rounding", "steps_around"]
 
 #: e4m3fn's largest finite magnitude
 FP8_MAX = 448.0
@@ -74,6 +85,62 @@ def encode(values: torch.Tensor, fmt: RowFormat, *, stochastic: bool = False,
             floating dtype, or a row holds NaN or an infinity.
     """
     return _encode(values, fmt, "stochastic" if stochastic else "nearest", generator)
+
+
+def encode_finite(values: torch.Tensor, fmt: RowFormat
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(stored, bad)``: rows ``values`` encoded as :func:`encode` encodes them, except
+    that a row holding NaN or an infinity is left zeros instead of refused; ``bad``: bool
+    ``[N]`` marking those rows (None: every row is finite).
+
+    Raises:
+        RowFormatError: as :func:`encode`, a non-finite row excepted.
+    """
+    x = _rows_of(values, fmt)
+    loops = _loops(x)
+    if loops is not None:
+        return _encode_loops(loops, x, fmt)
+    bad = _nonfinite(x)
+    if bad is None:
+        return _encode_torch(x, fmt, "nearest", None), None
+    stored = torch.zeros(x.shape[0], fmt.stored_bytes, dtype=torch.uint8, device=x.device)
+    good = ~bad
+    stored[good] = _encode_torch(x[good], fmt, "nearest", None)
+    return stored, bad
+
+
+def _nonfinite(x: torch.Tensor) -> torch.Tensor | None:
+    """Which rows of ``x`` hold a NaN or an infinity (None: none)."""
+    if x.numel() == 0 or bool(torch.isfinite(x.sum())):
+        return None
+    bad = ~torch.isfinite(x).all(dim=1)
+    return bad if bool(bad.any()) else None
+
+
+#: the compiled loops once ready; this module's torch code serves until then
+_LOOPS = LoopGate("nvecache.common.quant_loops", sys.modules[__name__])
+
+
+def _loops(t: torch.Tensor) -> Any:
+    """The compiled loops for a tensor on the CPU once they are ready (asked for on the
+    first call), else None: the torch code serves."""
+    if t.device.type != "cpu":
+        return None
+    m = _LOOPS.pick()
+    return None if m is _LOOPS.twin else m
+
+
+def _encode_loops(loops: Any, x: torch.Tensor, fmt: RowFormat
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`encode_finite` by the compiled loops: ``x`` float32 ``[N, dim]`` on the CPU."""
+    xs = x.detach().contiguous().numpy()
+    n = xs.shape[0]
+    out = np.zeros((n, fmt.stored_bytes), np.uint8)
+    bad = np.zeros(n, np.bool_)
+    fn = loops.encode_int8 if fmt.dtype == "int8" else loops.encode_fp8
+    nbad = sum(split_run(lambda lo, hi: fn(xs[lo:hi], out[lo:hi], fmt.meta_offset,
+                                           bad[lo:hi]), n))
+    return torch.from_numpy(out), torch.from_numpy(bad) if nbad else None
 
 
 def encode_sum(values: torch.Tensor, fmt: RowFormat, *,
@@ -155,11 +222,21 @@ def _encode(values: torch.Tensor, fmt: RowFormat, how: str,
             generator: torch.Generator | None) -> torch.Tensor:
     """:func:`encode`, each element rounded ``how``: ``"nearest"``, ``"stochastic"``,
     ``"below"`` or ``"above"`` (:func:`steps_around`)."""
-    _check(fmt)
-    if (not isinstance(values, torch.Tensor) or values.dim() != 2
-            or values.shape[1] != fmt.dim or not values.is_floating_point()):
-        raise RowFormatError(f"rows to quantize must be a float [N, {fmt.dim}] tensor")
-    x = values.float()
+    x = _rows_of(values, fmt)
+    n = x.shape[0]
+    loops = _loops(x) if how == "nearest" and n else None
+    if loops is not None:
+        stored, bad = _encode_loops(loops, x, fmt)
+        if bad is not None:
+            raise RowFormatError("a row holds NaN or an infinity: quantized rows must be "
+                                 "finite")
+        return stored
+    return _encode_torch(x, fmt, how, generator)
+
+
+def _encode_torch(x: torch.Tensor, fmt: RowFormat, how: str,
+                  generator: torch.Generator | None) -> torch.Tensor:
+    """:func:`_encode` in torch (float32 rows ``x``, checked): the reference."""
     n = x.shape[0]
     out = torch.zeros(n, fmt.stored_bytes, dtype=torch.uint8, device=x.device)
     if n == 0:
@@ -192,6 +269,15 @@ def _encode(values: torch.Tensor, fmt: RowFormat, how: str,
     out[:, :fmt.dim] = q.view(torch.uint8)
     out[:, fmt.meta_offset:fmt.stored_bytes] = params.contiguous().view(torch.uint8)
     return out
+
+
+def _rows_of(values: torch.Tensor, fmt: RowFormat) -> torch.Tensor:
+    """``values`` in float32, checked to be rows ``fmt`` can encode."""
+    _check(fmt)
+    if (not isinstance(values, torch.Tensor) or values.dim() != 2
+            or values.shape[1] != fmt.dim or not values.is_floating_point()):
+        raise RowFormatError(f"rows to quantize must be a float [N, {fmt.dim}] tensor")
+    return values.float()
 
 
 def _divisor(like: torch.Tensor, value: float) -> torch.Tensor:
@@ -281,8 +367,18 @@ def _decode_into(stored: torch.Tensor, fmt: RowFormat, out: torch.Tensor) -> tor
     product and the sum each rounded (no fused multiply-add: the GPU kernels that dequantize
     compute it the same way, so every reader gets the same bits), then rounded once to
     ``out``'s dtype."""
+    _check(fmt)
     if out.shape != (stored.shape[0], fmt.dim) or not out.is_floating_point():
         raise RowFormatError(f"out must be a float [{stored.shape[0]}, {fmt.dim}] tensor")
+    loops = _loops(stored)
+    if loops is not None and stored.shape[0]:
+        _decode_loops(loops, stored, fmt, out)
+        return out
+    return _decode_torch(stored, fmt, out)
+
+
+def _decode_torch(stored: torch.Tensor, fmt: RowFormat, out: torch.Tensor) -> torch.Tensor:
+    """:func:`_decode_into` in torch: the reference."""
     params = parameters(stored, fmt)
     payload = stored[:, :fmt.dim].view(torch.int8 if fmt.dtype == "int8"
                                        else torch.float8_e4m3fn)
@@ -298,6 +394,24 @@ def _decode_into(stored: torch.Tensor, fmt: RowFormat, out: torch.Tensor) -> tor
     if rows is not out:
         out.copy_(rows)
     return out
+
+
+def _decode_loops(loops: Any, stored: torch.Tensor, fmt: RowFormat, out: torch.Tensor
+                  ) -> None:
+    """:func:`_decode_into` by the compiled loops (``stored`` and ``out`` on the CPU)."""
+    direct = out.dtype == torch.float32 and out.is_contiguous()
+    rows = out if direct else torch.empty(out.shape, dtype=torch.float32)
+    src, dst = stored[:, :fmt.stored_bytes].numpy(), rows.detach().numpy()
+    meta = fmt.meta_offset
+    if fmt.dtype == "int8":
+        split_run(lambda lo, hi: loops.decode_int8(src[lo:hi], meta, dst[lo:hi]),
+                  dst.shape[0])
+    else:
+        table = _E4M3_VALUES.numpy()
+        split_run(lambda lo, hi: loops.decode_fp8(src[lo:hi], meta, table, dst[lo:hi]),
+                  dst.shape[0])
+    if not direct:
+        out.copy_(rows)
 
 
 #: float32 of each of e4m3fn's 256 bit patterns (torch's conversion of each, once)

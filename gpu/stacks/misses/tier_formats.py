@@ -99,13 +99,10 @@ class TierFormats:
         fmt = self.host
         if fmt is None:
             return (values if values.dtype == self.dtype else values.to(self.dtype)), None, None
-        bad = nonfinite_rows(values)
+        stored, bad = quant.encode_finite(values, fmt)
         if bad is None:
-            stored = quant.encode(values, fmt)
             return quant.decode(stored, fmt, self.dtype), stored, None
         good = ~bad
-        stored = torch.zeros(values.shape[0], fmt.stored_bytes, dtype=torch.uint8)
-        stored[good] = quant.encode(values[good], fmt)
         rows = values.to(self.dtype, copy=True)
         rows[good] = quant.decode(stored[good], fmt, self.dtype)
         return rows, stored, good

@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 #: the per-key loop modules (numba); each has a ``warm_up()``
 LOOP_MODULES = ("hostcache.table_loops", "psclient.file.mirror_loops",
-                "gpu.stacks.misses.miss_loops")
+                "gpu.stacks.misses.miss_loops", "nvecache.common.quant_loops")
 
 
 def table_spec(dim: int, dtype: str, kind: str) -> str:
