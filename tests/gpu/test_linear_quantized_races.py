@@ -72,9 +72,13 @@ def test_a_write_in_this_process_never_tears_a_row(fmt: torch.dtype, kind: str,
                        writer]
         acked, seen = [0], []
         done = threading.Event()
+        # NOTE: the writes start once a lookup has returned, so that lookups overlap them
+        # however fast the writes are
+        first_read = threading.Event()
 
         def write() -> None:
             try:
+                first_read.wait()
                 for v in range(1, writes + 1):
                     on_own_stream(device, lambda v=v: writer.update(keys, table[v].to(device)))
                     acked[0] = v
@@ -82,14 +86,18 @@ def test_a_write_in_this_process_never_tears_a_row(fmt: torch.dtype, kind: str,
                 done.set()
 
         def read(layer: Any) -> None:
-            while not done.is_set():
-                floor = acked[0]
-                got = hashed(on_own_stream(device, lambda: layer(keys)).cpu())
-                match = got[None, :] == allowed  # [versions, ROWS]
-                assert bool(match.any(dim=0).all()), "a row of no version (torn)"
-                version = match.int().argmax(dim=0)
-                assert bool((version >= floor).all()), (floor, version.tolist())
-                seen.append(version)
+            try:
+                while not done.is_set():
+                    floor = acked[0]
+                    got = hashed(on_own_stream(device, lambda: layer(keys)).cpu())
+                    match = got[None, :] == allowed  # [versions, ROWS]
+                    assert bool(match.any(dim=0).all()), "a row of no version (torn)"
+                    version = match.int().argmax(dim=0)
+                    assert bool((version >= floor).all()), (floor, version.tolist())
+                    seen.append(version)
+                    first_read.set()
+            finally:
+                first_read.set()  # NOTE: a reader that failed does not hold the writer
 
         race(write, read, readers, done)
         assert seen, "no lookup ran"
