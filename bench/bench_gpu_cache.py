@@ -264,7 +264,7 @@ def sweep(args: argparse.Namespace, cache: GPUCache, keys: torch.Tensor, slot_of
                 t0 = bench(lambda tiles=tiles: plain_pooled(tiles), True)
                 emit(bench="sweep_pooled", dist=dist, block_k=bk, warps=warps,
                      programs=programs, saturated=sat,
-                     split=pooled_kernels.pooled_split(n, 256, tiles),
+                     split=pooled_kernels.pooled_split(n, 256, tiles, DIM),
                      mkps=round(n / tp / 1e6, 1), ratio=round(t_bag / tp, 3),
                      no_count_mkps=round(n / t_nc / 1e6, 1), plain_mkps=round(n / t0 / 1e6, 1),
                      bag_mkps=round(n / t_bag / 1e6, 1))

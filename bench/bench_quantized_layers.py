@@ -146,45 +146,58 @@ def gpulayer(device: torch.device, rows: int, quick: bool, reps: int) -> None:
 
 #: pooled launch settings compared by :func:`pooled_tiles`: (keys per program, warps,
 #: programs in all); the first is the default's
-POOLED_TILES = ((64, 8, 256), (64, 8, 1024), (64, 8, 2048), (128, 8, 1024), (32, 4, 1024),
-                (32, 4, 2048), (64, 4, 1024), (128, 8, 2048), (16, 4, 4096))
+POOLED_TILES = ((DEFAULT_TILES.pooled_block_k, DEFAULT_TILES.pooled_warps,
+                 DEFAULT_TILES.pooled_programs), (64, 8, 256), (64, 8, 512), (128, 8, 512),
+                (32, 4, 1024), (64, 4, 512), (256, 16, 256))
+
+
+def kernel_us(fn: Callable[[torch.Tensor], Any], batches: list[torch.Tensor]) -> float:
+    """Microseconds of GPU kernels per call (the profiler's device time over 40 calls):
+    the second column, beside the wall clock a serving process sees."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        for i in range(40):
+            fn(batches[i % len(batches)])
+        sync()
+    return sum(e.self_device_time_total for e in p.key_averages()) / 40
 
 
 def pooled_tiles(device: torch.device, rows: int, quick: bool, reps: int) -> None:
     """GPULayer pooled 256x1024 (fp16 output for the quantized tables, fp32 for float32)
-    under each of :data:`POOLED_TILES`, back to back, against the float32 layer with the
-    default settings in the same run: which launch settings each format wants."""
-    weights = torch.randn(rows, DIM, device=device)
+    under each of :data:`POOLED_TILES`: wall clock back to back and kernel time per call;
+    then rows of 64, 256 and 512 elements under the default settings against 64 keys per
+    program (the default before its tile cap). Which launch settings each format wants."""
     nb, per = (32, 256) if quick else (256, 1024)
-    made: list[Any] = []
-    try:
-        for alpha in (1.05, 0.0):
-            z = ZipfKeys(rows, alpha, seed=7)
-            batches = [z.sample(nb * per).to(device).view(nb, per) for _ in range(8)]
-            base = None
-            for wd in (torch.float32, *FORMATS):
-                out = torch.float32 if wd == torch.float32 else torch.float16
-                init = weights.to(out)
-                for bk, warps, programs in POOLED_TILES:
-                    tiles = dataclasses.replace(DEFAULT_TILES, pooled_block_k=bk,
-                                                pooled_warps=warps, pooled_programs=programs)
-                    bag = NVEmbeddingBag(rows, DIM, out, LayerType.GPULayer,
-                                         weight_dtype=None if wd == torch.float32 else wd,
-                                         weight_init=init, mode="sum", device=device,
-                                         tuning=TierConfig(tiles=tiles))
-                    made.append(bag)
-                    t = back_to_back(bag, batches)
-                    if base is None:
-                        base = t
-                    emit(bench="pooled_tiles", alpha=alpha, weight=name_of(wd),
-                         out=name_of(out), block_k=bk, warps=warps, programs=programs,
-                         us_per_call=t * 1e6, speedup_vs_fp32_default=base / t)
-                    bag.close()
-                    made.pop()
-                del init
-    finally:
-        for bag in made:
+    timed = kernel_us if device.type == "cuda" else (lambda fn, b: float("nan"))
+
+    def run(dim: int, alpha: float, wd: torch.dtype, tiles: Any, **fields: Any) -> None:
+        out = torch.float32 if wd == torch.float32 else torch.float16
+        z = ZipfKeys(rows, alpha, seed=7)
+        batches = [z.sample(nb * per).to(device).view(nb, per) for _ in range(8)]
+        bag = NVEmbeddingBag(rows, dim, out, LayerType.GPULayer,
+                             weight_dtype=None if wd == torch.float32 else wd,
+                             weight_init=torch.randn(rows, dim, device=device, dtype=out),
+                             mode="sum", device=device, tuning=TierConfig(tiles=tiles))
+        try:
+            t = back_to_back(bag, batches)
+            emit(bench="pooled_tiles", dim=dim, alpha=alpha, weight=name_of(wd),
+                 out=name_of(out), us_per_call=t * 1e6, kernel_us=timed(bag, batches),
+                 **fields)
+        finally:
             bag.close()
+
+    for alpha in (1.05, 0.0):
+        for wd in (torch.float32, *FORMATS):
+            for bk, warps, programs in POOLED_TILES:
+                tiles = dataclasses.replace(DEFAULT_TILES, pooled_block_k=bk,
+                                            pooled_warps=warps, pooled_programs=programs)
+                run(DIM, alpha, wd, tiles, block_k=bk, warps=warps, programs=programs)
+    before = dataclasses.replace(DEFAULT_TILES, pooled_block_k=64, pooled_max_tile=1 << 20)
+    for dim in (64, 256, 512):
+        for wd in (torch.float32, torch.int8):
+            for label, tiles in (("default", DEFAULT_TILES), ("64 keys", before)):
+                run(dim, 1.05, wd, tiles, setting=label)
 
 
 def seed_config(device: torch.device, rows: int, quick: bool, reps: int) -> None:
@@ -336,8 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=200, help="calls timed per p50/p99")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    defaults = {"gpulayer": 1 << 22, "pooled_tiles": 1 << 22, "seed": 1 << 26, "linear_uvm": 1 << 24,
-                "hierarchical": 1 << 20}
+    defaults = {"gpulayer": 1 << 22, "pooled_tiles": 1 << 22, "seed": 1 << 26,
+                "linear_uvm": 1 << 24, "hierarchical": 1 << 20}
     if args.quick or device.type == "cpu":
         defaults = dict.fromkeys(defaults, 1 << 16)
     reps = 20 if args.quick else args.reps

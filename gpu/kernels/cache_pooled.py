@@ -176,10 +176,17 @@ def _cand_cap(candidates: torch.Tensor | None) -> int:
     return 0 if candidates is None else (candidates.numel() - 1) // 2
 
 
-def pooled_split(n: int, nbags: int, tiles: Tiles) -> int:
-    """Programs per bag (a power of two): enough to fill the GPU, none idle on average."""
+def pooled_block_k(tiles: Tiles, block_d: int) -> int:
+    """Keys per pooled program for rows of ``block_d`` elements: ``tiles.pooled_block_k``,
+    fewer where the tile would pass ``tiles.pooled_max_tile`` elements (at least 16)."""
+    return min(tiles.pooled_block_k, max(16, tiles.pooled_max_tile // block_d))
+
+
+def pooled_split(n: int, nbags: int, tiles: Tiles, block_d: int) -> int:
+    """Programs per bag (a power of two) for rows of ``block_d`` elements: enough to fill
+    the GPU, none idle on average."""
     per_bag = max(1, -(-n // max(nbags, 1)))  # average bag length, rounded up
-    useful = -(-per_bag // tiles.pooled_block_k)  # key blocks of an average bag
+    useful = -(-per_bag // pooled_block_k(tiles, block_d))  # key blocks of an average bag
     want = -(-tiles.pooled_programs // max(nbags, 1))
     split = max(1, min(useful, want, tiles.pooled_max_split))
     return 1 << (split.bit_length() - 1)
@@ -219,7 +226,7 @@ def pooled(
     if nbags == 0:
         return out, hit
     bd = _block_d(dim)
-    split = pooled_split(n, nbags, tiles)
+    split = pooled_split(n, nbags, tiles, bd)
     part = torch.empty((nbags, split, dim), dtype=torch.float32, device=dev) \
         if split > 1 else out
     linear = table is not None
@@ -237,7 +244,7 @@ def pooled(
         cx = _POOLED_CX[cxkey] = dict(
             HAS_CACHE=cxkey[0], HAS_W=cxkey[1], HAS_MISS=cxkey[2], COLLECT=cxkey[3],
             LINEAR=linear, MEAN=mean, SPLIT=split, WAYS=ways, EMPTY=empty,
-            STAT_STRIPES=cxkey[9], BLOCK_K=tiles.pooled_block_k, BLOCK_D=bd,
+            STAT_STRIPES=cxkey[9], BLOCK_K=pooled_block_k(tiles, bd), BLOCK_D=bd,
             EVEN_D=bd == dim, COUNT=count, CMAX=cmax, CHECK=cxkey[14],
             COLLECT_ROWS=cxkey[22], num_warps=tiles.pooled_warps,
             **codec_constexprs(table_format))

@@ -22,6 +22,7 @@ __all__ = ["DEFAULT_TILES", "Tiles"]
 _MAY_BE_ZERO = frozenset({"linear_page_order", "host_block_k", "host_one_sort_max"})
 #: fields that are Triton block sizes or warp counts: powers of two
 _POW2 = frozenset({"lookup_block_k", "lookup_warps", "pooled_block_k", "pooled_warps",
+                   "pooled_max_tile",
                    "scatter_block_k", "insert_block_k", "gather_block_k", "gather_warps",
                    "host_block_k", "host_probe_block_k", "host_warps"})
 
@@ -36,9 +37,14 @@ class Tiles:
     #: from this many keys a batch over a linear table in host memory is visited in row
     #: (host page) order, by the cache lookups and the GPULayer gather (0: never)
     linear_page_order: int = 1 << 17
-    #: keys per program of the pooled lookups, and their warps
-    pooled_block_k: int = 64
+    #: keys per program of the pooled lookups (fewer for wide rows: pooled_max_tile), and
+    #: their warps
+    pooled_block_k: int = 128
     pooled_warps: int = 8
+    #: at most this many elements in a pooled program's [keys, row] tile: rows wider than
+    #: ``pooled_max_tile // pooled_block_k`` take fewer keys per program (its fp32 sums
+    #: live in registers)
+    pooled_max_tile: int = 1 << 14
     #: split bags over about this many programs in all, at most this many per bag
     pooled_programs: int = 256
     pooled_max_split: int = 64

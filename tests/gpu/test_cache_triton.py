@@ -375,7 +375,7 @@ def test_interpreter_split_bags(cache_buckets: int) -> None:
     from gpu.kernels.triton_access import kernel_module
 
     tiles = replace(SMALL, pooled_block_k=4, pooled_programs=64)
-    assert kernel_module("cache_pooled", interpret=True).pooled_split(200, 5, tiles) == 8
+    assert kernel_module("cache_pooled", interpret=True).pooled_split(200, 5, tiles, 16) == 8
     gen = torch.Generator().manual_seed(3)
     a = make("cpu", "torch", buckets=cache_buckets)
     b = make("cpu", "triton", buckets=cache_buckets, tiles=tiles)
