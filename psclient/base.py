@@ -124,6 +124,26 @@ class ParameterServer(HandleFiles, ABC):
         stored, found = self._lookup(k)
         return decode_rows(stored, self._schema), found
 
+    def lookup_stored(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Read the rows of ``keys`` as the table stores them: a quantized table's encoded
+        rows, uint8 ``[N, stored_bytes]`` (what :func:`nvecache.common.quant.decode` reads:
+        :meth:`lookup` returns them decoded), a plain table's rows as :meth:`lookup`
+        returns them. A reader that keeps rows in the same quantized format (a layer's
+        host cache) takes them so, without decoding and encoding them again.
+
+        Returns:
+            ``(stored, found)``: zero bytes where not found; new tensors the caller owns.
+
+        Raises:
+            As :meth:`lookup`.
+        """
+        k = self._enter(keys)
+        if k.size == 0:
+            shape = (0, self._schema.row_bytes) if self.quantized else (0, self.dim)
+            dtype = torch.uint8 if self.quantized else self._schema.value_dtype
+            return torch.zeros(shape, dtype=dtype), torch.zeros(0, dtype=torch.bool)
+        return self._lookup(k)
+
     def insert(self, keys: torch.Tensor, values: torch.Tensor, *,
                allow_nonfinite: bool = False) -> None:
         """Write rows, creating or overwriting them (the last of duplicate keys wins).

@@ -161,7 +161,11 @@ class TierWrites:
         if host is not None and n:
             changed = torch.unique(ck[found])
             try:
-                rows, held = ps.lookup(changed)
+                # NOTE: the server's new rows as the host cache takes them (a shared
+                # format's: its stored bytes); a key erased since the add is dropped from
+                # the host cache too, and so is a row a quantized host cache cannot hold
+                # (NaN or infinite: read from the server)
+                new_rows, held = self.resolver.formats.server_rows(ps, changed)
             except PSClientError as e:
                 host.erase(changed)  # NOTE: no stale row stays cached anywhere
                 self._written(keys, own_copies=False)
@@ -169,11 +173,6 @@ class TierWrites:
                     f"accumulate of {n} keys: the parameter server added the deltas but "
                     f"could not be read back: {e}; the keys were dropped from the caches "
                     "(the next lookups read them from the parameter server)") from e
-            # NOTE: a key erased since the add is dropped from the host cache too, and so is
-            # a row a quantized host cache cannot hold (NaN or infinite: read from the server)
-            new_rows, holds = self.resolver.formats.host_rows(rows)
-            if holds is not None:
-                held = held & holds
             host.update(changed[held], new_rows[held], insert_missing=True,
                         allow_nonfinite=True)
             if not bool(held.all()):

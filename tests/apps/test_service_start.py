@@ -181,6 +181,40 @@ def test_a_quantized_host_cache_over_a_float32_table(tmp_path: Path, table_name:
     assert shm_entries(table_name) == []
 
 
+def test_a_quantized_host_cache_over_a_table_of_its_format_holds_the_servers_bytes(
+        tmp_path: Path, table_name: str, store: str) -> None:
+    """An int8 host cache over an int8 table: the warm-up fills it with the server's stored
+    bytes (what a layer's fills take), so it reads back what the server reads back, bit
+    for bit, not the server's rows encoded once more (which differ for some rows)."""
+    from hostcache import HostCache
+    from nvecache.common import quant
+
+    new = table_name + "-q8"
+    keys = torch.arange(64)
+    rows = torch.randn(64, DIM, generator=torch.Generator().manual_seed(4)) * 3
+    with psclient.connect(store, table=new, dim=DIM, dtype=torch.int8) as ps:
+        ps.insert(keys, rows)
+        served, _ = ps.lookup(keys)
+        fmt = ps.schema.row_format
+    again = quant.decode(quant.encode(served, fmt), fmt)
+    assert not torch.equal(again, served)  # NOTE: the old rule's rows: not the server's
+    cfg = build_config(config_file(tmp_path, [
+        {"name": table_name, "capacity": 1024, "dim": DIM, "dtype": "int8", "ps_url": store,
+         "ps_table": new, "warmup": "all"}]), env={})
+    service = NodeService(cfg)
+    service.start()
+    try:
+        with HostCache.attach(table_name) as hc:
+            values, hit = hc.lookup(keys)
+            assert bool(hit.all())
+            assert torch.equal(values, served)
+    finally:
+        service.stop()
+        with psclient.connect(store, table=new) as ps:
+            ps.drop()
+    assert shm_entries(table_name) == []
+
+
 def test_a_quantized_ps_table_is_created_in_its_format(tmp_path: Path, table_name: str,
                                                        store: str) -> None:
     new = table_name + "-q"

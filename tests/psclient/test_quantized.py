@@ -95,6 +95,27 @@ def test_stored_rows_are_the_codec_s_and_lookups_decode_them(make, name: str,
     assert not ps.lookup(torch.tensor([12345]))[1].any() and ps.size() == 5
     empty, none = ps.lookup(torch.empty(0, dtype=torch.int64))
     assert empty.shape == (0, dim) and empty.dtype == torch.float32 and none.numel() == 0
+    # the stored bytes themselves, as a host cache of the format is filled with them
+    raw, found = ps.lookup_stored(asked)
+    assert raw.dtype == torch.uint8 and raw.shape == (5, fmt.stored_bytes)
+    assert found.tolist() == [True, True, False, True, True]
+    assert torch.equal(raw[[0, 1, 3, 4]], stored(ps, asked[[0, 1, 3, 4]]))
+    assert torch.equal(raw[[0, 1, 4]], want[[3, 0, 0]]) and not raw[2].any()
+    assert torch.equal(quant.decode(raw, fmt), ps.lookup(asked)[0])
+    none_raw, none = ps.lookup_stored(torch.empty(0, dtype=torch.int64))
+    assert none_raw.shape == (0, fmt.stored_bytes) and none_raw.dtype == torch.uint8
+    assert none.numel() == 0
+
+
+def test_a_plain_table_s_stored_rows_are_its_lookup_s(make) -> None:
+    ps = make(dim=3, dtype="float16")
+    keys = torch.tensor([1, 2])
+    ps.insert(keys, torch.randn(2, 3).half())
+    for asked in (torch.tensor([2, 9, 1]), torch.empty(0, dtype=torch.int64)):
+        raw, found = ps.lookup_stored(asked)
+        values, found2 = ps.lookup(asked)
+        assert raw.dtype == torch.float16 and torch.equal(raw, values)
+        assert torch.equal(found, found2)
 
 
 @pytest.mark.parametrize("name", FORMATS)

@@ -11,8 +11,8 @@ stack's worker thread (:mod:`gpu.stacks.misses.host_filler`): no lookup waits fo
 
 A quantized host cache's rows are decoded straight into that buffer, in the layer's dtype
 (``HostCache.lookup(out=)``); rows the parameter server gives are returned as the host
-cache would return them, and fill it with their stored bytes
-(:mod:`gpu.stacks.misses.tier_formats`).
+cache would return them, and fill it with their stored bytes (the server's own where the
+two share the format: :mod:`gpu.stacks.misses.tier_formats`).
 """
 
 from __future__ import annotations
@@ -173,7 +173,10 @@ class Resolver:
         found is offered to the host cache (on the worker)."""
         keys_t = torch.from_numpy(keys)
         try:
-            values, ok = self.ps.lookup(keys_t)
+            # NOTE: as a lookup returns them (a quantized host cache: as it would return
+            # them); ``fills``: what fills the host cache (a quantized one's: stored bytes,
+            # the server's own where it shares the format), ``holds`` its rows
+            values, ok, fills, holds = self.formats.fetch(self.ps, keys_t)
         except PSClientError as e:
             if self._default is None:
                 raise StorageUnavailableError(
@@ -183,10 +186,6 @@ class Resolver:
                 ) from e
             logger.warning("parameter server unavailable (%s); serving default rows", e)
             return np.empty((keys.size, self.row_bytes), np.uint8), np.zeros(keys.size, bool), 0
-        # NOTE: as a lookup returns them (a quantized host cache: as it would return them);
-        # ``stored``: the bytes that fill a quantized host cache, ``holds`` its rows
-        values, stored, holds = self.formats.fetched(values)
-        fills = values if stored is None else stored
         ok_np = ok.numpy()
         nf = int(np.count_nonzero(ok_np))
         self.counts.count_storage(keys.size, nf)

@@ -70,17 +70,27 @@ def load_rows(cfg: TableConfig, table: HostCache | SharedMemBlock, ps: Any,
               disable=None, leave=False) as bar:
         for start in range(0, keys.numel(), BATCH):  # a loop over batches, not keys
             k = keys[start : start + BATCH]
-            values, found = ps.lookup(k)
             if isinstance(table, HostCache):
-                values, found = _for_cache(cfg, table, values, found)
+                if _shares_format(table, ps):
+                    # NOTE: the server's stored bytes themselves, as a layer's fills take them
+                    values, found = ps.lookup_stored(k)
+                else:
+                    values, found = _for_cache(cfg, table, *ps.lookup(k))
                 # NOTE: the parameter server's rows as it holds them: not checked again
                 table.insert(k[found], values[found], overwrite=False, allow_nonfinite=True)
             else:
+                values, found = ps.lookup(k)
                 values[~found] = 0
                 table.write(k, values, allow_nonfinite=True)
             loaded += int(found.sum())
             bar.update(k.numel())
     return loaded
+
+
+def _shares_format(table: HostCache, ps: Any) -> bool:
+    """Whether a quantized host cache stores rows in the server's own format (it then holds
+    the server's stored bytes: ``gpu.stacks.misses.tier_formats``)."""
+    return table.quantized and ps.quantized and table.row_format == ps.schema.row_format
 
 
 def _for_cache(cfg: TableConfig, table: HostCache, values: torch.Tensor, found: torch.Tensor
