@@ -51,6 +51,7 @@ import numpy as np
 import torch
 
 from nvecache.common.fanout import split_run
+from nvecache.common.finite import nonfinite_rows
 from nvecache.common.loop_gate import LoopGate
 from nvecache.common.rows import RowFormat, RowFormatError
 
@@ -100,21 +101,13 @@ def encode_finite(values: torch.Tensor, fmt: RowFormat
     loops = _loops(x)
     if loops is not None:
         return _encode_loops(loops, x, fmt)
-    bad = _nonfinite(x)
+    bad = nonfinite_rows(x)
     if bad is None:
         return _encode_torch(x, fmt, "nearest", None), None
     stored = torch.zeros(x.shape[0], fmt.stored_bytes, dtype=torch.uint8, device=x.device)
     good = ~bad
     stored[good] = _encode_torch(x[good], fmt, "nearest", None)
     return stored, bad
-
-
-def _nonfinite(x: torch.Tensor) -> torch.Tensor | None:
-    """Which rows of ``x`` hold a NaN or an infinity (None: none)."""
-    if x.numel() == 0 or bool(torch.isfinite(x.sum())):
-        return None
-    bad = ~torch.isfinite(x).all(dim=1)
-    return bad if bool(bad.any()) else None
 
 
 #: the compiled loops once ready; this module's torch code serves until then

@@ -368,6 +368,31 @@ def test_interpreter_skips_saturated_counters_exactly(monkeypatch: pytest.Monkey
 
 
 @needs_triton
+def test_pooled_programs_take_fewer_keys_for_wide_rows() -> None:
+    """A pooled program's [keys, row] tile stays within ``Tiles.pooled_max_tile`` elements
+    (at least 16 keys), and a wide row's bags pool like torch's under that block."""
+    from gpu.kernels.triton_access import kernel_module
+
+    pooled = kernel_module("cache_pooled", interpret=True)
+    assert [pooled.pooled_block_k(DEFAULT_TILES, bd) for bd in (16, 128, 256, 512, 4096)] \
+        == [128, 128, 64, 32, 16]
+    assert pooled.pooled_block_k(replace(DEFAULT_TILES, pooled_block_k=8), 4096) == 8
+    with pytest.raises(BadArgumentError, match="pooled_max_tile"):
+        Tiles(pooled_max_tile=1000)
+    dim = 300  # NOTE: rows of 512 elements a tile: 32 keys a program, bags split in 4
+    gen = torch.Generator().manual_seed(9)
+    table = torch.randn(50, dim, generator=gen)
+    keys = torch.randint(0, 50, (300,), generator=gen)
+    offsets = torch.tensor([0, 130, 130, 300])
+    assert pooled.pooled_split(300, 3, DEFAULT_TILES, 512) == 4
+    cache = make("cpu", "triton", buckets=0, dim=dim, tiles=DEFAULT_TILES)
+    got, _ = cache.lookup_linear_pooled(keys, offsets, table, "sum")
+    want = torch.nn.functional.embedding_bag(keys, table, offsets, mode="sum",
+                                             include_last_offset=True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+@needs_triton
 @pytest.mark.parametrize("cache_buckets", [0, 6])
 def test_interpreter_split_bags(cache_buckets: int) -> None:
     """Bags split over several programs (partial rows summed by a second launch) pool like
