@@ -42,6 +42,21 @@ def _put_params(out: np.ndarray, i: int, meta: int, params: np.ndarray, count: i
 
 
 @_jit
+def _row_range(x: np.ndarray, i: int) -> tuple[bool, np.float32, np.float32]:
+    """``(finite, lo, hi)``: whether row ``i`` of ``x`` is finite, and its least and
+    greatest element (meaningful only where it is)."""
+    lo = x[i, 0]
+    hi = x[i, 0]
+    for j in range(x.shape[1]):
+        v = x[i, j]
+        if not np.isfinite(v):
+            return False, lo, hi
+        lo = min(lo, v)
+        hi = max(hi, v)
+    return True, lo, hi
+
+
+@_jit
 def encode_int8(x: np.ndarray, out: np.ndarray, meta: int, bad: np.ndarray) -> int:
     """Rows ``x`` (float32 ``[N, dim]``) into ``out`` (uint8 ``[N, stored_bytes]``, zeros)
     as row-wise int8, each element rounded to the nearest step; a row holding NaN or an
@@ -50,16 +65,7 @@ def encode_int8(x: np.ndarray, out: np.ndarray, meta: int, bad: np.ndarray) -> i
     nbad = 0
     params = np.empty(2, np.float32)
     for i in range(n):
-        lo = x[i, 0]
-        hi = x[i, 0]
-        finite = True
-        for j in range(dim):
-            v = x[i, j]
-            if not np.isfinite(v):
-                finite = False
-                break
-            lo = min(lo, v)
-            hi = max(hi, v)
+        finite, lo, hi = _row_range(x, i)
         if not finite:
             bad[i] = True
             nbad += 1
@@ -80,9 +86,9 @@ def encode_int8(x: np.ndarray, out: np.ndarray, meta: int, bad: np.ndarray) -> i
 
 
 @_jit
-def _e4m3_bits(a: np.uint32) -> np.uint8:
-    """e4m3fn's bits of the float32 whose bits are ``a`` (finite, within +-448) rounded
-    to nearest, ties to even."""
+def _e4m3_bits(y: np.float32, a: np.uint32) -> np.uint8:
+    """e4m3fn's bits of ``y`` (finite, within +-448; ``a``: its float32 bits) rounded to
+    nearest, ties to even."""
     sign = (a >> np.uint32(24)) & np.uint32(128)
     u = a & np.uint32(0x7FFFFFFF)
     if u >= _MIN_NORMAL_BITS:
@@ -90,9 +96,7 @@ def _e4m3_bits(a: np.uint32) -> np.uint8:
         r = ((u + _REBIAS + np.uint32(0x7FFFF) + odd) >> np.uint32(20)) & np.uint32(127)
     else:
         # NOTE: a subnormal's step is 2**-9: the magnitude scaled by 2**9 (exact), rounded
-        mag = np.empty(1, np.uint32)
-        mag[0] = u
-        r = np.uint32(np.rint(mag.view(np.float32)[0] * _SUBNORMAL_STEPS))
+        r = np.uint32(np.rint(abs(y) * _SUBNORMAL_STEPS))
     return np.uint8(r | sign)
 
 
@@ -107,24 +111,18 @@ def encode_fp8(x: np.ndarray, out: np.ndarray, meta: int, bad: np.ndarray) -> in
     y = np.empty(dim, np.float32)
     bits = y.view(np.uint32)
     for i in range(n):
-        top = _F0
-        finite = True
-        for j in range(dim):
-            v = x[i, j]
-            if not np.isfinite(v):
-                finite = False
-                break
-            top = max(top, abs(v))
+        finite, lo, hi = _row_range(x, i)
         if not finite:
             bad[i] = True
             nbad += 1
             continue
+        top = max(abs(lo), abs(hi))  # NOTE: the row's largest magnitude, exactly
         scale = top / _FP8_MAX
         safe = scale if scale > _F0 else _F1
         for j in range(dim):
             y[j] = min(max(x[i, j] / safe, -_FP8_MAX), _FP8_MAX)
         for j in range(dim):
-            out[i, j] = _e4m3_bits(bits[j])
+            out[i, j] = _e4m3_bits(y[j], bits[j])
         params[0] = scale
         _put_params(out, i, meta, params, 1)
     return nbad
