@@ -20,8 +20,9 @@ construction + first lookup.
 
 ``--root PATH`` measures another checkout of the project with the same script (the tree
 before a change, from ``git archive``): every process puts it first on ``sys.path``.
-Run: ``python bench/bench_cold_start.py [--quick] [--redis URL] [--root PATH]
-[--device cuda]``.
+``--profile`` prints where each process's construction and first lookup spent their time
+(cProfile, to stderr). Run: ``python bench/bench_cold_start.py [--quick] [--redis URL]
+[--root PATH] [--device cuda] [--profile]``.
 """
 
 from __future__ import annotations
@@ -60,6 +61,10 @@ MEASURE = r"""
 import json, os, sys, time
 sys.path.insert(0, sys.argv[1])
 url, table, rows, name, device = sys.argv[2], sys.argv[3], int(sys.argv[4]), *sys.argv[5:7]
+profiling = sys.argv[7] == "profile"
+if profiling:
+    import cProfile, pstats
+    prof = cProfile.Profile()
 t = time.perf_counter()
 import torch
 torch_s = time.perf_counter() - t
@@ -77,6 +82,8 @@ t = time.perf_counter()
 hc = HostCache.create(name, capacity=rows // 5, dim=128)
 create_s = time.perf_counter() - t
 try:
+    if profiling:
+        prof.enable()
     t = time.perf_counter()
     layer = NVEmbedding(rows, 128, torch.float32, LayerType.Hierarchical, gpu_cache_size=2**24,
                         host_cache=hc, storage=url, table=table, device=device, default_row=0.0)
@@ -89,6 +96,9 @@ try:
     layer(keys)
     sync()
     first_s = time.perf_counter() - t
+    if profiling:  # NOTE: the construction and the first lookup, to stderr
+        prof.disable()
+        pstats.Stats(prof, stream=sys.stderr).sort_stats("cumulative").print_stats(40)
     numba_at_first = "numba" in sys.modules
     t = time.perf_counter()
     if not any(os.path.exists(os.path.join(sys.argv[1], *p, "loop_gate.py"))
@@ -125,8 +135,11 @@ print(json.dumps({
 
 
 def python(code: str, *args: str, env: dict[str, str] | None = None) -> str:
+    """``code`` run by a fresh interpreter with ``args``: its stdout (its stderr, a
+    profile's report, passed on to ours)."""
     done = subprocess.run([sys.executable, "-c", code, *args], env=env, check=True,
                           capture_output=True, text=True)
+    sys.stderr.write(done.stderr)
     return done.stdout
 
 
@@ -136,6 +149,9 @@ def main() -> None:
     parser.add_argument("--redis", metavar="URL", help="also a Redis store at URL")
     parser.add_argument("--root", default=str(ROOT), help="the checkout to measure")
     parser.add_argument("--device", default="cpu", help="the layer's device (cpu, cuda)")
+    parser.add_argument("--profile", action="store_true",
+                        help="each process's construction and first lookup under cProfile, "
+                        "its report (40 entries by cumulative time) to stderr")
     args = parser.parse_args()
     rows = 100_000 if args.quick else 1_000_000
     root = os.path.abspath(args.root)
@@ -162,7 +178,8 @@ def main() -> None:
                                         "128:float32:hostcache"], env=env, check=True)
                         warm_s = time.perf_counter() - t0
                     out = python(MEASURE, root, url, table, str(rows),
-                                 f"bench-cold-{uuid.uuid4().hex[:8]}", args.device, env=env)
+                                 f"bench-cold-{uuid.uuid4().hex[:8]}", args.device,
+                                 "profile" if args.profile else "-", env=env)
                     fields = json.loads(out.splitlines()[-1])
                     print(json.dumps({"bench": "cold_start", "backend": backend,
                                       "device": args.device, "caches": state,
