@@ -68,6 +68,23 @@ def test_the_loops_store_and_read_the_torch_codes_bits(dim: int, n: int, seed: i
     assert same_bits(loops_decode(want, fmt), torch_decode(want, fmt))
 
 
+@pytest.mark.parametrize("dtype", list(QUANTIZED))
+def test_rows_of_signed_zeros_store_the_torch_codes_parameters(dtype: str) -> None:
+    # NOTE: a row of zeros of both signs: its range is zero and an int8 row stores its least
+    # element as the bias, so which zero is the least shows in the stored bytes
+    fmt = RowFormat(dtype, 128)
+    rows = []
+    for p in range(0, 128, 7):
+        one_negative = torch.zeros(128)
+        one_negative[p] = -0.0
+        one_positive = torch.full((128,), -0.0)
+        one_positive[p] = 0.0
+        rows += [one_negative, one_positive]
+    x = torch.stack(rows)
+    got, _ = loops_encode(x, fmt)
+    assert torch.equal(got, quant._encode_torch(x, fmt, "nearest", None))
+
+
 def test_every_float32_near_an_e4m3_step_converts_as_torch_converts() -> None:
     # NOTE: each e4m3 magnitude, the float32 values around it and the midpoints to its
     # neighbours (the ties), both signs; a row whose largest magnitude is 448 has scale 1,
