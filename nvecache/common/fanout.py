@@ -2,7 +2,8 @@
 
 The compiled loops that read rows by key (the ``file://`` row mirror's lookup, the host
 cache's) release the GIL and cost about as much as the memory they touch: one random
-read per row, most of it waiting on memory. Over a few thousand keys, running disjoint
+read per row, most of it waiting on memory; the quantized codec's loops
+(:mod:`nvecache.common.quant`) release it too. Over a few thousand keys, running disjoint
 chunks of the batch on a few threads at once divides that wait (bench/RESULTS.md,
 "Hierarchical layer at serving sizes"). Small batches run on the caller alone: handing a
 chunk to another thread costs tens of microseconds.
