@@ -21,8 +21,8 @@ DIMS = [1, 2, 5, 13, 128, 129]
 def loops_encode(x: torch.Tensor, fmt: RowFormat) -> tuple[torch.Tensor, np.ndarray]:
     out = np.zeros((x.shape[0], fmt.stored_bytes), np.uint8)
     bad = np.zeros(x.shape[0], np.bool_)
-    fn = quant_loops.encode_int8 if fmt.dtype == "int8" else quant_loops.encode_fp8
-    nbad = fn(x.contiguous().numpy(), out, fmt.meta_offset, bad)
+    nbad = quant_loops.encode(x.contiguous().numpy(), out, fmt.meta_offset, bad,
+                              fmt.dtype != "int8")
     assert nbad == int(bad.sum())
     return torch.from_numpy(out), bad
 

@@ -130,9 +130,9 @@ def _encode_loops(loops: Any, x: torch.Tensor, fmt: RowFormat
     n = xs.shape[0]
     out = np.zeros((n, fmt.stored_bytes), np.uint8)
     bad = np.zeros(n, np.bool_)
-    fn = loops.encode_int8 if fmt.dtype == "int8" else loops.encode_fp8
-    nbad = sum(split_run(lambda lo, hi: fn(xs[lo:hi], out[lo:hi], fmt.meta_offset,
-                                           bad[lo:hi]), n))
+    fp8 = fmt.dtype != "int8"
+    nbad = sum(split_run(lambda lo, hi: loops.encode(xs[lo:hi], out[lo:hi], fmt.meta_offset,
+                                                     bad[lo:hi], fp8), n))
     return torch.from_numpy(out), torch.from_numpy(bad) if nbad else None
 
 

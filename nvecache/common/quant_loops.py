@@ -57,32 +57,43 @@ def _row_range(x: np.ndarray, i: int) -> tuple[bool, np.float32, np.float32]:
 
 
 @_jit
-def encode_int8(x: np.ndarray, out: np.ndarray, meta: int, bad: np.ndarray) -> int:
-    """Rows ``x`` (float32 ``[N, dim]``) into ``out`` (uint8 ``[N, stored_bytes]``, zeros)
-    as row-wise int8, each element rounded to the nearest step; a row holding NaN or an
-    infinity is left zero and marked in ``bad``. Returns how many were."""
-    n, dim = x.shape
+def encode(x: np.ndarray, out: np.ndarray, meta: int, bad: np.ndarray, fp8: bool) -> int:
+    """Rows ``x`` (float32 ``[N, dim]``) into ``out`` (uint8 ``[N, stored_bytes]``, zeros),
+    each element rounded to the nearest step: row-wise int8, or (``fp8``) float8_e4m3fn
+    with a per-row scale. A row holding NaN or an infinity is left zero and marked in
+    ``bad``. Returns how many were."""
     nbad = 0
     params = np.empty(2, np.float32)
-    for i in range(n):
+    y = np.empty(x.shape[1], np.float32)
+    for i in range(x.shape[0]):
         finite, lo, hi = _row_range(x, i)
         if not finite:
             bad[i] = True
             nbad += 1
-            continue
-        scale = np.float32(hi - lo) / _STEPS
-        if scale > _F0:
-            bias = np.float32(lo + np.float32(_HALF_RANGE * scale))
-            for j in range(dim):
-                t = np.float32(x[i, j] - bias) / scale
-                q = min(max(np.rint(t), np.float32(-128.0)), np.float32(127.0))
-                out[i, j] = np.uint8(np.int32(q) & 255)
-            params[1] = bias
+        elif fp8:
+            _fp8_row(x, i, lo, hi, out, meta, params, y)
         else:
-            params[1] = lo
-        params[0] = scale
-        _put_params(out, i, meta, params, 2)
+            _int8_row(x, i, lo, hi, out, meta, params)
     return nbad
+
+
+@_jit
+def _int8_row(x: np.ndarray, i: int, lo: np.float32, hi: np.float32, out: np.ndarray,
+              meta: int, params: np.ndarray) -> None:
+    """Row ``i`` (finite, from ``lo`` to ``hi``) as row-wise int8: its range in 255 steps
+    from ``bias``, the element ``-128`` reading ``lo``."""
+    scale = np.float32(hi - lo) / _STEPS
+    if scale > _F0:
+        bias = np.float32(lo + np.float32(_HALF_RANGE * scale))
+        for j in range(x.shape[1]):
+            t = np.float32(x[i, j] - bias) / scale
+            q = min(max(np.rint(t), np.float32(-128.0)), np.float32(127.0))
+            out[i, j] = np.uint8(np.int32(q) & 255)
+        params[1] = bias
+    else:
+        params[1] = lo
+    params[0] = scale
+    _put_params(out, i, meta, params, 2)
 
 
 @_jit
@@ -101,31 +112,20 @@ def _e4m3_bits(y: np.float32, a: np.uint32) -> np.uint8:
 
 
 @_jit
-def encode_fp8(x: np.ndarray, out: np.ndarray, meta: int, bad: np.ndarray) -> int:
-    """Rows ``x`` (float32 ``[N, dim]``) into ``out`` (uint8 ``[N, stored_bytes]``, zeros)
-    as float8_e4m3fn with a per-row scale, rounded to nearest; a row holding NaN or an
-    infinity is left zero and marked in ``bad``. Returns how many were."""
-    n, dim = x.shape
-    nbad = 0
-    params = np.empty(1, np.float32)
-    y = np.empty(dim, np.float32)
+def _fp8_row(x: np.ndarray, i: int, lo: np.float32, hi: np.float32, out: np.ndarray,
+             meta: int, params: np.ndarray, y: np.ndarray) -> None:
+    """Row ``i`` (finite, from ``lo`` to ``hi``) as float8_e4m3fn scaled so that its
+    largest magnitude, ``max(|lo|, |hi|)`` exactly, is e4m3's 448 (``y``: scratch)."""
+    scale = max(abs(lo), abs(hi)) / _FP8_MAX
+    safe = scale if scale > _F0 else _F1
+    dim = x.shape[1]
+    for j in range(dim):
+        y[j] = min(max(x[i, j] / safe, -_FP8_MAX), _FP8_MAX)
     bits = y.view(np.uint32)
-    for i in range(n):
-        finite, lo, hi = _row_range(x, i)
-        if not finite:
-            bad[i] = True
-            nbad += 1
-            continue
-        top = max(abs(lo), abs(hi))  # NOTE: the row's largest magnitude, exactly
-        scale = top / _FP8_MAX
-        safe = scale if scale > _F0 else _F1
-        for j in range(dim):
-            y[j] = min(max(x[i, j] / safe, -_FP8_MAX), _FP8_MAX)
-        for j in range(dim):
-            out[i, j] = _e4m3_bits(y[j], bits[j])
-        params[0] = scale
-        _put_params(out, i, meta, params, 1)
-    return nbad
+    for j in range(dim):
+        out[i, j] = _e4m3_bits(y[j], bits[j])
+    params[0] = scale
+    _put_params(out, i, meta, params, 1)
 
 
 @_jit
@@ -181,8 +181,8 @@ def warm_up() -> None:
         out = np.zeros((1, 16), np.uint8)
         bad = np.zeros(1, np.bool_)
         rows = np.zeros((1, 4), np.float32)
-        encode_int8(x, out, 8, bad)
-        encode_fp8(x, out, 8, bad)
+        encode(x, out, 8, bad, False)
+        encode(x, out, 8, bad, True)
         decode_int8(out, 8, rows)
         decode_fp8(out, 8, np.zeros(256, np.float32), rows)
         # NOTE: the stored rows a lookup decodes are often a strided view (a wider stride)
