@@ -124,8 +124,8 @@ class TierFormats:
         fills, holds)``: ``rows`` as a lookup returns them, in the layer's dtype (zeros
         where not found); ``fills`` what fills the host cache (a quantized one's: stored
         bytes, uint8 ``[N, stored_bytes]``) and ``holds`` which of them it may hold (None:
-        every row found; a row with a NaN or an infinity is returned as the server holds
-        it, in the layer's dtype, and not filled).
+        any it found; a row with a NaN or an infinity is returned as the server holds it,
+        in the layer's dtype, and not filled).
 
         Raises:
             PSClientError: the server could not be read.
