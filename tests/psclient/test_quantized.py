@@ -116,6 +116,8 @@ def test_a_plain_table_s_stored_rows_are_its_lookup_s(make) -> None:
         values, found2 = ps.lookup(asked)
         assert raw.dtype == torch.float16 and torch.equal(raw, values)
         assert torch.equal(found, found2)
+    with pytest.raises(psclient.BadKeysError):  # NOTE: the keys rule of every lookup
+        ps.lookup_stored(torch.tensor([1, 2], dtype=torch.int32))
 
 
 @pytest.mark.parametrize("name", FORMATS)
