@@ -43,6 +43,9 @@ def triton_available() -> bool:
     except Exception as e:  # ImportError, or a broken install raising anything else
         logger.debug("triton is not importable: %s", e)
         return False
+    from gpu.kernels import triton_key
+
+    triton_key.install()  # NOTE: a fresh process's first compile-or-load without re-hashing Triton
     return True
 
 

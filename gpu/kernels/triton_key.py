@@ -1,0 +1,112 @@
+"""Triton's cache key, remembered per node so a fresh process does not re-hash Triton.
+
+Before Triton looks a compiled kernel up in its on-disk cache, it computes
+``triton.runtime.cache.triton_key()``: a SHA-256 over its own compiler sources and the whole
+``libtriton`` shared library, hundreds of megabytes, once per process. On a node whose
+caches are warm that hash is most of a replica's first lookup (bench/RESULTS.md, "Cold
+start"), and it is the same value in every process until Triton's files change.
+
+:func:`install` swaps in a function that returns the key remembered in Triton's cache
+directory, under a fingerprint of Triton's files (each one's path, size, modification time
+and inode, plus the version): a few milliseconds of ``stat`` calls. Any change to those
+files changes the fingerprint, and the key is then computed by Triton's own function again
+and remembered beside the old one. Where Triton has no such function (another version's
+layout), nothing is swapped and Triton hashes as before.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+#: the parts of the Triton package its key covers (and a little more: stricter is safe)
+_PARTS = ("_C", "backends", "compiler", "language", "runtime")
+
+
+def fingerprint(root: Path, version: str) -> str:
+    """A digest of every file under ``root``'s key-bearing folders: relative path, size,
+    modification time (ns) and inode, with ``version``. Changes whenever any of those
+    files is replaced, edited, added or removed."""
+    h = hashlib.sha256(version.encode())
+    for part in _PARTS:
+        base = root / part
+        for dirpath, dirnames, filenames in os.walk(base):
+            dirnames.sort()
+            for name in sorted(filenames):
+                path = os.path.join(dirpath, name)
+                try:
+                    st = os.stat(path)
+                except OSError:  # NOTE: vanished meanwhile: it still marks the tree as changed
+                    h.update(f"{path}\0gone\n".encode())
+                    continue
+                rel = os.path.relpath(path, root)
+                h.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\n".encode())
+    return h.hexdigest()
+
+
+def remembered(directory: Path, print_: str, compute: Callable[[], str]) -> str:
+    """The key remembered in ``directory`` under the fingerprint ``print_``, or
+    ``compute()``'s value, then remembered there (owner-only file, written whole by a
+    rename so a reader never sees part of one). A directory that cannot be written leaves
+    the computed key unremembered."""
+    path = directory / f"triton-key-{print_[:40]}.txt"
+    try:
+        key = path.read_text()
+        if key:
+            return key
+    except OSError:
+        pass
+    key = compute()
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".triton-key-")  # NOTE: mode 0600
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(key)
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    except OSError as e:
+        logger.debug("triton's cache key not remembered in %s: %s", directory, e)
+    return key
+
+
+def install() -> bool:
+    """Route ``triton.runtime.cache.triton_key`` (and the autotuner's reference to it)
+    through :func:`remembered`, in Triton's cache directory. Returns whether it was
+    installed (False: this Triton has no such function, or it was installed already)."""
+    import triton  # NOTE: lazy: called once triton imported (triton_access)
+    from triton.runtime import cache
+
+    original = getattr(cache, "triton_key", None)
+    if not callable(original) or getattr(original, "_nvecache_remembered", False):
+        return False
+    knobs = getattr(triton, "knobs", None)
+    if getattr(getattr(knobs, "cache", None), "dir", None) is None:
+        return False  # NOTE: a layout without the cache knob: Triton hashes as before
+    root = Path(triton.__file__).parent
+    version = str(getattr(triton, "__version__", "?"))
+
+    @functools.cache
+    def triton_key() -> str:
+        # NOTE: the directory read at first use, as Triton reads TRITON_CACHE_DIR
+        directory = Path(knobs.cache.dir) / "nvecache"
+        return remembered(directory, fingerprint(root, version), original)
+
+    triton_key._nvecache_remembered = True  # type: ignore[attr-defined]
+    cache.triton_key = triton_key
+    try:
+        from triton.runtime import autotuner
+    except Exception:  # pragma: no cover - the autotuner ships with every Triton
+        return True
+    if getattr(autotuner, "triton_key", None) is original:
+        autotuner.triton_key = triton_key
+    return True
