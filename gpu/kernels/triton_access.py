@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 # NOTE: re-entrant: a kernel module being loaded loads its helper modules
 _LOCK = threading.RLock()
+#: whether Triton's per-process start-up work was done (triton_start.prime), once
+_PRIMED: list[bool] = []
 
 
 @cache
@@ -43,9 +45,9 @@ def triton_available() -> bool:
     except Exception as e:  # ImportError, or a broken install raising anything else
         logger.debug("triton is not importable: %s", e)
         return False
-    from gpu.kernels import triton_key
+    from gpu.kernels import triton_start
 
-    triton_key.install()  # NOTE: a fresh process's first compile-or-load without re-hashing Triton
+    triton_start.install()  # NOTE: a fresh process loads kernels without re-hashing Triton
     return True
 
 
@@ -74,6 +76,11 @@ def kernel_module(stem: str, *, interpret: bool) -> ModuleType:
             return mod
         from triton import knobs  # NOTE: lazy: triton is optional (checked above)
 
+        if not interpret and not _PRIMED:
+            from gpu.kernels import triton_start
+
+            triton_start.prime()  # NOTE: with the layer's construction, not its first lookup
+            _PRIMED.append(True)
         path = Path(__file__).with_name(f"{stem}.py")
         spec = importlib.util.spec_from_file_location(name, path)
         if spec is None or spec.loader is None:  # pragma: no cover - file shipped with us

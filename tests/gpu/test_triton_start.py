@@ -1,4 +1,4 @@
-"""Triton's cache key remembered per node (gpu/kernels/triton_key.py): the same key as
+"""Triton's cache key remembered per node (gpu/kernels/triton_start.py): the same key as
 Triton's own function, read back by a fresh process instead of re-hashing Triton, and
 computed again whenever Triton's files change."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu.kernels.triton_key import fingerprint, remembered
+from gpu.kernels.triton_start import fingerprint, remembered
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -114,3 +114,29 @@ def test_fresh_processes_share_triton_s_own_key(tmp_path: Path) -> None:
     # NOTE: the next process reads the key back: a planted value proves it is not re-hashed
     memo.write_text("planted")
     assert _run(tmp_path, "read")["key"] == "planted"
+
+
+PRIME = r"""
+import json, sys
+import torch
+from gpu.kernels import triton_start
+from gpu.kernels.triton_access import triton_available
+assert triton_available()
+triton_start.prime()
+before = set(sys.modules)
+from triton.runtime.jit import mangle_type
+mangle_type(torch.zeros(3, dtype=torch.int8))  # NOTE: what a first launch specializes
+print(json.dumps({"new_modules": sorted(set(sys.modules) - before)}))
+"""
+
+
+def test_prime_leaves_the_first_launch_nothing_to_import(tmp_path: Path) -> None:
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path),
+           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([sys.executable, "-c", PRIME], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["new_modules"] == []
+    (memo,) = (tmp_path / "nvecache").iterdir()  # NOTE: the key was computed and remembered
+    assert memo.read_text()

@@ -1,17 +1,21 @@
-"""Triton's cache key, remembered per node so a fresh process does not re-hash Triton.
+"""Triton's once-per-process start-up work, done before a replica's first lookup.
 
-Before Triton looks a compiled kernel up in its on-disk cache, it computes
-``triton.runtime.cache.triton_key()``: a SHA-256 over its own compiler sources and the whole
-``libtriton`` shared library, hundreds of megabytes, once per process. On a node whose
-caches are warm that hash is most of a replica's first lookup (bench/RESULTS.md, "Cold
-start"), and it is the same value in every process until Triton's files change.
+The first launch of a compiled kernel in a process does work that the kernel's own
+variant does not need, none of it cached across processes by Triton: on a node whose
+caches are warm it is most of a replica's first lookup (bench/RESULTS.md, "Cold start").
 
-:func:`install` swaps in a function that returns the key remembered in Triton's cache
-directory, under a fingerprint of Triton's files (each one's path, size, modification time
-and inode, plus the version): a few milliseconds of ``stat`` calls. Any change to those
-files changes the fingerprint, and the key is then computed by Triton's own function again
-and remembered beside the old one. Where Triton has no such function (another version's
-layout), nothing is swapped and Triton hashes as before.
+* Before Triton looks a compiled kernel up in its on-disk cache, it computes
+  ``triton.runtime.cache.triton_key()``: a SHA-256 over its own compiler sources and the
+  whole ``libtriton`` shared library, hundreds of megabytes. :func:`install` swaps in a
+  function that returns the key remembered in Triton's cache directory under a
+  fingerprint of Triton's files (each one's path, size, modification time and inode, plus
+  the version): a few milliseconds of ``stat`` calls. Any change to those files changes
+  the fingerprint, and Triton's own function computes the key again. Where Triton has no
+  such function (another version's layout), nothing is swapped.
+* Its first argument specialization imports Triton's tensor-descriptor modules, and its
+  first cache lookup asks ``ptxas`` for its version (a subprocess). :func:`prime` does both
+  when a layer loads its compiled kernels, with the key, so they are part of building the
+  layer instead of its first lookup.
 """
 
 from __future__ import annotations
@@ -110,3 +114,31 @@ def install() -> bool:
     if getattr(autotuner, "triton_key", None) is original:
         autotuner.triton_key = triton_key
     return True
+
+
+def prime() -> None:
+    """Do Triton's per-process first-launch work now (see the module's docstring): the
+    cache key, the specializer's imports, the backend's compiler version. Each step is
+    skipped where this Triton lacks it or no GPU answers; a skipped step is done by
+    Triton at the first launch instead, as before."""
+    import torch
+
+    try:
+        from triton.runtime import cache
+
+        cache.triton_key()
+    except Exception as e:  # NOTE: only start-up time is at stake, never a result
+        logger.debug("triton's cache key not primed: %s", e)
+    try:
+        from triton.runtime.jit import mangle_type
+
+        mangle_type(torch.empty(1))  # NOTE: its first call imports the descriptor modules
+    except Exception as e:
+        logger.debug("triton's specializer not primed: %s", e)
+    try:
+        from triton.compiler.compiler import make_backend
+        from triton.runtime.driver import driver
+
+        make_backend(driver.active.get_current_target()).hash()  # NOTE: ptxas --version
+    except Exception as e:
+        logger.debug("triton's backend not primed: %s", e)
