@@ -31,6 +31,7 @@ table: layout, encoding, operations.
 from __future__ import annotations
 
 import logging
+from itertools import chain
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -59,8 +60,10 @@ from psclient.redis.conn import (
 )
 from psclient.redis.dispatch import REDIRECTS, Cmd, Dispatcher
 from psclient.redis.feed import RedisFeed
+from psclient.redis.hmget import HmgetBatch, encode_hmget
+from psclient.redis.lane import Lanes
 from psclient.redis.tables import RedisTableLife
-from psclient.redis.wire import reply_error, stream_row_pipeline
+from psclient.redis.wire import fetch_row_replies, reply_error, stream_row_pipeline
 from psclient.schema import TableSchema
 
 if TYPE_CHECKING:
@@ -86,6 +89,7 @@ class RedisParameterServer(RedisTableLife, ParameterServer):
     _schema_raw = b""
     _dispatch: Dispatcher | None = None
     _feed: RedisFeed | None = None
+    _lanes: Lanes | None = None
 
     def __init__(self, make_client: Any, url: str, table: str, dim: int | None,
                  dtype: str | None, opts: dict[str, Any], cluster: bool,
@@ -114,10 +118,14 @@ class RedisParameterServer(RedisTableLife, ParameterServer):
         self._part_keys = [f"{pre}:{{{table}:{p}}}".encode() for p in range(schema.partitions)]
         self._tails()
         self._part_bulks = [resp.bulk(k) for k in self._part_keys]
+        self._hmget_leads = [resp.bulk(b"HMGET") + k for k in self._part_bulks]
+        self._frame = resp.RowFrame(schema.row_bytes)
+        self._stored_types = _numpy_view(schema)
         bell = f"{pre}:{{{table}}}:bell".encode()
         self._dispatch = Dispatcher(self._client, cluster, self._part_keys, self._opts,
                                     self._where, bell if cluster else None)
         self._feed = RedisFeed(self, bell, self._opts["feed_sweep_ms"])
+        self._lanes = Lanes(self._client)
         try:
             self._settle(creator, mode)
         except BaseException:
@@ -253,11 +261,12 @@ class RedisParameterServer(RedisTableLife, ParameterServer):
                     raise err
         return replies
 
-    def _batch(self, script: bytes | None, keys: np.ndarray, values: torch.Tensor | None
+    def _batch(self, script: bytes, keys: np.ndarray, values: torch.Tensor | None
                ) -> tuple[np.ndarray, np.ndarray, list[Cmd]]:
-        """Group keys by partition and encode one command per chunk of a partition:
-        ``HMGET`` when ``script`` is None, ``INSERT``: the insert transaction (module
-        docstring of :mod:`psclient.redis.scripts`), else an ``EVAL`` of that script."""
+        """Group a write's keys by partition and encode one command per chunk of a
+        partition: for ``INSERT``, the insert transaction (module docstring of
+        :mod:`psclient.redis.scripts`), else an ``EVAL`` of that script. (A lookup's
+        commands: :mod:`psclient.redis.hmget`.)"""
         order, bounds = group_by_partition(keys, self._schema.partitions)
         ks = keys[order]
         if values is None:
@@ -274,9 +283,8 @@ class RedisParameterServer(RedisTableLife, ParameterServer):
         if insert:
             fields = resp.as_buffer(resp.field_records(ks))
             notice = resp.bulk(b"EVAL") + resp.bulk(scripts.INSERT_NOTICE) + resp.bulk(b"5")
-        if script is None or insert:
-            lead, nlead, tails = resp.bulk(b"HMGET" if script is None else b"HSET"), 2, \
-                self._part_bulks
+        if insert:
+            lead, nlead, tails = resp.bulk(b"HSET"), 2, self._part_bulks
         else:
             lead = resp.bulk(b"EVAL") + resp.bulk(_SCRIPTS[script]) + resp.bulk(b"5")
             nlead, tails = 10, self._part_tails
@@ -310,11 +318,63 @@ class RedisParameterServer(RedisTableLife, ParameterServer):
     # -- operations ----------------------------------------------------------------------
 
     def _lookup(self, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        order, ks, cmds = self._batch(None, keys, None)
-        n, rb = keys.size, self._schema.row_bytes
-        values = np.empty(n, dtype=f"V{rb}")  # NOTE: one element per row (fast scatter)
+        batch = encode_hmget(keys, self._schema.partitions, self._opts["chunk_keys"],
+                             self._hmget_leads)
+        n = keys.size
+        if not self._cluster and n <= self._opts["inline_keys"] and \
+                n < self._opts["at_once_keys"] * len(batch):
+            values, found = self._lookup_whole(batch)
+        else:
+            values, found = self._lookup_streamed(batch)
+        # NOTE: TableSchema.stored_view's rows, viewed in numpy first: one torch call, not
+        # three (bfloat16, which numpy lacks, is viewed by torch from its bits)
+        np_type, retype = self._stored_types
+        out = torch.from_numpy(values.view(np_type).reshape(n, -1))
+        if retype:
+            out = out.view(self._schema.torch_dtype)
+        return out, (torch.ones(n, dtype=torch.bool) if found is None
+                     else torch.from_numpy(found))
+
+    def _lookup_whole(self, batch: HmgetBatch) -> tuple[np.ndarray, np.ndarray | None]:
+        """One node, few keys a reply (a small lookup spread over many partitions): one
+        pipeline on this thread, its replies read whole, then checked and copied in a few
+        numpy operations, or decoded all together where some key is missing. ``found``
+        is None when every key was."""
+        frame, order, n = self._frame, batch.order, batch.keys.size
+        expect = n * frame.rec_len + 16 * len(batch)
+        assert self._lanes is not None
+        with redis_errors(self._where):
+            got = self._lanes.fetch(batch.payload, expect)
+            if got is None:
+                got = fetch_row_replies(self._client, batch.payload, len(batch), expect,
+                                        keep=REDIRECTS)
+            if isinstance(got, tuple):
+                buf, size = got
+                starts = frame.offsets(buf, size, batch.counts, batch.reply_heads)
+                if starts is not None:
+                    # NOTE: the row of output position i is at src[i]: one copy, in order
+                    src = np.empty(n, dtype=np.intp)
+                    src[order] = starts
+                    return frame.rows(buf, size)[src], None
+                got = resp.parse_replies(buf, size, len(batch))
+            for reply in got:
+                if isinstance(reply, Exception):
+                    # NOTE: one server, so a redirection is an error here too
+                    raise reply if isinstance(reply, rex.RedisError) else reply_error(reply)
+        values = np.empty(n, dtype=frame.row_type)
+        found = np.empty(n, dtype=bool)
+        self._place(order, list(chain.from_iterable(got)), batch.keys, values, found)
+        return values, found
+
+    def _lookup_streamed(self, batch: HmgetBatch) -> tuple[np.ndarray, np.ndarray]:
+        """Commands routed by the dispatcher (a cluster's nodes, pipelines on the pool):
+        each pipeline's replies copied out as they arrive, or read whole when they average
+        fewer than ``at_once_keys`` keys."""
+        cmds = batch.cmds()
+        order, ks, frame = batch.order, batch.keys, self._frame
+        n, rb = ks.size, frame.row_bytes
+        values = np.empty(n, dtype=frame.row_type)  # NOTE: one element per row (fast scatter)
         found = np.zeros(n, dtype=bool)
-        rec_len = len(b"$%d\r\n" % rb) + rb + 2
 
         def place(i: int, reply: Any) -> Any:
             c = cmds[i]
@@ -323,10 +383,30 @@ class RedisParameterServer(RedisTableLife, ParameterServer):
         def job(client: Any, mine: list[Cmd]) -> list[Any]:
             # NOTE: runs on the pool; each job writes only the rows of its own commands, each
             # command's as soon as its reply is in (the server works on the next meanwhile).
-            counts = [c.stop - c.start for c in mine]
-            nkeys = sum(counts)
-            expect = nkeys * rec_len + 16 * len(mine)
+            counts = np.fromiter([c.stop - c.start for c in mine], dtype=np.int64,
+                                 count=len(mine))
+            nkeys = int(counts.sum())
+            expect = nkeys * frame.rec_len + 16 * len(mine)
             payload = [part for c in mine for part in c.payload]
+            if nkeys < self._opts["at_once_keys"] * len(mine):
+                # NOTE: many small replies (few keys spread over many partitions): decoded
+                # one by one, each costs more than overlapping it with the server gains
+                got = fetch_row_replies(client, payload, len(mine), expect, keep=REDIRECTS)
+                if isinstance(got, tuple):
+                    starts = frame.offsets(*got, counts, [b"*%d\r\n" % m for m in
+                                                          counts.tolist()])
+                    if starts is not None:
+                        # NOTE: this node's share: each command's keys sit at its start in
+                        # the batch, at the sum of the counts before it in this job
+                        shift = np.fromiter([c.start for c in mine], dtype=np.int64,
+                                            count=len(mine)) - (counts.cumsum() - counts)
+                        dest = order[np.arange(nkeys) + shift.repeat(counts)]
+                        values[dest] = frame.rows(*got)[starts]
+                        found[dest] = True
+                        return [None] * len(mine)
+                    got = resp.parse_replies(*got, len(mine))
+                return [self._place(order[c.start:c.stop], reply, ks[c.start:c.stop], values,
+                                    found) for c, reply in zip(mine, got, strict=True)]
             placed: list[Any] = [None] * len(mine)
 
             def sink(i: int, reply: Any) -> None:
@@ -334,29 +414,11 @@ class RedisParameterServer(RedisTableLife, ParameterServer):
                 placed[i] = self._place(order[c.start:c.stop], reply, ks[c.start:c.stop],
                                         values, found)
 
-            at_once = None
-            if nkeys < self._opts["at_once_keys"] * len(mine):
-                # NOTE: many small replies (few keys spread over many partitions): decoded
-                # one by one, each costs more than overlapping it with the server gains
-                def at_once(buf: bytearray, size: int) -> bool:
-                    rows = resp.all_rows(buf, size, counts, rb)
-                    if rows is None:
-                        return False
-                    if all(a.stop == b.start for a, b in zip(mine, mine[1:], strict=False)):
-                        dest = order[mine[0].start:mine[-1].stop]
-                    else:  # NOTE: a cluster node's share of the commands
-                        dest = order[np.concatenate([np.arange(c.start, c.stop)
-                                                     for c in mine])]
-                    values[dest] = rows
-                    found[dest] = True
-                    return True
-
-            stream_row_pipeline(client, payload, len(mine), expect, rb, sink, at_once=at_once)
+            stream_row_pipeline(client, payload, len(mine), expect, rb, sink)
             return placed
 
         self._run(cmds, job, place)
-        out = self._schema.stored_view(torch.from_numpy(values.view(np.uint8)), n)
-        return out, torch.from_numpy(found)
+        return values, found
 
     def _place(self, dest: np.ndarray, reply: Any, keys: np.ndarray, values: np.ndarray,
                found: np.ndarray) -> Exception | None:
@@ -457,6 +519,7 @@ class RedisParameterServer(RedisTableLife, ParameterServer):
             self._dispatch.forget(self._client)
         if self._feed is not None:
             self._feed.forget()
+        self._lanes = Lanes(self._client)
 
     def _close(self) -> None:
         if self._feed is not None:
@@ -469,6 +532,18 @@ class RedisParameterServer(RedisTableLife, ParameterServer):
             except rex.RedisError:  # closing a dead connection: nothing left to release
                 pass
             self._client = None
+
+
+def _numpy_view(schema: TableSchema) -> tuple[np.dtype, bool]:
+    """The numpy dtype a lookup views its stored rows as, and whether torch views that as
+    the table's dtype next, giving :meth:`TableSchema.stored_view`'s tensor. (Without
+    torch: opening a table must not import it, ``tests/test_cli_startup.py``.)"""
+    if schema.quantized:
+        return np.dtype(np.uint8), False
+    try:
+        return np.dtype(schema.dtype), False
+    except TypeError:  # NOTE: bfloat16, which numpy lacks: its bits, then torch's view
+        return np.dtype(f"u{schema.row_bytes // schema.dim}"), True
 
 
 def open_mode(options: dict[str, Any]) -> tuple[str, dict[str, Any]]:

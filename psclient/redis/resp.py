@@ -184,49 +184,96 @@ class RowReplyReader:
         return out
 
 
+class RowFrame:
+    """The framing of a ``row_bytes`` row in an ``HMGET`` reply (``$<row_bytes>\r\n``, the
+    row, ``\r\n``), and the check that a run of replies holds nothing else.
+
+    Made once per table: a lookup of a few keys spread over many partitions gets many
+    replies of a row or two, and every numpy call saved per lookup counts there.
+    """
+
+    def __init__(self, row_bytes: int) -> None:
+        self.row_bytes = row_bytes
+        self.head = b"$%d\r\n" % row_bytes
+        self.rec_len = len(self.head) + row_bytes + 2
+        self.row_type = np.dtype(f"V{row_bytes}")
+        hl = len(self.head)
+        # NOTE: where a record's framing bytes are, from its start, and what they must be
+        self._at = np.array([*range(hl), hl + row_bytes, hl + row_bytes + 1], dtype=np.intp)
+        self._want = np.frombuffer(self.head + b"\r\n", dtype=np.uint8)
+
+    def offsets(self, buf: bytearray, size: int, counts: np.ndarray, heads: list[bytes]
+                ) -> np.ndarray | None:
+        """Where each row starts in ``buf[:size]``, which holds the replies of consecutive
+        ``HMGET`` commands of ``counts[i]`` keys (int64), when every key was found with a
+        value of ``row_bytes`` bytes; None when any reply is otherwise (a miss, another
+        length, an error): parse those (:func:`parse_replies`).
+
+        ``heads[i]`` is ``b"*%d\\r\\n" % counts[i]``, the header reply ``i`` has as an
+        array (the encoder writes them beside the commands).
+
+        Every reply's layout is then known in advance, so the whole buffer is checked in a
+        few numpy operations however many replies there are. The check is a parse: every
+        array header and every record's framing is compared where it must be, and the sizes
+        add up, so reading the buffer from its start can only find these records.
+        """
+        joined = b"".join(heads)
+        rec, hl = self.rec_len, len(joined)
+        nrec = (size - hl) // rec
+        if not heads or hl + nrec * rec != size or nrec != int(counts.sum()):
+            return None
+        arr = np.frombuffer(buf, dtype=np.uint8, count=size)
+        if len(heads) == 1:
+            if buf[:hl] != joined:
+                return None
+            starts = np.arange(hl, size, rec)
+        else:
+            lens = np.fromiter(map(len, heads), dtype=np.int64, count=len(heads))
+            # NOTE: reply j starts after the headers and records of the replies before it
+            first = counts.cumsum()
+            first -= counts
+            first *= rec
+            at = first.repeat(lens)
+            at += np.arange(hl)
+            if not (arr[at] == np.frombuffer(joined, dtype=np.uint8)).all():
+                return None
+            starts = lens.cumsum().repeat(counts)
+            starts += np.arange(0, nrec * rec, rec)
+        if not (arr[starts[:, None] + self._at] == self._want).all():
+            return None
+        starts += len(self.head)
+        return starts
+
+    def rows(self, buf: bytearray, size: int) -> np.ndarray:
+        """Every ``row_bytes``-long window of ``buf[:size]`` as one ``V<row_bytes>`` element
+        (overlapping views, no copy): indexed with :meth:`offsets`, one fancy index copies
+        the rows out, in any order."""
+        arr = np.frombuffer(buf, dtype=np.uint8, count=size)
+        return np.ndarray((size - self.row_bytes + 1,), dtype=self.row_type, buffer=arr,
+                          strides=(1,))
+
+
 def all_rows(buf: bytearray, size: int, counts: list[int], row_bytes: int
              ) -> np.ndarray | None:
     """The rows of consecutive HMGET replies in ``buf[:size]`` (reply ``i`` for
     ``counts[i]`` keys), when every key was found with a value of ``row_bytes`` bytes:
-    one ``V<row_bytes>`` array in reply order (a copy). None when any reply is otherwise (a
-    miss, another length, an error): decode those one by one.
+    one ``V<row_bytes>`` array in reply order (a copy). None when any reply is otherwise
+    (:meth:`RowFrame.offsets`)."""
+    frame = RowFrame(row_bytes)
+    starts = frame.offsets(buf, size, np.asarray(counts, dtype=np.int64),
+                           [b"*%d\r\n" % m for m in counts])
+    return None if starts is None else frame.rows(buf, size)[starts]
 
-    Every reply's layout is then known in advance, so the whole buffer is checked and
-    gathered in a few numpy operations, however many replies: a lookup of a hundred keys
-    spread over 64 partitions costs no more than one of a single partition.
-    """
-    n = len(counts)
-    if n == 0:
-        return None
-    head = b"$%d\r\n" % row_bytes
-    hl = len(head)
-    rec = hl + row_bytes + 2
-    heads = [b"*%d\r\n" % m for m in counts]
-    cnt = np.asarray(counts, dtype=np.int64)
-    sizes = np.fromiter(map(len, heads), dtype=np.int64, count=n) + cnt * rec
-    ends = np.cumsum(sizes)
-    if int(ends[-1]) != size:
-        return None
-    view = memoryview(buf)
-    for s, h in zip((ends - sizes).tolist(), heads, strict=True):
-        if view[s:s + len(h)] != h:
-            return None
-    total = int(cnt.sum())
-    first = np.repeat(ends - cnt * rec, cnt)  # each reply's first record, per record
-    within = np.arange(total) - np.repeat(np.cumsum(cnt) - cnt, cnt)
-    starts = first + within * rec  # where each record (head, row, CRLF) starts
-    arr = np.frombuffer(buf, dtype=np.uint8, count=size)
-    if not bool((arr[starts[:, None] + np.arange(hl)] ==
-                 np.frombuffer(head, dtype=np.uint8)).all()):
-        return None
-    crlf = starts + (hl + row_bytes)
-    if not bool(((arr[crlf] == 13) & (arr[crlf + 1] == 10)).all()):
-        return None
-    # NOTE: every row_bytes-long window of the buffer as one element (overlapping views):
-    # one fancy index copies the rows out
-    windows = np.ndarray((size - row_bytes + 1,), dtype=f"V{row_bytes}", buffer=arr,
-                         strides=(1,))
-    return windows[starts + hl]
+
+def parse_replies(buf: bytearray, size: int, ncmds: int) -> list[Any]:
+    """``ncmds`` complete replies in ``buf[:size]``, decoded by hiredis: lists of
+    ``bytes | None`` for ``HMGET``, error replies as ``hiredis.ReplyError`` in place."""
+    reader = hiredis.Reader()
+    reader.feed(buf, 0, size)  # type: ignore[arg-type]
+    out = [reader.gets() for _ in range(ncmds)]
+    if out and out[-1] is False:
+        raise ValueError("truncated reply")  # NOTE: callers pass complete replies
+    return out
 
 
 def decode_row_replies(buf: bytearray, size: int, ncmds: int, row_bytes: int

@@ -10,6 +10,9 @@ buffer; this module puts those bytes on the wire and gets the replies back:
   per-thread buffer, until the token's reply: :func:`psclient.redis.resp.decode_row_replies`
   then checks and views the rows with numpy, without one Python object per row. Why this
   read pays: see bench/RESULTS.md, "Parameter server clients".
+  :func:`stream_row_pipeline` hands each reply over as soon as it is in;
+  :func:`fetch_row_replies` hands over the undecoded bytes of all of them, for the caller
+  to check and copy at once.
 
 The bulk read needs the connection's socket, and redis-py (5.x to 8.x) has no public
 accessor for it: :func:`bulk_socket` is the one place that reads the private attribute.
@@ -48,7 +51,21 @@ def bulk_socket(conn: Any) -> socket.socket | None:
     """
     if conn.can_read(timeout=0):  # public; connects first. Stale bytes: use the parser.
         return None
-    sock = getattr(conn, "_sock", None)
+    return _socket_of(conn)
+
+
+def idle_socket(conn: Any) -> socket.socket | None:
+    """:func:`bulk_socket` of a connection kept out of the pool between batches
+    (:mod:`psclient.redis.lane`): one readable while idle (closed by the server, or holding
+    stale bytes) is made anew first, as the pool does with a connection it hands out."""
+    if conn.can_read(timeout=0):  # public; connects first
+        conn.disconnect()
+        conn.connect()
+    return _socket_of(conn)
+
+
+def _socket_of(conn: Any) -> socket.socket | None:
+    sock = getattr(conn, "_sock", None)  # NOTE: the private attribute (bulk_socket's note)
     return sock if isinstance(sock, socket.socket) else None
 
 
@@ -137,8 +154,7 @@ def run_row_pipeline(client: Any, payload: list[bytes | memoryview], ncmds: int,
 
 def stream_row_pipeline(client: Any, payload: list[bytes | memoryview], ncmds: int,
                         expect: int, row_bytes: int, sink: Callable[[int, Any], object], *,
-                        bulk: bool = True,
-                        at_once: Callable[[bytearray, int], bool] | None = None) -> None:
+                        bulk: bool = True) -> None:
     """:func:`run_row_pipeline` that hands over each reply as soon as it can.
 
     ``sink(index, reply)`` gets every command's reply, in order: each reply on the fast
@@ -150,53 +166,75 @@ def stream_row_pipeline(client: Any, payload: list[bytes | memoryview], ncmds: i
     After a connection error the pipeline is sent again (the client's ``Retry``) and the
     sink gets every reply again: it must accept a command's reply twice (a lookup does:
     the second overwrites the first).
-
-    ``at_once(buf, size)``: instead, wait for every reply and offer the buffer (``size``
-    bytes of replies) to it first; when it returns True it took them all (nothing reaches
-    the sink), else the sink gets each one. For many small replies, whose one-by-one
-    decoding costs more than overlapping it with the server's work gains.
     """
-    _row_pipeline(client, payload, ncmds, expect, row_bytes, bulk, sink, [], at_once)
+    _row_pipeline(client, payload, ncmds, expect, row_bytes, bulk, sink, [])
+
+
+def fetch_row_replies(client: Any, payload: list[bytes | memoryview], ncmds: int,
+                      expect: int, keep: tuple[type[Exception], ...] = ()
+                      ) -> tuple[bytearray, int] | list[Any]:
+    """Send HMGET commands and wait for all their replies, undecoded where it can.
+
+    For many small replies (a few keys spread over many partitions), whose one-by-one
+    decoding costs more than overlapping it with the server's work gains: the caller
+    checks and copies every row at once (:meth:`psclient.redis.resp.RowFrame.offsets`).
+
+    Returns:
+        ``(buf, size)``: the replies' bytes, ``buf[:size]`` of this thread's receive
+        buffer (valid until the thread's next call); or, where :func:`bulk_socket` finds
+        no socket to read, the replies parsed by redis-py (lists of ``bytes | None``;
+        error replies of the ``keep`` types in place, others raised).
+    """
+    parsed: list[Any] = []
+    whole = _row_pipeline(client, payload, ncmds, expect, 0, True, None, parsed, whole=True,
+                          keep=keep)
+    return parsed if whole is None else whole
+
+
+#: what precedes a token's bulk string in the ``ECHO`` that ends a pipeline read in bulk
+ECHO = b"*2\r\n$4\r\nECHO\r\n"
 
 
 def _row_pipeline(client: Any, payload: list[bytes | memoryview], ncmds: int, expect: int,
                   row_bytes: int, bulk: bool, sink: Callable[[int, Any], object] | None,
-                  out: list[Any],
-                  at_once: Callable[[bytearray, int], bool] | None = None) -> None:
+                  out: list[Any], *, whole: bool = False,
+                  keep: tuple[type[Exception], ...] = ()) -> tuple[bytearray, int] | None:
+    """The pipelines above: ``sink`` None collects the decoded replies into ``out``; a
+    sink gets them one by one; ``whole`` returns ``(buffer, size)`` of the undecoded
+    replies instead (without a socket to read: None, the parsed replies in ``out``)."""
     pool = client.connection_pool
     conn = pool.get_connection()
-    token = os.urandom(16)
-    tail = resp.bulk(token)
+    tail = resp.bulk(os.urandom(16))
     # NOTE: one buffer, one send: redis-py sends each part with its own sendall (a syscall
     # and, with TCP_NODELAY, a segment the server reads on its own), and a pipeline holds
     # two parts per command (one per partition chunk). Joining copies each key's field
     # once; what it saves: bench/RESULTS.md, "Parameter-server clients".
-    data = [b"".join([*payload, resp.pack("ECHO", token)])]
+    data = [b"".join([*payload, ECHO, tail])]
 
-    def attempt() -> None:
+    def attempt() -> tuple[bytearray, int] | None:
         out.clear()
         sock = bulk_socket(conn) if bulk else None
         conn.send_packed_command(data, check_health=True)
         if sock is None:
-            replies = read_replies(conn, ncmds + 1)[:-1]
+            replies = read_replies(conn, ncmds + 1, keep)[:-1]
         else:
             buf = getattr(_RECV, "buf", None)
             if buf is None or len(buf) < expect + len(tail):
                 buf = _RECV.buf = bytearray(expect + len(tail))
-            reader = resp.RowReplyReader(ncmds, row_bytes)
+            reader = None if whole else resp.RowReplyReader(ncmds, row_bytes)
             try:
-                if sink is None or at_once is not None:
-                    size = _recv_until(sock, buf, tail)
+                if reader is None or sink is None:
+                    size = recv_until(sock, buf, tail)
                 else:
-                    size = _recv_until(sock, buf, tail, lambda b, n: reader.feed(b, n, sink))
+                    size = recv_until(sock, buf, tail, lambda b, n: reader.feed(b, n, sink))
             except BaseException:
                 conn.disconnect()
                 raise
-            if at_once is not None and at_once(buf, size - len(tail)):
-                return
+            if reader is None:
+                return buf, size - len(tail)
             if sink is None:
                 out.extend(resp.decode_row_replies(buf, size - len(tail), ncmds, row_bytes))
-                return
+                return None
             replies = reader.finish(buf, size - len(tail))
         done = ncmds - len(replies)
         for i, reply in enumerate(replies):
@@ -204,9 +242,10 @@ def _row_pipeline(client: Any, payload: list[bytes | memoryview], ncmds: int, ex
                 out.append(reply)
             else:
                 sink(done + i, reply)
+        return None
 
     with _released(pool, conn):
-        conn.retry.call_with_retry(attempt, lambda _err: conn.disconnect())
+        return conn.retry.call_with_retry(attempt, lambda _err: conn.disconnect())
 
 
 def reply_error(err: Exception) -> rex.RedisError:
@@ -225,7 +264,7 @@ def reply_error(err: Exception) -> rex.RedisError:
     return rex.ResponseError(msg)
 
 
-def _recv_until(sock: socket.socket, buf: bytearray, tail: bytes,
+def recv_until(sock: socket.socket, buf: bytearray, tail: bytes,
                 progress: Callable[[bytearray, int], object] | None = None) -> int:
     """Receive into ``buf`` (grown as needed) until the data ends with ``tail``; after each
     receive, ``progress(buf, bytes so far)`` (it must hold no view of ``buf`` when it

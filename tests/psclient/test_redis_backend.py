@@ -183,6 +183,39 @@ def test_fork_child_reads_through_parents_client(ps_factory) -> None:  # noqa: A
     assert found.all() and torch.equal(got, vals)
 
 
+def test_fork_child_and_parent_look_up_at_once(ps_factory) -> None:  # noqa: ANN001
+    """A thread's lookup connection (psclient/redis/lane.py) is not the forked child's:
+    both processes' lookups at the same time each get their own rows."""
+    ps = ps_factory(dim=4)
+    keys = torch.arange(512)
+    vals = torch.randn(512, 4)
+    ps.insert(keys, vals)
+    assert ps.lookup(keys[:7])[1].all()      # NOTE: this thread holds its connection now
+    ctx = mp.get_context("fork")             # NOTE: this test is about fork on purpose
+    q = ctx.Queue()
+    go = ctx.Event()
+
+    def child() -> None:
+        go.wait(20)
+        ok = True
+        for i in range(200):
+            sub = keys[(i * 37) % 500:][:1 + i % 12]
+            got, found = ps.lookup(sub)
+            ok = ok and bool(found.all()) and bool(torch.equal(got, vals[sub]))
+        q.put(ok)
+
+    p = ctx.Process(target=child)
+    p.start()
+    go.set()
+    for i in range(200):
+        sub = keys[(i * 53) % 500:][:1 + i % 9]
+        got, found = ps.lookup(sub)
+        assert found.all() and torch.equal(got, vals[sub])
+    assert q.get(timeout=60) is True
+    p.join(20)
+    assert p.exitcode == 0
+
+
 # -- private servers ----------------------------------------------------------------------
 
 
