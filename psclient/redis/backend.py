@@ -31,7 +31,6 @@ table: layout, encoding, operations.
 from __future__ import annotations
 
 import logging
-from itertools import chain
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -42,7 +41,6 @@ from psclient.base import ParameterServer
 from psclient.codec import group_by_partition
 from psclient.errors import (
     BadArgumentError,
-    CorruptValueError,
     PSServerError,
     SchemaMismatchError,
     TableDroppedError,
@@ -58,12 +56,11 @@ from psclient.redis.conn import (
     split_options,
     standalone_factory,
 )
-from psclient.redis.dispatch import REDIRECTS, Cmd, Dispatcher
+from psclient.redis.dispatch import Cmd, Dispatcher
 from psclient.redis.feed import RedisFeed
-from psclient.redis.hmget import HmgetBatch, encode_hmget
 from psclient.redis.lane import Lanes
+from psclient.redis.lookups import RedisLookups
 from psclient.redis.tables import RedisTableLife
-from psclient.redis.wire import fetch_row_replies, reply_error, stream_row_pipeline
 from psclient.schema import TableSchema
 
 if TYPE_CHECKING:
@@ -82,7 +79,7 @@ _MULTI, _EXEC = resp.pack("MULTI"), resp.pack("EXEC")
 _FIELD = resp.field_records(np.zeros(1, dtype=np.int64)).dtype.itemsize  # 14 bytes per key
 
 
-class RedisParameterServer(RedisTableLife, ParameterServer):
+class RedisParameterServer(RedisTableLife, RedisLookups, ParameterServer):
     """A table on one Redis server or a Redis Cluster. Create with :func:`psclient.connect`."""
 
     _client: Any = None
@@ -118,14 +115,11 @@ class RedisParameterServer(RedisTableLife, ParameterServer):
         self._part_keys = [f"{pre}:{{{table}:{p}}}".encode() for p in range(schema.partitions)]
         self._tails()
         self._part_bulks = [resp.bulk(k) for k in self._part_keys]
-        self._hmget_leads = [resp.bulk(b"HMGET") + k for k in self._part_bulks]
-        self._frame = resp.RowFrame(schema.row_bytes)
-        self._stored_types = _numpy_view(schema)
         bell = f"{pre}:{{{table}}}:bell".encode()
         self._dispatch = Dispatcher(self._client, cluster, self._part_keys, self._opts,
                                     self._where, bell if cluster else None)
         self._feed = RedisFeed(self, bell, self._opts["feed_sweep_ms"])
-        self._lanes = Lanes(self._client)
+        self._lookup_setup(self._part_bulks)
         try:
             self._settle(creator, mode)
         except BaseException:
@@ -317,143 +311,6 @@ class RedisParameterServer(RedisTableLife, ParameterServer):
 
     # -- operations ----------------------------------------------------------------------
 
-    def _lookup(self, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = encode_hmget(keys, self._schema.partitions, self._opts["chunk_keys"],
-                             self._hmget_leads)
-        n = keys.size
-        if not self._cluster and n <= self._opts["inline_keys"] and \
-                n < self._opts["at_once_keys"] * len(batch):
-            values, found = self._lookup_whole(batch)
-        else:
-            values, found = self._lookup_streamed(batch)
-        # NOTE: TableSchema.stored_view's rows, viewed in numpy first: one torch call, not
-        # three (bfloat16, which numpy lacks, is viewed by torch from its bits)
-        np_type, retype = self._stored_types
-        out = torch.from_numpy(values.view(np_type).reshape(n, -1))
-        if retype:
-            out = out.view(self._schema.torch_dtype)
-        return out, (torch.ones(n, dtype=torch.bool) if found is None
-                     else torch.from_numpy(found))
-
-    def _lookup_whole(self, batch: HmgetBatch) -> tuple[np.ndarray, np.ndarray | None]:
-        """One node, few keys a reply (a small lookup spread over many partitions): one
-        pipeline on this thread, its replies read whole, then checked and copied in a few
-        numpy operations, or decoded all together where some key is missing. ``found``
-        is None when every key was."""
-        frame, order, n = self._frame, batch.order, batch.keys.size
-        expect = n * frame.rec_len + 16 * len(batch)
-        assert self._lanes is not None
-        with redis_errors(self._where):
-            got = self._lanes.fetch(batch.payload, expect)
-            if got is None:
-                got = fetch_row_replies(self._client, batch.payload, len(batch), expect,
-                                        keep=REDIRECTS)
-            if isinstance(got, tuple):
-                buf, size = got
-                starts = frame.offsets(buf, size, batch.counts, batch.reply_heads)
-                if starts is not None:
-                    # NOTE: the row of output position i is at src[i]: one copy, in order
-                    src = np.empty(n, dtype=np.intp)
-                    src[order] = starts
-                    return frame.rows(buf, size)[src], None
-                got = resp.parse_replies(buf, size, len(batch))
-            for reply in got:
-                if isinstance(reply, Exception):
-                    # NOTE: one server, so a redirection is an error here too
-                    raise reply if isinstance(reply, rex.RedisError) else reply_error(reply)
-        values = np.empty(n, dtype=frame.row_type)
-        found = np.empty(n, dtype=bool)
-        self._place(order, list(chain.from_iterable(got)), batch.keys, values, found)
-        return values, found
-
-    def _lookup_streamed(self, batch: HmgetBatch) -> tuple[np.ndarray, np.ndarray]:
-        """Commands routed by the dispatcher (a cluster's nodes, pipelines on the pool):
-        each pipeline's replies copied out as they arrive, or read whole when they average
-        fewer than ``at_once_keys`` keys."""
-        cmds = batch.cmds()
-        order, ks, frame = batch.order, batch.keys, self._frame
-        n, rb = ks.size, frame.row_bytes
-        values = np.empty(n, dtype=frame.row_type)  # NOTE: one element per row (fast scatter)
-        found = np.zeros(n, dtype=bool)
-
-        def place(i: int, reply: Any) -> Any:
-            c = cmds[i]
-            return self._place(order[c.start:c.stop], reply, ks[c.start:c.stop], values, found)
-
-        def job(client: Any, mine: list[Cmd]) -> list[Any]:
-            # NOTE: runs on the pool; each job writes only the rows of its own commands, each
-            # command's as soon as its reply is in (the server works on the next meanwhile).
-            counts = np.fromiter([c.stop - c.start for c in mine], dtype=np.int64,
-                                 count=len(mine))
-            nkeys = int(counts.sum())
-            expect = nkeys * frame.rec_len + 16 * len(mine)
-            payload = [part for c in mine for part in c.payload]
-            if nkeys < self._opts["at_once_keys"] * len(mine):
-                # NOTE: many small replies (few keys spread over many partitions): decoded
-                # one by one, each costs more than overlapping it with the server gains
-                got = fetch_row_replies(client, payload, len(mine), expect, keep=REDIRECTS)
-                if isinstance(got, tuple):
-                    starts = frame.offsets(*got, counts, [b"*%d\r\n" % m for m in
-                                                          counts.tolist()])
-                    if starts is not None:
-                        # NOTE: this node's share: each command's keys sit at its start in
-                        # the batch, at the sum of the counts before it in this job
-                        shift = np.fromiter([c.start for c in mine], dtype=np.int64,
-                                            count=len(mine)) - (counts.cumsum() - counts)
-                        dest = order[np.arange(nkeys) + shift.repeat(counts)]
-                        values[dest] = frame.rows(*got)[starts]
-                        found[dest] = True
-                        return [None] * len(mine)
-                    got = resp.parse_replies(*got, len(mine))
-                return [self._place(order[c.start:c.stop], reply, ks[c.start:c.stop], values,
-                                    found) for c, reply in zip(mine, got, strict=True)]
-            placed: list[Any] = [None] * len(mine)
-
-            def sink(i: int, reply: Any) -> None:
-                c = mine[i]
-                placed[i] = self._place(order[c.start:c.stop], reply, ks[c.start:c.stop],
-                                        values, found)
-
-            stream_row_pipeline(client, payload, len(mine), expect, rb, sink)
-            return placed
-
-        self._run(cmds, job, place)
-        return values, found
-
-    def _place(self, dest: np.ndarray, reply: Any, keys: np.ndarray, values: np.ndarray,
-               found: np.ndarray) -> Exception | None:
-        """Write one HMGET reply (fast row view or decoded list) to rows ``dest`` of the output.
-
-        ``values`` is the output as a 1-D ``V<row_bytes>`` array (one element per row).
-        Returns a cluster redirection (the command must be resent), else ``None``.
-        """
-        if isinstance(reply, np.ndarray):
-            values[dest] = reply
-            found[dest] = True
-            return None
-        if isinstance(reply, Exception):
-            err = reply if isinstance(reply, rex.RedisError) else reply_error(reply)
-            if isinstance(err, REDIRECTS):
-                return err
-            raise err
-        obj = np.empty(len(reply), dtype=object)
-        obj[:] = reply
-        hit = obj != None  # noqa: E711 -- elementwise on an object array
-        rows = obj[hit].tolist()
-        lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
-        bad = np.flatnonzero(lengths != self._schema.row_bytes)
-        if bad.size:
-            key = int(keys[np.flatnonzero(hit)[bad[0]]])
-            raise CorruptValueError(
-                f"table {self._table!r}, key {key}: stored value has {int(lengths[bad[0]])} "
-                f"bytes, expected {self._schema.row_bytes} (dim {self.dim} x "
-                f"{self._schema.dtype}); rewrite it with insert() or drop the table")
-        values.view(np.uint8).reshape(values.size, -1)[dest[~hit]] = 0
-        if rows:
-            values[dest[hit]] = np.fromiter(rows, dtype=values.dtype, count=len(rows))
-        found[dest] = hit
-        return None
-
     def _insert(self, keys: np.ndarray, values: torch.Tensor) -> None:
         # NOTE: one transaction per chunk notices the keys that existed and writes the rows.
         _, _, cmds = self._batch(b"INSERT", keys, values)
@@ -532,18 +389,6 @@ class RedisParameterServer(RedisTableLife, ParameterServer):
             except rex.RedisError:  # closing a dead connection: nothing left to release
                 pass
             self._client = None
-
-
-def _numpy_view(schema: TableSchema) -> tuple[np.dtype, bool]:
-    """The numpy dtype a lookup views its stored rows as, and whether torch views that as
-    the table's dtype next, giving :meth:`TableSchema.stored_view`'s tensor. (Without
-    torch: opening a table must not import it, ``tests/test_cli_startup.py``.)"""
-    if schema.quantized:
-        return np.dtype(np.uint8), False
-    try:
-        return np.dtype(schema.dtype), False
-    except TypeError:  # NOTE: bfloat16, which numpy lacks: its bits, then torch's view
-        return np.dtype(f"u{schema.row_bytes // schema.dim}"), True
 
 
 def open_mode(options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
