@@ -42,7 +42,8 @@ def fingerprint(root: Path, version: str) -> str:
     for part in _PARTS:
         base = root / part
         for dirpath, dirnames, filenames in os.walk(base):
-            dirnames.sort()
+            # NOTE: bytecode is written as modules are first imported; its sources count
+            dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
             for name in sorted(filenames):
                 path = os.path.join(dirpath, name)
                 try:

@@ -45,6 +45,9 @@ def test_fingerprint_follows_every_change_to_the_files(tmp_path: Path) -> None:
     (root / "compiler" / "compiler.py").unlink()
     seen.add(fingerprint(root, "3.6.0"))
     assert len(seen) == 5
+    (root / "language" / "__pycache__").mkdir()  # NOTE: bytecode written on first import
+    (root / "language" / "__pycache__" / "core.cpython-312.pyc").write_bytes(b"\0" * 16)
+    assert fingerprint(root, "3.6.0") in seen
 
 
 def test_remembered_computes_once_per_fingerprint(tmp_path: Path) -> None:
