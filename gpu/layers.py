@@ -451,8 +451,8 @@ class NVEmbedding(_NVBase):
             rows = (inline.rows(flat) if inline is not None else
                     ops.rows(flat, self.nvecache_id, self.embedding_size, self.data_type,
                              safe=self._graph_safe))
-        elif keys.dim() == 1 and keys.is_contiguous():  # NOTE: no reshape or view to pay
-            return self._tiers.rows(keys)
+        elif keys.is_contiguous() and (keys.dim() == 1 or self._tiers.rows_any_shape):
+            return self._tiers.rows(keys)  # NOTE: no reshape or view to pay
         else:
             rows = self._tiers.rows(keys.reshape(-1).contiguous())
         return rows.view(*keys.shape, self.embedding_size)

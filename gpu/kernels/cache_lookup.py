@@ -296,7 +296,7 @@ def lookup(
             given.append(candidate_rows)
         if misses is not None:
             given += misses
-        launch(_cdiv(n, tiles.lookup_block_k), *given)
+        launch.call(_cdiv(n, tiles.lookup_block_k), *given)
         return out, hit, None
     bd = _block_d(dim)
     linear = table is not None

@@ -65,22 +65,18 @@ def _block_d(dim: int) -> int:
 
 
 def gather(keys: torch.Tensor, table: torch.Tensor, err: torch.Tensor | None, *,
-           host_table: bool, bound: dict[tuple[object, ...], BoundLaunch] | None = None,
-           tiles: Tiles = DEFAULT_TILES, fmt: RowFormat | None = None,
+           host_table: bool, tiles: Tiles = DEFAULT_TILES, fmt: RowFormat | None = None,
            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``table[keys]`` with zero rows for keys outside the table (reported in ``err``, an
-    int64 ``[1]`` flag, when given). ``bound``: the caller's store of bound launches
-    (:class:`~gpu.kernels.launch.BoundLaunch`: table and flag resolved once, a call passing only
-    keys, size and output) for checked lookups (``err`` given) visited in batch order;
-    ``table`` and ``err`` are then the same objects call after call (a layer's), and so
-    is ``tiles`` (the launch settings: ``gather_block_k``, ``gather_warps``, and
-    ``linear_page_order``, from which a batch over a table in host memory is visited in
-    page order). ``fmt``: a quantized table's format (``table`` is then its stored bytes,
-    ``[num_rows, >= fmt.stored_bytes]`` uint8; its rows come back dequantized);
-    ``out_dtype``: the rows' dtype (default the table's; a quantized table's needs one)."""
+    int64 ``[1]`` flag, when given). ``tiles``: the launch settings (``gather_block_k``,
+    ``gather_warps``, and ``linear_page_order``, from which a batch over a table in host
+    memory (``host_table``) is visited in page order). ``fmt``: a quantized table's format
+    (``table`` is then its stored bytes, ``[num_rows, >= fmt.stored_bytes]`` uint8; its rows
+    come back dequantized); ``out_dtype``: the rows' dtype (default the table's; a
+    quantized table's needs one). A caller looking up one table call after call binds it
+    once instead (:class:`BoundRows`)."""
     n = keys.numel()
-    quant = fmt is not None and fmt.quantized
-    dim = fmt.dim if quant else table.shape[1]
+    dim = fmt.dim if fmt is not None and fmt.quantized else table.shape[1]
     dtype = out_dtype or table.dtype
     # NOTE: sizes as arguments, not a tuple: the cheaper parse
     out = torch.empty(n, dim, dtype=dtype, device=keys.device)
@@ -90,22 +86,6 @@ def gather(keys: torch.Tensor, table: torch.Tensor, err: torch.Tensor | None, *,
     bk = tiles.gather_block_k
     if host_table and 0 < tiles.linear_page_order <= n:
         order = _page_order(keys, table.shape[0], 0)
-    elif bound is not None and err is not None:
-        # NOTE: a table's format goes with the table (a layer binds both once): not a key
-        launch = bound.get((id(table), id(err), tiles, dtype))
-        if launch is None:
-            if len(bound) >= 4:  # NOTE: a caller passing new tables: bounded
-                bound.clear()
-            cx, key = _constexprs(dim, False, True, table.dtype, dtype, fmt, tiles)
-            # NOTE: placeholders of the parameters' types that the caller keeps (the flag
-            # for the int64 ones): binding allocates nothing, so it may happen inside a
-            # CUDA graph capture (torch.compile's reduce-overhead) without leaving a tensor
-            # in the graph's pool
-            launch = bound[(id(table), id(err), tiles, dtype)] = BoundLaunch(
-                _LAUNCH, (err, 0, table, table.shape[0], table.stride(0), table, err, err),
-                cx, key, _VARYING)
-        launch((n + bk - 1) // bk, keys, n, out)
-        return out
     cx, key = _constexprs(dim, order is not None, err is not None, table.dtype, dtype, fmt,
                           tiles)
     _LAUNCH(((n + bk - 1) // bk,),
@@ -113,6 +93,53 @@ def gather(keys: torch.Tensor, table: torch.Tensor, err: torch.Tensor | None, *,
              err if err is not None else keys, order if order is not None else keys),
             cx, key)
     return out
+
+
+class BoundRows:
+    """``table[keys]`` of one table and key-error flag, bound once (a layer's lookups):
+    the gather's launch with the table and flag resolved
+    (:class:`~gpu.kernels.launch.BoundLaunch`), a call passing only the keys, their count
+    and the output it allocates. Keys of any contiguous shape, rows ``[*keys.shape, dim]``,
+    visited in batch order; a batch over a table in host memory large enough to be
+    visited in page order takes :func:`gather`.
+
+    Args:
+        table, err, host_table, tiles, fmt: As for :func:`gather` (``err`` required).
+        dtype: The rows' dtype.
+        device: Where the keys and the rows are (the table's GPU).
+    """
+
+    def __init__(self, table: torch.Tensor, err: torch.Tensor, *, host_table: bool,
+                 tiles: Tiles, fmt: RowFormat | None, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.dim = fmt.dim if fmt is not None and fmt.quantized else table.shape[1]
+        cx, key = _constexprs(self.dim, False, True, table.dtype, dtype, fmt, tiles)
+        # NOTE: placeholders of the parameters' types that the caller keeps (the flag for
+        # the int64 ones): binding allocates nothing, so it may happen inside a CUDA graph
+        # capture (torch.compile's reduce-overhead) without leaving a tensor in its pool
+        self.launch = BoundLaunch(
+            _LAUNCH, (err, 0, table, table.shape[0], table.stride(0), table, err, err),
+            cx, key, _VARYING)
+        self._call = self.launch.call
+        self._table, self._err, self._tiles, self._fmt = table, err, tiles, fmt
+        self._dtype, self._device, self._block = dtype, device, tiles.gather_block_k
+        order = tiles.linear_page_order
+        #: from how many keys a batch is visited in page order (never on a device table)
+        self._ordered_from = order if host_table and order > 0 else 1 << 62
+
+    def __call__(self, keys: torch.Tensor) -> torch.Tensor:
+        n = keys.numel()
+        if n >= self._ordered_from:
+            return gather(keys.view(-1), self._table, self._err, host_table=True,
+                          tiles=self._tiles, fmt=self._fmt,
+                          out_dtype=self._dtype).view(*keys.shape, self.dim)
+        if keys.dim() == 1:
+            out = torch.empty(n, self.dim, dtype=self._dtype, device=self._device)
+        else:
+            out = torch.empty((*keys.shape, self.dim), dtype=self._dtype, device=self._device)
+        if n:
+            self._call((n + self._block - 1) // self._block, keys, n, out)
+        return out
 
 
 #: what a bound gather passes per call (parameter indices): keys, n, out

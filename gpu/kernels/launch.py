@@ -181,6 +181,13 @@ class BoundLaunch:
     tables, a layer's flags): their addresses and specializations are taken once, and a
     call hands over only the ``varying`` ones (by parameter index), over a 1-D grid.
 
+    The per-call path is a function written for this binding when it is made (as Triton's
+    own argument binder and torch inductor's launchers are generated): each varying
+    argument's address or value taken and specialized in straight-line code, the fixed
+    ones passed as constants, no loop, list or merge per call (bench/RESULTS.md,
+    "Per-call path"). ``launch(grid, *values)`` and ``launch.call(grid, *values)`` are the
+    same call; hot callers keep ``call``.
+
     A call whose varying arguments specialize differently (another pointer alignment, an
     integer that is 1 or crosses a multiple of 16), a launch hook, the interpreter or
     another current device: the whole :class:`DirectLaunch` path, whose variant is then
@@ -190,7 +197,8 @@ class BoundLaunch:
     Args:
         launch: The kernel's launcher.
         args: Every runtime argument in parameter order (those at ``varying`` are
-            placeholders until a call gives them).
+            placeholders until a call gives them; a placeholder's type, tensor or int, is
+            the type each call passes there).
         constexprs: As for :class:`DirectLaunch`, one dict kept by the caller.
         key: As for :class:`DirectLaunch`.
         varying: Indices into ``args`` that each call passes, in that order.
@@ -198,13 +206,14 @@ class BoundLaunch:
 
     def __init__(self, launch: DirectLaunch, args: Sequence[Any], constexprs: dict[str, Any],
                  key: tuple[Any, ...], varying: tuple[int, ...]) -> None:
-        self._launch, self._cx, self._key = launch, constexprs, key
-        self._args = list(args)  # NOTE: holds the fixed tensors
-        self._varying = varying
-        self._device = next(a for a in args if isinstance(a, torch.Tensor)).get_device()
-        #: the varying arguments' specialization -> (launch, head, call template, tail)
-        self._variants: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...], list[Any],
-                                                    tuple[Any, ...]]] = {}
+        device = next(a for a in args if isinstance(a, torch.Tensor)).get_device()
+        #: the varying arguments' specialization -> (launch, head, tail)
+        self._variants: dict[tuple[bool, ...], tuple[Any, tuple[Any, ...], tuple[Any, ...]]]
+        self._variants = {}
+        self._fallback = _Fallback(launch, args, constexprs, key, varying, self._variants)
+        #: the per-call path (see the class docs)
+        self.call = _bound_call(launch, args, varying, device, self._variants,
+                                self._fallback)
 
     @property
     def variants(self) -> int:
@@ -213,34 +222,80 @@ class BoundLaunch:
         return len(self._variants)
 
     def __call__(self, grid: int, *values: Any) -> None:
-        dl = self._launch
-        spec: list[Any] = []
-        given: list[Any] = []  # NOTE: what the launcher takes: tensors as their addresses
-        for v in values:
-            if isinstance(v, torch.Tensor):
-                ptr = v.data_ptr()
-                given.append(ptr)
-                spec.append(ptr & 15 == 0)
-            elif -_INT32_MAX <= v <= _INT32_MAX:
-                given.append(v)
-                spec.append((v == 1, v & 15 == 0))
+        self.call(grid, *values)
+
+
+class _Fallback:
+    """A :class:`BoundLaunch`'s path through :class:`DirectLaunch` (kept apart from its
+    generated call, so the two never reference each other: dropping a BoundLaunch frees
+    its tables at once, without waiting for the cycle collector)."""
+
+    def __init__(self, launch: DirectLaunch, args: Sequence[Any], constexprs: dict[str, Any],
+                 key: tuple[Any, ...], varying: tuple[int, ...],
+                 variants: dict[tuple[bool, ...], Any]) -> None:
+        self._launch, self._cx, self._key = launch, constexprs, key
+        self._args = list(args)  # NOTE: holds the fixed tensors
+        self._varying, self._variants = varying, variants
+
+    def __call__(self, grid: int, values: tuple[Any, ...], spec: tuple[bool, ...] | None
+                 ) -> None:
+        """Launch through :class:`DirectLaunch`; keep the variant under ``spec`` (None: a
+        64-bit integer, never kept)."""
+        args = list(self._args)
+        for i, v in zip(self._varying, values, strict=True):
+            args[i] = v
+        used = self._launch((grid,), args, self._cx, self._key)
+        if used is not None and spec is not None:
+            self._variants[spec] = (used[0], used[1], used[3])
+
+
+def _bound_call(launch: DirectLaunch, args: Sequence[Any], varying: tuple[int, ...],
+                device: int, variants: dict[tuple[bool, ...], Any], fallback: _Fallback
+                ) -> Any:
+    """Write a :class:`BoundLaunch`'s per-call function: its parameters the varying
+    arguments, the fixed ones constants (tensors as their addresses), the specialization
+    (each pointer's 16-byte alignment, each integer's ``== 1`` and multiple of 16) built
+    in one expression. Only names made here from indices go into the source."""
+    names = [f"v{j}" for j in range(len(varying))]
+    consts: dict[str, Any] = {}
+    passed, spec, body = [], [], []
+    ints = []
+    for i, a in enumerate(args):
+        if i in varying:
+            v = names[varying.index(i)]
+            if isinstance(a, torch.Tensor):
+                body.append(f"    p{v} = {v}.data_ptr()")
+                passed.append(f"p{v}")
+                spec.append(f"p{v} & 15 == 0")
             else:
-                spec.append(None)  # NOTE: a 64-bit integer: the full path, never kept
-                break
-        key = tuple(spec)
-        variant = self._variants.get(key)
-        runtime = dl._knobs.runtime
-        if variant is None or dl._interpret or _active(runtime.launch_enter_hook) or \
-                _active(runtime.launch_exit_hook) or dl._current_device() != self._device:
-            args = list(self._args)
-            for i, v in zip(self._varying, values, strict=True):
-                args[i] = v
-            used = dl((grid,), args, self._cx, self._key)
-            if used is not None and None not in key:
-                self._variants[key] = used
-            return
-        launch, head, call, tail = variant
-        call = list(call)
-        for i, v in zip(self._varying, given, strict=True):
-            call[i] = v
-        launch(grid, 1, 1, dl._raw_stream(self._device), *head, *call, *tail)
+                passed.append(v)
+                ints.append(v)
+                spec += [f"{v} == 1", f"{v} & 15 == 0"]
+        else:
+            consts[f"f{i}"] = a.data_ptr() if isinstance(a, torch.Tensor) else a
+            passed.append(f"f{i}")
+    fits = " and ".join(f"-M <= {v} <= M" for v in ints) or "True"
+    key = ", ".join(spec) + ("," if len(spec) == 1 else "")
+    src = "\n".join([
+        f"def call(grid, {', '.join(names)}):",
+        *body,
+        f"    if {fits}:",
+        f"        spec = ({key})",
+        "        variant = variants.get(spec)",
+        "        if variant is not None and not (active(rt.launch_enter_hook) or",
+        "                active(rt.launch_exit_hook)) and current() == dev:",
+        "            run, head, tail = variant",
+        f"            run(grid, 1, 1, stream(dev), *head, {', '.join(passed)}, *tail)",
+        "            return",
+        f"        fallback(grid, ({', '.join(names)},), spec)",
+        "        return",
+        f"    fallback(grid, ({', '.join(names)},), None)",
+    ])
+    if launch._interpret:  # NOTE: the interpreter has no compiled launcher: always the JIT
+        src = f"def call(grid, {', '.join(names)}):\n" \
+              f"    fallback(grid, ({', '.join(names)},), None)"
+    scope = {"variants": variants, "fallback": fallback, "active": _active,
+             "rt": launch._knobs.runtime, "current": launch._current_device, "dev": device,
+             "stream": launch._raw_stream, "M": _INT32_MAX, **consts}
+    exec(compile(src, f"<BoundLaunch {_qualified(launch._kernel)}>", "exec"), scope)  # noqa: S102
+    return scope["call"]

@@ -35,6 +35,7 @@ class CachedStack:
     #: check offsets on the host (one sync each); linear tables also check their keys there
     #: (else on the device, gpu.stacks.key_flag). The CPU always checks.
     validate = False
+    rows_any_shape = False
 
     def __init__(self, dim: int, dtype: torch.dtype, device: torch.device, cache_bytes: int,
                  config: TierConfig, feed: ChangeFeed | None) -> None:

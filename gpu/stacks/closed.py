@@ -25,6 +25,8 @@ class ClosedStack:
             close still traces; nothing else of it is referenced).
     """
 
+    rows_any_shape = False
+
     def __init__(self, what: str, stack: Any) -> None:
         self._what = what
         self.layer_type: str = stack.layer_type

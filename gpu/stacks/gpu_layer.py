@@ -80,22 +80,32 @@ class DeviceTable(LinearTable):
             self._pooled = functools.partial(pool.lookup_linear_pooled,
                                              table_format=self.fmt)
         self._host_checks = self._gather is None
-        #: the gather's bound launches (gpu.kernels.launch.BoundLaunch): table and flag bound once
-        self._bound: dict[tuple[object, ...], Any] = {}
+        #: lookups with keys checked on the device (the default on CUDA): the gather with
+        #: the table and key flag bound once (gpu.kernels.gather.BoundRows)
+        self._bound: Any = None
         if self._gather is not None and device.type == "cuda":
+            self._bound = kernel_module("gather", interpret=False).BoundRows(
+                self.table, self.check.flag.device_view, host_table=self._host,
+                tiles=self._tiles, fmt=self.fmt, dtype=dtype, device=device)
             # NOTE: load (or compile) the kernel now, so that the first forward does not pay
             # it (bench/RESULTS.md, "Per-call path": first forward)
-            probe = torch.zeros(1, dtype=torch.int64, device=device)
-            self._gather(probe, self.table, self.check.flag.device_view, host_table=self._host,
-                         bound=self._bound, tiles=self._tiles)
+            self._bound(torch.zeros(1, dtype=torch.int64, device=device))
+
+    @property
+    def rows_any_shape(self) -> bool:  # type: ignore[override]
+        """Keys of any contiguous shape where the lookup is the bound gather (keys checked
+        on the device, the default on CUDA)."""
+        return self._bound is not None and not self.check.on_host
 
     def rows(self, keys: torch.Tensor) -> torch.Tensor:
         self.check(keys)
         self._lookups += keys.numel()
         with self._gate:
+            if self._bound is not None and not self.check.on_host:
+                return self._bound(keys)
             if self._gather is not None:
                 return self._gather(keys, self.table, self.check.err, host_table=self._host,
-                                    bound=self._bound, tiles=self._tiles)
+                                    tiles=self._tiles)
             with torch.no_grad():
                 if self.fmt is not None:  # NOTE: the torch path: only these rows decoded
                     return decoded(self.table, keys, self.fmt, self.dtype)
@@ -187,7 +197,7 @@ class DeviceTable(LinearTable):
         self._release_table()
         self._block = None
         self.table = self.table.new_empty((0, self.dim))
-        self._bound.clear()
+        self._bound = None
         self._pool = self._pooled = None
 
 

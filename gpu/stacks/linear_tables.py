@@ -166,6 +166,7 @@ class LinearTable:
     device: torch.device
     #: the table's quantized format (None: a plain table of ``dtype``)
     fmt: RowFormat | None = None
+    rows_any_shape = False
     #: check keys on the host whatever ``validate`` says (a table torch's gathers read:
     #: they assert on the device for a bad key)
     _host_checks = False

@@ -52,8 +52,12 @@ class LayerStack(Protocol):
     #: check keys (and offsets) on the host before each lookup (one sync each)
     validate: bool
 
+    #: :meth:`rows` also takes contiguous keys of any shape, returning ``[*shape, dim]``
+    #: (the layer then passes them as they come, with no reshape on either side)
+    rows_any_shape: bool
+
     def rows(self, keys: torch.Tensor) -> torch.Tensor:
-        """``[N, dim]`` rows of ``keys``."""
+        """``[N, dim]`` rows of ``keys`` (see :attr:`rows_any_shape`)."""
         ...
 
     def pooled(self, keys: torch.Tensor, offsets: torch.Tensor,

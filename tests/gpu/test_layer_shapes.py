@@ -122,6 +122,7 @@ def build(spec: Spec, weights: torch.Tensor, device: str, stack: contextlib.Exit
 def check_plain(layer: Any, weights: torch.Tensor, keys: torch.Tensor, device: str) -> None:
     out = layer(keys.to(device))
     assert out.dtype == weights.dtype and out.device.type == device
+    assert out.shape == (*keys.shape, weights.shape[1])
     assert torch.equal(out.cpu(), F.embedding(keys, weights))
 
 
@@ -157,8 +158,13 @@ def test_layers_over_every_storage_and_shape_equal_torch(device: str, data: Any)
         for _ in range(3):  # interleaved rounds: misses, admissions, then hits
             for spec, weights, layer in layers:
                 if spec.mode is None:
-                    shape = data.draw(st.lists(st.integers(0, 40), min_size=1, max_size=2))
+                    # NOTE: 0-d to 3-d keys, contiguous or not (transposed)
+                    shape = data.draw(st.one_of(
+                        st.lists(st.integers(0, 40), min_size=1, max_size=2),
+                        st.lists(st.integers(0, 6), min_size=0, max_size=3)))
                     keys = torch.randint(0, spec.rows, tuple(shape), generator=gen)
+                    if keys.dim() >= 2 and data.draw(st.booleans()):
+                        keys = keys.transpose(0, 1)
                     check_plain(layer, weights, keys, device)
                 else:
                     lengths = data.draw(st.lists(st.integers(0, 20), min_size=1, max_size=128))
