@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import cross_node  # noqa: E402
-from tests.servers import REDIS_CLI, REDIS_SERVER, RedisProc, start_cluster  # noqa: E402
+from tests.servers import REDIS_SERVER, RedisProc, start_cluster  # noqa: E402
 
 
 def measure(url: str, backend: str, rate: float, seconds: float) -> dict[str, object]:
@@ -58,7 +58,7 @@ def main() -> int:
     cluster: list[RedisProc] = []
     root = Path(tempfile.mkdtemp(prefix="xnode-cluster-"))
     try:
-        if not args.no_cluster and REDIS_SERVER and REDIS_CLI:
+        if not args.no_cluster and REDIS_SERVER:
             url, cluster = start_cluster(root)
             targets.append(("redis-cluster", url))
         for backend, url in targets:

@@ -13,7 +13,9 @@ already in the GPU cache, against a GPULayer on the same keys (after each call a
 device-wide sync, and again waiting for the caller's stream only). Prints one JSON line per
 figure. Last, the host cache's hit rate with the GPU reading it against the CPU's own
 lookups on the same stream. Run on a CUDA machine:
-``python bench/bench_hierarchical.py [--quick] [--redis URL]``.
+``python bench/bench_hierarchical.py [--quick] [--redis URL] [--cluster N] [--no-file]``
+(``--cluster N``: the same over a Redis Cluster of N masters started on loopback ports, one
+server's distinct-row rate shared among N).
 """
 
 from __future__ import annotations
@@ -187,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--redis", default=None, help="also run over this Redis URL")
+    ap.add_argument("--cluster", type=int, default=0, metavar="N",
+                    help="also run over a Redis Cluster of N masters started here on "
+                         "loopback ports (redis-server on PATH)")
+    ap.add_argument("--no-file", action="store_true", help="skip the file:// runs")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_hierarchical needs a CUDA GPU", file=sys.stderr)
@@ -194,12 +200,23 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [1 << 10, 1 << 12, 1 << 14, 1 << 16]
     rows = 1 << 18 if args.quick else 1 << 20
     calls = 100 if args.quick else 300
-    with tempfile.TemporaryDirectory() as tmp:
-        run(f"file://{tmp}/ps", "file", rows, sizes, calls)
-        host_hit_rates(f"file://{tmp}/ps", rows, 1 << 12, (2 if args.quick else 4) << 20,
-                       1 << 21)
+    if not args.no_file:
+        with tempfile.TemporaryDirectory() as tmp:
+            run(f"file://{tmp}/ps", "file", rows, sizes, calls)
+            host_hit_rates(f"file://{tmp}/ps", rows, 1 << 12, (2 if args.quick else 4) << 20,
+                           1 << 21)
     if args.redis:
         run(args.redis, "redis", rows, sizes, calls)
+    if args.cluster:
+        from tests.servers import start_cluster
+
+        with tempfile.TemporaryDirectory() as tmp:
+            url, nodes = start_cluster(Path(tmp), args.cluster)
+            try:
+                run(url, f"redis-cluster-{args.cluster}", rows, sizes, calls)
+            finally:
+                for node in nodes:
+                    node.kill()
     return 0
 
 

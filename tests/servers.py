@@ -19,7 +19,6 @@ import pytest
 import redis
 
 REDIS_SERVER = shutil.which("redis-server")
-REDIS_CLI = shutil.which("redis-cli")
 needs_redis_server = pytest.mark.skipif(
     REDIS_SERVER is None, reason="needs the redis-server binary (apt-get install redis-server)"
 )
@@ -102,9 +101,11 @@ class RedisProc:
 
 def start_cluster(root: Path, masters: int = 3) -> tuple[str, list[RedisProc]]:
     """A real Redis Cluster of ``masters`` masters (no replicas) on loopback ports, in
-    ``root``: ``(its redis+cluster:// URL, the servers)``; the caller kills them."""
-    assert REDIS_CLI is not None
+    ``root``: ``(its redis+cluster:// URL, the servers)``; the caller kills them. Made with
+    the cluster's own commands (each master's share of the 16,384 slots, then ``CLUSTER
+    MEET``), so only ``redis-server`` is needed."""
     nodes: list[RedisProc] = []
+    clients: list[redis.Redis] = []
     try:
         for i in range(masters):
             port = free_port(bus=True)
@@ -112,16 +113,22 @@ def start_cluster(root: Path, masters: int = 3) -> tuple[str, list[RedisProc]]:
                                    "--cluster-config-file", f"nodes-{port}.conf",
                                    "--cluster-node-timeout", "2000",
                                    "--appendonly", "no").start())
-        addrs = [f"127.0.0.1:{n.port}" for n in nodes]
-        subprocess.run([REDIS_CLI, "--cluster", "create", *addrs, "--cluster-replicas", "0",
-                        "--cluster-yes"], check=True, capture_output=True, timeout=60)
-        clients = [redis.Redis(port=n.port, socket_timeout=1) for n in nodes]
-        wait_until(lambda: all(c.cluster("info")["cluster_state"] == "ok" for c in clients),
+        clients = [redis.Redis(port=n.port, socket_timeout=5) for n in nodes]
+        for i, c in enumerate(clients):
+            c.execute_command("CLUSTER", "ADDSLOTS", *range(16384 * i // masters,
+                                                             16384 * (i + 1) // masters))
+        for c in clients[1:]:
+            c.execute_command("CLUSTER", "MEET", "127.0.0.1", nodes[0].port)
+        wait_until(lambda: all(c.cluster("info")["cluster_state"] == "ok" and
+                               int(c.cluster("info")["cluster_known_nodes"]) == masters
+                               for c in clients),
                    30, "cluster_state:ok on every node")
-        for c in clients:
-            c.close()
     except BaseException:
         for n in nodes:
             n.kill()
         raise
+    finally:
+        for c in clients:
+            c.close()
+    addrs = [f"127.0.0.1:{n.port}" for n in nodes]
     return "redis+cluster://" + ",".join(addrs), nodes
