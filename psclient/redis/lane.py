@@ -31,7 +31,7 @@ import redis.exceptions as rex
 from psclient.redis import resp
 from psclient.redis.wire import ECHO, idle_socket, recv_until
 
-__all__ = ["Lanes"]
+__all__ = ["Lanes", "Sent"]
 
 
 class _Held:
@@ -128,3 +128,52 @@ class Lanes:
             return lane.buf, size - len(tail)
 
         return conn.retry.call_with_retry(attempt, lambda _err: conn.disconnect())
+
+    def open(self, expect: int) -> Sent | None:
+        """This thread's lane, ready to send on (its receive buffer holds ``expect`` bytes
+        and a token's reply): the first half of :meth:`fetch` for a caller that sends on
+        several lanes (a cluster's nodes) before reading any. None as :meth:`fetch`."""
+        lane = self._lane()
+        if lane is None:
+            return None
+        sock = idle_socket(lane.conn)
+        if sock is None:
+            return None
+        tail = resp.bulk(os.urandom(16))
+        if len(lane.buf) < expect + len(tail):
+            lane.buf = bytearray(expect + len(tail))
+        return Sent(lane, sock, tail)
+
+
+class Sent:
+    """A lane that one batch is sent on (:meth:`Lanes.open`): :meth:`send`, then
+    :meth:`receive`. No retry here: on a connection error the connection is dropped (a
+    reply left unread would answer its next command) and the error raised, for the caller
+    to take a path that retries; :meth:`drop` does the same for a lane whose replies will
+    not be read."""
+
+    __slots__ = ("_lane", "_sock", "_tail")
+
+    def __init__(self, lane: _Lane, sock: Any, tail: bytes) -> None:
+        self._lane, self._sock, self._tail = lane, sock, tail
+
+    def send(self, payload: list[bytes | memoryview]) -> None:
+        """Send the commands, then an ``ECHO`` of this batch's token."""
+        try:
+            self._sock.sendall(b"".join([*payload, ECHO, self._tail]))
+        except OSError as e:
+            self.drop()
+            raise rex.ConnectionError(f"Error while writing to the Redis socket: {e}") from e
+
+    def receive(self) -> tuple[bytearray, int]:
+        """Every reply up to the token's: ``buf[:size]`` of the lane's receive buffer
+        (valid until this thread's next batch on the lane)."""
+        try:
+            size = recv_until(self._sock, self._lane.buf, self._tail)
+        except BaseException:
+            self.drop()
+            raise
+        return self._lane.buf, size - len(self._tail)
+
+    def drop(self) -> None:
+        self._lane.conn.disconnect()

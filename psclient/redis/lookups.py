@@ -7,6 +7,10 @@ schema, options, client, dispatcher and lanes. Two paths:
   encoded in one pass (:mod:`psclient.redis.hmget`), sent on the calling thread's own
   connection (:mod:`psclient.redis.lane`), every reply checked and its rows copied into
   output order in one step (:class:`psclient.redis.resp.RowFrame`);
+* a cluster, few keys a reply: the same, with each node's commands sent on the calling
+  thread's lane to that node, every node's before any reply is read (the nodes work at
+  once, with no thread handoff); a redirection or a connection error sends the batch
+  down the next path instead (a lookup changes nothing, so asking again is safe);
 * a cluster, or replies of many keys: the dispatcher's pipelines on the pool, each reply's
   rows placed as soon as it is in, so decoding overlaps the server's work.
 """
@@ -26,7 +30,7 @@ from psclient.redis import resp
 from psclient.redis.conn import redis_errors
 from psclient.redis.dispatch import REDIRECTS, Cmd
 from psclient.redis.hmget import HmgetBatch, encode_hmget
-from psclient.redis.lane import Lanes
+from psclient.redis.lane import Lanes, Sent
 from psclient.redis.wire import fetch_row_replies, reply_error, stream_row_pipeline
 
 if TYPE_CHECKING:
@@ -47,6 +51,7 @@ class RedisLookups:
     _where: str
     _table: str
     _lanes: Lanes | None
+    _dispatch: Any
     dim: int
     #: the backend's dispatcher: runs commands on the pool (or a cluster's nodes)
     _run: Callable[..., list[Any]]
@@ -58,16 +63,20 @@ class RedisLookups:
         self._frame = resp.RowFrame(self._schema.row_bytes)
         self._stored_types = _numpy_view(self._schema)
         self._lanes = Lanes(self._client)
+        #: a cluster's lanes, per node client (by id), and which node serves each
+        #: partition as an index into them (with the partition map it was made from)
+        self._node_lanes: dict[int, Lanes] = {}
+        self._node_map: tuple[list[Any], np.ndarray, list[Lanes]] | None = None
 
     def _lookup(self, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         batch = encode_hmget(keys, self._schema.partitions, self._opts["chunk_keys"],
                              self._hmget_leads)
         n = keys.size
-        if not self._cluster and n <= self._opts["inline_keys"] and \
-                n < self._opts["at_once_keys"] * len(batch):
-            values, found = self._lookup_whole(batch)
-        else:
-            values, found = self._lookup_streamed(batch)
+        got = None
+        if n <= self._opts["inline_keys"] and n < self._opts["at_once_keys"] * len(batch):
+            got = self._lookup_scattered(batch) if self._cluster else \
+                self._lookup_whole(batch)
+        values, found = got if got is not None else self._lookup_streamed(batch)
         # NOTE: TableSchema.stored_view's rows, viewed in numpy first: one torch call, not
         # three (bfloat16, which numpy lacks, is viewed by torch from its bits)
         np_type, retype = self._stored_types
@@ -106,6 +115,67 @@ class RedisLookups:
         values = np.empty(n, dtype=frame.row_type)
         found = np.empty(n, dtype=bool)
         self._place(order, list(chain.from_iterable(got)), batch.keys, values, found)
+        return values, found
+
+    def _nodes(self) -> tuple[np.ndarray, list[Lanes]]:
+        """Which node serves each partition (an index) and this client's lanes to each
+        node, remade when the dispatcher's partition map is (after a redirection)."""
+        nodes = self._dispatch.nodes()
+        known = self._node_map
+        if known is None or known[0] is not nodes:
+            index: dict[int, int] = {}
+            at = np.array([index.setdefault(id(c), len(index)) for c in nodes], dtype=np.intp)
+            clients = list({id(c): c for c in nodes}.values())
+            lanes = [self._node_lanes.setdefault(id(c), Lanes(c)) for c in clients]
+            known = self._node_map = (nodes, at, lanes)
+        return known[1], known[2]
+
+    def _lookup_scattered(self, batch: HmgetBatch
+                          ) -> tuple[np.ndarray, np.ndarray | None] | None:
+        """A cluster, few keys a reply: each node's commands on this thread's lane to it,
+        all sent before any reply is read; rows checked and copied per node as
+        :meth:`_lookup_whole` does. None (nothing placed, every lane read or dropped) on a
+        redirection, a connection error, or a node without a lane for this thread: the
+        caller sends the batch down the dispatcher's path."""
+        at, lanes = self._nodes()
+        frame, order, n = self._frame, batch.order, batch.keys.size
+        counts, heads, payload = batch.counts, batch.reply_heads, batch.payload
+        first = counts.cumsum() - counts
+        cmd_node = at[np.asarray(batch.parts, dtype=np.intp)]
+        plan: list[tuple[Sent, list[int], np.ndarray]] = []
+        got: list[tuple[bytearray, int]] = []
+        try:
+            for node in np.unique(cmd_node).tolist():
+                js = np.flatnonzero(cmd_node == node)
+                sent = lanes[node].open(int(counts[js].sum()) * frame.rec_len + 16 * js.size)
+                if sent is None:
+                    return None  # NOTE: nothing sent yet
+                plan.append((sent, js.tolist(), js))
+            for sent, jl, _ in plan:
+                sent.send([p for j in jl for p in (payload[2 * j], payload[2 * j + 1])])
+            got = [sent.receive() for sent, _, _ in plan]
+        except (rex.ConnectionError, rex.TimeoutError, OSError):
+            for sent, _, _ in plan[len(got):]:
+                sent.drop()  # NOTE: replies left unread would answer the next command
+            return None
+        values = np.empty(n, dtype=frame.row_type)
+        found: np.ndarray | None = None
+        for (_, jl, js), (buf, size) in zip(plan, got, strict=True):
+            c = counts[js]
+            starts = frame.offsets(buf, size, c, [heads[j] for j in jl])
+            if starts is not None:
+                # NOTE: this node's keys, each command's at its start in the batch
+                dest = order[np.arange(int(c.sum())) + (first[js] - (c.cumsum() - c)).repeat(c)]
+                values[dest] = frame.rows(buf, size)[starts]
+                continue
+            replies = resp.parse_replies(buf, size, len(jl))
+            if any(isinstance(r, Exception) for r in replies):
+                return None  # NOTE: a redirection (or an error the next path raises)
+            if found is None:
+                found = np.ones(n, dtype=bool)
+            for j, reply in zip(jl, replies, strict=True):
+                lo, hi = int(first[j]), int(first[j] + counts[j])
+                self._place(order[lo:hi], reply, batch.keys[lo:hi], values, found)
         return values, found
 
     def _lookup_streamed(self, batch: HmgetBatch) -> tuple[np.ndarray, np.ndarray]:

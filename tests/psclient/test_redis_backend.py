@@ -325,3 +325,56 @@ def test_cluster_differential_against_dict(redis_cluster: str, table_name: str,
                                            ops: list) -> None:
     with psclient.connect(redis_cluster, table=table_name + "-d", dim=model.DIM) as ps:
         model.check_against_dict(ps, ops)
+
+
+def test_cluster_small_lookups_from_threads_while_connections_are_killed(
+        redis_cluster: str, table_name: str) -> None:
+    """Small cluster lookups go out on each thread's own connection to every node, all
+    nodes asked before any reply is read (psclient/redis/lookups.py): from four threads
+    at once, with missing and repeated keys, while every node's client connections are
+    killed again and again (an in-flight batch then takes the dispatcher's path, a killed
+    idle one is made anew), every result is exact."""
+    addrs = [hp.rpartition(":") for hp in
+             redis_cluster.removeprefix("redis+cluster://").split(",")]
+    nodes = [redis.Redis(host=h, port=int(p)) for h, _, p in addrs]
+    with psclient.connect(redis_cluster, table=table_name, dim=8) as ps:
+        keys = torch.arange(0, 4000, 2)  # NOTE: odd keys are missing
+        vals = torch.randn(keys.numel(), 8)
+        ps.insert(keys, vals)
+        table = dict(zip(keys.tolist(), vals, strict=True))
+        errors: list[str] = []
+        start = threading.Barrier(5)
+
+        def reader(seed: int) -> None:
+            rng = np.random.default_rng(seed)
+            start.wait(30)
+            for _ in range(150):
+                ask = torch.from_numpy(rng.integers(0, 4000, int(rng.integers(1, 200))))
+                got, found = ps.lookup(ask)
+                want = [k % 2 == 0 for k in ask.tolist()]
+                if found.tolist() != want:
+                    errors.append(f"found flags differ for {ask.tolist()}")
+                    return
+                for k, row, hit in zip(ask.tolist(), got, want, strict=True):
+                    if not torch.equal(row, table[k] if hit else torch.zeros(8)):
+                        errors.append(f"row of key {k} differs")
+                        return
+
+        threads = [threading.Thread(target=reader, args=(s,)) for s in range(4)]
+        for t in threads:
+            t.start()
+        start.wait(30)
+        killed = 0
+        while any(t.is_alive() for t in threads):
+            for node in nodes:
+                killed += node.client_kill_filter(_type="normal", skipme=True)
+            time.sleep(0.01)  # NOTE: pacing the kills, not waiting for a result
+        for t in threads:
+            t.join()
+        assert not errors, errors[:3]
+        assert killed > 0, "no connection was killed while the readers ran"
+        got, found = ps.lookup(keys[:50])  # NOTE: after the kills, this thread too
+        assert found.all() and torch.equal(got, vals[:50])
+        ps.drop()
+    for node in nodes:
+        node.close()
