@@ -6,7 +6,8 @@ keys (measured one layer after the other, and again with the two layers' calls
 alternating, so that the machine's drift falls on both alike), back-to-back wall-clock
 throughput over distinct batches, LinearUVM's warm-up, the
 first forward after construction (a fresh process, Triton's kernel cache warm), where a
-GPULayer call's host time goes (``--only host``), and
+GPULayer call's host time goes (``--only host``), the gather's launch settings swept
+(``--only tiles``, not in the default set), and
 ``torch.compile``. Prints one JSON line per figure. Run on a CUDA machine:
 ``python bench/bench_per_call.py [--quick]``.
 """
@@ -362,15 +363,41 @@ def host_path(rows: int) -> None:
     emb.close()
 
 
+def gather_tiles(rows: int) -> None:
+    """The GPULayer gather's launch settings (keys per program x warps) back to back over
+    uniform keys at 256k and 1M, as bytes moved a second (each key's row read and its
+    output row written), beside ``nn.Embedding``: whether the defaults leave bandwidth."""
+    import dataclasses
+
+    from gpu import TierConfig
+    from gpu.kernels.tiles import DEFAULT_TILES
+
+    w = torch.randn(rows, DIM, device=DEV)
+    row_bytes = 2 * DIM * w.element_size()
+    for n in (1 << 18, 1 << 20):
+        batches = [torch.randint(0, rows, (n,), device=DEV) for _ in range(8)]
+        t = back_to_back(lambda k: torch.embedding(w, k), batches)
+        emit(bench="gather_tiles", batch=n, what="nn.Embedding", tb_s=n * row_bytes / t / 1e12)
+        for bk in (8, 16, 32, 64):
+            for warps in (2, 4, 8):
+                tiles = dataclasses.replace(DEFAULT_TILES, gather_block_k=bk, gather_warps=warps)
+                emb = NVEmbedding(rows, DIM, torch.float32, LayerType.GPULayer, storage=w,
+                                  device=DEV, tuning=TierConfig(tiles=tiles))
+                t = back_to_back(emb, batches)
+                emit(bench="gather_tiles", batch=n, block_k=bk, warps=warps,
+                     default=tiles == DEFAULT_TILES, tb_s=n * row_bytes / t / 1e12)
+                emb.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", action="append", choices=["gpu", "linear", "first", "host"])
+    ap.add_argument("--only", action="append", choices=["gpu", "linear", "first", "host", "tiles"])
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_per_call needs a CUDA GPU", file=sys.stderr)
         return 2
-    only = set(args.only or ["gpu", "linear", "first", "host"])
+    only = set(args.only or ["gpu", "linear", "first", "host"])  # NOTE: tiles when asked
     reps = 100 if args.quick else 400
     sizes = [1 << 10, 1 << 12, 1 << 14]
     name = f"bench-per-call-{os.getpid()}"
@@ -383,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
         first_forward(name)
     if "host" in only:
         host_path(1 << 20)
+    if "tiles" in only:
+        gather_tiles(1 << 20 if args.quick else 1 << 24)
     return 0
 
 
