@@ -1,4 +1,4 @@
-"""gpu.kernels.launch.DirectLaunch's choice of compiled variant, on any machine.
+"""gpu.kernels.launch.DirectLaunch's (and BoundLaunch's) choice of compiled variant, on any machine.
 
 A direct launch only runs on CUDA (tests/gpu/test_launch.py checks it there against
 torch). Which compiled variant a call gets is bookkeeping, checked here with a stand-in
@@ -100,3 +100,89 @@ def test_a_cached_constexpr_dict_and_a_pointer_alignment_pick_variants() -> None
     launch((1,), (aligned, 1 << 40), cx, ("k",))
     launch((1,), (aligned, 1 << 40), cx, ("k",))
     assert [what for what, _, _ in kernel.log[4:]] == ["jit", "jit"]
+
+
+class _TwoTensorKernel(_Kernel):
+    """A stand-in for ``k(x_ptr, n, t_ptr, m, WIDTH: tl.constexpr)``: a bound launch's
+    shape (x and n given per call, the table t and its size m bound)."""
+
+    arg_names = ["x_ptr", "n", "t_ptr", "m", "WIDTH"]
+    constexprs = [4]
+
+
+def _bound(kernel: _Kernel, table: torch.Tensor) -> tuple[Any, list[int]]:
+    """A BoundLaunch over a counting DirectLaunch: (the launch, how many calls reached the
+    DirectLaunch, a one-element list)."""
+    from gpu.kernels.launch import BoundLaunch, DirectLaunch
+
+    reached = [0]
+
+    class Counting(DirectLaunch):
+        def __call__(self, *args: Any, **kw: Any) -> Any:
+            reached[0] += 1
+            return super().__call__(*args, **kw)
+
+    dl = Counting(kernel)
+    dl._current_device = lambda: -1
+    dl._raw_stream = lambda device: 0
+    return BoundLaunch(dl, (table, 0, table, 7), {"WIDTH": 4}, ("k",), (0, 1)), reached
+
+
+def test_a_bound_launch_calls_directly_once_its_variant_is_known() -> None:
+    """gpu.kernels.launch.BoundLaunch's written per-call function: a specialization seen
+    before (each pointer's alignment, each integer's == 1 and multiple of 16) launches
+    with the fixed arguments as bound and the varying ones in place, without the
+    DirectLaunch path; any other goes through it and is kept once it launched directly."""
+    kernel = _TwoTensorKernel()
+    table = torch.zeros(32)
+    bl, reached = _bound(kernel, table)
+    base = torch.zeros(40)
+    aligned, off = base[:8], base[1:9]
+    plan = [(aligned, 32), (aligned, 48), (off, 32), (aligned, 1), (off, 16), (aligned, 32),
+            (off, 32), (aligned, 1), (aligned, 1)]
+    for x, n in plan:
+        bl(3, x, n)
+    assert [what for what, _, _ in kernel.log] == [
+        "jit",     # (aligned, 32): compiled
+        "direct",  # (aligned, 48): the DirectLaunch's variant, now kept by the bound launch
+        "jit",     # (off, 32): another alignment
+        "jit",     # (aligned, 1): n == 1 is another specialization
+        "direct",  # (off, 16): found by the DirectLaunch, kept
+        "direct", "direct",  # (aligned, 32), (off, 32): the bound launch's own call
+        "direct", "direct"]  # (aligned, 1) twice: kept at the first, then direct
+    assert reached[0] == 6 and bl.variants == 3
+    # the direct call: the varying arguments in place, the bound ones as addresses
+    assert kernel.log[6][2] == (off.data_ptr(), 32, table.data_ptr(), 7, 4)
+    assert kernel.log[5][2] == (aligned.data_ptr(), 32, table.data_ptr(), 7, 4)
+
+
+def test_a_bound_launch_takes_the_jit_path_for_wide_integers_and_hooks() -> None:
+    import triton
+
+    kernel = _TwoTensorKernel()
+    table = torch.zeros(32)
+    bl, reached = _bound(kernel, table)
+    x = torch.zeros(8)
+    for _ in range(3):
+        bl(1, x, 64)
+    assert bl.variants == 1 and reached[0] == 2
+    for _ in range(2):  # NOTE: an integer past 32 bits is another specialization: never kept
+        bl(1, x, 1 << 40)
+    assert bl.variants == 1 and reached[0] == 4
+    assert [w for w, _, _ in kernel.log[-2:]] == ["jit", "jit"]
+    chain = triton.knobs.runtime.launch_enter_hook
+    if not hasattr(chain, "add"):
+        pytest.skip("this Triton's launch hooks are not a chain")
+    hook_calls: list[object] = []
+
+    def hook(*args: object) -> None:
+        hook_calls.append(args)
+
+    chain.add(hook)
+    try:
+        bl(1, x, 64)  # NOTE: a known variant, but a hook: the JIT's path
+    finally:
+        chain.remove(hook)
+    assert reached[0] == 5 and kernel.log[-1][0] == "jit"
+    bl(1, x, 64)  # the hook gone: direct again, without the DirectLaunch
+    assert reached[0] == 5 and kernel.log[-1][0] == "direct"
