@@ -11,7 +11,9 @@ row starts on a 16-byte boundary so GPU kernels can read rows with wide loads. A
     0             4096                     header: 512 int64 words (below)
     PROC_OFF      PROC_SLOTS * 16 * 8      per-process counter slots (below)
     keys_off      slots * 8                int64 key per slot, EMPTY_KEY when free   [HC only]
-    versions_off  slots * 8                int64 seqlock version per slot            [HC only]
+    versions_off  slots * 8                int64 seqlock version per slot            [HC]
+                  num_rows * 4             int32 seqlock version per row, ending at rows_off
+                                           (no gap)                   [quantized linear only]
     counters_off  slots * 4                int32 eviction-policy counter per slot    [HC only]
     ring_seq_off  ring_capacity * 8        int64 sequence number of each ring record
     ring_key_off  ring_capacity * 8        int64 key (host cache) / row index (linear table)
@@ -67,6 +69,16 @@ reordering the steps by making each step of a write a separate call (a torch op,
 passes of the one compiled lookup, so no hardware fence is needed for the order itself;
 GPU readers use system-scope loads.
 
+Seqlock protocol per row (quantized linear table): a writer, holding the writer lock, makes
+the row's version odd, writes the row (payload and parameters), then makes it even again;
+a reader reads the version, the row, then the version again, and reads the row again while
+the two differ or are odd. A row's payload is then never decoded with another write's
+scale or bias, whichever process wrote it. The versions end where the rows begin, so a GPU
+kernel handed the rows finds row ``r``'s version at ``rows - 4 * (num_rows - r)`` without
+another argument (:mod:`hostcache.row_versions`). A plain linear table has no versions: a
+row read during another process's write is a mix of old and new elements, each of them
+whole.
+
 Invalidation ring: record ``s`` lives at ``s % ring_capacity``. A writer stores
 ``seq = -1``, then the key, then ``seq = s``, then advances ``ring_head``. A reader that
 reads the key and then finds ``seq == s`` has read the key of record ``s``.
@@ -118,6 +130,8 @@ PROC_BYTES = PROC_SLOTS * PROC_WORDS * 8
 COUNTER_NAMES = ("lookups", "hits", "misses", "inserts", "evictions", "updates", "erases")
 
 DEFAULT_RING_CAPACITY = 1 << 16
+#: bytes of a quantized linear table's per-row seqlock version (int32)
+ROW_VERSION_BYTES = 4
 
 POLICY_CODES = {"lfu-da": 1}
 CODE_POLICIES = {code: name for name, code in POLICY_CODES.items()}
@@ -242,6 +256,10 @@ def plan(
     ring_seq_off = off
     ring_key_off = _page_up(ring_seq_off + ring_capacity * 8)
     rows_off = _page_up(ring_key_off + ring_capacity * 8)
+    if kind == KIND_LINEAR and rows.RowFormat(dtype, dim).quantized:
+        # NOTE: the row versions end where the rows begin (a kernel finds them from the rows)
+        rows_off = _page_up(ring_key_off + ring_capacity * 8 + slots * ROW_VERSION_BYTES)
+        versions_off = rows_off - slots * ROW_VERSION_BYTES
     geo = Geometry(
         kind=kind,
         capacity=slots if kind == KIND_HOST_CACHE else capacity,

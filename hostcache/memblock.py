@@ -12,7 +12,9 @@ A table may store its rows quantized (``dtype=torch.int8``: row-wise int8 with a
 scale and bias; ``torch.float8_e4m3fn``: fp8 with a float32 scale;
 :mod:`nvecache.common.quant`): its writes take float rows and quantize them, its reads
 return them dequantized as float32 (its writes also take its stored bytes as they are),
-and :attr:`tensor` is then each row's stored bytes.
+and :attr:`tensor` is then each row's stored bytes. Its rows carry seqlock versions
+(:mod:`hostcache.row_versions`): its writes and reads, and the layers' kernels, never
+decode one write's payload with another write's scale or bias, whichever process wrote.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any, Self
 
 import torch
 
-from hostcache import layout
+from hostcache import layout, row_versions
 from hostcache.errors import BadArgumentError, NonFiniteValuesError
 from hostcache.gate import TableGate, gate_for
 from hostcache.row_bytes import RowBytes
@@ -126,9 +128,13 @@ class SharedMemBlock(TableFiles, SharedTable):
         stored = raw.view(geo.capacity, geo.row_stride)
         self._rows = (stored[:, :fmt.stored_bytes] if fmt.quantized
                       else stored[:, : geo.row_bytes].view(geo.dtype))
+        #: a quantized table's per-row seqlock versions (None: a plain table)
+        self._versions = (mapping.tensor(geo.versions_off, geo.capacity, torch.int32)
+                          if fmt.quantized else None)
 
     def _drop_views(self) -> None:
         self._rows = torch.empty(0)
+        self._versions = None
 
     @property
     def num_rows(self) -> int:
@@ -158,6 +164,21 @@ class SharedMemBlock(TableFiles, SharedTable):
         return self.geometry.row_format.quantized
 
     @property
+    def read_format(self) -> RowFormat:
+        """The row format a kernel reading :attr:`tensor` is told: of a quantized table, a
+        :class:`~hostcache.row_versions.VersionedFormat` (its rows read under their seqlock
+        versions, which lie just before them)."""
+        fmt = self.geometry.row_format
+        return row_versions.VersionedFormat.of(fmt) if fmt.quantized else fmt
+
+    @property
+    def versions(self) -> torch.Tensor | None:
+        """int32 ``[num_rows]`` seqlock versions of a quantized table's rows (even: stable,
+        odd: being written; :mod:`hostcache.row_versions`), None for a plain table."""
+        self._live()
+        return self._versions
+
+    @property
     def tensor(self) -> torch.Tensor:
         """CPU view ``[num_rows, dim]`` on the shared pages (row stride may be padded); of a
         quantized table, ``[num_rows, stored_bytes]`` uint8: each row's payload and its
@@ -179,7 +200,10 @@ class SharedMemBlock(TableFiles, SharedTable):
         c[C_LOOKUPS] += 1
         c[C_HITS] += idx.numel()
         with self.gate:
-            got = self._rows.index_select(0, idx)
+            if self._versions is not None:
+                got = row_versions.read_rows(self._rows, idx, self._versions)
+            else:
+                got = self._rows.index_select(0, idx)
         return self._codec.rows(got)
 
     def write(self, indices: torch.Tensor, values: torch.Tensor, *,
@@ -208,7 +232,7 @@ class SharedMemBlock(TableFiles, SharedTable):
             return
         with self.gate.writing(), self._writing():
             uidx, last, _ = dedup_last(idx)
-            self._rows[uidx] = values.index_select(0, last)
+            self._store_at(uidx, values, last)
             self.ring.append(uidx)
             self._counters[C_UPDATES] += uidx.numel()
 
@@ -241,9 +265,37 @@ class SharedMemBlock(TableFiles, SharedTable):
             values = values.clone()
         n = values.shape[0]
         with self.gate.writing(), self._writing():
-            rows[first:first + n].copy_(values)
+            self._store_span(first, values)
             self.ring.append(_span(first, n))
             self._counters[C_UPDATES] += n
+
+    def _store_at(self, uidx: torch.Tensor, values: torch.Tensor,
+                  pick: torch.Tensor | None = None) -> None:
+        """Rows ``uidx`` (distinct) := ``values`` (rows ``pick`` of them), under the writer
+        lock; a quantized table's in write sections of their versions."""
+        v = self._versions
+        if v is None:
+            self._rows[uidx] = values if pick is None else values.index_select(0, pick)
+            return
+        step = row_versions.SECTION_ROWS
+        for i in range(0, uidx.numel(), step):  # NOTE: per section of rows, not per row
+            u = uidx[i:i + step]
+            part = values[i:i + step] if pick is None else values.index_select(0, pick[i:i + step])
+            with row_versions.section(v, u):
+                self._rows.index_copy_(0, u, part)
+
+    def _store_span(self, first: int, values: torch.Tensor) -> None:
+        """Rows ``first ..`` := ``values``, under the writer lock; a quantized table's in
+        write sections of their versions."""
+        rows, v, n = self._rows, self._versions, values.shape[0]
+        if v is None:
+            rows[first:first + n].copy_(values)
+            return
+        step = row_versions.SECTION_ROWS
+        for i in range(0, n, step):  # NOTE: per section of rows, not per row
+            at = slice(first + i, first + min(n, i + step))
+            with row_versions.section(v, at):
+                rows[at].copy_(values[i:i + step])
 
     def fill_range(self, start: int, n: int, fill: Callable[[int, torch.Tensor], None], *,
                    stage: torch.Tensor | None = None) -> None:
@@ -283,8 +335,8 @@ class SharedMemBlock(TableFiles, SharedTable):
                     for i in range(0, n, step):  # NOTE: per stage of rows, not per row
                         m = min(step, n - i)
                         fill(i, stage[:m])  # type: ignore[index]
-                        rows[first + i:first + i + m].copy_(
-                            self._filled(stage[:m], first + i))  # type: ignore[index]
+                        self._store_span(first + i,
+                                         self._filled(stage[:m], first + i))  # type: ignore[index]
             finally:
                 self.ring.append(_span(first, n))
                 self._counters[C_UPDATES] += n
@@ -342,7 +394,7 @@ class SharedMemBlock(TableFiles, SharedTable):
         uidx, sums, _ = sum_duplicates(idx, deltas, torch.float32)
         new = self._codec.added(self._rows.index_select(0, uidx), sums, uidx,
                                 key_word="index")
-        self._rows.index_copy_(0, uidx, new)
+        self._store_at(uidx, new)
         return uidx
 
     def exclusive(self) -> Any:
@@ -367,6 +419,8 @@ class SharedMemBlock(TableFiles, SharedTable):
 
     def _repair(self) -> None:
         # a dead writer may have changed rows without logging them: everyone drops all
+        if self._versions is not None:
+            row_versions.even(self._versions)  # NOTE: and its sections are over
         self.ring.invalidate_all()
 
     def _size(self) -> int:

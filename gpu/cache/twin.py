@@ -34,6 +34,7 @@ import torch
 
 from hostcache.hashing import bucket_of
 from hostcache.layout import EMPTY_KEY
+from hostcache.row_versions import is_versioned, read_rows, versions_before
 from nvecache.common import quant
 from nvecache.common.rows import RowFormat
 
@@ -121,7 +122,9 @@ def gather_linear(
     idx = torch.where(miss & inrange, keys, 0)
     if table.shape[0] == 0:
         return vals
-    tvals = table[idx]
+    # NOTE: a versioned format's rows (a quantized SharedMemBlock) under their versions
+    tvals = (read_rows(table, idx, versions_before(table)) if is_versioned(fmt)
+             else table[idx])
     if fmt is not None and fmt.quantized:
         tvals = quant.decode(tvals, fmt, vals.dtype)
     tvals = tvals.to(vals.device)

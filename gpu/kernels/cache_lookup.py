@@ -82,7 +82,7 @@ def _lookup_kernel(
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CMAX: tl.constexpr, ORDERED: tl.constexpr,
     WRITE_HIT: tl.constexpr, CHECK: tl.constexpr, COLLECT_ROWS: tl.constexpr,
     LIST_MISSES: tl.constexpr, MARK_MISSES: tl.constexpr, QUANT: tl.constexpr,
-    META: tl.constexpr,
+    META: tl.constexpr, SEQ: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -105,7 +105,8 @@ def _lookup_kernel(
             if LINEAR:
                 inrange = kmask & (keys >= 0) & (keys < num_rows) & (hit == 0)
                 tval = _to_dtype(_load_rows(table_ptr, keys, inrange, tstride, d, dmask,
-                                            QUANT, META, 0), rows_ptr.dtype.element_ty)
+                                            num_rows, QUANT, META, 0, SEQ),
+                                 rows_ptr.dtype.element_ty)
                 vals = tl.where(hit[:, None], vals, tval)
     else:
         # NOTE: a disabled cache (the GPULayer path) is a plain gather: no probe load, no
@@ -116,7 +117,8 @@ def _lookup_kernel(
             if LINEAR:
                 inrange = kmask & (keys >= 0) & (keys < num_rows)
                 vals = _to_dtype(_load_rows(table_ptr, keys, inrange, tstride, d, dmask,
-                                            QUANT, META, 0), rows_ptr.dtype.element_ty)
+                                            num_rows, QUANT, META, 0, SEQ),
+                                 rows_ptr.dtype.element_ty)
             else:
                 vals = tl.full([BLOCK_K, BLOCK_D], 0, rows_ptr.dtype.element_ty)
     if GATHER:

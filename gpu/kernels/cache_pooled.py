@@ -46,6 +46,7 @@ def _pooled_kernel(
     EMPTY: tl.constexpr, STAT_STRIPES: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, COUNT: tl.constexpr, CMAX: tl.constexpr,
     CHECK: tl.constexpr, COLLECT_ROWS: tl.constexpr, QUANT: tl.constexpr, META: tl.constexpr,
+    SEQ: tl.constexpr,
 ):
     bag = tl.program_id(0)
     split = tl.program_id(1)
@@ -78,7 +79,7 @@ def _pooled_kernel(
                 inrange = kmask & (keys >= 0) & (keys < num_rows) & (hit == 0)
                 # NOTE: a dequantized row in the cache's dtype first: what a hit reads
                 tval = _to_dtype(_load_rows(table_ptr, keys, inrange, tstride, d, dmask,
-                                            QUANT, META, 0),
+                                            num_rows, QUANT, META, 0, SEQ),
                                  rows_ptr.dtype.element_ty).to(tl.float32)
                 vals = tl.where(hit[:, None], vals, tval)
             if HAS_MISS:
@@ -93,7 +94,7 @@ def _pooled_kernel(
             if LINEAR:
                 inrange = kmask & (keys >= 0) & (keys < num_rows)
                 vals = _to_dtype(_load_rows(table_ptr, keys, inrange, tstride, d, dmask,
-                                            QUANT, META, 0),
+                                            num_rows, QUANT, META, 0, SEQ),
                                  rows_ptr.dtype.element_ty).to(tl.float32)
             elif HAS_MISS:
                 vals = tl.load(

@@ -35,7 +35,7 @@ codec_constexprs = _stored.codec_constexprs
 def _gather_kernel(
     keys_ptr, n, table_ptr, num_rows, tstride, out_ptr, err_ptr, order_ptr,
     DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, ORDERED: tl.constexpr,
-    CHECK: tl.constexpr, QUANT: tl.constexpr, META: tl.constexpr,
+    CHECK: tl.constexpr, QUANT: tl.constexpr, META: tl.constexpr, SEQ: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -46,7 +46,8 @@ def _gather_kernel(
     inrange = kmask & (keys >= 0) & (keys < num_rows)
     d = tl.arange(0, BLOCK_D)
     dmask = d < DIM
-    vals = _load_rows(table_ptr, keys, inrange, tstride, d, dmask, QUANT, META, 0)
+    vals = _load_rows(table_ptr, keys, inrange, tstride, d, dmask, num_rows, QUANT, META, 0,
+                      SEQ)
     tl.store(out_ptr + offs[:, None] * DIM + d[None, :],
              _to_dtype(vals, out_ptr.dtype.element_ty), mask=kmask[:, None] & dmask[None, :])
     if CHECK:

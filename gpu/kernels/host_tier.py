@@ -241,6 +241,7 @@ def gather_found_kernel(
     EVEN_D: tl.constexpr,  # noqa: N803 - dim == BLOCK_D: no column mask (wide loads)
     QUANT: tl.constexpr = 0,  # noqa: N803 - the rows' format (gpu.kernels.stored_rows)
     META: tl.constexpr = 0,  # noqa: N803 - byte offset of a quantized row's parameters
+    SEQ: tl.constexpr = 0,  # noqa: N803 - a linear table's row versions: never here
 ):
     """Step 2: the rows of the found slots (a launch after every v1 was read); a quantized
     cache's dequantized (payload, scale and bias loaded together) in ``out_ptr``'s dtype."""
@@ -257,7 +258,7 @@ def gather_found_kernel(
     else:
         # NOTE: the parameters are bytes of the same slot's row, loaded in this launch
         # with the payload (".cv" too): inside the v1..v2 window that verify_kernel checks
-        row = _to_dtype(_load_rows(rows_ptr, slot, ok, row_stride, d, dmask, QUANT, META, 1),
+        row = _to_dtype(_load_rows(rows_ptr, slot, ok, row_stride, d, dmask, 0, QUANT, META, 1, 0),
                         out_ptr.dtype.element_ty)
     tl.store(out_ptr + offs[:, None] * dim + d[None, :], row, mask=m[:, None] & dmask[None, :])
 

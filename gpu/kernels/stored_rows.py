@@ -1,6 +1,7 @@
 # ruff: noqa: N803  (Triton convention: compile-time constants are UPPER_CASE parameters)
 """Triton device functions that read a linear table's rows inside the kernels that gather
-them: plain rows as they are, quantized rows dequantized in the same load.
+them: plain rows as they are, quantized rows dequantized in the same load, a quantized
+``SharedMemBlock``'s rows under their seqlock versions.
 
 Loaded only through :func:`gpu.kernels.triton_access.helper_module` by the kernel modules
 that read a linear table (:mod:`gpu.kernels.gather`, :mod:`gpu.kernels.cache_lookup`,
@@ -17,41 +18,127 @@ in bytes, and read as :func:`nvecache.common.quant.decode` reads it, bit for bit
 :func:`to_dtype` rounds float32 to the output's dtype to nearest, ties to even, bfloat16
 by its bits (Triton's interpreter would otherwise truncate), so a dequantized row reads the
 same whether a GPU cache holds it or the table does, on either backend.
+
+A quantized ``SharedMemBlock`` (its reader told a
+:class:`hostcache.row_versions.VersionedFormat`: ``SEQ``) may be written by another process
+while a kernel reads it; its per-row int32 versions end where its rows begin
+(``hostcache.layout``), so :func:`load_rows` finds row ``r``'s at ``table_ptr - 4 *
+(num_rows - r)`` and reads the row inside its version's window: the version ``v1``, then
+the row (payload and parameters, ``".cv"``: fetched from host memory again), then the
+version ``v2``; rows whose ``v1`` is odd or differs from ``v2`` are read again, in rounds,
+up to :data:`ROUNDS` of them (a writer that died inside its section; past that the row is
+taken as read). Each step's addresses carry an opaque zero computed from the step before
+it, after a ``fence.acq_rel.sys`` (inline PTX, as ``gpu.kernels.host_tier`` orders its
+probe): a load cannot be issued before the values its address depends on have arrived, so
+the three steps are performed in order, over PCIe too. ``v2``'s zero comes from every
+element of the row as this thread decoded it (a reduction over the row), so a thread that
+passes the check read its row parts and their scale and bias inside a window no write
+section overlapped: one write's payload is never decoded with another write's parameters.
+The writer (CPU, TSO) stores the odd version, the row, then the even version
+(:mod:`hostcache.row_versions`).
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton import knobs
 
+from hostcache.row_versions import VERSION_BYTES, is_versioned
 from nvecache.common.rows import RowFormat
 
 #: the ``QUANT`` constexpr of a table's format: 0 plain, 1 int8, 2 float8_e4m3fn
 _CODES = {"int8": 1, "float8_e4m3fn": 2}
+#: how many times a versioned row is read at most while a writer holds it (see above)
+ROUNDS: tl.constexpr = tl.constexpr(1 << 12)
+_VERSION_BYTES: tl.constexpr = tl.constexpr(VERSION_BYTES)
+# NOTE: this variant of the module is compiled (the fence is inline PTX), or interpreted,
+# where loads run one after another in program order
+_COMPILED: tl.constexpr = tl.constexpr(not knobs.runtime.interpret)
 
 
 def codec_constexprs(fmt: RowFormat | None) -> dict[str, object]:
     """The constexprs that tell a kernel how to read a table of format ``fmt`` (None: a
     plain table of the kernel's dtype): ``QUANT``, ``META`` (the byte offset of the row's
-    parameters), and for int8 ``enable_fp_fusion=False`` (see the module docstring)."""
+    parameters), ``SEQ`` (rows read under their versions: a versioned format), and for
+    int8 ``enable_fp_fusion=False`` (see the module docstring)."""
     if fmt is None or not fmt.quantized:
-        return {"QUANT": 0, "META": 0}
-    cx: dict[str, object] = {"QUANT": _CODES[fmt.dtype], "META": fmt.meta_offset}
+        return {"QUANT": 0, "META": 0, "SEQ": 0}
+    cx: dict[str, object] = {"QUANT": _CODES[fmt.dtype], "META": fmt.meta_offset,
+                             "SEQ": int(is_versioned(fmt))}
     if fmt.dtype == "int8":
         cx["enable_fp_fusion"] = False
     return cx
 
 
 @triton.jit
-def load_rows(table_ptr, rows, rmask, tstride, d, dmask, QUANT: tl.constexpr,
-              META: tl.constexpr, VOLATILE: tl.constexpr):
+def load_rows(table_ptr, rows, rmask, tstride, d, dmask, num_rows, QUANT: tl.constexpr,
+              META: tl.constexpr, VOLATILE: tl.constexpr, SEQ: tl.constexpr):
     """``[BLOCK_K, BLOCK_D]``: elements ``d`` of rows ``rows`` (int64, masked by ``rmask``,
     ``dmask``: zero there) of a table whose row ``r`` starts ``r * tstride`` elements (bytes,
     quantized) in; a plain table's in its dtype, a quantized one's dequantized in float32.
     ``VOLATILE``: 1 loads with the ``".cv"`` cache modifier (the host tier's seqlocked reads
-    fetch every byte again, the row's parameters as its payload), 0 without. NOTE: an int
-    every caller passes, not the modifier's string as a default: Triton 3.6 does not make a
-    called function's default a constexpr."""
+    fetch every byte again, the row's parameters as its payload), 0 without. ``SEQ``: 1
+    reads a quantized table's rows under their versions, which lie just before its
+    ``num_rows`` rows (see the module docstring). NOTE: ints every caller passes, not
+    defaults: Triton 3.6 does not make a called function's default a constexpr."""
+    if SEQ:
+        vptr = (table_ptr - num_rows * _VERSION_BYTES).to(tl.pointer_type(tl.int32)) + rows
+        vals, bad = _versioned_once(table_ptr, vptr, rows, rmask, tstride, d, dmask, QUANT,
+                                    META)
+        rounds = 1
+        while (tl.reduce(bad.to(tl.int32), 0, _max) > 0) & (rounds < ROUNDS):
+            again, still = _versioned_once(table_ptr, vptr, rows, bad, tstride, d, dmask,
+                                           QUANT, META)
+            vals = tl.where(bad[:, None], again, vals)
+            bad = still
+            rounds += 1
+    else:
+        vals = _read_rows(table_ptr, rows, rmask, tstride, d, dmask, QUANT, META, VOLATILE)
+    return vals
+
+
+@triton.jit
+def _max(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _xor(a, b):
+    return a ^ b
+
+
+@triton.jit
+def _after(x):
+    """An int32 zero the compiler cannot see through, computed from ``x`` after a
+    ``fence.acq_rel.sys`` (compiled; interpreted, loads already run in program order)."""
+    if _COMPILED:
+        z = tl.inline_asm_elementwise(
+            "fence.acq_rel.sys;\n\tand.b32 $0, $1, 0;", "=r,r", [x.to(tl.int32)],
+            dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        z = x.to(tl.int32) * 0
+    return z
+
+
+@triton.jit
+def _versioned_once(table_ptr, vptr, rows, rmask, tstride, d, dmask, QUANT: tl.constexpr,
+                    META: tl.constexpr):
+    """One seqlocked read of rows ``rows`` (masked by ``rmask``): their values, and which of
+    them a write section overlapped (read again)."""
+    v1 = tl.load(vptr, mask=rmask, other=0, volatile=True)
+    after_v1 = _after(v1).to(tl.int64)
+    vals = _read_rows(table_ptr, rows + after_v1, rmask, tstride, d, dmask, QUANT, META, 1)
+    after_row = _after(tl.reduce(vals.to(tl.int32, bitcast=True), 1, _xor))
+    v2 = tl.load(vptr + after_row, mask=rmask, other=0, volatile=True)
+    bad = rmask & ((v1 != v2) | ((v1 & 1) != 0))
+    return vals, bad
+
+
+@triton.jit
+def _read_rows(table_ptr, rows, rmask, tstride, d, dmask, QUANT: tl.constexpr,
+               META: tl.constexpr, VOLATILE: tl.constexpr):
+    """:func:`load_rows` without versions."""
     m = rmask[:, None] & dmask[None, :]
     if QUANT == 0:
         vals = _load(table_ptr + rows[:, None] * tstride + d[None, :], m, 0.0, VOLATILE)

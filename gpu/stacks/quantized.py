@@ -26,7 +26,9 @@ import torch
 
 from gpu.cache.twin import last_occurrence
 from gpu.errors import BadArgumentError, NonFiniteValuesError
+from gpu.kernels.triton_access import kernel_module, triton_available
 from hostcache.gate import TableGate
+from hostcache.row_versions import is_versioned, read_rows, versions_before
 from nvecache.common import quant, rows
 from nvecache.common.accumulate import sum_duplicates
 from nvecache.common.finite import nonfinite_message, nonfinite_rows
@@ -82,9 +84,18 @@ def no_weight_format(layer_type: str) -> BadArgumentError:
 def decoded(table: torch.Tensor, keys: torch.Tensor, fmt: rows.RowFormat,
             dtype: torch.dtype) -> torch.Tensor:
     """Rows ``keys`` (in range) of a quantized table's stored bytes, dequantized in
-    ``dtype``, on ``keys``' device: only those rows are decoded."""
-    return quant.decode(table.index_select(0, keys.to(table.device)), fmt,
-                        dtype).to(keys.device)
+    ``dtype``, on ``keys``' device: only those rows are decoded. A versioned format's
+    rows are read under their versions (:mod:`hostcache.row_versions`): on CUDA by the
+    gather kernel (no host sync), on the CPU by torch."""
+    idx = keys.to(table.device)
+    if not is_versioned(fmt):
+        return quant.decode(table.index_select(0, idx), fmt, dtype).to(keys.device)
+    if table.is_cuda and triton_available():
+        gather = kernel_module("gather", interpret=False).gather
+        return gather(idx, table, None, host_table=True, fmt=fmt,
+                      out_dtype=dtype).to(keys.device)
+    stored = read_rows(table, idx, versions_before(table))
+    return quant.decode(stored, fmt, dtype).to(keys.device)
 
 
 def _finite(values: torch.Tensor, keys: torch.Tensor | None, what: str) -> None:

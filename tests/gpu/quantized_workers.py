@@ -10,10 +10,17 @@ import torch
 from hostcache import SharedMemBlock
 
 
-def constant_rows(keys: torch.Tensor, version: int, dim: int) -> torch.Tensor:
-    """Row ``k`` at ``version``: every element ``k * 1000 + version`` (a row another key's
-    or a torn parameter reads as no version of)."""
-    return (keys[:, None] * 1000 + version).float().expand(keys.numel(), dim).contiguous()
+def version_rows(keys: torch.Tensor, version: int, dim: int) -> torch.Tensor:
+    """Rows of ``keys`` as write ``version`` writes them: each element ``size`` or
+    ``-size / 2`` (``size`` naming key and version), laid out by a mask of the version's
+    own. The payload holds the version's mask (two writes' halves make a mask of neither)
+    and the scale and bias its size (a payload decoded with another write's parameters
+    moves every element off every version's row): a torn row reads as no version."""
+    g = torch.Generator().manual_seed(1000 + version)
+    mask = torch.rand(dim, generator=g) < 0.5
+    mask[0], mask[1] = False, True  # NOTE: both values in every row
+    size = 1.0 + 0.01 * keys.float()[:, None] + 3.0 * (version % 7)
+    return torch.where(mask[None, :], size, -0.5 * size)
 
 
 def write_versions(name: str, versions: int, started: Any, done: Any) -> None:
@@ -25,8 +32,23 @@ def write_versions(name: str, versions: int, started: Any, done: Any) -> None:
         started.wait()
         for v in range(1, versions + 1):
             if v % 2 == 0:
-                mb.write(keys, constant_rows(keys, v, mb.dim))
+                mb.write(keys, version_rows(keys, v, mb.dim))
             else:
                 shuffled = keys[torch.randperm(keys.numel())]
-                mb.write(shuffled, constant_rows(shuffled, v, mb.dim))
+                mb.write(shuffled, version_rows(shuffled, v, mb.dim))
         done.set()
+
+
+def die_in_section(name: str, rows: int, ready: Any) -> None:
+    """Take the block's writer lock, open a write section of its first ``rows`` rows (their
+    versions odd), set ``ready`` and wait there to be killed."""
+    import threading
+
+    from hostcache import row_versions
+
+    with SharedMemBlock.attach(name) as mb, mb.exclusive():
+        versions = mb.versions
+        assert versions is not None
+        with row_versions.section(versions, slice(0, rows)):
+            ready.set()
+            threading.Event().wait()  # NOTE: until killed

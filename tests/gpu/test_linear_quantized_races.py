@@ -6,14 +6,14 @@
   another version's scale or bias decodes to none of them), and once the write returned,
   the new one.
 * From another process (spawned): a writer process cycles a quantized SharedMemBlock's rows
-  through versions, every row constant (``k * 1000 + version``), while a LinearUVM layer and
-  a GPULayer of this process read it: each row read is the decoded row of some written
-  version of its own key (its parameters are its own row's, from one write), and after the
-  writer finished, the last. The gate is per process, so a lookup racing a write from
-  another process may read a row's payload with another write's parameters: constant rows
-  store the same payload at every version, so that reads as one whole version (rows whose
-  payload changes are ordered by the application, as plain rows are: docs/layers.md,
-  "Threads and streams").
+  through versions (each version's payload a mask of its own, its scale and bias a size of
+  its own: a payload decoded with another write's parameters, or torn between two writes,
+  reads as no version), while a LinearUVM layer, a GPULayer, the block's own ``read`` and
+  (on the CPU) the gather kernel under Triton's interpreter read it in this process: each
+  row read is some written version of its own key, and after the writer finished, the
+  last. The gate is per process; across processes the rows' seqlock versions keep them
+  whole (``hostcache.row_versions``), and a writer killed inside its section neither
+  hangs the readers nor leaves its rows odd once the next writer has repaired them.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from gpu import LayerType, NVEmbedding
+from gpu.kernels.triton_access import kernel_module, triton_available
 from nvecache.common.rows import RowFormat
 from tests.gpu import quantized_workers
 from tests.gpu.layer_tables import DEVICES, race
@@ -110,43 +111,90 @@ def test_a_write_in_this_process_never_tears_a_row(fmt: torch.dtype, kind: str,
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
 def test_a_writer_process_racing_lookups_leaves_whole_rows(fmt: torch.dtype,
                                                            device: str) -> None:
-    writes = 400
-    keys = torch.arange(ROWS)
-    f = RowFormat(fmt, DIM)
-    every = torch.stack([reference(quantized_workers.constant_rows(keys, v, DIM), fmt,
-                                   torch.float32)[:, 0] for v in range(writes + 1)])
-    with quantized_block(ROWS, DIM, fmt, quantized_workers.constant_rows(keys, 0, DIM)) as mb:
+    writes, rows, dim = 600, 64, 512
+    keys = torch.arange(rows)
+    f = RowFormat(fmt, dim)
+    # [versions, rows]: each version's rows as the table reads them, hashed
+    every = hashed(torch.stack([reference(quantized_workers.version_rows(keys, v, dim), fmt,
+                                          torch.float32) for v in range(writes + 1)]))
+    with quantized_block(rows, dim, fmt, quantized_workers.version_rows(keys, 0, dim)) as mb:
         started, done = CTX.Event(), CTX.Event()
         proc = CTX.Process(target=quantized_workers.write_versions,
                            args=(mb.name, writes, started, done))
         proc.start()
-        layers = [NVEmbedding(ROWS, DIM, torch.float32, LayerType.LinearUVM, storage=mb,
-                              device=device, gpu_cache_size=cache_bytes(DIM, torch.float32)),
-                  NVEmbedding(ROWS, DIM, torch.float32, LayerType.GPULayer, storage=mb,
+        layers = [NVEmbedding(rows, dim, torch.float32, LayerType.LinearUVM, storage=mb,
+                              device=device, gpu_cache_size=cache_bytes(dim, torch.float32)),
+                  NVEmbedding(rows, dim, torch.float32, LayerType.GPULayer, storage=mb,
                               device=device)]
+        readers = [*layers, lambda k: mb.read(k.cpu())]
+        if device == "cpu" and triton_available():  # NOTE: the kernels' reads, interpreted
+            gather = kernel_module("gather", interpret=True).gather
+            readers.append(lambda k: gather(k, mb.tensor, None, host_table=False,
+                                            fmt=mb.read_format, out_dtype=torch.float32))
         try:
             dev_keys = keys.to(device)
             reads = []
-            while not done.is_set() or len(reads) < 2:
-                reads.append(layers[len(reads) % 2](dev_keys).cpu())
+            while not done.is_set() or len(reads) < len(readers):
+                reads.append(hashed(readers[len(reads) % len(readers)](dev_keys).cpu()))
                 started.set()  # NOTE: the writer starts once a lookup has run
                 if not proc.is_alive() and not done.is_set():
                     break
             proc.join(timeout=120)
             assert proc.exitcode == 0
-            got = torch.stack(reads)  # [reads, ROWS, DIM]
-            # each row one value (its payload and parameters from one write) ...
-            assert bool((got == got[:, :, :1]).all()), "a row with unequal elements"
-            # ... which its own key had at some version
-            for r in range(ROWS):
-                assert bool(torch.isin(got[:, r, 0], every[:, r]).all()), (
-                    f"key {r} read a value it never had: {got[:, r, 0].unique().tolist()[:8]}")
+            got = torch.stack(reads)  # [reads, rows]
+            # every row read is its own key's row at some version: its payload and its
+            # parameters from one write
+            for r in range(rows):
+                torn = ~torch.isin(got[:, r], every[:, r])
+                assert not bool(torn.any()), (
+                    f"key {r}: {int(torn.sum())} of {len(reads)} reads are no version of it")
             # once the writer is done, the last version
-            for layer in layers:
-                assert torch.equal(layer(dev_keys).cpu()[:, 0], every[writes])
+            for read in readers:
+                assert torch.equal(hashed(read(dev_keys).cpu()), every[writes])
             assert f.quantized
         finally:
             if proc.is_alive():
                 proc.kill()
+            for layer in layers:
+                layer.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_writer_killed_inside_its_section_neither_hangs_readers_nor_stays(
+        device: str) -> None:
+    rows, dim, fmt = 16, 40, torch.int8
+    keys = torch.arange(rows)
+    values = quantized_workers.version_rows(keys, 3, dim)
+    as_read = reference(values, fmt, torch.float32)
+    with quantized_block(rows, dim, fmt, values) as mb:
+        ready = CTX.Event()
+        proc = CTX.Process(target=quantized_workers.die_in_section, args=(mb.name, 8, ready))
+        proc.start()
+        try:
+            assert ready.wait(timeout=120), f"the writer never began (exit {proc.exitcode})"
+        finally:
+            proc.kill()
+            proc.join(timeout=30)
+        versions = mb.versions
+        assert versions is not None
+        assert bool((versions[:8] % 2 == 1).all()) and bool((versions[8:] % 2 == 0).all())
+        assert mb.writer_pid == proc.pid
+        layers = [NVEmbedding(rows, dim, torch.float32, LayerType.GPULayer, storage=mb,
+                              device=device),
+                  NVEmbedding(rows, dim, torch.float32, LayerType.LinearUVM, storage=mb,
+                              device=device, gpu_cache_size=cache_bytes(dim, torch.float32))]
+        try:
+            # readers wait a bounded time for the dead writer's rows, then take them as
+            # they are (here unchanged: it wrote nothing)
+            for read in [*layers, lambda k: mb.read(k.cpu())]:
+                assert torch.equal(read(keys.to(device)).cpu(), as_read)
+            # the next writer repairs the section: every version even, every cache told
+            repairs = mb.repairs
+            mb.write(torch.tensor([15]), values[15:])
+            assert mb.writer_pid == 0 and mb.repairs == repairs + 1
+            assert bool((versions % 2 == 0).all())
+            for layer in layers:
+                assert torch.equal(layer(keys.to(device)).cpu(), as_read)
+        finally:
             for layer in layers:
                 layer.close()

@@ -1,0 +1,149 @@
+"""Per-row seqlock versions of a quantized linear table (``SharedMemBlock``).
+
+A quantized row is its payload and its scale (and bias): a reader that took the payload of
+one write and the scale of another would decode values no write stored. In one process
+the table's gate orders lookups and writes; across processes these versions do, as a host
+cache's slot versions do (``hostcache.layout``, "Seqlock protocol per row"):
+
+* a writer, holding the table's writer lock, adds one to the versions of the rows it is
+  about to write (odd: being written), writes them, and adds one again (even: stable),
+  a bounded number of rows per section (:data:`SECTION_ROWS`) so that readers never wait
+  long;
+* a reader reads a row's version, the row, and the version again, and reads the row again
+  while the two differ or are odd.
+
+The versions (int32, one per row) end where the rows begin, so whoever holds the rows
+finds them: a GPU kernel at ``rows_ptr - 4 * num_rows`` (:mod:`gpu.kernels.stored_rows`),
+a CPU view through its storage (:func:`versions_before`). :class:`VersionedFormat` is the
+row format a reader is told, so that it takes that path.
+
+A writer that dies inside a section leaves odd versions; the next process to take the
+writer lock makes them even (its repair, which also tells every GPU cache to drop all
+rows). Until then, and for a section stalled longer than a reader waits
+(:data:`WAIT_SECONDS` on the CPU, a bounded number of rounds on the GPU), a reader takes
+the row as it read it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from nvecache.common.rows import RowFormat
+
+#: bytes of one row's version (int32)
+VERSION_BYTES = 4
+#: rows one write section covers at most (a bigger write is several sections)
+SECTION_ROWS = 1 << 14
+#: how long a CPU reader waits for a row's write section to end before taking the row
+WAIT_SECONDS = 0.25
+
+
+@dataclass(frozen=True)
+class VersionedFormat(RowFormat):
+    """A quantized linear table's row format as its readers are told it: the rows carry
+    seqlock versions just before the first of them (the kernels read them; a reader told
+    the plain :class:`~nvecache.common.rows.RowFormat` reads the rows without)."""
+
+    versioned: ClassVar[bool] = True
+
+    @classmethod
+    def of(cls, fmt: RowFormat) -> VersionedFormat:
+        return cls(fmt.dtype, fmt.dim)
+
+
+def is_versioned(fmt: object) -> bool:
+    """Whether a reader told ``fmt`` reads rows under their seqlock versions."""
+    return bool(getattr(fmt, "versioned", False))
+
+
+class _VersionsBefore:
+    """``__cuda_array_interface__`` of the versions before a CUDA view of a table's rows
+    (registered host memory); keeps the rows' view, and so the registration, alive."""
+
+    def __init__(self, rows: torch.Tensor, n: int) -> None:
+        self._rows = rows
+        self.__cuda_array_interface__ = {
+            "shape": (n,), "strides": None, "typestr": "<i4", "version": 3,
+            "data": (rows.data_ptr() - n * VERSION_BYTES, False)}
+
+
+def versions_before(rows: torch.Tensor) -> torch.Tensor:
+    """int32 ``[num_rows]``: the versions of a versioned table's rows, given a view of its
+    rows (uint8 ``[num_rows, >= stored_bytes]``: on the CPU a view of the table's segment,
+    on CUDA of its registration)."""
+    n = rows.shape[0]
+    if rows.dtype != torch.uint8:
+        raise ValueError("not a view of a versioned table's stored rows")
+    if rows.device.type != "cpu":
+        return torch.as_tensor(_VersionsBefore(rows, n), device=rows.device)
+    start = rows.storage_offset() - n * VERSION_BYTES
+    if start < 0:
+        raise ValueError("not a view of a versioned table's rows")
+    raw = torch.empty(0, dtype=torch.uint8).set_(rows.untyped_storage(), start,
+                                                 (n * VERSION_BYTES,), (1,))
+    return raw.view(torch.int32)
+
+
+def _clean(v1: torch.Tensor, v2: torch.Tensor) -> torch.Tensor:
+    return (v1 == v2) & ((v1 & 1) == 0)
+
+
+def read_rows(rows: torch.Tensor, idx: torch.Tensor, versions: torch.Tensor) -> torch.Tensor:
+    """``rows.index_select(0, idx)``, each row read inside a window its version did not
+    change in: never a payload of one write with the parameters of another.
+
+    Each step is a separate torch call (on the CPU, neither the compiler nor the CPU moves
+    a load of one step past another: x86 does not reorder loads with loads; on CUDA, each
+    is a launch after the one before it completed). Rows read during a write section are
+    read again, as a batch, until their window is clean or :data:`WAIT_SECONDS` have
+    passed. On CUDA, knowing whether any was costs a host sync: the layers read versioned
+    rows on CUDA with the kernels (:mod:`gpu.kernels.stored_rows`), this only under the
+    torch cache backend."""
+    v1 = versions.index_select(0, idx)
+    got = rows.index_select(0, idx)
+    v2 = versions.index_select(0, idx)
+    bad = ~_clean(v1, v2)
+    if not bool(bad.any()):
+        return got
+    sel = bad.nonzero().squeeze(1)
+    deadline = time.monotonic() + WAIT_SECONDS
+    while sel.numel() and time.monotonic() < deadline:  # NOTE: rounds over the torn rows
+        os.sched_yield()
+        i = idx.index_select(0, sel)
+        v1 = versions.index_select(0, i)
+        again = rows.index_select(0, i)
+        v2 = versions.index_select(0, i)
+        ok = _clean(v1, v2)
+        got.index_copy_(0, sel[ok], again[ok])
+        sel = sel[~ok]
+    return got
+
+
+@contextmanager
+def section(versions: torch.Tensor, rows: torch.Tensor | slice) -> Iterator[None]:
+    """A write section of ``rows`` (distinct indices, or a slice): their versions odd while
+    the ``with`` block writes them, even after (also when it raises: the rows it reached
+    stay as written). The caller holds the table's writer lock."""
+    if isinstance(rows, slice):
+        versions[rows] += 1
+    else:
+        versions.index_add_(0, rows, torch.ones_like(rows, dtype=versions.dtype))
+    try:
+        yield
+    finally:
+        if isinstance(rows, slice):
+            versions[rows] += 1
+        else:
+            versions.index_add_(0, rows, torch.ones_like(rows, dtype=versions.dtype))
+
+
+def even(versions: torch.Tensor) -> None:
+    """Make every odd version even (a dead writer's sections ended; under the lock)."""
+    versions += versions & 1
