@@ -12,9 +12,14 @@ Per call: p50 and p99 wall clock of one call and a device sync, over distinct Zi
 batches after a warm-up, and ``nn.Embedding``'s p50 on the same batches in the same
 process. The checkouts alternate (A B A B ...) so the machine's drift falls on both.
 
+With ``--dtype int8`` (or ``float8_e4m3fn``) the linear table is stored quantized and the
+layers timed are those reading it: a GPULayer over the ``SharedMemBlock`` (every key read
+over the host link) and the LinearUVM, against ``nn.Embedding`` over the table's rows as
+they read (dequantized).
+
 Run on a CUDA machine::
 
-    python bench/bench_ab_layers.py --a /path/to/old/checkout --b . [--rounds 2]
+    python bench/bench_ab_layers.py --a /path/to/old/checkout --b . [--rounds 2] [--dtype int8]
 
 It prints one JSON line per (checkout, round, layer, size) and a table of medians.
 """
@@ -37,8 +42,9 @@ ROWS = 1 << 20
 SIZES = (1 << 10, 1 << 16)
 
 
-def _child(calls: int, device: str, rows: int, warm: int) -> None:
-    """Time the three layer types with the checkout first on ``sys.path``."""
+def _child(calls: int, device: str, rows: int, warm: int, dtype_name: str) -> None:
+    """Time the three layer types (of a quantized table: the two over the linear one)
+    with the checkout first on ``sys.path``."""
     import torch
 
     import psclient
@@ -46,10 +52,11 @@ def _child(calls: int, device: str, rows: int, warm: int) -> None:
     from hostcache import HostCache, SharedMemBlock
 
     dev = torch.device(device)
+    dtype = getattr(torch, dtype_name)
+    quantized = dtype != torch.float32
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     gen = torch.Generator().manual_seed(1)
     weights = torch.randn(rows, DIM, generator=gen)
-    base = torch.nn.Embedding.from_pretrained(weights.to(dev))
     ranks = torch.arange(1, rows + 1, dtype=torch.float64).pow(-1.05)
     perm = torch.randperm(rows, generator=gen)
 
@@ -69,21 +76,29 @@ def _child(calls: int, device: str, rows: int, warm: int) -> None:
 
     tag = f"ab-{os.getpid()}"
     tmp = tempfile.mkdtemp(prefix="nvec-ab-")
-    mb = SharedMemBlock.create(tag + "-lin", num_rows=rows, dim=DIM)
+    mb = SharedMemBlock.create(tag + "-lin", num_rows=rows, dim=DIM, dtype=dtype)
     ps = psclient.connect(f"file://{tmp}/ps", table=tag, dim=DIM, dtype=torch.float32)
     hc = HostCache.create(tag, capacity=rows // 5, dim=DIM)
     layers = {}
     try:
         mb.write(torch.arange(rows), weights)
-        ps.load(weights, progress=False)
-        layers["gpulayer"] = NVEmbedding(rows, DIM, torch.float32, LayerType.GPULayer,
-                                         weight_init=weights, device=dev)
+        # NOTE: the rows as the layers read them (a quantized table's dequantized)
+        base = torch.nn.Embedding.from_pretrained(mb.read(torch.arange(rows)).to(dev))
+        if quantized:
+            layers["gpulayer_shm"] = NVEmbedding(rows, DIM, torch.float32, LayerType.GPULayer,
+                                                 storage=mb, device=dev)
+        else:
+            ps.load(weights, progress=False)
+            layers["gpulayer"] = NVEmbedding(rows, DIM, torch.float32, LayerType.GPULayer,
+                                             weight_init=weights, device=dev)
         layers["linear_uvm"] = NVEmbedding(rows, DIM, torch.float32, LayerType.LinearUVM,
                                            gpu_cache_size=rows // 10 * (DIM * 4 + 12),
                                            storage=mb, device=dev)
-        layers["hierarchical"] = NVEmbedding(rows, DIM, torch.float32, LayerType.Hierarchical,
-                                             gpu_cache_size=rows // 20 * (DIM * 4 + 12),
-                                             host_cache=hc, storage=ps, device=dev)
+        if not quantized:
+            layers["hierarchical"] = NVEmbedding(
+                rows, DIM, torch.float32, LayerType.Hierarchical,
+                gpu_cache_size=rows // 20 * (DIM * 4 + 12), host_cache=hc, storage=ps,
+                device=dev)
         for name, layer in layers.items():
             for n in SIZES:
                 for b in [batch(n) for _ in range(max(4, warm // n))]:
@@ -119,11 +134,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run")
     ap.add_argument("--rows", type=int, default=ROWS)
     ap.add_argument("--warm", type=int, default=8 << 20, help="keys looked up before timing")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "int8", "float8_e4m3fn"),
+                    help="the linear table's format")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         sys.path.insert(0, args.child)
-        _child(args.calls, args.device, args.rows, args.warm)
+        _child(args.calls, args.device, args.rows, args.warm, args.dtype)
         return 0
     rows: dict[tuple[str, str, int], list[dict[str, float]]] = {}
     for rnd in range(args.rounds):
@@ -133,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             out = subprocess.run([sys.executable, __file__, "--a", args.a, "--b", args.b,
                                   "--calls", str(args.calls), "--device", args.device,
                                   "--rows", str(args.rows), "--warm", str(args.warm),
-                                  "--child", tree],
+                                  "--dtype", args.dtype, "--child", tree],
                                  env=env, cwd=tree, capture_output=True, text=True, check=False)
             if out.returncode != 0:
                 print(out.stdout, out.stderr, file=sys.stderr)
@@ -145,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.setdefault((rec["layer"], label, rec["keys"]), []).append(rec)
     print(f"\n{'layer':<14}{'keys':>7}{'A p50':>11}{'B p50':>11}{'B/A':>7}{'A p99':>11}"
           f"{'B p99':>11}{'torch p50':>11}")
-    for layer in ("gpulayer", "linear_uvm", "hierarchical"):
+    for layer in ("gpulayer", "gpulayer_shm", "linear_uvm", "hierarchical"):
         for n in SIZES:
             a, b = rows.get((layer, "A", n)), rows.get((layer, "B", n))
             if not a or not b:

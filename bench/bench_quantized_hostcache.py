@@ -86,9 +86,13 @@ def main() -> None:
         with SharedMemBlock.create(name, num_rows=100_000, dim=DIM, dtype=dtype) as mb:
             try:
                 g = mb.geometry
+                # NOTE: a quantized block's row versions lie just before its rows
+                first = g.versions_off if mb.quantized else g.rows_off
                 emit(bench="bytes_per_row", table="SharedMemBlock", dtype=str(dtype),
                      row_stride=g.row_stride, stored_bytes=g.row_format.stored_bytes,
-                     segment_bytes_per_row=round((g.total_size - g.rows_off) / g.capacity, 2))
+                     version_bytes=(g.rows_off - g.versions_off) // g.capacity
+                     if mb.quantized else 0,
+                     segment_bytes_per_row=round((g.total_size - first) / g.capacity, 2))
             finally:
                 SharedMemBlock.unlink(name)
     ctx = mp.get_context("spawn")

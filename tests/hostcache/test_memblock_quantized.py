@@ -169,8 +169,12 @@ def _read_rows(name: str, idx: list[int]) -> list[list[float]]:
 def test_an_int8_row_of_dim_128_takes_its_bytes_within_a_tenth(table_name: str) -> None:
     with SharedMemBlock.create(table_name, num_rows=1000, dim=128, dtype=torch.int8) as mb:
         try:
-            assert mb.geometry.row_stride <= 1.1 * (128 + 8)
-            rows_area = mb.geometry.total_size - mb.geometry.rows_off
+            g = mb.geometry
+            assert g.row_stride <= 1.1 * (128 + 8)
+            # the rows and their seqlock versions, which end where the rows begin
+            assert g.rows_off - g.versions_off == 1000 * 4
+            assert mb.versions is not None and mb.versions.shape == (1000,)
+            rows_area = g.total_size - g.versions_off
             assert rows_area <= 1000 * 1.1 * (128 + 8) + 4096
         finally:
             SharedMemBlock.unlink(table_name)
