@@ -83,7 +83,9 @@ def load_rows(table_ptr, rows, rmask, tstride, d, dmask, num_rows, QUANT: tl.con
     ``num_rows`` rows (see the module docstring). NOTE: ints every caller passes, not
     defaults: Triton 3.6 does not make a called function's default a constexpr."""
     if SEQ:
-        vptr = (table_ptr - num_rows * _VERSION_BYTES).to(tl.pointer_type(tl.int32)) + rows
+        # NOTE: in int64: a table of 2**29 rows or more has 2 GiB of versions
+        first = table_ptr - num_rows.to(tl.int64) * _VERSION_BYTES
+        vptr = first.to(tl.pointer_type(tl.int32)) + rows
         vals, bad = _versioned_once(table_ptr, vptr, rows, rmask, tstride, d, dmask, QUANT,
                                     META)
         rounds = 1
