@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from hostcache import layout
+from hostcache import layout, row_versions
 from hostcache.cache import HostCache
 from hostcache.errors import (
     BadArgumentError,
@@ -74,10 +74,14 @@ def _kind(table: SharedTable) -> str:
 
 def _chunks(table: SharedTable, chunk: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     if isinstance(table, SharedMemBlock):
-        rows = table.tensor
+        rows, versions = table.tensor, table.versions
         for a in range(0, table.num_rows, chunk):
             b = min(table.num_rows, a + chunk)
-            yield torch.arange(a, b, dtype=torch.int64), rows[a:b].contiguous()
+            idx = torch.arange(a, b, dtype=torch.int64)
+            # NOTE: a quantized block's rows read under their versions (never torn by
+            # another process's write), as a cache's rows are read seqlocked
+            yield idx, (rows[a:b].contiguous() if versions is None
+                        else row_versions.read_rows(rows, idx, versions))
         return
     assert isinstance(table, HostCache)
     held = table._nkeys.copy()  # NOTE: one pass over the key slots; rows read seqlocked
