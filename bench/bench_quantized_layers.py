@@ -163,11 +163,21 @@ def kernel_us(fn: Callable[[torch.Tensor], Any], batches: list[torch.Tensor]) ->
     return sum(e.self_device_time_total for e in p.key_averages()) / 40
 
 
-def pooled_tiles(device: torch.device, rows: int, quick: bool, reps: int) -> None:
+def pooled_default(device: torch.device, rows: int, quick: bool, reps: int) -> None:
+    """GPULayer pooled 256x1024 under the default launch settings only (the first part of
+    :func:`pooled_tiles`): each format's kernel time per call beside its wall clock, for
+    an A/B of two checkouts."""
+    pooled_tiles(device, rows, quick, reps, settings=POOLED_TILES[:1], dims=False)
+
+
+def pooled_tiles(device: torch.device, rows: int, quick: bool, reps: int,
+                 settings: tuple[tuple[int, int, int], ...] = POOLED_TILES,
+                 dims: bool = True) -> None:
     """GPULayer pooled 256x1024 (fp16 output for the quantized tables, fp32 for float32)
-    under each of :data:`POOLED_TILES`: wall clock back to back and kernel time per call;
-    then rows of 64, 256 and 512 elements under the default settings against 64 keys per
-    program (the default before its tile cap). Which launch settings each format wants."""
+    under each of ``settings``: wall clock back to back and kernel time per call; then
+    (``dims``) rows of 64, 256 and 512 elements under the default settings against 64 keys
+    per program (the default before its tile cap). Which launch settings each format
+    wants."""
     nb, per = (32, 256) if quick else (256, 1024)
     timed = kernel_us if device.type == "cuda" else (lambda fn, b: float("nan"))
 
@@ -189,10 +199,12 @@ def pooled_tiles(device: torch.device, rows: int, quick: bool, reps: int) -> Non
 
     for alpha in (1.05, 0.0):
         for wd in (torch.float32, *FORMATS):
-            for bk, warps, programs in POOLED_TILES:
+            for bk, warps, programs in settings:
                 tiles = dataclasses.replace(DEFAULT_TILES, pooled_block_k=bk,
                                             pooled_warps=warps, pooled_programs=programs)
                 run(DIM, alpha, wd, tiles, block_k=bk, warps=warps, programs=programs)
+    if not dims:
+        return
     before = dataclasses.replace(DEFAULT_TILES, pooled_block_k=64, pooled_max_tile=1 << 20)
     for dim in (64, 256, 512):
         for wd in (torch.float32, torch.int8):
@@ -332,7 +344,8 @@ def hierarchical(device: torch.device, rows: int, quick: bool, reps: int) -> Non
             HostCache.unlink(name)
 
 
-BENCHES = {"gpulayer": gpulayer, "pooled_tiles": pooled_tiles, "seed": seed_config,
+BENCHES = {"gpulayer": gpulayer, "pooled_tiles": pooled_tiles,
+           "pooled_default": pooled_default, "seed": seed_config,
            "linear_uvm": linear_uvm, "hierarchical": hierarchical}
 
 
@@ -347,12 +360,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=200, help="calls timed per p50/p99")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    defaults = {"gpulayer": 1 << 22, "pooled_tiles": 1 << 22, "seed": 1 << 26,
-                "linear_uvm": 1 << 24, "hierarchical": 1 << 20}
+    defaults = {"gpulayer": 1 << 22, "pooled_tiles": 1 << 22, "pooled_default": 1 << 22,
+                "seed": 1 << 26, "linear_uvm": 1 << 24, "hierarchical": 1 << 20}
     if args.quick or device.type == "cpu":
         defaults = dict.fromkeys(defaults, 1 << 16)
     reps = 20 if args.quick else args.reps
-    for name in args.only or BENCHES:
+    # NOTE: pooled_default is the first part of pooled_tiles: run only when asked
+    for name in args.only or [n for n in BENCHES if n != "pooled_default"]:
         rows = args.rows or defaults[name]
         if device.type == "cuda":
             free = torch.cuda.mem_get_info(device)[0]

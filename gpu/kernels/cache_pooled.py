@@ -64,11 +64,18 @@ def _pooled_kernel(
     # NOTE: a while loop, not range(start, end, step): Triton 3.6's interpreter cannot take
     # loaded values as range bounds.
     s = start + split * BLOCK_K
+    offs = s + tl.arange(0, BLOCK_K).to(tl.int64)
+    kmask = offs < end
+    next_keys = tl.load(keys_ptr + offs, mask=kmask, other=EMPTY)
     while s < end:
-        offs = s + tl.arange(0, BLOCK_K).to(tl.int64)
+        keys = next_keys
         s += SPLIT * BLOCK_K
-        kmask = offs < end
-        keys = tl.load(keys_ptr + offs, mask=kmask, other=EMPTY)
+        # NOTE: the next step's keys are loaded now, before this step's rows: the rows
+        # wait on keys already here, and the next keys arrive while they are read (one
+        # dependent load per step instead of two)
+        next_offs = s + tl.arange(0, BLOCK_K).to(tl.int64)
+        next_mask = next_offs < end
+        next_keys = tl.load(keys_ptr + next_offs, mask=next_mask, other=EMPTY)
         if HAS_CACHE:
             hit, slot = probe(tkeys_ptr, keys, kmask, num_buckets, WAYS, EMPTY)
             vals = tl.load(
@@ -122,6 +129,7 @@ def _pooled_kernel(
             nhits += hit.to(tl.int64)
         if CHECK:
             tl.store(err_ptr + offs * 0, keys, mask=kmask & ((keys < 0) | (keys >= num_rows)))
+        offs, kmask = next_offs, next_mask
     res = tl.reduce(acc, 0, add_combine)
     if SPLIT == 1:
         if MEAN:
