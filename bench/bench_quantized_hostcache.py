@@ -8,8 +8,12 @@ from the parameter server does); the hit rate is counted over the second half of
 batches (the first half warms the cache). The cache of each format is the largest whose
 segment fits ``--budget-mib``. No GPU needed: the figures are the host tier's.
 
+A third part times what a quantized block's seqlock versions cost its CPU readers and
+writers (``versions``).
+
 Prints one JSON line per figure. Run: ``python bench/bench_quantized_hostcache.py
-[--budget-mib 64] [--keys 1000000] [--batches 200] [--batch 4096]``.
+[--only bytes|versions|hit_rate] [--budget-mib 64] [--keys 1000000] [--batches 200]
+[--batch 4096] [--reps 200]``.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import argparse
 import json
 import multiprocessing as mp
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hostcache import HostCache, SharedMemBlock, layout  # noqa: E402
+from hostcache import HostCache, SharedMemBlock, layout, row_versions  # noqa: E402
 from nvecache.apps.demo.workload import ZipfKeys  # noqa: E402
 from tests.conftest import fresh_name  # noqa: E402
 
@@ -72,6 +78,57 @@ def replica(name: str, keys: int, alpha: float, seed: int, batches: int, batch: 
     out.put((seed, hits, looked))
 
 
+def _alternating_p50(calls: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
+    """Microseconds, p50 of ``reps`` calls of each, the calls alternating call by call."""
+    ts: dict[str, list[float]] = {k: [] for k in calls}
+    for _ in range(reps):
+        for k, fn in calls.items():
+            t0 = time.perf_counter()
+            fn()
+            ts[k].append(time.perf_counter() - t0)
+    return {k: sorted(v)[len(v) // 2] * 1e6 for k, v in ts.items()}
+
+
+def _versioned_calls(mb: SharedMemBlock, idx: torch.Tensor, reps: int) -> dict[str, float]:
+    """The p50s of :func:`versioned_reads` for one batch of row indices."""
+    rows, versions = mb.tensor, mb.versions
+    assert versions is not None
+    uidx = torch.unique(idx)
+    new = rows.index_select(0, uidx)
+    # NOTE: reads alternate with reads, writes with writes
+    p50 = _alternating_p50({
+        "read_versioned": lambda: row_versions.read_rows(rows, idx, versions),
+        "read_plain": lambda: rows.index_select(0, idx)}, reps)
+    # NOTE: on its own: the decode's worker threads would slow the gathers beside it
+    p50.update(_alternating_p50({"read_decoded": lambda: mb.read(idx)}, reps))
+    p50.update(_alternating_p50({
+        "write_versioned": lambda: mb._store_at(uidx, new),
+        "write_plain": lambda: rows.index_copy_(0, uidx, new)}, reps))
+    return p50
+
+
+def versioned_reads(reps: int) -> None:
+    """What a quantized block's row versions cost its CPU readers and writers: a gather of
+    1k / 16k / 64k random rows' stored bytes under the versions (``SharedMemBlock.read``'s
+    path) against the same gather without them, beside the whole ``read`` (gather and
+    decode); and a write of those rows' bytes with and without its write sections (p50 of
+    ``reps`` calls, alternating)."""
+    name = fresh_name("bv")
+    with SharedMemBlock.create(name, num_rows=1 << 20, dim=DIM, dtype=torch.int8) as mb:
+        try:
+            mb.write_range(0, torch.randn(1 << 20, DIM))
+            gen = torch.Generator().manual_seed(3)
+            for n in (1 << 10, 1 << 14, 1 << 16):
+                idx = torch.randint(0, 1 << 20, (n,), generator=gen)
+                p50 = _versioned_calls(mb, idx, reps)
+                emit(bench="versioned_reads", rows=n,
+                     **{f"{k}_us": round(v, 1) for k, v in p50.items()},
+                     read_ratio=round(p50["read_versioned"] / p50["read_plain"], 2),
+                     write_ratio=round(p50["write_versioned"] / p50["write_plain"], 2))
+        finally:
+            SharedMemBlock.unlink(name)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--budget-mib", type=int, default=64)
@@ -79,24 +136,29 @@ def main() -> None:
     ap.add_argument("--alpha", type=float, default=1.05)
     ap.add_argument("--batches", type=int, default=200)
     ap.add_argument("--batch", type=int, default=4096)
+    ap.add_argument("--only", choices=("bytes", "versions", "hit_rate"), action="append",
+                    help="run only these parts (repeatable)")
+    ap.add_argument("--reps", type=int, default=200, help="calls timed per versioned p50")
     args = ap.parse_args()
+    parts = set(args.only or ("bytes", "versions", "hit_rate"))
     budget = args.budget_mib << 20
-    for dtype in FORMATS:
+    if "versions" in parts:
+        versioned_reads(args.reps)
+    for dtype in FORMATS if "bytes" in parts else ():
         name = fresh_name("bq")
         with SharedMemBlock.create(name, num_rows=100_000, dim=DIM, dtype=dtype) as mb:
             try:
                 g = mb.geometry
-                # NOTE: a quantized block's row versions lie just before its rows
-                first = g.versions_off if mb.quantized else g.rows_off
+                # NOTE: a quantized block's rows carry their versions in their stride
                 emit(bench="bytes_per_row", table="SharedMemBlock", dtype=str(dtype),
                      row_stride=g.row_stride, stored_bytes=g.row_format.stored_bytes,
-                     version_bytes=(g.rows_off - g.versions_off) // g.capacity
-                     if mb.quantized else 0,
-                     segment_bytes_per_row=round((g.total_size - first) / g.capacity, 2))
+                     version_bytes=4 if g.row_versions else 0,
+                     segment_bytes_per_row=round((g.total_size - g.rows_off) / g.capacity,
+                                                 2))
             finally:
                 SharedMemBlock.unlink(name)
     ctx = mp.get_context("spawn")
-    for dtype in FORMATS:
+    for dtype in FORMATS if "hit_rate" in parts else ():
         cap = capacity_for(budget, dtype)
         name = fresh_name("bq")
         with HostCache.create(name, capacity=cap, dim=DIM, dtype=dtype) as hc:

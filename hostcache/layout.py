@@ -11,9 +11,7 @@ row starts on a 16-byte boundary so GPU kernels can read rows with wide loads. A
     0             4096                     header: 512 int64 words (below)
     PROC_OFF      PROC_SLOTS * 16 * 8      per-process counter slots (below)
     keys_off      slots * 8                int64 key per slot, EMPTY_KEY when free   [HC only]
-    versions_off  slots * 8                int64 seqlock version per slot            [HC]
-                  num_rows * 4             int32 seqlock version per row, ending at rows_off
-                                           (no gap)                   [quantized linear only]
+    versions_off  slots * 8                int64 seqlock version per slot            [HC only]
     counters_off  slots * 4                int32 eviction-policy counter per slot    [HC only]
     ring_seq_off  ring_capacity * 8        int64 sequence number of each ring record
     ring_key_off  ring_capacity * 8        int64 key (host cache) / row index (linear table)
@@ -69,15 +67,15 @@ reordering the steps by making each step of a write a separate call (a torch op,
 passes of the one compiled lookup, so no hardware fence is needed for the order itself;
 GPU readers use system-scope loads.
 
-Seqlock protocol per row (quantized linear table): a writer, holding the writer lock, makes
-the row's version odd, writes the row (payload and parameters), then makes it even again;
-a reader reads the version, the row, then the version again, and reads the row again while
-the two differ or are odd. A row's payload is then never decoded with another write's
-scale or bias, whichever process wrote it. The versions end where the rows begin, so a GPU
-kernel handed the rows finds row ``r``'s version at ``rows - 4 * (num_rows - r)`` without
-another argument (:mod:`hostcache.row_versions`). A plain linear table has no versions: a
-row read during another process's write is a mix of old and new elements, each of them
-whole.
+Seqlock protocol per row (quantized linear table): each row carries an int32 version in
+the 4 bytes after its stored bytes (its stride has room for them: ``row_stride`` is the
+stored bytes and the version, aligned). A writer, holding the writer lock, makes the row's
+version odd, writes the row (payload and parameters), then makes it even again; a reader
+reads the version, the row, then the version again, and reads the row again while the two
+differ or are odd. A row's payload is then never decoded with another write's scale or
+bias, whichever process wrote it (:mod:`hostcache.row_versions`). A plain linear table
+has no versions: a row read during another process's write is a mix of old and new
+elements, each of them whole.
 
 Invalidation ring: record ``s`` lives at ``s % ring_capacity``. A writer stores
 ``seq = -1``, then the key, then ``seq = s``, then advances ``ring_head``. A reader that
@@ -206,8 +204,17 @@ class Geometry:
 
     @property
     def row_stride(self) -> int:
-        """Bytes from one slot's row to the next (payload and parameters, aligned)."""
+        """Bytes from one slot's row to the next (payload and parameters, aligned; in a
+        quantized linear table, and the row's seqlock version)."""
+        if self.row_versions:
+            return rows.align_up(self.row_format.stored_bytes + ROW_VERSION_BYTES)
         return self.row_format.stride
+
+    @property
+    def row_versions(self) -> bool:
+        """Whether each row carries a seqlock version after its stored bytes (a quantized
+        linear table's rows)."""
+        return self.kind == KIND_LINEAR and self.row_format.quantized
 
     @property
     def slots(self) -> int:
@@ -256,10 +263,6 @@ def plan(
     ring_seq_off = off
     ring_key_off = _page_up(ring_seq_off + ring_capacity * 8)
     rows_off = _page_up(ring_key_off + ring_capacity * 8)
-    if kind == KIND_LINEAR and rows.RowFormat(dtype, dim).quantized:
-        # NOTE: the row versions end where the rows begin (a kernel finds them from the rows)
-        rows_off = _page_up(ring_key_off + ring_capacity * 8 + slots * ROW_VERSION_BYTES)
-        versions_off = rows_off - slots * ROW_VERSION_BYTES
     geo = Geometry(
         kind=kind,
         capacity=slots if kind == KIND_HOST_CACHE else capacity,

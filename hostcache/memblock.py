@@ -128,9 +128,10 @@ class SharedMemBlock(TableFiles, SharedTable):
         stored = raw.view(geo.capacity, geo.row_stride)
         self._rows = (stored[:, :fmt.stored_bytes] if fmt.quantized
                       else stored[:, : geo.row_bytes].view(geo.dtype))
-        #: a quantized table's per-row seqlock versions (None: a plain table)
-        self._versions = (mapping.tensor(geo.versions_off, geo.capacity, torch.int32)
-                          if fmt.quantized else None)
+        #: a quantized table's per-row seqlock versions, the 4 bytes after each row's
+        #: stored bytes (None: a plain table)
+        self._versions = (row_versions.versions_in(stored, fmt.stored_bytes)
+                          if geo.row_versions else None)
 
     def _drop_views(self) -> None:
         self._rows = torch.empty(0)
@@ -167,7 +168,7 @@ class SharedMemBlock(TableFiles, SharedTable):
     def read_format(self) -> RowFormat:
         """The row format a kernel reading :attr:`tensor` is told: of a quantized table, a
         :class:`~hostcache.row_versions.VersionedFormat` (its rows read under their seqlock
-        versions, which lie just before them)."""
+        versions, which follow each row's stored bytes)."""
         fmt = self.geometry.row_format
         return row_versions.VersionedFormat.of(fmt) if fmt.quantized else fmt
 

@@ -12,10 +12,11 @@ cache's slot versions do (``hostcache.layout``, "Seqlock protocol per row"):
 * a reader reads a row's version, the row, and the version again, and reads the row again
   while the two differ or are odd.
 
-The versions (int32, one per row) end where the rows begin, so whoever holds the rows
-finds them: a GPU kernel at ``rows_ptr - 4 * num_rows`` (:mod:`gpu.kernels.stored_rows`),
-a CPU view through its storage (:func:`versions_before`). :class:`VersionedFormat` is the
-row format a reader is told, so that it takes that path.
+Each row's version (int32) is the 4 bytes after its stored bytes, in the room its stride
+leaves (``hostcache.layout``): whoever holds a row finds its version beside it, a GPU
+kernel at ``row + stored_bytes`` (:mod:`gpu.kernels.stored_rows`), torch through a view
+(:func:`versions_in`), and a CPU reader takes the row's cache line with it.
+:class:`VersionedFormat` is the row format a reader is told, so that it takes that path.
 
 A writer that dies inside a section leaves odd versions; the next process to take the
 writer lock makes them even (its repair, which also tells every GPU cache to drop all
@@ -47,8 +48,8 @@ WAIT_SECONDS = 0.25
 
 @dataclass(frozen=True)
 class VersionedFormat(RowFormat):
-    """A quantized linear table's row format as its readers are told it: the rows carry
-    seqlock versions just before the first of them (the kernels read them; a reader told
+    """A quantized linear table's row format as its readers are told it: each row carries
+    a seqlock version after its :attr:`stored_bytes` (the kernels read them; a reader told
     the plain :class:`~nvecache.common.rows.RowFormat` reads the rows without)."""
 
     versioned: ClassVar[bool] = True
@@ -63,32 +64,29 @@ def is_versioned(fmt: object) -> bool:
     return bool(getattr(fmt, "versioned", False))
 
 
-class _VersionsBefore:
-    """``__cuda_array_interface__`` of the versions before a CUDA view of a table's rows
+class _VersionsIn:
+    """``__cuda_array_interface__`` of the versions in a CUDA view of a table's rows
     (registered host memory); keeps the rows' view, and so the registration, alive."""
 
-    def __init__(self, rows: torch.Tensor, n: int) -> None:
+    def __init__(self, rows: torch.Tensor, offset: int) -> None:
         self._rows = rows
         self.__cuda_array_interface__ = {
-            "shape": (n,), "strides": None, "typestr": "<i4", "version": 3,
-            "data": (rows.data_ptr() - n * VERSION_BYTES, False)}
+            "shape": (rows.shape[0],), "strides": (rows.stride(0),), "typestr": "<i4",
+            "version": 3, "data": (rows.data_ptr() + offset, False)}
 
 
-def versions_before(rows: torch.Tensor) -> torch.Tensor:
+def versions_in(rows: torch.Tensor, offset: int) -> torch.Tensor:
     """int32 ``[num_rows]``: the versions of a versioned table's rows, given a view of its
-    rows (uint8 ``[num_rows, >= stored_bytes]``: on the CPU a view of the table's segment,
-    on CUDA of its registration)."""
-    n = rows.shape[0]
-    if rows.dtype != torch.uint8:
+    rows (uint8, row stride a multiple of 4: on the CPU a view of the table's segment, on
+    CUDA of its registration) and where in a row the version is (its stored bytes)."""
+    if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.stride(0) % VERSION_BYTES:
         raise ValueError("not a view of a versioned table's stored rows")
     if rows.device.type != "cpu":
-        return torch.as_tensor(_VersionsBefore(rows, n), device=rows.device)
-    start = rows.storage_offset() - n * VERSION_BYTES
-    if start < 0:
-        raise ValueError("not a view of a versioned table's rows")
-    raw = torch.empty(0, dtype=torch.uint8).set_(rows.untyped_storage(), start,
-                                                 (n * VERSION_BYTES,), (1,))
-    return raw.view(torch.int32)
+        return torch.as_tensor(_VersionsIn(rows, offset), device=rows.device)
+    raw = torch.empty(0, dtype=torch.uint8).set_(
+        rows.untyped_storage(), rows.storage_offset() + offset,
+        (rows.shape[0], VERSION_BYTES), (rows.stride(0), 1))
+    return raw.view(torch.int32)[:, 0]
 
 
 def _clean(v1: torch.Tensor, v2: torch.Tensor) -> torch.Tensor:
@@ -109,8 +107,9 @@ def read_rows(rows: torch.Tensor, idx: torch.Tensor, versions: torch.Tensor) -> 
     v1 = versions.index_select(0, idx)
     got = rows.index_select(0, idx)
     v2 = versions.index_select(0, idx)
-    # NOTE: the common case in two calls: no version changed, none odd
-    if torch.equal(v1, v2) and not bool((v1 & 1).any()):
+    # NOTE: the common case in two calls: every v1 even and equal to its v2 (versions only
+    # grow, so an odd v1 never equals v2 once its last bit is cleared)
+    if torch.equal(v1 & -2, v2):
         return got
     sel = (~_clean(v1, v2)).nonzero().squeeze(1)
     deadline = time.monotonic() + WAIT_SECONDS

@@ -34,7 +34,7 @@ import torch
 
 from hostcache.hashing import bucket_of
 from hostcache.layout import EMPTY_KEY
-from hostcache.row_versions import is_versioned, read_rows, versions_before
+from hostcache.row_versions import is_versioned, read_rows, versions_in
 from nvecache.common import quant
 from nvecache.common.rows import RowFormat
 
@@ -123,8 +123,10 @@ def gather_linear(
     if table.shape[0] == 0:
         return vals
     # NOTE: a versioned format's rows (a quantized SharedMemBlock) under their versions
-    tvals = (read_rows(table, idx, versions_before(table)) if is_versioned(fmt)
-             else table[idx])
+    if fmt is not None and is_versioned(fmt):
+        tvals = read_rows(table, idx, versions_in(table, fmt.stored_bytes))
+    else:
+        tvals = table[idx]
     if fmt is not None and fmt.quantized:
         tvals = quant.decode(tvals, fmt, vals.dtype)
     tvals = tvals.to(vals.device)

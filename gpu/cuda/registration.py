@@ -223,7 +223,7 @@ class HostRegistration:
         g = self.geometry
         fmt = g.row_format
         if fmt.quantized:
-            return self._view(g.rows_off, (g.slots, fmt.stored_bytes), (fmt.stride, 1),
+            return self._view(g.rows_off, (g.slots, fmt.stored_bytes), (g.row_stride, 1),
                               torch.uint8)
         return self._view(g.rows_off, (g.slots, g.dim), (fmt.stride // fmt.itemsize, 1), g.dtype)
 

@@ -105,7 +105,7 @@ def _lookup_kernel(
             if LINEAR:
                 inrange = kmask & (keys >= 0) & (keys < num_rows) & (hit == 0)
                 tval = _to_dtype(_load_rows(table_ptr, keys, inrange, tstride, d, dmask,
-                                            num_rows, QUANT, META, 0, SEQ),
+                                            QUANT, META, 0, SEQ),
                                  rows_ptr.dtype.element_ty)
                 vals = tl.where(hit[:, None], vals, tval)
     else:
@@ -117,7 +117,7 @@ def _lookup_kernel(
             if LINEAR:
                 inrange = kmask & (keys >= 0) & (keys < num_rows)
                 vals = _to_dtype(_load_rows(table_ptr, keys, inrange, tstride, d, dmask,
-                                            num_rows, QUANT, META, 0, SEQ),
+                                            QUANT, META, 0, SEQ),
                                  rows_ptr.dtype.element_ty)
             else:
                 vals = tl.full([BLOCK_K, BLOCK_D], 0, rows_ptr.dtype.element_ty)

@@ -86,7 +86,7 @@ def _pooled_kernel(
                 inrange = kmask & (keys >= 0) & (keys < num_rows) & (hit == 0)
                 # NOTE: a dequantized row in the cache's dtype first: what a hit reads
                 tval = _to_dtype(_load_rows(table_ptr, keys, inrange, tstride, d, dmask,
-                                            num_rows, QUANT, META, 0, SEQ),
+                                            QUANT, META, 0, SEQ),
                                  rows_ptr.dtype.element_ty).to(tl.float32)
                 vals = tl.where(hit[:, None], vals, tval)
             if HAS_MISS:
@@ -101,7 +101,7 @@ def _pooled_kernel(
             if LINEAR:
                 inrange = kmask & (keys >= 0) & (keys < num_rows)
                 vals = _to_dtype(_load_rows(table_ptr, keys, inrange, tstride, d, dmask,
-                                            num_rows, QUANT, META, 0, SEQ),
+                                            QUANT, META, 0, SEQ),
                                  rows_ptr.dtype.element_ty).to(tl.float32)
             elif HAS_MISS:
                 vals = tl.load(

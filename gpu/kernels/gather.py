@@ -46,8 +46,7 @@ def _gather_kernel(
     inrange = kmask & (keys >= 0) & (keys < num_rows)
     d = tl.arange(0, BLOCK_D)
     dmask = d < DIM
-    vals = _load_rows(table_ptr, keys, inrange, tstride, d, dmask, num_rows, QUANT, META, 0,
-                      SEQ)
+    vals = _load_rows(table_ptr, keys, inrange, tstride, d, dmask, QUANT, META, 0, SEQ)
     tl.store(out_ptr + offs[:, None] * DIM + d[None, :],
              _to_dtype(vals, out_ptr.dtype.element_ty), mask=kmask[:, None] & dmask[None, :])
     if CHECK:

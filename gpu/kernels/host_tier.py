@@ -258,7 +258,7 @@ def gather_found_kernel(
     else:
         # NOTE: the parameters are bytes of the same slot's row, loaded in this launch
         # with the payload (".cv" too): inside the v1..v2 window that verify_kernel checks
-        row = _to_dtype(_load_rows(rows_ptr, slot, ok, row_stride, d, dmask, 0, QUANT, META, 1, 0),
+        row = _to_dtype(_load_rows(rows_ptr, slot, ok, row_stride, d, dmask, QUANT, META, 1, 0),
                         out_ptr.dtype.element_ty)
     tl.store(out_ptr + offs[:, None] * dim + d[None, :], row, mask=m[:, None] & dmask[None, :])
 

@@ -21,9 +21,9 @@ same whether a GPU cache holds it or the table does, on either backend.
 
 A quantized ``SharedMemBlock`` (its reader told a
 :class:`hostcache.row_versions.VersionedFormat`: ``SEQ``) may be written by another process
-while a kernel reads it; its per-row int32 versions end where its rows begin
-(``hostcache.layout``), so :func:`load_rows` finds row ``r``'s at ``table_ptr - 4 *
-(num_rows - r)`` and reads the row inside its version's window: the version ``v1``, then
+while a kernel reads it; each row's int32 version follows its stored bytes
+(``hostcache.layout``), at byte ``SEQ`` of the row, and :func:`load_rows` reads the row
+inside its version's window: the version ``v1``, then
 the row (payload and parameters, ``".cv"``: fetched from host memory again), then the
 version ``v2``; rows whose ``v1`` is odd or differs from ``v2`` are read again, in rounds,
 up to :data:`ROUNDS` of them (a writer that died inside its section; past that the row is
@@ -44,14 +44,13 @@ import triton
 import triton.language as tl
 from triton import knobs
 
-from hostcache.row_versions import VERSION_BYTES, is_versioned
+from hostcache.row_versions import is_versioned
 from nvecache.common.rows import RowFormat
 
 #: the ``QUANT`` constexpr of a table's format: 0 plain, 1 int8, 2 float8_e4m3fn
 _CODES = {"int8": 1, "float8_e4m3fn": 2}
 #: how many times a versioned row is read at most while a writer holds it (see above)
 ROUNDS: tl.constexpr = tl.constexpr(1 << 12)
-_VERSION_BYTES: tl.constexpr = tl.constexpr(VERSION_BYTES)
 # NOTE: this variant of the module is compiled (the fence is inline PTX), or interpreted,
 # where loads run one after another in program order
 _COMPILED: tl.constexpr = tl.constexpr(not knobs.runtime.interpret)
@@ -60,32 +59,31 @@ _COMPILED: tl.constexpr = tl.constexpr(not knobs.runtime.interpret)
 def codec_constexprs(fmt: RowFormat | None) -> dict[str, object]:
     """The constexprs that tell a kernel how to read a table of format ``fmt`` (None: a
     plain table of the kernel's dtype): ``QUANT``, ``META`` (the byte offset of the row's
-    parameters), ``SEQ`` (rows read under their versions: a versioned format), and for
-    int8 ``enable_fp_fusion=False`` (see the module docstring)."""
+    parameters), ``SEQ`` (a versioned format's: the byte offset of the row's version, its
+    stored bytes; 0: rows read without versions), and for int8 ``enable_fp_fusion=False``
+    (see the module docstring)."""
     if fmt is None or not fmt.quantized:
         return {"QUANT": 0, "META": 0, "SEQ": 0}
     cx: dict[str, object] = {"QUANT": _CODES[fmt.dtype], "META": fmt.meta_offset,
-                             "SEQ": int(is_versioned(fmt))}
+                             "SEQ": fmt.stored_bytes if is_versioned(fmt) else 0}
     if fmt.dtype == "int8":
         cx["enable_fp_fusion"] = False
     return cx
 
 
 @triton.jit
-def load_rows(table_ptr, rows, rmask, tstride, d, dmask, num_rows, QUANT: tl.constexpr,
+def load_rows(table_ptr, rows, rmask, tstride, d, dmask, QUANT: tl.constexpr,
               META: tl.constexpr, VOLATILE: tl.constexpr, SEQ: tl.constexpr):
     """``[BLOCK_K, BLOCK_D]``: elements ``d`` of rows ``rows`` (int64, masked by ``rmask``,
     ``dmask``: zero there) of a table whose row ``r`` starts ``r * tstride`` elements (bytes,
     quantized) in; a plain table's in its dtype, a quantized one's dequantized in float32.
     ``VOLATILE``: 1 loads with the ``".cv"`` cache modifier (the host tier's seqlocked reads
-    fetch every byte again, the row's parameters as its payload), 0 without. ``SEQ``: 1
-    reads a quantized table's rows under their versions, which lie just before its
-    ``num_rows`` rows (see the module docstring). NOTE: ints every caller passes, not
-    defaults: Triton 3.6 does not make a called function's default a constexpr."""
+    fetch every byte again, the row's parameters as its payload), 0 without. ``SEQ``: not
+    0, a quantized table's rows read under their versions, at that byte of each row (see
+    the module docstring). NOTE: ints every caller passes, not defaults: Triton 3.6 does
+    not make a called function's default a constexpr."""
     if SEQ:
-        # NOTE: in int64: a table of 2**29 rows or more has 2 GiB of versions
-        first = table_ptr - num_rows.to(tl.int64) * _VERSION_BYTES
-        vptr = first.to(tl.pointer_type(tl.int32)) + rows
+        vptr = (table_ptr + rows * tstride + SEQ).to(tl.pointer_type(tl.int32))
         vals, bad = _versioned_once(table_ptr, vptr, rows, rmask, tstride, d, dmask, QUANT,
                                     META)
         rounds = 1
