@@ -23,19 +23,19 @@ A quantized ``SharedMemBlock`` (its reader told a
 :class:`hostcache.row_versions.VersionedFormat`: ``SEQ``) may be written by another process
 while a kernel reads it; each row's int32 version follows its stored bytes
 (``hostcache.layout``), at byte ``SEQ`` of the row, and :func:`load_rows` reads the row
-inside its version's window: the version ``v1``, then
-the row (payload and parameters, ``".cv"``: fetched from host memory again), then the
-version ``v2``; rows whose ``v1`` is odd or differs from ``v2`` are read again, in rounds,
-up to :data:`ROUNDS` of them (a writer that died inside its section; past that the row is
-taken as read). Each step's addresses carry an opaque zero computed from the step before
-it, after a ``fence.acq_rel.sys`` (inline PTX, as ``gpu.kernels.host_tier`` orders its
-probe): a load cannot be issued before the values its address depends on have arrived, so
-the three steps are performed in order, over PCIe too. ``v2``'s zero comes from every
-element of the row as this thread decoded it (a reduction over the row), so a thread that
-passes the check read its row parts and their scale and bias inside a window no write
-section overlapped: one write's payload is never decoded with another write's parameters.
-The writer (CPU, TSO) stores the odd version, the row, then the even version
-(:mod:`hostcache.row_versions`).
+inside its version's window: the version ``v1``, then the row (payload and parameters),
+then the version ``v2``; rows whose ``v1`` is odd or differs from ``v2`` are read again,
+in rounds, up to :data:`ROUNDS` of them (a writer that died inside its section; past that
+the row is taken as read). Each step's addresses carry an opaque zero computed from the
+values of the step before it (inline PTX the compiler cannot see through): a load cannot
+be issued before the values its address depends on have arrived, so the three steps are
+performed in order, over PCIe too, and every load of the three is ``.cv`` (fetched from
+host memory again, never a stale cached line); no fence is needed beyond those
+dependencies. ``v2``'s zero comes from every element of the row as this thread decoded it
+(a reduction over the row), so a thread that passes the check read its row parts and
+their scale and bias inside a window no write section overlapped: one write's payload is
+never decoded with another write's parameters. The writer (CPU, TSO) stores the odd
+version, the row, then the even version (:mod:`hostcache.row_versions`).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from nvecache.common.rows import RowFormat
 _CODES = {"int8": 1, "float8_e4m3fn": 2}
 #: how many times a versioned row is read at most while a writer holds it (see above)
 ROUNDS: tl.constexpr = tl.constexpr(1 << 12)
-# NOTE: this variant of the module is compiled (the fence is inline PTX), or interpreted,
+# NOTE: this variant of the module is compiled (the opaque zero is inline PTX), or interpreted,
 # where loads run one after another in program order
 _COMPILED: tl.constexpr = tl.constexpr(not knobs.runtime.interpret)
 
@@ -110,11 +110,11 @@ def _xor(a, b):
 
 @triton.jit
 def _after(x):
-    """An int32 zero the compiler cannot see through, computed from ``x`` after a
-    ``fence.acq_rel.sys`` (compiled; interpreted, loads already run in program order)."""
+    """An int32 zero the compiler cannot see through, computed from ``x`` (compiled;
+    interpreted, loads already run in program order)."""
     if _COMPILED:
         z = tl.inline_asm_elementwise(
-            "fence.acq_rel.sys;\n\tand.b32 $0, $1, 0;", "=r,r", [x.to(tl.int32)],
+            "and.b32 $0, $1, 0;", "=r,r", [x.to(tl.int32)],
             dtype=tl.int32, is_pure=False, pack=1)
     else:
         z = x.to(tl.int32) * 0
@@ -126,11 +126,11 @@ def _versioned_once(table_ptr, vptr, rows, rmask, tstride, d, dmask, QUANT: tl.c
                     META: tl.constexpr):
     """One seqlocked read of rows ``rows`` (masked by ``rmask``): their values, and which of
     them a write section overlapped (read again)."""
-    v1 = tl.load(vptr, mask=rmask, other=0, volatile=True)
+    v1 = tl.load(vptr, mask=rmask, other=0, cache_modifier=".cv")
     after_v1 = _after(v1).to(tl.int64)
     vals = _read_rows(table_ptr, rows + after_v1, rmask, tstride, d, dmask, QUANT, META, 1)
     after_row = _after(tl.reduce(vals.to(tl.int32, bitcast=True), 1, _xor))
-    v2 = tl.load(vptr + after_row, mask=rmask, other=0, volatile=True)
+    v2 = tl.load(vptr + after_row, mask=rmask, other=0, cache_modifier=".cv")
     bad = rmask & ((v1 != v2) | ((v1 & 1) != 0))
     return vals, bad
 
