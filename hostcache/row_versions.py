@@ -36,10 +36,9 @@ from typing import ClassVar
 
 import torch
 
+from hostcache.layout import ROW_VERSION_BYTES
 from nvecache.common.rows import RowFormat
 
-#: bytes of one row's version (int32)
-VERSION_BYTES = 4
 #: rows one write section covers at most (a bigger write is several sections)
 SECTION_ROWS = 1 << 14
 #: how long a CPU reader waits for a row's write section to end before taking the row
@@ -79,13 +78,13 @@ def versions_in(rows: torch.Tensor, offset: int) -> torch.Tensor:
     """int32 ``[num_rows]``: the versions of a versioned table's rows, given a view of its
     rows (uint8, row stride a multiple of 4: on the CPU a view of the table's segment, on
     CUDA of its registration) and where in a row the version is (its stored bytes)."""
-    if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.stride(0) % VERSION_BYTES:
+    if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.stride(0) % ROW_VERSION_BYTES:
         raise ValueError("not a view of a versioned table's stored rows")
     if rows.device.type != "cpu":
         return torch.as_tensor(_VersionsIn(rows, offset), device=rows.device)
     raw = torch.empty(0, dtype=torch.uint8).set_(
         rows.untyped_storage(), rows.storage_offset() + offset,
-        (rows.shape[0], VERSION_BYTES), (rows.stride(0), 1))
+        (rows.shape[0], ROW_VERSION_BYTES), (rows.stride(0), 1))
     return raw.view(torch.int32)[:, 0]
 
 
