@@ -134,10 +134,9 @@ def _versioned_once(at, rmask, d, dmask, QUANT: tl.constexpr, META: tl.constexpr
     broadcast to the elements may come from another thread's load, through a layout
     conversion: a thread could then keep a part it read under a write by another thread's
     clean verdict. The per-row form that allowed it tore about 1 read in 1,500 on an
-    H100.) ``v2``'s addresses
-    depend on a reduction over the whole row, so every thread's ``v2`` is read after every
-    part of the row: if all pass, all parts are of one write. The row's verdict is a
-    reduction too, alike in every thread."""
+    H100.) ``v2``'s addresses depend on a reduction over the whole row, so every thread's
+    ``v2`` is read after every part of the row: if all pass, all parts are of one write.
+    The row's verdict is a reduction too, alike in every thread."""
     m = rmask[:, None] & dmask[None, :]
     vptr = (at + SEQ).to(tl.pointer_type(tl.int32))
     v1 = tl.load(vptr, mask=m, other=0, cache_modifier=".cv")
