@@ -76,9 +76,9 @@ class DeviceTable(LinearTable):
         #: here once: a plain table's call passes what it always did)
         self._gather, self._pooled = gather, pool.lookup_linear_pooled if triton else None
         if self.fmt is not None and gather is not None:
-            self._gather = functools.partial(gather, fmt=self.read_fmt, out_dtype=dtype)
+            self._gather = functools.partial(gather, fmt=self.fmt, out_dtype=dtype)
             self._pooled = functools.partial(pool.lookup_linear_pooled,
-                                             table_format=self.read_fmt)
+                                             table_format=self.fmt)
         self._host_checks = self._gather is None
         #: lookups with keys checked on the device (the default on CUDA): the gather with
         #: the table and key flag bound once (gpu.kernels.gather.BoundRows)
@@ -86,7 +86,7 @@ class DeviceTable(LinearTable):
         if self._gather is not None and device.type == "cuda":
             self._bound = kernel_module("gather", interpret=False).BoundRows(
                 self.table, self.check.flag.device_view, host_table=self._host,
-                tiles=self._tiles, fmt=self.read_fmt, dtype=dtype, device=device)
+                tiles=self._tiles, fmt=self.fmt, dtype=dtype, device=device)
             # NOTE: load (or compile) the kernel now, so that the first forward does not pay
             # it (bench/RESULTS.md, "Per-call path": first forward)
             self._bound(torch.zeros(1, dtype=torch.int64, device=device))
@@ -108,7 +108,7 @@ class DeviceTable(LinearTable):
                                     tiles=self._tiles)
             with torch.no_grad():
                 if self.fmt is not None:  # NOTE: the torch path: only these rows decoded
-                    return decoded(self.table, keys, self.read_fmt, self.dtype)
+                    return decoded(self.table, keys, self.fmt, self.dtype)
                 return self.table.index_select(0, keys)
 
     def pooled(self, keys: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
@@ -118,7 +118,7 @@ class DeviceTable(LinearTable):
             self._lookups += keys.numel()
             with self._gate, torch.no_grad():
                 if self.fmt is not None:  # NOTE: the bag's rows decoded, then pooled
-                    return pool_rows(decoded(self.table, keys, self.read_fmt, self.dtype),
+                    return pool_rows(decoded(self.table, keys, self.fmt, self.dtype),
                                      offsets, weights, mode)
                 return F.embedding_bag(keys, self.table, offsets, mode=mode,
                                        per_sample_weights=weights, include_last_offset=True)

@@ -164,12 +164,10 @@ class LinearTable:
     dim: int
     dtype: torch.dtype
     device: torch.device
-    #: the table's quantized format (None: a plain table of ``dtype``)
+    #: the table's quantized format (None: a plain table of ``dtype``); a quantized
+    #: ``SharedMemBlock``'s is versioned (its rows read under their seqlock versions:
+    #: another process may write them while this one reads)
     fmt: RowFormat | None = None
-    #: the format its readers are told: :attr:`fmt`, or for a quantized ``SharedMemBlock``
-    #: its ``read_format`` (rows read under their seqlock versions: another process may
-    #: write them while this one reads)
-    read_fmt: RowFormat | None = None
     rows_any_shape = False
     #: check keys on the host whatever ``validate`` says (a table torch's gathers read:
     #: they assert on the device for a bad key)
@@ -181,9 +179,6 @@ class LinearTable:
         (``fmt``: the quantized format of its stored bytes, a GPULayer's ``weight_dtype``)."""
         self._block = None if isinstance(storage, torch.Tensor) else storage
         self.fmt = fmt if self._block is None else block_format(storage)
-        self.read_fmt = (storage.read_format
-                         if self.fmt is not None and isinstance(storage, SharedMemBlock)
-                         else self.fmt)
         self._reg = None
         #: the tensor that writes go to and a checkpoint views: the layer's own tensor (a
         #: user's CPU tensor a CUDA layer reads through a registration), None for a block

@@ -51,9 +51,9 @@ class LinearStack(LinearTable, CachedStack):
         self._pooled_linear: Any = self.cache.lookup_linear_pooled
         if self.fmt is not None:
             self._gather_linear = functools.partial(self.cache.gather_linear,
-                                                    table_format=self.read_fmt)
+                                                    table_format=self.fmt)
             self._pooled_linear = functools.partial(self.cache.lookup_linear_pooled,
-                                                    table_format=self.read_fmt)
+                                                    table_format=self.fmt)
         self.log = MissLog(self.cache, self.budget, config, policy.gpu, self.num_rows,
                           self.guard)
         #: a change to the table makes logged rows stale: the log goes with the cache's

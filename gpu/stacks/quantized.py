@@ -38,9 +38,12 @@ CHUNK_BYTES = 64 << 20
 
 
 def block_format(block: Any) -> rows.RowFormat | None:
-    """A linear block's quantized format (``SharedMemBlock``, ``DistMemBlock``: their
-    ``quantized`` and ``row_format``), None for a plain one."""
-    return block.row_format if getattr(block, "quantized", False) else None
+    """A linear block's quantized format as its readers are told it (``SharedMemBlock``:
+    its ``read_format``, rows read under their seqlock versions; ``DistMemBlock``: its
+    ``row_format``), None for a plain one."""
+    if not getattr(block, "quantized", False):
+        return None
+    return getattr(block, "read_format", block.row_format)
 
 
 def weight_format(weight_dtype: object, data_type: torch.dtype, dim: int
