@@ -156,10 +156,10 @@ def _read_at(at, m, d, QUANT: tl.constexpr, META: tl.constexpr):
     scale = tl.load(par, mask=m, other=0.0, cache_modifier=".cv")
     if QUANT == 1:
         bias = tl.load(par + 1, mask=m, other=0.0, cache_modifier=".cv")
-        vals = q.to(tl.int8, bitcast=True).to(tl.float32) * scale + bias
+        vals = _i8(q) * scale + bias
     else:
         vals = _e4m3(q) * scale
-    return tl.where(m, vals, 0.0)
+    return vals  # NOTE: zero where m is not: q, scale and bias all loaded as 0 there
 
 
 @triton.jit
@@ -176,10 +176,12 @@ def _read_rows(table_ptr, rows, rmask, tstride, d, dmask, QUANT: tl.constexpr,
         scale = _load(par, rmask, 0.0, VOLATILE)
         if QUANT == 1:
             bias = _load(par + 1, rmask, 0.0, VOLATILE)
-            vals = q.to(tl.int8, bitcast=True).to(tl.float32) * scale[:, None] + bias[:, None]
+            # NOTE: a masked row's scale and bias load as 0, its values as 0 with them; a
+            # masked column's bias is taken out here, and where dmask is a constant (every
+            # column of dim read), this select is folded away at compile time
+            vals = _i8(q) * scale[:, None] + tl.where(dmask[None, :], bias[:, None], 0.0)
         else:
-            vals = _e4m3(q) * scale[:, None]
-        vals = tl.where(m, vals, 0.0)
+            vals = _e4m3(q) * scale[:, None]  # NOTE: 0 where q is masked
     return vals
 
 
@@ -194,6 +196,14 @@ def _load(ptr, mask, other, VOLATILE: tl.constexpr):
 
 
 @triton.jit
+def _i8(q):
+    """float32 of int8 bits (uint8), exact, without an integer-to-float conversion (a
+    slow-pipe instruction, a quarter of the rate of the float adds beside it): the byte
+    biased by 128 placed in the mantissa of 2**23, that float less 2**23 + 128."""
+    return (q.to(tl.int32) ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+
+
+@triton.jit
 def _e4m3(q):
     """float32 of e4m3fn bits (uint8): sign, 4 exponent bits (bias 7), 3 mantissa bits; no
     infinities (the tables store no NaN: their writes refuse them). The sign goes in as a
@@ -202,8 +212,10 @@ def _e4m3(q):
     e = (b >> 3) & 15
     m = b & 7
     normal = ((e + 120) << 23) | (m << 20)
-    # NOTE: 2**-9: a subnormal is m * 2**-6 / 8 (its magnitude's bits)
-    sub = (m.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True)
+    # NOTE: 2**-9: a subnormal is m * 2**-6 / 8 (its magnitude's bits); m as float32 as
+    # in _i8, without a conversion instruction
+    mf = (m | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    sub = (mf * 0.001953125).to(tl.int32, bitcast=True)
     mag = tl.where(e == 0, sub, normal)
     return (mag | ((b & 128) << 24)).to(tl.float32, bitcast=True)
 
