@@ -54,6 +54,8 @@ ROUNDS: tl.constexpr = tl.constexpr(1 << 12)
 # NOTE: this variant of the module is compiled (the opaque zero is inline PTX), or interpreted,
 # where loads run one after another in program order
 _COMPILED: tl.constexpr = tl.constexpr(not knobs.runtime.interpret)
+#: 2**120, the scale between an e4m3 element and its bits placed in a float32 (_e4m3)
+_TWO_120: tl.constexpr = tl.constexpr(float(2 ** 120))
 
 
 def codec_constexprs(fmt: RowFormat | None) -> dict[str, object]:
@@ -206,18 +208,15 @@ def _i8(q):
 @triton.jit
 def _e4m3(q):
     """float32 of e4m3fn bits (uint8): sign, 4 exponent bits (bias 7), 3 mantissa bits; no
-    infinities (the tables store no NaN: their writes refuse them). The sign goes in as a
-    bit: a compiled ``-x`` is ``0 - x``, which makes -0.0 (byte 0x80) +0.0."""
-    b = q.to(tl.int32)
-    e = (b >> 3) & 15
-    m = b & 7
-    normal = ((e + 120) << 23) | (m << 20)
-    # NOTE: 2**-9: a subnormal is m * 2**-6 / 8 (its magnitude's bits); m as float32 as
-    # in _i8, without a conversion instruction
-    mf = (m | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    sub = (mf * 0.001953125).to(tl.int32, bitcast=True)
-    mag = tl.where(e == 0, sub, normal)
-    return (mag | ((b & 128) << 24)).to(tl.float32, bitcast=True)
+    infinities (the tables store no NaN: their writes refuse them). The byte's sign goes to
+    bit 31 and its other 7 bits to bits 26..20 (the low end of float32's exponent and the
+    top of its mantissa): that float is the element times 2**-120 exactly, a subnormal
+    element (exponent 0) a float32 subnormal, so one multiply by 2**120 (exact: float32
+    subnormals are kept, never flushed, by these kernels' multiplies) gives the element.
+    Three integer operations and a multiply an element."""
+    w = (q.to(tl.int32) << 24) >> 4  # NOTE: arithmetic: the sign smeared over bits 31..27
+    bits = w & -2014314496  # 0x87F00000: the sign at 31, bits 30..27 cleared
+    return bits.to(tl.float32, bitcast=True) * _TWO_120
 
 
 @triton.jit
