@@ -26,23 +26,29 @@ while a kernel reads it; each row's int32 version follows its stored bytes
 inside its version's window: the version ``v1``, then the row (payload and parameters),
 then the version ``v2``; rows whose ``v1`` is odd or differs from ``v2`` are read again,
 in rounds, up to :data:`ROUNDS` of them (a writer that died inside its section; past that
-the row is taken as read). Each step's addresses carry an opaque zero computed from the
-values of the step before it (inline PTX the compiler cannot see through): a load cannot
-be issued before the values its address depends on have arrived, so the three steps are
-performed in order, over PCIe too, and every load of the three is ``.cv`` (fetched from
-host memory again, never a stale cached line); no fence is needed beyond those
-dependencies. ``v2``'s zero comes from every element of the row as this thread decoded it
-(a reduction over the row), so a thread that passes the check read its row parts and
-their scale and bias inside a window no write section overlapped: one write's payload is
-never decoded with another write's parameters. The writer (CPU, TSO) stores the odd
-version, the row, then the even version (:mod:`hostcache.row_versions`).
+the row is taken as read). Each step's loads are *predicated* on the values the step
+before it loaded: the row's loads on ``v1 != s1``, ``v2``'s on the row's values (their
+XOR over the row) ``!= s2``, ``s1`` and ``s2`` constants of the round (a row that meets
+one is not read that round and is read again in the next, where they differ). A
+predicated load cannot be issued before its predicate is known, nor can the compiler
+drop a predicate it cannot evaluate, so the three steps are performed in order, over
+PCIe too, and every load of the three is ``.cv`` (fetched from host memory again, never
+a stale cached line); no fence is needed beyond those dependencies. (An opaque zero
+added to the addresses does not do it: ``and.b32 x, 0`` in inline PTX is folded by
+``ptxas``, which then issued the row's loads beside ``v1``'s; the race test tore about 1
+read in 1,000-3,000 on an H100 that way.) ``v2``'s predicate comes from every element of
+the row (a reduction over the row, through shared memory where the row spans warps), so
+``v2`` is read after every part of the row, its scale and bias with it: a row whose
+``v1`` is even and equal to its ``v2`` was read inside a window no write section
+overlapped, and one write's payload is never decoded with another write's parameters.
+The writer (CPU, TSO) stores the odd version, the row, then the even version
+(:mod:`hostcache.row_versions`).
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton import knobs
 
 from hostcache.row_versions import is_versioned
 from nvecache.common.rows import RowFormat
@@ -51,9 +57,6 @@ from nvecache.common.rows import RowFormat
 _CODES = {"int8": 1, "float8_e4m3fn": 2}
 #: how many times a versioned row is read at most while a writer holds it (see above)
 ROUNDS: tl.constexpr = tl.constexpr(1 << 12)
-# NOTE: this variant of the module is compiled (the opaque zero is inline PTX), or interpreted,
-# where loads run one after another in program order
-_COMPILED: tl.constexpr = tl.constexpr(not knobs.runtime.interpret)
 #: 2**120, the scale between an e4m3 element and its bits placed in a float32 (_e4m3)
 _TWO_120: tl.constexpr = tl.constexpr(float(2 ** 120))
 
@@ -85,16 +88,16 @@ def load_rows(table_ptr, rows, rmask, tstride, d, dmask, QUANT: tl.constexpr,
     the module docstring). NOTE: ints every caller passes, not defaults: Triton 3.6 does
     not make a called function's default a constexpr."""
     if SEQ:
-        # NOTE: per element, not per row: every thread judges the parts of a row it loaded
-        # by the versions it loaded itself (see _versioned_once)
-        at = table_ptr + rows[:, None] * tstride + d[None, :] * 0
-        vals, bad = _versioned_once(at, rmask, d, dmask, QUANT, META, SEQ)
+        vptr = (table_ptr + rows * tstride + SEQ).to(tl.pointer_type(tl.int32))
+        vals, bad = _versioned_once(table_ptr, vptr, rows, rmask, tstride, d, dmask, QUANT,
+                                    META, 1)
         rounds = 1
         while (tl.reduce(bad.to(tl.int32), 0, _max) > 0) & (rounds < ROUNDS):
-            again, still = _versioned_once(at, bad, d, dmask, QUANT, META, SEQ)
+            rounds += 1
+            again, still = _versioned_once(table_ptr, vptr, rows, bad, tstride, d, dmask,
+                                           QUANT, META, rounds)
             vals = tl.where(bad[:, None], again, vals)
             bad = still
-            rounds += 1
     else:
         vals = _read_rows(table_ptr, rows, rmask, tstride, d, dmask, QUANT, META, VOLATILE)
     return vals
@@ -111,57 +114,23 @@ def _xor(a, b):
 
 
 @triton.jit
-def _after(x):
-    """An int32 zero the compiler cannot see through, computed from ``x`` (compiled;
-    interpreted, loads already run in program order)."""
-    if _COMPILED:
-        z = tl.inline_asm_elementwise(
-            "and.b32 $0, $1, 0;", "=r,r", [x.to(tl.int32)],
-            dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        z = x.to(tl.int32) * 0
-    return z
+def _versioned_once(table_ptr, vptr, rows, rmask, tstride, d, dmask, QUANT: tl.constexpr,
+                    META: tl.constexpr, ROUND):
+    """Round ``ROUND`` (1, 2, ...) of the seqlocked read of rows ``rows`` (masked by
+    ``rmask``; versions at ``vptr``): their values, and which of them to read again (a
+    write section overlapped the read, or the row met one of the round's constants).
 
-
-@triton.jit
-def _versioned_once(at, rmask, d, dmask, QUANT: tl.constexpr, META: tl.constexpr,
-                    SEQ: tl.constexpr):
-    """One seqlocked read of the rows starting at ``at`` (``[BLOCK_K, BLOCK_D]`` pointers,
-    each element's its row's; masked by ``rmask``): their values, and which of them to read
-    again (``[BLOCK_K]``: a write section overlapped some thread's read of the row).
-
-    Every value is per element: each thread loads ``v1``, the payload, the scale and bias
-    and ``v2`` for the elements it holds, each load's address depending on the values
-    before it, and judges them by its own ``v1`` and ``v2``. (A ``[BLOCK_K]`` version
-    broadcast to the elements may come from another thread's load, through a layout
-    conversion: a thread could then keep a part it read under a write by another thread's
-    clean verdict. The per-row form that allowed it tore about 1 read in 1,500 on an
-    H100.) ``v2``'s addresses depend on a reduction over the whole row, so every thread's
-    ``v2`` is read after every part of the row: if all pass, all parts are of one write.
-    The row's verdict is a reduction too, alike in every thread."""
-    m = rmask[:, None] & dmask[None, :]
-    vptr = (at + SEQ).to(tl.pointer_type(tl.int32))
-    v1 = tl.load(vptr, mask=m, other=0, cache_modifier=".cv")
-    vals = _read_at(at + _after(v1).to(tl.int64), m, d, QUANT, META)
-    after_row = _after(tl.reduce(vals.to(tl.int32, bitcast=True), 1, _xor))
-    v2 = tl.load(vptr + after_row[:, None], mask=m, other=0, cache_modifier=".cv")
-    torn = m & ((v1 != v2) | ((v1 & 1) != 0))
-    return vals, tl.reduce(torn.to(tl.int32), 1, _max) > 0
-
-
-@triton.jit
-def _read_at(at, m, d, QUANT: tl.constexpr, META: tl.constexpr):
-    """Quantized rows dequantized, from ``[BLOCK_K, BLOCK_D]`` row pointers ``at``: payload,
-    scale and bias loaded per element (``".cv"``), zero where ``m`` is not."""
-    q = tl.load(at + d[None, :], mask=m, other=0, cache_modifier=".cv")
-    par = (at + META).to(tl.pointer_type(tl.float32))
-    scale = tl.load(par, mask=m, other=0.0, cache_modifier=".cv")
-    if QUANT == 1:
-        bias = tl.load(par + 1, mask=m, other=0.0, cache_modifier=".cv")
-        vals = _i8(q) * scale + bias
-    else:
-        vals = _e4m3(q) * scale
-    return vals  # NOTE: zero where m is not: q, scale and bias all loaded as 0 there
+    The order comes from predicates (see the module docstring): the row's loads wait for
+    ``v1`` (``v1 != -1 - ROUND``: a version is never negative until it wraps after 2**31
+    writes, and then at most one round is lost), ``v2``'s for every value of the row
+    (their XOR ``!= ROUND``)."""
+    v1 = tl.load(vptr, mask=rmask, other=0, cache_modifier=".cv")
+    s1 = -1 - ROUND
+    vals = _read_rows(table_ptr, rows, rmask & (v1 != s1), tstride, d, dmask, QUANT, META, 1)
+    x = tl.reduce(vals.to(tl.int32, bitcast=True), 1, _xor)
+    v2 = tl.load(vptr, mask=rmask & (x != ROUND), other=0, cache_modifier=".cv")
+    bad = rmask & ((v1 != v2) | ((v1 & 1) != 0) | (v1 == s1) | (x == ROUND))
+    return vals, bad
 
 
 @triton.jit

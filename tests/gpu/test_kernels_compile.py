@@ -18,7 +18,11 @@ specialization of its other arguments: an integer's 1 or 16-divisibility, a poin
 from __future__ import annotations
 
 import inspect
+import re
+import subprocess
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -214,3 +218,58 @@ def test_a_replica_launches_no_variant_the_warm_up_did_not(recorder: Recorder) -
                                        ("cache_lookup", "_lookup_kernel")}
     new = served - warmed
     assert not new, "\n".join(f"{v[0]}.{v[1]} {v[5]}" for v in sorted(new, key=str))
+
+
+#: a SASS instruction: optional predicate guard, opcode, operands
+_SASS = re.compile(r"/\*[0-9a-f]{4}\*/\s+(?:@(!?)(U?P\d|PT)\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
+_OFFSET = re.compile(r"\[R\d+\.64(?:\+(0x[0-9a-f]+))?\]")
+
+
+def _sass(stem: str, name: str, sig: dict, cx: dict, options: dict) -> list[tuple]:
+    """(guard predicate or None, opcode, operands) of a variant compiled for sm_90, by
+    the ``cuobjdump`` Triton ships."""
+    fn = getattr(kernel_module(stem, interpret=False), name)
+    compiled = triton.compile(ASTSource(fn, sig, cx), target=GPUTarget("cuda", 90, 32),
+                              options=options)
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        pytest.skip(f"no cuobjdump beside Triton ({tool})")
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        text = subprocess.run([str(tool), "-sass", str(cubin)], check=True,
+                              capture_output=True, text=True).stdout
+    return [(None if g in (None, "PT") or neg else g, op, args)
+            for neg, g, op, args in _SASS.findall(text)]
+
+
+def test_a_versioned_row_is_loaded_only_after_its_version_arrived(launches: dict) -> None:
+    """Every load of a versioned row's payload or parameters, in the compiled gather,
+    is guarded by a predicate computed from the version loaded before it: the machine
+    code keeps the order the seqlock needs (ptxas folded an earlier form's opaque zero
+    and issued the row's loads beside the version's)."""
+    variants = [v for v in launches.values()
+                if v[0] == "gather" and v[3].get("SEQ") and v[3].get("QUANT")]
+    assert variants, "no versioned gather was launched"
+    for stem, name, sig, cx, options in variants:
+        seq = cx["SEQ"]
+        version_regs: set[str] = set()
+        from_version: set[str] = set()  # predicates computed from a version register
+        row_loads = 0
+        for guard, op, args in _sass(stem, name, sig, cx, options):
+            regs = args.replace(" ", "").split(",")
+            if op.startswith("LDG") and ".STRONG.SYS" in op:
+                off = _OFFSET.search(args)
+                at = int(off.group(1) or "0", 16) if off else -1
+                if at == seq:
+                    version_regs.add(regs[0])
+                    continue
+                row_loads += 1
+                assert guard in from_version, (
+                    f"{name} {cx}: a row load ({op} {args}) not guarded by a predicate "
+                    f"from its version (guard {guard})")
+            elif op.startswith("ISETP") and any(r in version_regs for r in regs[2:]):
+                from_version.add(regs[0])
+            elif regs and regs[0] in version_regs:
+                version_regs.discard(regs[0])  # NOTE: the register written anew
+        assert row_loads, f"{name} {cx}: no row load found"
