@@ -26,10 +26,14 @@ row must be judged by the same ``v1`` and ``v2``. Neither comes for free on a GP
 
 * loads to different addresses complete out of order, and PCIe read requests may pass
   each other. Between ``v1`` and the keys the probe puts ``fence.acq_rel.sys`` (inline
-  PTX; the fence's input is a reduction of the versions, its output an opaque zero added
-  to the key addresses, so neither the compiler nor the hardware moves a key load before
-  it), and loads versions and keys with ``volatile=True`` (``ld.volatile``: relaxed,
-  system scope, never a stale cached line). The row gather and the second version read
+  PTX, compiled to ``MEMBAR.ALL.SYS``). The fence's input is a reduction of the versions,
+  so it cannot run before they have arrived, and the key loads follow it in program
+  order, which an SM issues in order (the fence's output, a zero added to the key
+  addresses, only keeps the statement alive: ptxas folds ``and.b32 x, 0``, so the keys'
+  addresses carry no dependency; the fence alone orders them, and
+  ``tests/gpu/test_kernels_compile.py`` checks the compiled order). Versions and keys
+  are loaded with ``volatile=True`` (``ld.volatile``: relaxed, system scope, never a
+  stale cached line). The row gather and the second version read
   are separate launches on the same stream: a launch starts after every load of the one
   before it has completed, the strongest fence there is, and rows are loaded with
   ``cache_modifier=".cv"`` ("consider cached system memory lines stale, fetch again");
@@ -108,7 +112,8 @@ def _min(a, b):
 
 @triton.jit
 def _sys_fence(x, FENCE: tl.constexpr):  # noqa: N803
-    """fence.acq_rel.sys after ``x`` is available; returns an opaque int64 zero."""
+    """fence.acq_rel.sys once ``x`` has arrived; returns an int64 zero (folded by ptxas:
+    what follows is ordered by the fence, not by a dependency on this value)."""
     if FENCE:
         z = tl.inline_asm_elementwise(
             "fence.acq_rel.sys;\n\tand.b32 $0, $1, 0;",

@@ -273,3 +273,29 @@ def test_a_versioned_row_is_loaded_only_after_its_version_arrived(launches: dict
             elif regs and regs[0] in version_regs:
                 version_regs.discard(regs[0])  # NOTE: the register written anew
         assert row_loads, f"{name} {cx}: no row load found"
+
+
+def test_a_host_cache_probe_loads_its_keys_only_after_the_fence(launches: dict) -> None:
+    """The compiled probe of a registered host cache (its fence on, as on a GPU) loads
+    the bucket's versions before its ``fence.acq_rel.sys`` and the bucket's keys after
+    it: the fence takes the versions as its input (so it waits for them) and an SM
+    issues in order, so no key is read before the version that judges it. (The fence's
+    opaque zero is folded by ptxas: the key addresses carry no dependency; the fence
+    orders.) The versions and the keys are the probe's only system-scope loads, as many
+    of each per thread: a key load moved above the fence unbalances the two counts."""
+    variants = [v for v in launches.values() if v[1] == "probe_kernel"]
+    assert variants, "no host cache probe was launched"
+    for stem, name, sig, cx, options in variants:
+        cx = dict(cx, FENCE=True)  # NOTE: the interpreter's launches compile it out
+        before, after, fences = 0, 0, 0
+        for _guard, op, _args in _sass(stem, name, sig, cx, options):
+            if op.startswith("MEMBAR") and op.endswith(".SYS"):
+                fences += 1
+            elif op.startswith("LDG") and ".STRONG.SYS" in op:
+                if fences:
+                    after += 1
+                else:
+                    before += 1
+        assert fences, f"{name} {cx}: no system-scope fence"
+        assert before == after > 0, (
+            f"{name} {cx}: {before} system-scope loads before the fence, {after} after")
