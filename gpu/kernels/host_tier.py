@@ -31,7 +31,7 @@ row must be judged by the same ``v1`` and ``v2``. Neither comes for free on a GP
   order, which an SM issues in order (the fence's output, a zero added to the key
   addresses, only keeps the statement alive: ptxas folds ``and.b32 x, 0``, so the keys'
   addresses carry no dependency; the fence alone orders them, and
-  ``tests/gpu/test_kernels_compile.py`` checks the compiled order). Versions and keys
+  ``tests/gpu/kernels/test_kernels_compile.py`` checks the compiled order). Versions and keys
   are loaded with ``volatile=True`` (``ld.volatile``: relaxed, system scope, never a
   stale cached line). The row gather and the second version read
   are separate launches on the same stream: a launch starts after every load of the one

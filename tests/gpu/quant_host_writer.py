@@ -1,4 +1,4 @@
-"""The spawned writer of tests/gpu/test_quantized_host_race.py: it cycles a quantized host
+"""The spawned writer of tests/gpu/host/test_quantized_host_race.py: it cycles a quantized host
 cache's rows through versions until told to stop, and the rows of each version say which
 version they are in their payload and in their scale and bias alike."""
 

@@ -1,4 +1,5 @@
-"""The linear layers over quantized tables that the tests of tests/gpu/test_linear_quantized*.py
+"""The linear layers over quantized tables that the tests of
+tests/gpu/quantized/test_linear_quantized*.py
 build: a GPULayer's own table stored with ``weight_dtype=``, and a quantized SharedMemBlock
 under a GPULayer, a HostLayer and a LinearUVM layer (a small GPU cache, so that lookups
 both hit and miss); and the reference rows, ``quant.decode(quant.encode(rows, fmt), fmt,

@@ -1,4 +1,4 @@
-"""Spawned writer of tests/gpu/test_linear_quantized_races.py: a process writing versions
+"""Spawned writer of tests/gpu/quantized/test_linear_quantized_races.py: a process writing versions
 of a quantized SharedMemBlock's rows while the test's process looks them up."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ does (differential against it), reads dequantize; non-finite rows refused with n
 written; accumulate reads, adds in float32 and quantizes again with stochastic rounding
 (many small deltas add up where rounding to nearest loses them); another process reads the
 same rows; the bytes a row takes; what does not take a quantized table yet refuses it (the
-layers read one: tests/gpu/test_linear_quantized*.py)."""
+layers read one: tests/gpu/quantized/test_linear_quantized*.py)."""
 
 from __future__ import annotations
 

@@ -30,8 +30,8 @@ from gpu.kernels.triton_access import kernel_module, triton_available
 from nvecache.common.rows import RowFormat
 from tests.gpu import quantized_workers
 from tests.gpu.layer_tables import DEVICES, race
+from tests.gpu.layers.test_layer_writes import on_own_stream
 from tests.gpu.quantized_tables import FORMATS, cache_bytes, quantized_block, reference
-from tests.gpu.test_layer_writes import on_own_stream
 
 CTX = mp.get_context("spawn")
 ROWS, DIM = 8, 13

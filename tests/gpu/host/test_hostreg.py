@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -268,7 +269,7 @@ def test_cpu_registration_makes_no_cuda_call(table_name: str) -> None:
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", ""))
     out = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env,
-        cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+        cwd=str(Path(__file__).resolve().parents[3]),
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith("ok")

@@ -17,7 +17,7 @@ from gpu.kernels.tiles import DEFAULT_TILES
 from hostcache import HostCache
 from nvecache.common import quant
 from nvecache.common.rows import QUANTIZED, RowFormat
-from tests.gpu.test_host_kernels import needs_cuda, needs_triton
+from tests.gpu.host.test_host_kernels import needs_cuda, needs_triton
 
 FORMATS = [getattr(torch, name) for name in QUANTIZED]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -15,7 +15,7 @@ import pytest
 
 from gpu.kernels.triton_start import fingerprint, remembered
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _tree(root: Path) -> Path:

@@ -24,7 +24,7 @@ from tests.gpu import dcp_torchrun
 from tests.gpu.distmem_ranks import device_of
 from tests.gpu.state_ranks import DIM, Model, want_rows
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = Path(dcp_torchrun.__file__).resolve()
 RANKS, ROWS = 2, 41  # rows that do not divide by the ranks: shares of 21 and 20
 TIMEOUT = 300

@@ -17,7 +17,7 @@ import psclient
 from gpu import LayerType, NVEmbedding, TierConfig
 from gpu.stacks.misses.host_filler import HostFiller
 from hostcache import HostCache
-from tests.gpu.test_layers import DEVICES, DIM, ROWS, stack
+from tests.gpu.layers.test_layers import DEVICES, DIM, ROWS, stack
 
 #: a layer's host-cache worker that holds its work until flushed (an hour's linger)
 HELD = TierConfig(host_linger_s=3600.0, host_batch_keys=1 << 40)

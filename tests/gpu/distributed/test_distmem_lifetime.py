@@ -22,7 +22,7 @@ from hostcache import segment
 from tests.gpu import distmem_holder
 from tests.servers import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def entries(name: str) -> list[str]:

@@ -18,7 +18,7 @@ import psclient
 from hostcache import HostCache
 from tests.conftest import fresh_name
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DIM = 16
 
 SCRIPT = r"""

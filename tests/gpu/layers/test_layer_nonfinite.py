@@ -12,7 +12,7 @@ import torch
 
 from gpu import BadArgumentError, LayerType, NonFiniteValuesError
 from nvecache.common.keys import RESERVED_KEY, RESERVED_KEY_RULE
-from tests.gpu.test_layer_writes import DEVICES, STACKS, layer_over, shared_storage
+from tests.gpu.layers.test_layer_writes import DEVICES, STACKS, layer_over, shared_storage
 
 ROWS, DIM = 32, 4
 

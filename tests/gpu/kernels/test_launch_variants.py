@@ -1,6 +1,6 @@
 """gpu.kernels.launch.DirectLaunch's (and BoundLaunch's) choice of compiled variant, on any machine.
 
-A direct launch only runs on CUDA (tests/gpu/test_launch.py checks it there against
+A direct launch only runs on CUDA (tests/gpu/kernels/test_launch.py checks it there against
 torch). Which compiled variant a call gets is bookkeeping, checked here with a stand-in
 for a ``@triton.jit`` kernel that records what it compiled and what each launch was
 given: the same key with other constexprs must compile and launch another variant

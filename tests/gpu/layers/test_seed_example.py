@@ -16,7 +16,7 @@ import torch
 from hostcache import shmlog
 from tests.servers import free_port
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "seed_linear_uvm.py"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "seed_linear_uvm.py"
 #: what each rank prints once its lookups read back the rows rank 0 wrote
 REPORT = re.compile(r"^rank (\d+): 1024 rows read correctly on (\S+); GPU cache hit rate "
                     r"([0-9.]+)$", re.M)

@@ -11,7 +11,8 @@ the CPU (and CUDA when present).
   rounded once), and a lookup after it reads the new rows (no stale cached copy);
 * a tier name the layer does not have, and bad deltas, raise typed errors and change nothing.
 
-The Hierarchical layer's per-tier writes are tested in ``tests/gpu/test_hierarchical_writes.py``.
+The Hierarchical layer's per-tier writes are tested in
+``tests/gpu/host/test_hierarchical_writes.py``.
 """
 
 from __future__ import annotations
