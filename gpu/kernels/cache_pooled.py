@@ -1,6 +1,7 @@
 # ruff: noqa: N803  (Triton convention: compile-time constants are UPPER_CASE parameters)
 """Triton kernels of the GPU cache's pooled lookups (``GPUCache.lookup_pooled``,
-``lookup_linear_pooled``): probe + gather + pool per bag in one launch.
+``lookup_linear_pooled``): probe + gather + pool per bag in one launch; and a GPULayer's
+pooled lookups, the same kernel with no cache, bound to its table (:class:`BoundPooled`).
 
 Loaded only through :func:`gpu.kernels.triton_access.kernel_module`, compiled for CUDA tensors or
 interpreted for CPU tensors, like :mod:`gpu.kernels.cache_lookup` (the table layout, the
@@ -13,11 +14,13 @@ it once, and a second launch sums the partial rows in a fixed order (determinist
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
 
-from gpu.kernels.launch import DirectLaunch
+from gpu.kernels.launch import BoundLaunch, DirectLaunch
 from gpu.kernels.tiles import Tiles
 from gpu.kernels.triton_access import helper_module
 from nvecache.common.rows import RowFormat
@@ -46,7 +49,7 @@ def _pooled_kernel(
     EMPTY: tl.constexpr, STAT_STRIPES: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, COUNT: tl.constexpr, CMAX: tl.constexpr,
     CHECK: tl.constexpr, COLLECT_ROWS: tl.constexpr, QUANT: tl.constexpr, META: tl.constexpr,
-    SEQ: tl.constexpr,
+    SEQ: tl.constexpr, HIT: tl.constexpr,
 ):
     bag = tl.program_id(0)
     split = tl.program_id(1)
@@ -122,7 +125,8 @@ def _pooled_kernel(
             w = tl.load(weights_ptr + offs, mask=kmask, other=0.0).to(tl.float32)
             vals = vals * w[:, None]
         acc += vals
-        tl.store(hit_ptr + offs, hit.to(tl.int8), mask=kmask)
+        if HIT:  # NOTE: a linear table's own lookups (BoundPooled) want no hit flags
+            tl.store(hit_ptr + offs, hit.to(tl.int8), mask=kmask)
         if HAS_CACHE:
             if COUNT:
                 _bump(counters_ptr, slot, hit, CMAX)
@@ -242,21 +246,13 @@ def pooled(
     w = weights if weights is not None else rows
     mv = miss_values if miss_values is not None else rows
     # NOTE: the key names every constexpr and every tensor's element type (gpu.kernels.launch)
-    cxkey = (num_buckets > 0, weights is not None, miss_values is not None,
-             candidates is not None, linear, mean, split, ways, empty, stats.numel(), bd,
-             bd == dim, count, cmax, err is not None and linear, tiles, offsets.dtype,
-             w.dtype, mv.dtype, rows.dtype, out.dtype,
-             table.dtype if table is not None else None, candidate_rows is not None,
-             table_format)
-    cx = _POOLED_CX.get(cxkey)
-    if cx is None:
-        cx = _POOLED_CX[cxkey] = dict(
-            HAS_CACHE=cxkey[0], HAS_W=cxkey[1], HAS_MISS=cxkey[2], COLLECT=cxkey[3],
-            LINEAR=linear, MEAN=mean, SPLIT=split, WAYS=ways, EMPTY=empty,
-            STAT_STRIPES=cxkey[9], BLOCK_K=pooled_block_k(tiles, bd), BLOCK_D=bd,
-            EVEN_D=bd == dim, COUNT=count, CMAX=cmax, CHECK=cxkey[14],
-            COLLECT_ROWS=cxkey[22], num_warps=tiles.pooled_warps,
-            **codec_constexprs(table_format))
+    cx, cxkey = _pooled_constexprs(
+        (num_buckets > 0, weights is not None, miss_values is not None,
+         candidates is not None, linear, mean, split, ways, empty, stats.numel(), bd,
+         bd == dim, count, cmax, err is not None and linear, tiles, offsets.dtype,
+         w.dtype, mv.dtype, rows.dtype, out.dtype,
+         table.dtype if table is not None else None, candidate_rows is not None,
+         table_format, True))
     _POOLED(
         (nbags, split),
         (keys, offsets, w, mv, tkeys, counters, rows, stats, max(num_buckets, 1), out, part,
@@ -267,8 +263,120 @@ def pooled(
          candidate_rows if candidate_rows is not None else rows),
         cx, cxkey)
     if split > 1:
-        _POOL_FINISH(
-            (nbags,), (part, offsets, out, dim),
-            dict(MEAN=mean, SPLIT=split, BLOCK_D=bd, EVEN_D=bd == dim, num_warps=4),
-            (mean, split, bd, bd == dim, offsets.dtype, out.dtype))
+        _POOL_FINISH((nbags,), (part, offsets, out, dim), *_finish_constexprs(
+            mean, split, bd, dim, offsets.dtype, out.dtype))
     return out, hit
+
+
+def _pooled_constexprs(cxkey: tuple[Any, ...]) -> tuple[dict[str, Any], tuple[Any, ...]]:
+    """The pooled kernel's constexprs for ``cxkey`` (one dict per key, kept): whether
+    there is a cache, weights, miss values, candidates; linear, mean, split, ways, empty,
+    stat stripes, BLOCK_D, EVEN_D, count, cmax, check, tiles; the dtypes of the offsets,
+    weights, miss values, cache rows, output and table; candidate rows, the table's
+    format, and whether the hit flags are stored."""
+    cx = _POOLED_CX.get(cxkey)
+    if cx is None:
+        bd, tiles = cxkey[10], cxkey[15]
+        cx = _POOLED_CX[cxkey] = dict(
+            HAS_CACHE=cxkey[0], HAS_W=cxkey[1], HAS_MISS=cxkey[2], COLLECT=cxkey[3],
+            LINEAR=cxkey[4], MEAN=cxkey[5], SPLIT=cxkey[6], WAYS=cxkey[7], EMPTY=cxkey[8],
+            STAT_STRIPES=cxkey[9], BLOCK_K=pooled_block_k(tiles, bd), BLOCK_D=bd,
+            EVEN_D=cxkey[11], COUNT=cxkey[12], CMAX=cxkey[13], CHECK=cxkey[14],
+            COLLECT_ROWS=cxkey[22], HIT=cxkey[24], num_warps=tiles.pooled_warps,
+            **codec_constexprs(cxkey[23]))
+    return cx, cxkey
+
+
+_FINISH_CX: dict[tuple[Any, ...], dict[str, Any]] = {}
+
+
+def _finish_constexprs(mean: bool, split: int, bd: int, dim: int, offsets_dtype: torch.dtype,
+                       out_dtype: torch.dtype) -> tuple[dict[str, Any], tuple[Any, ...]]:
+    """The finishing kernel's constexprs (kept per key) and key."""
+    key = (mean, split, bd, bd == dim, offsets_dtype, out_dtype)
+    cx = _FINISH_CX.get(key)
+    if cx is None:
+        cx = _FINISH_CX[key] = dict(MEAN=mean, SPLIT=split, BLOCK_D=bd, EVEN_D=bd == dim,
+                                    num_warps=4)
+    return cx, key
+
+
+#: what a bound pooled lookup passes per call (parameter indices): keys, offsets, weights,
+#: out, part
+_VARYING = (0, 1, 2, 9, 10)
+
+
+class BoundPooled:
+    """Pooled lookups of one linear table (a GPULayer's), bound once: the pooled kernel
+    with no cache in front (every key read from ``table``, dequantized where ``fmt`` is
+    quantized), its table, key-error flag and stand-ins resolved
+    (:class:`~gpu.kernels.launch.BoundLaunch`, one per variant: split, mean, weights,
+    offsets' dtype, key check), a call passing only the bag's tensors and the output it
+    allocates. No hit flags are stored (every key is a read of the table). Results are
+    those of :func:`pooled` with ``table=`` and no cache.
+
+    Args:
+        table: The table (``[num_rows, >= dim]``; a quantized one's stored bytes).
+        err: The int64 ``[1]`` key-error flag the kernel writes when a call checks.
+        dim, dtype: The rows' width and the output's dtype (sums are fp32).
+        tiles: The launch settings.
+        fmt: The table's format (None: plain rows).
+        device: Where the keys, the table's reads and the output are.
+    """
+
+    def __init__(self, table: torch.Tensor, err: torch.Tensor, *, dim: int,
+                 dtype: torch.dtype, tiles: Tiles, fmt: RowFormat | None,
+                 device: torch.device) -> None:
+        self.dim, self._dtype, self._device = dim, dtype, device
+        self._table, self._err, self._tiles, self._fmt = table, err, tiles, fmt
+        self._bd = _block_d(dim)
+        #: the cache's stand-ins (no cache: never read) and the rows' dtype
+        self._rows = torch.zeros(1, dim, dtype=dtype, device=device)
+        self._stats = torch.zeros(1, dtype=torch.int64, device=device)
+        self._launches: dict[tuple[Any, ...], tuple[Any, Any]] = {}
+
+    def __call__(self, keys: torch.Tensor, offsets: torch.Tensor,
+                 weights: torch.Tensor | None, mean: bool, check: bool) -> torch.Tensor:
+        """``[B, dim]`` pooled rows of the bags ``offsets`` (``[B + 1]`` bounds) of flat
+        ``keys``; ``check``: report keys outside the table in the flag (else the caller
+        checked them)."""
+        nbags = offsets.numel() - 1
+        out = torch.empty(nbags, self.dim, dtype=self._dtype, device=self._device)
+        if nbags <= 0:
+            return out
+        split = pooled_split(keys.numel(), nbags, self._tiles, self._bd)
+        wkey = None if weights is None else weights.dtype
+        lkey = (split, mean, wkey, offsets.dtype, check)
+        bound = self._launches.get(lkey)
+        if bound is None:
+            bound = self._launches[lkey] = self._bind(split, mean, weights, offsets, check)
+        part = out if split == 1 else torch.empty((nbags, split, self.dim),
+                                                  dtype=torch.float32, device=self._device)
+        bound[0].call(nbags, split, keys, offsets,
+                      weights if weights is not None else self._rows, out, part)
+        if split > 1:
+            bound[1].call(nbags, part, offsets, out)
+        return out
+
+    def _bind(self, split: int, mean: bool, weights: torch.Tensor | None,
+              offsets: torch.Tensor, check: bool) -> tuple[Any, Any]:
+        t, rows, dim, bd = self._table, self._rows, self.dim, self._bd
+        w = weights if weights is not None else rows
+        cx, cxkey = _pooled_constexprs(
+            (False, weights is not None, False, False, True, mean, split, 1, 0, 1, bd,
+             bd == dim, False, 0, check, self._tiles, offsets.dtype, w.dtype, rows.dtype,
+             rows.dtype, self._dtype, t.dtype, False, self._fmt, False))
+        # NOTE: placeholders where a call passes its own tensors (keys, offsets, weights,
+        # out, part); the others fixed: no cache (its stand-ins), the table, the flag
+        main = BoundLaunch(
+            _POOLED,
+            (self._stats, offsets, w, rows, self._stats, self._stats, rows, self._stats, 1,
+             rows, rows, self._stats, t, t.shape[0], _row_stride(t, dim), dim, self._stats,
+             0, self._err, rows),
+            cx, cxkey, _VARYING, grid_dims=2)
+        finish = None
+        if split > 1:
+            fcx, fkey = _finish_constexprs(mean, split, bd, dim, offsets.dtype, self._dtype)
+            finish = BoundLaunch(_POOL_FINISH, (rows, offsets, rows, dim), fcx, fkey,
+                                 (0, 1, 2))
+        return main, finish

@@ -179,7 +179,8 @@ class DirectLaunch:
 class BoundLaunch:
     """A :class:`DirectLaunch` whose arguments mostly repeat from call to call (a cache's
     tables, a layer's flags): their addresses and specializations are taken once, and a
-    call hands over only the ``varying`` ones (by parameter index), over a 1-D grid.
+    call hands over only the ``varying`` ones (by parameter index), over a 1-D grid (or,
+    with ``grid_dims=2``, a 2-D one: ``launch(gx, gy, *values)``).
 
     The per-call path is a function written for this binding when it is made (as Triton's
     own argument binder and torch inductor's launchers are generated): each varying
@@ -202,10 +203,13 @@ class BoundLaunch:
         constexprs: As for :class:`DirectLaunch`, one dict kept by the caller.
         key: As for :class:`DirectLaunch`.
         varying: Indices into ``args`` that each call passes, in that order.
+        grid_dims: 1 (``launch(grid, *values)``) or 2 (``launch(gx, gy, *values)``).
     """
 
     def __init__(self, launch: DirectLaunch, args: Sequence[Any], constexprs: dict[str, Any],
-                 key: tuple[Any, ...], varying: tuple[int, ...]) -> None:
+                 key: tuple[Any, ...], varying: tuple[int, ...], grid_dims: int = 1) -> None:
+        if grid_dims not in (1, 2):
+            raise ValueError(f"grid_dims must be 1 or 2; got {grid_dims!r}")
         device = next(a for a in args if isinstance(a, torch.Tensor)).get_device()
         #: the varying arguments' specialization -> (launch, head, tail)
         self._variants: dict[tuple[bool, ...], tuple[Any, tuple[Any, ...], tuple[Any, ...]]]
@@ -213,7 +217,7 @@ class BoundLaunch:
         self._fallback = _Fallback(launch, args, constexprs, key, varying, self._variants)
         #: the per-call path (see the class docs)
         self.call = _bound_call(launch, args, varying, device, self._variants,
-                                self._fallback)
+                                self._fallback, grid_dims)
 
     @property
     def variants(self) -> int:
@@ -221,8 +225,8 @@ class BoundLaunch:
         (0: every call so far took the :class:`DirectLaunch` path)."""
         return len(self._variants)
 
-    def __call__(self, grid: int, *values: Any) -> None:
-        self.call(grid, *values)
+    def __call__(self, *grid_and_values: Any) -> None:
+        self.call(*grid_and_values)
 
 
 class _Fallback:
@@ -237,21 +241,21 @@ class _Fallback:
         self._args = list(args)  # NOTE: holds the fixed tensors
         self._varying, self._variants = varying, variants
 
-    def __call__(self, grid: int, values: tuple[Any, ...], spec: tuple[bool, ...] | None
-                 ) -> None:
+    def __call__(self, grid: tuple[int, ...], values: tuple[Any, ...],
+                 spec: tuple[bool, ...] | None) -> None:
         """Launch through :class:`DirectLaunch`; keep the variant under ``spec`` (None: a
         64-bit integer, never kept)."""
         args = list(self._args)
         for i, v in zip(self._varying, values, strict=True):
             args[i] = v
-        used = self._launch((grid,), args, self._cx, self._key)
+        used = self._launch(grid, args, self._cx, self._key)
         if used is not None and spec is not None:
             self._variants[spec] = (used[0], used[1], used[3])
 
 
 def _bound_call(launch: DirectLaunch, args: Sequence[Any], varying: tuple[int, ...],
-                device: int, variants: dict[tuple[bool, ...], Any], fallback: _Fallback
-                ) -> Any:
+                device: int, variants: dict[tuple[bool, ...], Any], fallback: _Fallback,
+                grid_dims: int) -> Any:
     """Write a :class:`BoundLaunch`'s per-call function: its parameters the varying
     arguments, the fixed ones constants (tensors as their addresses), the specialization
     (each pointer's 16-byte alignment, each integer's ``== 1`` and multiple of 16) built
@@ -276,8 +280,9 @@ def _bound_call(launch: DirectLaunch, args: Sequence[Any], varying: tuple[int, .
             passed.append(f"f{i}")
     fits = " and ".join(f"-M <= {v} <= M" for v in ints) or "True"
     key = ", ".join(spec) + ("," if len(spec) == 1 else "")
+    grid, dims = ("gx, gy", "gx, gy, 1") if grid_dims == 2 else ("grid", "grid, 1, 1")
     src = "\n".join([
-        f"def call(grid, {', '.join(names)}):",
+        f"def call({grid}, {', '.join(names)}):",
         *body,
         f"    if {fits}:",
         f"        spec = ({key})",
@@ -285,15 +290,15 @@ def _bound_call(launch: DirectLaunch, args: Sequence[Any], varying: tuple[int, .
         "        if variant is not None and not (active(rt.launch_enter_hook) or",
         "                active(rt.launch_exit_hook)) and current() == dev:",
         "            run, head, tail = variant",
-        f"            run(grid, 1, 1, stream(dev), *head, {', '.join(passed)}, *tail)",
+        f"            run({dims}, stream(dev), *head, {', '.join(passed)}, *tail)",
         "            return",
-        f"        fallback(grid, ({', '.join(names)},), spec)",
+        f"        fallback(({grid},), ({', '.join(names)},), spec)",
         "        return",
-        f"    fallback(grid, ({', '.join(names)},), None)",
+        f"    fallback(({grid},), ({', '.join(names)},), None)",
     ])
     if launch._interpret:  # NOTE: the interpreter has no compiled launcher: always the JIT
-        src = f"def call(grid, {', '.join(names)}):\n" \
-              f"    fallback(grid, ({', '.join(names)},), None)"
+        src = f"def call({grid}, {', '.join(names)}):\n" \
+              f"    fallback(({grid},), ({', '.join(names)},), None)"
     scope = {"variants": variants, "fallback": fallback, "active": _active,
              "rt": launch._knobs.runtime, "current": launch._current_device, "dev": device,
              "stream": launch._raw_stream, "M": _INT32_MAX, **consts}

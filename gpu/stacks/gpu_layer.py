@@ -63,22 +63,22 @@ class DeviceTable(LinearTable):
         width = self.table.shape[1]  # NOTE: a quantized table's: its stored bytes
         fits = (self.table.stride(-1) == 1 or width == 1) and (
             self.num_rows <= 1 or self.table.stride(0) >= width)
-        #: pooled lookups: the cache's fused pooled kernel over a zero-slot cache, whose
-        #: backend choice (Triton on CUDA, or forced) is the gather's too
-        pool = GPUCache(0, dim, dtype, device, backend=config.cache_backend,
-                        tiles=config.tiles)
-        triton = fits and pool.backend == "triton"
-        self._pool = pool if triton else None
-        gather = (kernel_module("gather", interpret=device.type != "cuda").gather
-                  if triton else None)
-        self._pooled: Any
+        #: the kernels' backend: a GPU cache's choice (Triton on CUDA, or forced)
+        backend = GPUCache(0, dim, dtype, device, backend=config.cache_backend,
+                           tiles=config.tiles).backend
+        triton = fits and backend == "triton"
+        interpret = device.type != "cuda"
+        gather = kernel_module("gather", interpret=interpret).gather if triton else None
         #: the table's lookups; of a quantized table, with its format bound (NOTE: chosen
         #: here once: a plain table's call passes what it always did)
-        self._gather, self._pooled = gather, pool.lookup_linear_pooled if triton else None
+        self._gather = gather
         if self.fmt is not None and gather is not None:
             self._gather = functools.partial(gather, fmt=self.fmt, out_dtype=dtype)
-            self._pooled = functools.partial(pool.lookup_linear_pooled,
-                                             table_format=self.fmt)
+        #: pooled lookups: the pooled kernel with no cache in front, bound to the table and
+        #: key flag once (gpu.kernels.cache_pooled.BoundPooled)
+        self._pooled: Any = kernel_module("cache_pooled", interpret=interpret).BoundPooled(
+            self.table, self.check.flag.device_view, dim=dim, dtype=dtype,
+            tiles=config.tiles, fmt=self.fmt, device=device) if triton else None
         self._host_checks = self._gather is None
         #: lookups with keys checked on the device (the default on CUDA): the gather with
         #: the table and key flag bound once (gpu.kernels.gather.BoundRows)
@@ -113,7 +113,7 @@ class DeviceTable(LinearTable):
 
     def pooled(self, keys: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
                mode: PoolingMode) -> torch.Tensor:
-        if mode == "max" or self._pool is None:
+        if mode == "max" or self._pooled is None:
             check_range(keys, self.num_rows)  # torch's gathers: checked on the host
             self._lookups += keys.numel()
             with self._gate, torch.no_grad():
@@ -125,8 +125,7 @@ class DeviceTable(LinearTable):
         self.check(keys)
         self._lookups += keys.numel()
         with self._gate:
-            return self._pooled(keys, offsets, self.table, mode, weights, validate=False,
-                                err=self.check.err)[0]
+            return self._pooled(keys, offsets, weights, mode == "mean", not self.check.on_host)
 
     def _in_place(self) -> bool:
         """Whether training steps write the table in place, without the gate's drains and
@@ -198,7 +197,7 @@ class DeviceTable(LinearTable):
         self._block = None
         self.table = self.table.new_empty((0, self.dim))
         self._bound = None
-        self._pool = self._pooled = None
+        self._pooled = None
 
 
 class HostTable(DeviceTable):

@@ -1,0 +1,91 @@
+"""A GPULayer's bound pooled lookups (``gpu.kernels.cache_pooled.BoundPooled``) against
+the unbound pooled kernel over a cacheless ``GPUCache`` (bit for bit: the same kernel,
+the same order of sums) and against torch's ``embedding_bag`` over the decoded rows: plain
+and quantized tables, odd and power-of-two dims, sum, mean and weighted bags, empty bags,
+bags split over several programs, and keys outside the table (zero rows; reported in the
+flag only when the call checks). Interpreted on the CPU, compiled on CUDA."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from gpu.cache.gpu_cache import GPUCache
+from gpu.kernels.tiles import DEFAULT_TILES
+from gpu.kernels.triton_access import kernel_module
+from nvecache.common import quant
+from nvecache.common.rows import RowFormat
+
+pytest.importorskip("triton")
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                        reason="needs a CUDA GPU")])]
+ROWS = 50
+#: one program per bag, or bags split over 4 programs (a second launch sums the parts)
+TILES = {"whole": dataclasses.replace(DEFAULT_TILES, pooled_block_k=16, pooled_programs=1),
+         "split": dataclasses.replace(DEFAULT_TILES, pooled_block_k=16, pooled_programs=16,
+                                      pooled_max_split=4)}
+
+
+def _table(fmt: RowFormat | None, dim: int, dtype: torch.dtype, device: str,
+           gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the table as the kernels read it, its rows as a lookup returns them)."""
+    rows = torch.randn(ROWS, dim, generator=gen)
+    if fmt is None:
+        return rows.to(dtype).to(device), rows.to(dtype)
+    stored = quant.encode(rows, fmt)
+    return stored.to(device), quant.decode(stored, fmt, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tiles", sorted(TILES))
+@pytest.mark.parametrize("fmt_name,dim,dtype", [
+    (None, 13, torch.float32), (None, 32, torch.float16), ("int8", 13, torch.float16),
+    ("int8", 32, torch.float32), ("float8_e4m3fn", 17, torch.bfloat16)])
+def test_bound_pooled_equals_the_unbound_kernel_and_torch(
+        device: str, tiles: str, fmt_name: str | None, dim: int, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(dim)
+    fmt = RowFormat(fmt_name, dim) if fmt_name else None
+    table, decoded = _table(fmt, dim, dtype, device, gen)
+    err = torch.zeros(1, dtype=torch.int64, device=device)
+    t = TILES[tiles]
+    bound = kernel_module("cache_pooled", interpret=device == "cpu").BoundPooled(
+        table, err, dim=dim, dtype=dtype, tiles=t, fmt=fmt, device=torch.device(device))
+    cacheless = GPUCache(0, dim, dtype, device, backend="triton", tiles=t)
+    lengths = [0, 40, 1, 0, 70, 7]  # NOTE: empty bags; long ones split over programs
+    n = sum(lengths)
+    offsets = torch.tensor([0, *lengths]).cumsum(0)
+    keys = torch.randint(0, ROWS, (n,), generator=gen)
+    module = kernel_module("cache_pooled", interpret=device == "cpu")
+    assert module.pooled_split(n, len(lengths), t, module._block_d(dim)) == \
+        (2 if tiles == "split" else 1)
+    psw = torch.rand(n, generator=gen).to(dtype)
+    for mode, w in (("sum", None), ("mean", None), ("sum", psw)):
+        args = (keys.to(device), offsets.to(device), None if w is None else w.to(device))
+        got = bound(*args, mode == "mean", True)
+        old = cacheless.lookup_linear_pooled(args[0], args[1], table, mode, args[2],
+                                             validate=False, err=err, table_format=fmt)[0]
+        assert got.dtype == dtype and got.shape == (len(lengths), dim)
+        assert torch.equal(got.cpu(), old.cpu()), (mode, w is not None)
+        want = F.embedding_bag(keys, decoded.float(), offsets[:-1], mode=mode,
+                               per_sample_weights=None if w is None else w.float())
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.cpu().float(), want, atol=tol, rtol=tol)
+    assert int(err) == 0
+    # keys outside the table: zero rows; in the flag when the call checks, else not
+    bad = keys.clone()
+    bad[[3, 50]] = torch.tensor([-1, ROWS])
+    clean = bad.clamp(0, ROWS - 1)
+    want = F.embedding_bag(clean, decoded.float(), offsets[:-1], mode="sum",
+                           per_sample_weights=(bad == clean).float())
+    for check in (False, True):
+        got = bound(bad.to(device), offsets.to(device), None, False, check)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.cpu().float(), want, atol=tol, rtol=tol)
+        assert int(err) in ((-1, ROWS) if check else (0,)), (check, int(err))
+    # no bags: an empty output, nothing launched
+    assert bound(keys[:0].to(device), offsets[:1].to(device), None, False, True).shape == (0, dim)
