@@ -138,7 +138,8 @@ def bags(
         else:  # NOTE: pad's value would make the input's length a constant of the graph
             full = torch.cat([offsets, offsets.new_ones(1) * n])
         if not validate and device.type != "cpu":
-            pass  # NOTE: the caller opted out of the host syncs; kernels clamp bag bounds
+            pass  # NOTE: the caller opted out of the host syncs; the pooled kernel clamps
+            # each bag's bounds to the keys (gpu.kernels.cache_pooled)
         elif torch.compiler.is_compiling():
             _check_traced_offsets(full, n, include_last_offset)
         elif int(full[0]) != 0:

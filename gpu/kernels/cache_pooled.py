@@ -38,11 +38,11 @@ _to_dtype = _stored.to_dtype
 codec_constexprs = _stored.codec_constexprs
 
 
-@triton.jit(do_not_specialize=["num_buckets", "num_rows", "cand_cap"])
+@triton.jit(do_not_specialize=["num_buckets", "num_rows", "cand_cap", "n"])
 def _pooled_kernel(
     keys_ptr, offsets_ptr, weights_ptr, miss_ptr, tkeys_ptr, counters_ptr, rows_ptr,
     stats_ptr, num_buckets, out_ptr, part_ptr, hit_ptr, table_ptr, num_rows, tstride, dim,
-    cand_ptr, cand_cap, err_ptr, crows_ptr, HAS_CACHE: tl.constexpr, HAS_W: tl.constexpr,
+    cand_ptr, cand_cap, err_ptr, crows_ptr, n, HAS_CACHE: tl.constexpr, HAS_W: tl.constexpr,
     HAS_MISS: tl.constexpr,
     COLLECT: tl.constexpr,
     LINEAR: tl.constexpr, MEAN: tl.constexpr, SPLIT: tl.constexpr, WAYS: tl.constexpr,
@@ -53,8 +53,10 @@ def _pooled_kernel(
 ):
     bag = tl.program_id(0)
     split = tl.program_id(1)
-    start = tl.load(offsets_ptr + bag)
-    end = tl.load(offsets_ptr + bag + 1)
+    # NOTE: bounds clamped to the n keys (unchecked offsets, validate=False, read no key
+    # or weight outside the batch: a bag past its end is cut there, a decreasing one empty)
+    end = tl.minimum(tl.maximum(tl.load(offsets_ptr + bag + 1), 0), n)
+    start = tl.minimum(tl.maximum(tl.load(offsets_ptr + bag), 0), end)
     d = tl.arange(0, BLOCK_D)
     if EVEN_D:
         dmask = tl.full([BLOCK_D], 1, tl.int1)  # dim is BLOCK_D
@@ -147,9 +149,9 @@ def _pooled_kernel(
         tl.atomic_add(stats_ptr + (bag * SPLIT + split) % STAT_STRIPES, total, sem="relaxed")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _pool_finish_kernel(
-    part_ptr, offsets_ptr, out_ptr, dim, MEAN: tl.constexpr, SPLIT: tl.constexpr,
+    part_ptr, offsets_ptr, out_ptr, dim, n, MEAN: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
 ):
     """Sums the ``SPLIT`` fp32 partial rows of a bag in a fixed order (deterministic)."""
@@ -164,8 +166,8 @@ def _pool_finish_kernel(
                 mask=dmask[None, :], other=0.0)
     res = tl.reduce(p, 0, add_combine)
     if MEAN:
-        start = tl.load(offsets_ptr + bag)
-        end = tl.load(offsets_ptr + bag + 1)
+        end = tl.minimum(tl.maximum(tl.load(offsets_ptr + bag + 1), 0), n)  # as clamped
+        start = tl.minimum(tl.maximum(tl.load(offsets_ptr + bag), 0), end)
         res = res / tl.maximum(end - start, 1).to(tl.float32)
     tl.store(out_ptr + bag.to(tl.int64) * dim + d, res.to(out_ptr.dtype.element_ty), mask=dmask)
 
@@ -260,10 +262,10 @@ def pooled(
          table.shape[0] if table is not None else 0, _row_stride(table, dim), dim,
          candidates if candidates is not None else keys, _cand_cap(candidates),
          err if err is not None else keys,
-         candidate_rows if candidate_rows is not None else rows),
+         candidate_rows if candidate_rows is not None else rows, n),
         cx, cxkey)
     if split > 1:
-        _POOL_FINISH((nbags,), (part, offsets, out, dim), *_finish_constexprs(
+        _POOL_FINISH((nbags,), (part, offsets, out, dim, n), *_finish_constexprs(
             mean, split, bd, dim, offsets.dtype, out.dtype))
     return out, hit
 
@@ -302,8 +304,8 @@ def _finish_constexprs(mean: bool, split: int, bd: int, dim: int, offsets_dtype:
 
 
 #: what a bound pooled lookup passes per call (parameter indices): keys, offsets, weights,
-#: out, part
-_VARYING = (0, 1, 2, 9, 10)
+#: out, part, n
+_VARYING = (0, 1, 2, 9, 10, 20)
 
 
 class BoundPooled:
@@ -353,9 +355,9 @@ class BoundPooled:
         part = out if split == 1 else torch.empty((nbags, split, self.dim),
                                                   dtype=torch.float32, device=self._device)
         bound[0].call(nbags, split, keys, offsets,
-                      weights if weights is not None else self._rows, out, part)
+                      weights if weights is not None else self._rows, out, part, keys.numel())
         if split > 1:
-            bound[1].call(nbags, part, offsets, out)
+            bound[1].call(nbags, part, offsets, out, keys.numel())
         return out
 
     def _bind(self, split: int, mean: bool, weights: torch.Tensor | None,
@@ -372,11 +374,11 @@ class BoundPooled:
             _POOLED,
             (self._stats, offsets, w, rows, self._stats, self._stats, rows, self._stats, 1,
              rows, rows, self._stats, t, t.shape[0], _row_stride(t, dim), dim, self._stats,
-             0, self._err, rows),
+             0, self._err, rows, 0),
             cx, cxkey, _VARYING, grid_dims=2)
         finish = None
         if split > 1:
             fcx, fkey = _finish_constexprs(mean, split, bd, dim, offsets.dtype, self._dtype)
-            finish = BoundLaunch(_POOL_FINISH, (rows, offsets, rows, dim), fcx, fkey,
-                                 (0, 1, 2))
+            finish = BoundLaunch(_POOL_FINISH, (rows, offsets, rows, dim, 0), fcx, fkey,
+                                 (0, 1, 2, 4))
         return main, finish

@@ -89,3 +89,34 @@ def test_bound_pooled_equals_the_unbound_kernel_and_torch(
         assert int(err) in ((-1, ROWS) if check else (0,)), (check, int(err))
     # no bags: an empty output, nothing launched
     assert bound(keys[:0].to(device), offsets[:1].to(device), None, False, True).shape == (0, dim)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tiles", sorted(TILES))
+def test_unchecked_offsets_read_no_key_outside_the_batch(device: str, tiles: str) -> None:
+    """Offsets a caller did not check (validate=False on CUDA): a bag past the keys' end
+    is cut there, a negative bound taken as 0, a bag that ends before it starts is empty;
+    the mean divides by what was read. Bit for bit the unbound kernel's, equal to torch
+    over the clamped bags."""
+    gen = torch.Generator().manual_seed(3)
+    dim, t = 16, TILES[tiles]
+    table = torch.randn(ROWS, dim, generator=gen)
+    err = torch.zeros(1, dtype=torch.int64, device=device)
+    bound = kernel_module("cache_pooled", interpret=device == "cpu").BoundPooled(
+        table.to(device), err, dim=dim, dtype=torch.float32, tiles=t, fmt=None,
+        device=torch.device(device))
+    cacheless = GPUCache(0, dim, torch.float32, device, backend="triton", tiles=t)
+    n = 60
+    keys = torch.randint(0, ROWS, (n,), generator=gen)
+    offsets = torch.tensor([-5, 20, 10, 45, n + 1000])  # NOTE: the last bag ends far past n
+    clamped = [(0, 20), (10, 10), (10, 45), (45, n)]
+    for mode in ("sum", "mean"):
+        got = bound(keys.to(device), offsets.to(device), None, mode == "mean", True)
+        old = cacheless.lookup_linear_pooled(keys.to(device), offsets.to(device),
+                                             table.to(device), mode, validate=False,
+                                             err=err)[0]
+        assert torch.equal(got.cpu(), old.cpu())
+        want = torch.stack([getattr(table[keys[a:b]], mode)(0) if b > a
+                            else torch.zeros(dim) for a, b in clamped])
+        torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
+    assert int(err) == 0
