@@ -28,20 +28,23 @@ class _Run:
     launch_cooperative_grid = False
     launch_pdl = False
 
-    def __init__(self, log: list[tuple[Any, ...]], cx: dict[str, Any]) -> None:
-        self._log, self._cx = log, cx
+    def __init__(self, log: list[tuple[Any, ...]], cx: dict[str, Any],
+                 grids: list[tuple[Any, ...]]) -> None:
+        self._log, self._cx, self._grids = log, cx, grids
 
     def launch(self, gx: int, gy: int, gz: int, stream: int, function: object, *rest: Any
                ) -> None:
         # rest: coop, pdl, 2 scratch, 4 metadata, the runtime arguments, the constexprs
         self._log.append(("direct", self._cx["WIDTH"], rest[8:]))
+        self._grids.append(("direct", (gx, gy, gz)))
 
 
 class _Compiled:
-    def __init__(self, log: list[tuple[Any, ...]], cx: dict[str, Any]) -> None:
+    def __init__(self, log: list[tuple[Any, ...]], cx: dict[str, Any],
+                 grids: list[tuple[Any, ...]]) -> None:
         self.function = object()
         self.packed_metadata = None
-        self.run = _Run(log, cx)
+        self.run = _Run(log, cx, grids)
 
 
 class _Kernel:
@@ -52,11 +55,14 @@ class _Kernel:
 
     def __init__(self) -> None:
         self.log: list[tuple[Any, ...]] = []
+        #: each launch's grid: ("jit", the grid given) or ("direct", (gx, gy, gz))
+        self.grids: list[tuple[Any, ...]] = []
 
     def __getitem__(self, grid: tuple[int, ...]) -> Any:
         def jit(*args: Any, **cx: Any) -> _Compiled:
             self.log.append(("jit", cx["WIDTH"], args))
-            return _Compiled(self.log, cx)
+            self.grids.append(("jit", grid))
+            return _Compiled(self.log, cx, self.grids)
 
         return jit
 
@@ -110,7 +116,8 @@ class _TwoTensorKernel(_Kernel):
     constexprs = [4]
 
 
-def _bound(kernel: _Kernel, table: torch.Tensor) -> tuple[Any, list[int]]:
+def _bound(kernel: _Kernel, table: torch.Tensor, grid_dims: int = 1
+           ) -> tuple[Any, list[int]]:
     """A BoundLaunch over a counting DirectLaunch: (the launch, how many calls reached the
     DirectLaunch, a one-element list)."""
     from gpu.kernels.launch import BoundLaunch, DirectLaunch
@@ -125,7 +132,8 @@ def _bound(kernel: _Kernel, table: torch.Tensor) -> tuple[Any, list[int]]:
     dl = Counting(kernel)
     dl._current_device = lambda: -1
     dl._raw_stream = lambda device: 0
-    return BoundLaunch(dl, (table, 0, table, 7), {"WIDTH": 4}, ("k",), (0, 1)), reached
+    return BoundLaunch(dl, (table, 0, table, 7), {"WIDTH": 4}, ("k",), (0, 1),
+                       grid_dims=grid_dims), reached
 
 
 def test_a_bound_launch_calls_directly_once_its_variant_is_known() -> None:
@@ -186,3 +194,20 @@ def test_a_bound_launch_takes_the_jit_path_for_wide_integers_and_hooks() -> None
     assert reached[0] == 5 and kernel.log[-1][0] == "jit"
     bl(1, x, 64)  # the hook gone: direct again, without the DirectLaunch
     assert reached[0] == 5 and kernel.log[-1][0] == "direct"
+
+
+def test_a_bound_launch_over_a_2d_grid_passes_both_dimensions() -> None:
+    """``grid_dims=2``: ``launch(gx, gy, *values)``, the JIT given the grid ``(gx, gy)``
+    and a direct launch ``(gx, gy, 1)``; the varying arguments as with one dimension."""
+    kernel = _TwoTensorKernel()
+    table = torch.zeros(32)
+    bl, reached = _bound(kernel, table, grid_dims=2)
+    x = torch.zeros(8)
+    bl(5, 3, x, 32)  # compiled through the JIT
+    bl(6, 2, x, 32)  # the DirectLaunch's variant, kept
+    bl(7, 4, x, 32)  # the bound launch's own call
+    assert kernel.grids == [("jit", (5, 3)), ("direct", (6, 2, 1)), ("direct", (7, 4, 1))]
+    assert reached[0] == 2 and bl.variants == 1
+    assert kernel.log[-1][2] == (x.data_ptr(), 32, table.data_ptr(), 7, 4)
+    with pytest.raises(ValueError, match="grid_dims"):
+        _bound(kernel, table, grid_dims=3)
