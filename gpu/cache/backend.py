@@ -122,14 +122,26 @@ def make_backend(backend: object, tables: CacheTables, device: torch.device,
         BadArgumentError: An unknown name, or ``tiles`` not a :class:`Tiles`.
         TritonUnavailableError: ``"triton"`` without the triton package.
     """
-    if backend not in BACKENDS:
-        raise BadArgumentError(f"backend must be 'auto', 'torch' or 'triton'; got {backend!r}")
     if not isinstance(tiles, Tiles):
         raise BadArgumentError(f"tiles must be a gpu.kernels.tiles.Tiles; got {tiles!r}")
-    if backend == "triton" or (backend == "auto" and device.type == "cuda"
-                               and triton_available()):
+    if chosen_backend(backend, device) == "triton":
         return TritonBackend(tables, device, tiles)
     return TorchBackend(tables)
+
+
+def chosen_backend(backend: object, device: torch.device) -> str:
+    """The backend (``"triton"`` or ``"torch"``) that ``backend`` (one of :data:`BACKENDS`)
+    names on ``device``: ``"auto"`` is Triton on CUDA where the package is installed.
+
+    Raises:
+        BadArgumentError: An unknown name.
+    """
+    if backend not in BACKENDS:
+        raise BadArgumentError(f"backend must be 'auto', 'torch' or 'triton'; got {backend!r}")
+    if backend == "triton" or (backend == "auto" and device.type == "cuda"
+                               and triton_available()):
+        return "triton"
+    return "torch"
 
 
 class TritonBackend:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from gpu.cache.gpu_cache import GPUCache
+from gpu.cache.backend import chosen_backend
 from gpu.inputs import check_range
 from gpu.kernels.triton_access import kernel_module
 from gpu.layer_config import LayerStats, PoolingMode, TierStats
@@ -63,10 +63,8 @@ class DeviceTable(LinearTable):
         width = self.table.shape[1]  # NOTE: a quantized table's: its stored bytes
         fits = (self.table.stride(-1) == 1 or width == 1) and (
             self.num_rows <= 1 or self.table.stride(0) >= width)
-        #: the kernels' backend: a GPU cache's choice (Triton on CUDA, or forced)
-        backend = GPUCache(0, dim, dtype, device, backend=config.cache_backend,
-                           tiles=config.tiles).backend
-        triton = fits and backend == "triton"
+        #: the kernels: a GPU cache's backend choice (Triton on CUDA, or forced)
+        triton = fits and chosen_backend(config.cache_backend, device) == "triton"
         interpret = device.type != "cuda"
         gather = kernel_module("gather", interpret=interpret).gather if triton else None
         #: the table's lookups; of a quantized table, with its format bound (NOTE: chosen
