@@ -363,22 +363,34 @@ class BoundPooled:
     def _bind(self, split: int, mean: bool, weights: torch.Tensor | None,
               offsets: torch.Tensor, check: bool) -> tuple[Any, Any]:
         t, rows, dim, bd = self._table, self._rows, self.dim, self._bd
-        w = weights if weights is not None else rows
+        # NOTE: placeholders of this object's where a call passes its own tensors (keys,
+        # offsets, weights, out, part): a binding keeps none of a caller's tensors alive
+        offs, w = self._stand_in(offsets), self._stand_in(weights) if weights is not None \
+            else rows
         cx, cxkey = _pooled_constexprs(
             (False, weights is not None, False, False, True, mean, split, 1, 0, 1, bd,
-             bd == dim, False, 0, check, self._tiles, offsets.dtype, w.dtype, rows.dtype,
+             bd == dim, False, 0, check, self._tiles, offs.dtype, w.dtype, rows.dtype,
              rows.dtype, self._dtype, t.dtype, False, self._fmt, False))
-        # NOTE: placeholders where a call passes its own tensors (keys, offsets, weights,
-        # out, part); the others fixed: no cache (its stand-ins), the table, the flag
+        # NOTE: the others fixed: no cache (its stand-ins), the table, the flag
         main = BoundLaunch(
             _POOLED,
-            (self._stats, offsets, w, rows, self._stats, self._stats, rows, self._stats, 1,
+            (self._stats, offs, w, rows, self._stats, self._stats, rows, self._stats, 1,
              rows, rows, self._stats, t, t.shape[0], _row_stride(t, dim), dim, self._stats,
              0, self._err, rows, 0),
             cx, cxkey, _VARYING, grid_dims=2)
         finish = None
         if split > 1:
-            fcx, fkey = _finish_constexprs(mean, split, bd, dim, offsets.dtype, self._dtype)
-            finish = BoundLaunch(_POOL_FINISH, (rows, offsets, rows, dim, 0), fcx, fkey,
+            fcx, fkey = _finish_constexprs(mean, split, bd, dim, offs.dtype, self._dtype)
+            finish = BoundLaunch(_POOL_FINISH, (rows, offs, rows, dim, 0), fcx, fkey,
                                  (0, 1, 2, 4))
         return main, finish
+
+    def _stand_in(self, t: torch.Tensor) -> torch.Tensor:
+        """A tensor of ``t``'s dtype held by this object (the layer's offsets are int64
+        and its weights of its dtype: no allocation, so binding may happen inside a CUDA
+        graph capture without leaving a tensor in its pool)."""
+        if t.dtype == torch.int64:
+            return self._stats
+        if t.dtype == self._dtype:
+            return self._rows
+        return torch.zeros(1, dtype=t.dtype, device=self._device)
