@@ -100,6 +100,15 @@ class CacheBackend(Protocol):
         ``fmt`` as for :meth:`lookup`."""
         ...
 
+    def pool_linear(self, keys: torch.Tensor, offsets: torch.Tensor, mean: bool,
+                    weights: torch.Tensor | None, table: torch.Tensor,
+                    cand: MissCandidates | None, err: torch.Tensor, check: bool,
+                    fmt: RowFormat | None = None) -> torch.Tensor:
+        """Pooled rows per bag of a linear lookup (``GPUCache.pool_linear``), counted, no
+        hit flags; ``table`` and ``err`` are the same objects call after call (a bound
+        launch); ``check``: report keys outside ``table`` in ``err``."""
+        ...
+
     def scatter(self, target: torch.Tensor, values: torch.Tensor, src: torch.Tensor) -> None:
         """``rows_all[target] = values[src]`` (``target`` may name the trash slot)."""
         ...
@@ -199,6 +208,25 @@ class TritonBackend:
             candidate_rows=cand.rows if cand is not None else None, tiles=self.tiles,
             table_format=fmt)
 
+    def pool_linear(self, keys: torch.Tensor, offsets: torch.Tensor, mean: bool,
+                    weights: torch.Tensor | None, table: torch.Tensor,
+                    cand: MissCandidates | None, err: torch.Tensor, check: bool,
+                    fmt: RowFormat | None = None) -> torch.Tensor:
+        key = ("pooled", id(table), id(err), fmt)
+        launch = self.bound.get(key)
+        if launch is None:
+            if len(self.bound) >= 16:  # NOTE: a caller passing new tables: bounded
+                self.bound.clear()
+            t = self._t
+            launch = self.bound[key] = self._pooled.BoundPooled(
+                table, err, dim=t.rows.shape[1], dtype=t.rows.dtype, tiles=self.tiles,
+                fmt=fmt, device=t.rows.device, cache=self._pooled.PooledCache(
+                    t.tkeys, t.counters, t.rows, t.hits, t.num_buckets, t.ways, EMPTY_KEY,
+                    twin.COUNTER_MAX))
+        if cand is None:
+            return launch(keys, offsets, weights, mean, check)
+        return launch(keys, offsets, weights, mean, check, cand.buffer, cand.rows)
+
     def scatter(self, target: torch.Tensor, values: torch.Tensor, src: torch.Tensor) -> None:
         self._writes.scatter_rows(self._t.rows_all, target, values, src, tiles=self.tiles)
 
@@ -274,6 +302,15 @@ class TorchBackend:
             if miss_values is not None:
                 vals = torch.where(hit[:, None], vals, miss_values)
         return twin.pool(vals, offsets, weights, mean, out_dtype or rows.dtype), hit
+
+    def pool_linear(self, keys: torch.Tensor, offsets: torch.Tensor, mean: bool,
+                    weights: torch.Tensor | None, table: torch.Tensor,
+                    cand: MissCandidates | None, err: torch.Tensor, check: bool,
+                    fmt: RowFormat | None = None) -> torch.Tensor:
+        # NOTE: err is the kernels' device-side key check (the twin's callers check keys on
+        # the host)
+        return self.pooled(keys, offsets, mean, weights, None, table, cand, None, None,
+                           fmt)[0]
 
     def scatter(self, target: torch.Tensor, values: torch.Tensor, src: torch.Tensor) -> None:
         self._t.rows_all[target] = values[src]

@@ -306,6 +306,21 @@ class GPUCache:
         return self._pooled(keys, offsets, mode == "mean", w, None, table,
                             self._checks.candidates(candidates), err=err, fmt=table_format)
 
+    def pool_linear(
+        self, keys: torch.Tensor, offsets: torch.Tensor, table: torch.Tensor, mean: bool,
+        weights: torch.Tensor | None, *, candidates: MissCandidates | None,
+        err: torch.Tensor, check: bool, table_format: RowFormat | None = None,
+    ) -> torch.Tensor:
+        """:meth:`lookup_linear_pooled` for a caller that checked its arguments (a layer's
+        stack), launched with ``table``, ``err`` and this cache's tables bound
+        (``gpu.kernels.cache_pooled.BoundPooled``): they must be the same objects call
+        after call. No argument checks, no hit flags; offsets as the kernel clamps them;
+        keys outside the table read zero rows, reported in ``err`` with ``check``."""
+        self._lookups += keys.numel()
+        self._will_count(keys.numel())
+        return self.ops.pool_linear(keys, offsets, mean, weights, table, candidates, err,
+                                    check, table_format)
+
     def _pooled(
         self, keys: torch.Tensor, offsets: torch.Tensor, mean: bool, w: torch.Tensor | None,
         mv: torch.Tensor | None, table: torch.Tensor | None,

@@ -1,7 +1,8 @@
 # ruff: noqa: N803  (Triton convention: compile-time constants are UPPER_CASE parameters)
 """Triton kernels of the GPU cache's pooled lookups (``GPUCache.lookup_pooled``,
-``lookup_linear_pooled``): probe + gather + pool per bag in one launch; and a GPULayer's
-pooled lookups, the same kernel with no cache, bound to its table (:class:`BoundPooled`).
+``lookup_linear_pooled``): probe + gather + pool per bag in one launch; and the layers'
+pooled lookups bound to their table (:class:`BoundPooled`): a GPULayer's, the same kernel
+with no cache, and a LinearUVM's, with its GPU cache in front.
 
 Loaded only through :func:`gpu.kernels.triton_access.kernel_module`, compiled for CUDA tensors or
 interpreted for CPU tensors, like :mod:`gpu.kernels.cache_lookup` (the table layout, the
@@ -14,7 +15,7 @@ it once, and a second launch sums the partial rows in a fixed order (determinist
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -304,80 +305,123 @@ def _finish_constexprs(mean: bool, split: int, bd: int, dim: int, offsets_dtype:
 
 
 #: what a bound pooled lookup passes per call (parameter indices): keys, offsets, weights,
-#: out, part, n
-_VARYING = (0, 1, 2, 9, 10, 20)
+#: out, part; with candidates, the buffer and its capacity; with candidate rows, those;
+#: then n
+_VARY_BAG, _VARY_CAND, _VARY_CROWS, _VARY_N = (0, 1, 2, 9, 10), (16, 17), (19,), (20,)
+
+
+class PooledCache(NamedTuple):
+    """A GPU cache's tables as the pooled kernel reads them (``gpu.cache.backend.CacheTables``
+    and its constants), for a :class:`BoundPooled` with a cache in front of its table."""
+
+    tkeys: torch.Tensor
+    counters: torch.Tensor
+    rows: torch.Tensor
+    stats: torch.Tensor
+    num_buckets: int
+    ways: int
+    empty: int
+    cmax: int
 
 
 class BoundPooled:
-    """Pooled lookups of one linear table (a GPULayer's), bound once: the pooled kernel
-    with no cache in front (every key read from ``table``, dequantized where ``fmt`` is
-    quantized), its table, key-error flag and stand-ins resolved
+    """Pooled lookups of one linear table, bound once: the pooled kernel with the table,
+    key-error flag, stand-ins and (for a LinearUVM) a GPU cache's tables resolved
     (:class:`~gpu.kernels.launch.BoundLaunch`, one per variant: split, mean, weights,
-    offsets' dtype, key check), a call passing only the bag's tensors and the output it
-    allocates. No hit flags are stored (every key is a read of the table). Results are
-    those of :func:`pooled` with ``table=`` and no cache.
+    offsets' dtype, key check, candidates), a call passing only the bag's tensors, the
+    miss candidates' buffers and the output it allocates. No hit flags are stored.
+
+    With no ``cache`` (a GPULayer's table) every key is a read of ``table``, dequantized
+    where ``fmt`` is quantized; with one, hits are read from the cache (its counters
+    bumped, its hits counted) and misses from ``table``, listed in the candidates a call
+    passes. Results are those of :func:`pooled` with ``table=`` and the same cache.
 
     Args:
         table: The table (``[num_rows, >= dim]``; a quantized one's stored bytes).
         err: The int64 ``[1]`` key-error flag the kernel writes when a call checks.
-        dim, dtype: The rows' width and the output's dtype (sums are fp32).
+        dim, dtype: The rows' width and the output's dtype (sums are fp32); with a
+            ``cache``, its rows' dtype.
         tiles: The launch settings.
         fmt: The table's format (None: plain rows).
         device: Where the keys, the table's reads and the output are.
+        cache: The GPU cache in front of ``table`` (None: none).
     """
 
     def __init__(self, table: torch.Tensor, err: torch.Tensor, *, dim: int,
                  dtype: torch.dtype, tiles: Tiles, fmt: RowFormat | None,
-                 device: torch.device) -> None:
+                 device: torch.device, cache: PooledCache | None = None) -> None:
         self.dim, self._dtype, self._device = dim, dtype, device
         self._table, self._err, self._tiles, self._fmt = table, err, tiles, fmt
+        self._cache = cache
         self._bd = _block_d(dim)
-        #: the cache's stand-ins (no cache: never read) and the rows' dtype
-        self._rows = torch.zeros(1, dim, dtype=dtype, device=device)
+        #: stand-ins and the rows' dtype: no cache's (never read), or the cache's rows
+        self._rows = torch.zeros(1, dim, dtype=dtype, device=device) if cache is None \
+            else cache.rows
         self._stats = torch.zeros(1, dtype=torch.int64, device=device)
         self._launches: dict[tuple[Any, ...], tuple[Any, Any]] = {}
 
     def __call__(self, keys: torch.Tensor, offsets: torch.Tensor,
-                 weights: torch.Tensor | None, mean: bool, check: bool) -> torch.Tensor:
+                 weights: torch.Tensor | None, mean: bool, check: bool,
+                 candidates: torch.Tensor | None = None,
+                 candidate_rows: torch.Tensor | None = None) -> torch.Tensor:
         """``[B, dim]`` pooled rows of the bags ``offsets`` (``[B + 1]`` bounds) of flat
         ``keys``; ``check``: report keys outside the table in the flag (else the caller
-        checked them)."""
+        checked them); ``candidates``, ``candidate_rows``: as for :func:`pooled` (only with
+        a cache)."""
         nbags = offsets.numel() - 1
         out = torch.empty(nbags, self.dim, dtype=self._dtype, device=self._device)
         if nbags <= 0:
             return out
-        split = pooled_split(keys.numel(), nbags, self._tiles, self._bd)
+        n = keys.numel()
+        split = pooled_split(n, nbags, self._tiles, self._bd)
         wkey = None if weights is None else weights.dtype
-        lkey = (split, mean, wkey, offsets.dtype, check)
+        lkey = (split, mean, wkey, offsets.dtype, check, candidates is not None,
+                candidate_rows is not None)
         bound = self._launches.get(lkey)
         if bound is None:
-            bound = self._launches[lkey] = self._bind(split, mean, weights, offsets, check)
+            bound = self._launches[lkey] = self._bind(lkey, weights, offsets)
         part = out if split == 1 else torch.empty((nbags, split, self.dim),
                                                   dtype=torch.float32, device=self._device)
-        bound[0].call(nbags, split, keys, offsets,
-                      weights if weights is not None else self._rows, out, part, keys.numel())
+        w = weights if weights is not None else self._rows
+        if candidates is None:
+            bound[0].call(nbags, split, keys, offsets, w, out, part, n)
+        elif candidate_rows is None:
+            bound[0].call(nbags, split, keys, offsets, w, out, part, candidates,
+                          _cand_cap(candidates), n)
+        else:
+            bound[0].call(nbags, split, keys, offsets, w, out, part, candidates,
+                          _cand_cap(candidates), candidate_rows, n)
         if split > 1:
-            bound[1].call(nbags, part, offsets, out, keys.numel())
+            bound[1].call(nbags, part, offsets, out, n)
         return out
 
-    def _bind(self, split: int, mean: bool, weights: torch.Tensor | None,
-              offsets: torch.Tensor, check: bool) -> tuple[Any, Any]:
-        t, rows, dim, bd = self._table, self._rows, self.dim, self._bd
+    def _bind(self, lkey: tuple[Any, ...], weights: torch.Tensor | None,
+              offsets: torch.Tensor) -> tuple[Any, Any]:
+        split, mean, _, _, check, collect, crows = lkey
+        t, rows, dim, bd, c = self._table, self._rows, self.dim, self._bd, self._cache
+        if (collect or crows) and c is None:
+            raise ValueError("miss candidates need a cache in front of the table")
         # NOTE: placeholders of this object's where a call passes its own tensors (keys,
-        # offsets, weights, out, part): a binding keeps none of a caller's tensors alive
+        # offsets, weights, out, part, candidates): a binding keeps none of a caller's
+        # tensors alive
+        i64 = self._stats
         offs, w = self._stand_in(offsets), self._stand_in(weights) if weights is not None \
             else rows
+        probed = c is not None and c.num_buckets > 0  # NOTE: a cache of no slots: none
         cx, cxkey = _pooled_constexprs(
-            (False, weights is not None, False, False, True, mean, split, 1, 0, 1, bd,
-             bd == dim, False, 0, check, self._tiles, offs.dtype, w.dtype, rows.dtype,
-             rows.dtype, self._dtype, t.dtype, False, self._fmt, False))
-        # NOTE: the others fixed: no cache (its stand-ins), the table, the flag
+            (probed, weights is not None, False, collect, True, mean, split,
+             c.ways if c else 1, c.empty if c else 0, c.stats.numel() if c else 1, bd,
+             bd == dim, probed, c.cmax if c else 0, check, self._tiles, offs.dtype,
+             w.dtype, rows.dtype, rows.dtype, self._dtype, t.dtype, crows, self._fmt,
+             False))
+        # NOTE: the others fixed: the cache's tables (or stand-ins), the table, the flag
         main = BoundLaunch(
             _POOLED,
-            (self._stats, offs, w, rows, self._stats, self._stats, rows, self._stats, 1,
-             rows, rows, self._stats, t, t.shape[0], _row_stride(t, dim), dim, self._stats,
-             0, self._err, rows, 0),
-            cx, cxkey, _VARYING, grid_dims=2)
+            (i64, offs, w, rows, c.tkeys if c else i64, c.counters if c else i64, rows,
+             c.stats if c else i64, max(c.num_buckets, 1) if c else 1, rows, rows, i64, t,
+             t.shape[0], _row_stride(t, dim), dim, i64, 0, self._err, rows, 0),
+            cx, cxkey, _VARY_BAG + (_VARY_CAND if collect else ()) + (
+                _VARY_CROWS if crows else ()) + _VARY_N, grid_dims=2)
         finish = None
         if split > 1:
             fcx, fkey = _finish_constexprs(mean, split, bd, dim, offs.dtype, self._dtype)
@@ -391,6 +435,6 @@ class BoundPooled:
         graph capture without leaving a tensor in its pool)."""
         if t.dtype == torch.int64:
             return self._stats
-        if t.dtype == self._dtype:
+        if t.dtype == self._rows.dtype:
             return self._rows
         return torch.zeros(1, dtype=t.dtype, device=self._device)

@@ -48,11 +48,8 @@ class LinearStack(LinearTable, CachedStack):
         #: the cache's linear lookups; of a quantized table, with its format bound (NOTE:
         #: chosen here once: a plain table's call passes what it always did)
         self._gather_linear: Any = self.cache.gather_linear
-        self._pooled_linear: Any = self.cache.lookup_linear_pooled
         if self.fmt is not None:
             self._gather_linear = functools.partial(self.cache.gather_linear,
-                                                    table_format=self.fmt)
-            self._pooled_linear = functools.partial(self.cache.lookup_linear_pooled,
                                                     table_format=self.fmt)
         self.log = MissLog(self.cache, self.budget, config, policy.gpu, self.num_rows,
                           self.guard)
@@ -100,10 +97,13 @@ class LinearStack(LinearTable, CachedStack):
         self.check(keys)
         with self._gate, self.guard:
             self.follower.sync()
-            out, _ = self._pooled_linear(keys, offsets, self.table, mode, weights,
-                                         validate=False,
+            # NOTE: the launch bound to the table, the key flag and the cache's tables
+            # (gpu.kernels.cache_pooled.BoundPooled)
+            out = self.cache.pool_linear(keys, offsets, self.table, mode == "mean", weights,
                                          candidates=self.log.candidates(keys.numel()),
-                                         err=self.check.err)
+                                         err=self.check.flag.device_view,
+                                         check=not self.check.on_host,
+                                         table_format=self.fmt)
             if self.log.active:
                 self.log.logged(keys.numel())
         return out

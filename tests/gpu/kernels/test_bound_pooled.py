@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from gpu.cache.gpu_cache import GPUCache
+from gpu.cache.records import MissCandidates
 from gpu.kernels.tiles import DEFAULT_TILES
 from gpu.kernels.triton_access import kernel_module
 from nvecache.common import quant
@@ -119,4 +120,72 @@ def test_unchecked_offsets_read_no_key_outside_the_batch(device: str, tiles: str
         want = torch.stack([getattr(table[keys[a:b]], mode)(0) if b > a
                             else torch.zeros(dim) for a, b in clamped])
         torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
+    assert int(err) == 0
+
+
+def _pairs(cand: MissCandidates) -> list[tuple[int, int]]:
+    """The listed misses as sorted (key, batch position) pairs (the kernel's order of
+    blocks may differ between two launches on a GPU)."""
+    count = min(int(cand.buffer[0]), cand.cap)
+    keys, pos = cand.buffer[1:1 + count].tolist(), cand.buffer[1 + cand.cap:][:count].tolist()
+    return sorted(zip(keys, pos, strict=True))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tiles", sorted(TILES))
+@pytest.mark.parametrize("fmt_name,dtype", [(None, torch.float32), ("int8", torch.float16)])
+def test_a_cached_bound_pooled_lookup_equals_the_unbound_one(
+        device: str, tiles: str, fmt_name: str | None, dtype: torch.dtype) -> None:
+    """A LinearUVM's pooled lookups (``GPUCache.pool_linear``: the pooled kernel bound to
+    the table, the key flag and the cache's tables) against ``lookup_linear_pooled`` on a
+    cache in the same state: the same pooled rows bit for bit, the same misses listed with
+    the same rows, the same counters bumped and hits counted; and the torch twin's."""
+    gen = torch.Generator().manual_seed(11)
+    dim, t = 24, TILES[tiles]
+    fmt = RowFormat(fmt_name, dim) if fmt_name else None
+    table, decoded = _table(fmt, dim, dtype, device, gen)
+    err = torch.zeros(1, dtype=torch.int64, device=device)
+    slots = 64 * dim * dtype.itemsize  # NOTE: 64 rows' bytes: room for the third cached
+    caches = {name: GPUCache(slots, dim, dtype, device, ways=4, backend=backend, tiles=t)
+              for name, backend in (("bound", "triton"), ("unbound", "triton"),
+                                    ("twin", "torch"))}
+    for cache in caches.values():  # NOTE: about a third of the rows hit
+        cache.insert(torch.arange(0, ROWS, 3).to(device), decoded[::3].to(device))
+    cached = caches["bound"].state()[0]
+    assert all(torch.equal(cached, c.state()[0]) for c in caches.values())
+    assert int((cached >= 0).sum()) > 10
+    lengths = [33, 0, 5, 40, 1]
+    n = sum(lengths)
+    offsets = torch.tensor([0, *lengths]).cumsum(0).to(device)
+    keys = torch.randint(0, ROWS, (n,), generator=gen).to(device)
+    psw = torch.rand(n, generator=gen).to(dtype).to(device)
+    for mode, w, cap in (("sum", None, 2 * n), ("mean", None, 7), ("sum", psw, 2 * n)):
+        cands = {name: MissCandidates.empty(cap, device, dim=dim, dtype=dtype)
+                 for name in caches}
+        got = caches["bound"].pool_linear(keys, offsets, table, mode == "mean", w,
+                                          candidates=cands["bound"], err=err, check=True,
+                                          table_format=fmt)
+        old = caches["unbound"].lookup_linear_pooled(
+            keys, offsets, table, mode, w, validate=False, candidates=cands["unbound"],
+            err=err, table_format=fmt)[0]
+        twin = caches["twin"].pool_linear(keys, offsets, table, mode == "mean", w,
+                                          candidates=cands["twin"], err=err, check=True,
+                                          table_format=fmt)
+        assert got.dtype == dtype and torch.equal(got.cpu(), old.cpu()), mode
+        torch.testing.assert_close(twin.cpu(), got.cpu(), atol=1e-5, rtol=1e-3)
+        misses = int((~torch.isin(keys.cpu(), cached)).sum())
+        assert int(cands["bound"].buffer[0]) == int(cands["unbound"].buffer[0]) == misses
+        assert _pairs(cands["bound"]) == _pairs(cands["unbound"])
+        if cap == 2 * n:  # NOTE: every miss listed: each with the row it read
+            assert _pairs(cands["bound"]) == _pairs(cands["twin"])
+            for c in cands.values():
+                listed = c.buffer[1:1 + misses].cpu()
+                assert c.rows is not None
+                assert torch.equal(c.rows[:misses].cpu().float(), decoded[listed].float())
+    stats = {name: cache.stats() for name, cache in caches.items()}
+    assert stats["bound"].hits == stats["unbound"].hits == stats["twin"].hits > 0
+    assert stats["bound"].misses == stats["unbound"].misses
+    counters = {name: cache.state()[1].cpu() for name, cache in caches.items()}
+    assert torch.equal(counters["bound"], counters["unbound"])
+    assert torch.equal(counters["bound"], counters["twin"])
     assert int(err) == 0
