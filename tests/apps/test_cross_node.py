@@ -1,8 +1,8 @@
 """Two nodes on one machine (hostcache node namespaces), one parameter server: an update
 acknowledged on node A reaches node B's replicas within a bound, and none is lost.
 
-The harness is bench/cross_node.py (bench/bench_cross_node.py measures the same at 10k and
-100k rows/s); here a short run at a modest rate with the properties asserted.
+The harness is bench/multigpu/cross_node.py (bench/multigpu/bench_cross_node.py measures
+the same at 10k and 100k rows/s); here a short run at a modest rate with the properties asserted.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import cross_node
+from bench.multigpu import cross_node
 from tests.conftest import PREFIX
 
 

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import psclient
-from bench.file_reads import assemble_rows
+from bench.ps.file_reads import assemble_rows
 from psclient.codec import (
     assemble_distinct_rows,
     be_bytes_to_keys,

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 import psclient
-from bench.file_reads import lookup_per_key
+from bench.ps.file_reads import lookup_per_key
 from psclient.codec import be_key_bytes
 from tests.psclient import model
 from tests.psclient.workers import file_reader, file_writer_forever

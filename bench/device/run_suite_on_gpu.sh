@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The whole test suite on a GPU machine (CUDA, PyTorch and Triton installed; no registry
+# reachable). First, here: `bash bench/device/prepare_device.sh` (fills the git-ignored .whl/ with
+# the wheels that machine lacks and a redis-server); then run this there with .whl carried:
+#   bash bench/device/run_suite_on_gpu.sh [pytest args...]     (default: -n 8)
+# It installs the wheels and this checkout (no dependencies fetched), starts the packed
+# redis-server when no Redis answers on 127.0.0.1:6379, and runs pytest from the project
+# root; the log goes to $OUT/suite.log (default ./out). The whole suite takes longer than one
+# device call allows (about 11 min on 15 workers): SUITE_HALF=1, then SUITE_HALF=2, runs every
+# other test file (sorted paths), the two halves together the whole suite.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+source bench/device/device_env.sh
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 \
+  || { echo "pip install -e . failed (see $OUT/install.log)"; exit 1; }
+nvidia-smi -L | tee "$OUT/env.txt"
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__,
+"gpus", torch.cuda.device_count())' | tee -a "$OUT/env.txt"
+[ $# -gt 0 ] || set -- -n 8
+if [ -n "${SUITE_HALF:-}" ]; then
+  mapfile -t FILES < <(find tests -name 'test_*.py' | sort | awk -v h="$SUITE_HALF" 'NR % 2 == h % 2')
+  set -- "$@" "${FILES[@]}"
+fi
+python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tee "$OUT/suite.log" | tail -60
+exit "${PIPESTATUS[0]}"
