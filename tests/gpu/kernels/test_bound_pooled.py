@@ -189,3 +189,11 @@ def test_a_cached_bound_pooled_lookup_equals_the_unbound_one(
     assert torch.equal(counters["bound"], counters["unbound"])
     assert torch.equal(counters["bound"], counters["twin"])
     assert int(err) == 0
+    if device == "cuda":  # NOTE: a variant's later calls launch directly, not by the JIT
+        cand = MissCandidates.empty(2 * n, device, dim=dim, dtype=dtype)
+        for _ in range(2):
+            caches["bound"].pool_linear(keys, offsets, table, False, None, candidates=cand,
+                                        err=err, check=True, table_format=fmt)
+        bound = [b for b in caches["bound"].ops.bound.values() if hasattr(b, "_launches")]
+        assert len(bound) == 1
+        assert max(main.variants for main, _ in bound[0]._launches.values()) > 0
