@@ -45,7 +45,7 @@ def bulk_socket(conn: Any) -> socket.socket | None:
     NOTE: redis-py keeps a connection's socket in ``conn._sock`` (``Connection``,
     ``SSLConnection``, ``UnixDomainSocketConnection`` in 5.x-8.x; its own parsers read it
     there) and offers no public accessor. This is psclient's one use of a private redis-py
-    attribute; tests/psclient/test_redis_wire.py pins it (a live connection must expose a
+    attribute; tests/psclient/backends/test_redis_wire.py pins it (a live connection must expose a
     socket here, and both read paths must give the same replies), so a redis-py release that
     moves it fails that test instead of silently losing the bulk read.
     """

@@ -1,4 +1,5 @@
-"""A loop module for tests/psclient/test_loop_gate.py: one compiled loop and its warm_up."""
+"""A loop module for tests/psclient/backends/test_loop_gate.py: one compiled loop and its
+warm_up."""
 
 from __future__ import annotations
 

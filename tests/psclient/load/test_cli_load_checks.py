@@ -27,8 +27,8 @@ import torch
 
 import psclient
 from nvecache.common.keys import RESERVED_KEY
-from tests.psclient.test_cli import one_line_error as cli_error
-from tests.psclient.test_cli import run
+from tests.psclient.load.test_cli import one_line_error as cli_error
+from tests.psclient.load.test_cli import run
 
 
 def one_line_error(err: str) -> str:

@@ -32,7 +32,7 @@ from psclient.cli import main
 from psclient.schema import TableSchema
 from tests.servers import wait_until
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 #: the joining load's keys start here (the creating load's are 0, 1, ...)
 J0 = 1_000_000
 #: partitions of a table on one Redis server (psclient's default)

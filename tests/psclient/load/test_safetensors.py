@@ -19,8 +19,8 @@ import psclient
 from psclient.dump import dump_table
 from psclient.errors import BadArgumentError, BadKeysError
 from tests.psclient.conftest import opened_tables
-from tests.psclient.test_cli import one_line_error as one_line
-from tests.psclient.test_cli import run
+from tests.psclient.load.test_cli import one_line_error as one_line
+from tests.psclient.load.test_cli import run
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
