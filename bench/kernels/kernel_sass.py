@@ -114,7 +114,9 @@ def opcodes(v: dict[str, Any], workdir: Path) -> collections.Counter[str]:
     cubin.write_bytes(compiled.asm["cubin"])
     sass = subprocess.run([str(CUOBJDUMP), "-sass", str(cubin)], check=True,
                           capture_output=True, text=True).stdout
-    return collections.Counter(re.findall(r"/\*[0-9a-f]{4}\*/\s+([A-Z][A-Z0-9_.]*)", sass))
+    # NOTE: an instruction may carry a predicate (``@P0``, ``@!PT``): masked loads do
+    return collections.Counter(re.findall(
+        r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P[0-9T]+\s+)?([A-Z][A-Z0-9_.]*)", sass))
 
 
 def main(argv: list[str] | None = None) -> int:
