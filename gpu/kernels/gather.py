@@ -31,7 +31,10 @@ _to_dtype = _stored.to_dtype
 codec_constexprs = _stored.codec_constexprs
 
 
-@triton.jit(do_not_specialize=["n", "num_rows", "tstride"])
+# NOTE: tstride specialized (whether it is a multiple of 16): a row of a table aligned to
+# 16 bytes (nvecache.common.rows.ROW_ALIGN) is then read with 16-byte loads, where an
+# unspecialized stride compiles to one load per element (LDG.E.U8 for int8 rows)
+@triton.jit(do_not_specialize=["n", "num_rows"])
 def _gather_kernel(
     keys_ptr, n, table_ptr, num_rows, tstride, out_ptr, err_ptr, order_ptr,
     DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, ORDERED: tl.constexpr,

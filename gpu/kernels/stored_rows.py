@@ -12,8 +12,11 @@ in bytes, and read as :func:`nvecache.common.quant.decode` reads it, bit for bit
 
 - ``int8``: ``q * scale + bias``, the product and the sum each rounded (a variant that
   reads int8 rows is compiled without fused multiply-adds: :func:`codec_constexprs`);
-- ``float8_e4m3fn``: the element decoded from its bits (exact in float32, the same in
-  Triton's interpreter as compiled), times ``scale``.
+- ``float8_e4m3fn``: the element (exact in float32) times ``scale``; decoded by the GPU's
+  own conversion (``F2FP.F16.E4M3.UNPACK_B``: two elements an instruction, through float16,
+  where every e4m3 value is exact) on GPUs of compute capability 8.9 and later and in
+  Triton's interpreter, from its bits by integer operations on older GPUs (Triton has no
+  e4m3 type there) and where CUDA was not initialized yet: :func:`fp8_code`.
 
 :func:`to_dtype` rounds float32 to the output's dtype to nearest, ties to even, bfloat16
 by its bits (Triton's interpreter would otherwise truncate), so a dequantized row reads the
@@ -56,14 +59,19 @@ round is one write's: a thread that saw a newer version before another thread's 
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 from hostcache.row_versions import is_versioned
 from nvecache.common.rows import RowFormat
 
-#: the ``QUANT`` constexpr of a table's format: 0 plain, 1 int8, 2 float8_e4m3fn
+#: the ``QUANT`` constexpr of a table's format: 0 plain, 1 int8, 2 float8_e4m3fn decoded
+#: from its bits, 3 float8_e4m3fn converted by the GPU (:func:`fp8_code` picks 2 or 3)
 _CODES = {"int8": 1, "float8_e4m3fn": 2}
+#: the first compute capability whose Triton has the e4m3 type (``fp8e4nv``)
+_FP8_NATIVE = (8, 9)
+_fp8: int | None = None
 #: how many times a versioned row is read at most while a writer holds it (see above)
 ROUNDS: tl.constexpr = tl.constexpr(1 << 12)
 #: 2**120, the scale between an e4m3 element and its bits placed in a float32 (_e4m3)
@@ -78,11 +86,28 @@ def codec_constexprs(fmt: RowFormat | None) -> dict[str, object]:
     (see the module docstring)."""
     if fmt is None or not fmt.quantized:
         return {"QUANT": 0, "META": 0, "SEQ": 0}
-    cx: dict[str, object] = {"QUANT": _CODES[fmt.dtype], "META": fmt.meta_offset,
+    code = fp8_code() if fmt.dtype == "float8_e4m3fn" else _CODES[fmt.dtype]
+    cx: dict[str, object] = {"QUANT": code, "META": fmt.meta_offset,
                              "SEQ": fmt.stored_bytes if is_versioned(fmt) else 0}
     if fmt.dtype == "int8":
         cx["enable_fp_fusion"] = False
     return cx
+
+
+def fp8_code() -> int:
+    """``QUANT`` of a float8_e4m3fn table: 3 (the GPU's conversion: fewer instructions an
+    element than the integer decode, bench/RESULTS.md) where every GPU of this process has
+    compute capability 8.9 or later, or none is there (the interpreter, which converts
+    every e4m3 value to the same float); else 2 (decoded from its bits, on any GPU). The
+    two read the same values; where CUDA is not initialized yet this answers 2 (asking a
+    GPU's capability would initialize CUDA in a process that may still fork)."""
+    global _fp8
+    if _fp8 is None:
+        if torch.cuda.is_available() and not torch.cuda.is_initialized():
+            return 2
+        caps = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
+        _fp8 = 3 if all(c >= _FP8_NATIVE for c in caps) else 2
+    return _fp8
 
 
 @triton.jit
@@ -173,8 +198,10 @@ def _read_rows(table_ptr, rows, rmask, tstride, d, dmask, QUANT: tl.constexpr,
             # masked column's bias is taken out here, and where dmask is a constant (every
             # column of dim read), this select is folded away at compile time
             vals = _i8(q) * scale[:, None] + tl.where(dmask[None, :], bias[:, None], 0.0)
-        else:
+        elif QUANT == 2:
             vals = _e4m3(q) * scale[:, None]  # NOTE: 0 where q is masked
+        else:
+            vals = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]
     return vals
 
 

@@ -58,3 +58,28 @@ def test_every_byte_under_every_kind_of_parameter_decodes_as_torch_does(
     bad = (~same).nonzero()
     assert same.all(), [(int(r), int(c), float(got[r, c]), float(want[r, c]))
                         for r, c in bad[:8]]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("code", [2, 3])
+def test_both_fp8_decodes_read_every_byte_as_torch_does(
+        device: str, code: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """float8_e4m3fn rows decoded from their bits (``QUANT`` 2, any GPU) and by the GPU's
+    own conversion (3: compute capability 8.9 and later, and the interpreter): the same
+    floats, bit for bit, under every kind of scale."""
+    if device == "cuda" and code == 3 and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("the e4m3 conversion needs compute capability 8.9 or later")
+    fmt = RowFormat("float8_e4m3fn", 128)
+    table = _table(fmt, device)
+    gk = kernel_module("gather", interpret=device == "cpu")
+    # NOTE: the process's choice set, and the gather's kept constexprs forgotten
+    monkeypatch.setitem(gk.codec_constexprs.__globals__, "_fp8", code)
+    monkeypatch.setattr(gk, "_CONSTEXPRS", {})
+    keys = torch.arange(table.shape[0], device=device)
+    got = gk.gather(keys, table, None, host_table=False, fmt=fmt, out_dtype=torch.float32)
+    assert [cx["QUANT"] for cx in gk._CONSTEXPRS.values()] == [code]
+    want = quant.decode(table.cpu(), fmt, torch.float32)
+    same = got.cpu().view(torch.int32) == want.view(torch.int32)
+    bad = (~same).nonzero()
+    assert same.all(), [(int(r), int(c), float(got[r, c]), float(want[r, c]))
+                        for r, c in bad[:8]]
