@@ -175,7 +175,14 @@ def test_a_cached_bound_pooled_lookup_equals_the_unbound_one(
         torch.testing.assert_close(twin.cpu(), got.cpu(), atol=1e-5, rtol=1e-3)
         misses = int((~torch.isin(keys.cpu(), cached)).sum())
         assert int(cands["bound"].buffer[0]) == int(cands["unbound"].buffer[0]) == misses
-        assert _pairs(cands["bound"]) == _pairs(cands["unbound"])
+        missed = sorted((int(k), i) for i, k in enumerate(keys.cpu().tolist())
+                        if not bool(torch.isin(torch.tensor(k), cached)))
+        if cap < misses:  # NOTE: which misses fill the buffer is the blocks' order on a GPU
+            for c in (cands["bound"], cands["unbound"]):
+                listed = _pairs(c)
+                assert len(listed) == cap and set(listed) <= set(missed)
+        else:
+            assert _pairs(cands["bound"]) == _pairs(cands["unbound"]) == missed
         if cap == 2 * n:  # NOTE: every miss listed: each with the row it read
             assert _pairs(cands["bound"]) == _pairs(cands["twin"])
             for c in cands.values():
