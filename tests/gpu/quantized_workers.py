@@ -23,20 +23,25 @@ def version_rows(keys: torch.Tensor, version: int, dim: int) -> torch.Tensor:
     return torch.where(mask[None, :], size, -0.5 * size)
 
 
-def write_versions(name: str, versions: int, started: Any, done: Any) -> None:
-    """Write versions ``1 .. versions`` of every row of the block ``name`` once the reader
-    has ``started``; even versions in one span, odd ones row by row in a shuffled order
-    (the block's two write paths); then set ``done``."""
+def write_versions(name: str, versions: int, started: Any, stop: Any, last: Any) -> None:
+    """Once the reader has ``started``, write versions ``1 .. versions`` of every row of the
+    block ``name``, over and over (after ``versions``, 1 again), until ``stop`` is set;
+    then put the last version written in ``last`` (a shared int). Even versions in one
+    span, odd ones row by row in a shuffled order (the block's two write paths). The
+    reader stops it after a number of reads, so that a slow reader (the interpreter on
+    the CPU) races as many writes as a fast one."""
     with SharedMemBlock.attach(name) as mb:
         keys = torch.arange(mb.num_rows)
         started.wait()
-        for v in range(1, versions + 1):
+        v = 0
+        while not stop.is_set() or v == 0:
+            v = v % versions + 1
             if v % 2 == 0:
                 mb.write(keys, version_rows(keys, v, mb.dim))
             else:
                 shuffled = keys[torch.randperm(keys.numel())]
                 mb.write(shuffled, version_rows(shuffled, v, mb.dim))
-        done.set()
+        last.value = v
 
 
 def die_in_section(name: str, rows: int, ready: Any) -> None:

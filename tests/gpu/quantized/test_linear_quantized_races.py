@@ -8,12 +8,14 @@
 * From another process (spawned): a writer process cycles a quantized SharedMemBlock's rows
   through versions (each version's payload a mask of its own, its scale and bias a size of
   its own: a payload decoded with another write's parameters, or torn between two writes,
-  reads as no version), while a LinearUVM layer, a GPULayer, the block's own ``read`` and
-  (on the CPU) the gather kernel under Triton's interpreter read it in this process: each
-  row read is some written version of its own key, and after the writer finished, the
-  last. The gate is per process; across processes the rows' seqlock versions keep them
-  whole (``hostcache.row_versions``), and a writer killed inside its section neither
-  hangs the readers nor leaves its rows odd once the next writer has repaired them.
+  reads as no version) until a LinearUVM layer, a GPULayer and the block's own ``read``
+  have read it a fixed number of times each in this process: each row read is some
+  written version of its own key (a failure names the readers that tore), and after the
+  writer stopped, the last one written, read by those three and (on the CPU) by the
+  gather kernel under Triton's interpreter. The gate is per process; across processes the
+  rows' seqlock versions keep them whole (``hostcache.row_versions``), and a writer killed
+  inside its section neither hangs the readers nor leaves its rows odd once the next
+  writer has repaired them.
 """
 
 from __future__ import annotations
@@ -112,45 +114,56 @@ def test_a_write_in_this_process_never_tears_a_row(fmt: torch.dtype, kind: str,
 def test_a_writer_process_racing_lookups_leaves_whole_rows(fmt: torch.dtype,
                                                            device: str) -> None:
     writes, rows, dim = 600, 64, 512
+    # NOTE: reads per reader, the writer writing all the while: a GPU reads in tens of
+    # microseconds, the interpreter in tens of milliseconds
+    per_reader = 2000 if device == "cuda" else 40
     keys = torch.arange(rows)
     f = RowFormat(fmt, dim)
     # [versions, rows]: each version's rows as the table reads them, hashed
     every = hashed(torch.stack([reference(quantized_workers.version_rows(keys, v, dim), fmt,
                                           torch.float32) for v in range(writes + 1)]))
     with quantized_block(rows, dim, fmt, quantized_workers.version_rows(keys, 0, dim)) as mb:
-        started, done = CTX.Event(), CTX.Event()
+        started, stop, last = CTX.Event(), CTX.Event(), CTX.Value("i", -1)
         proc = CTX.Process(target=quantized_workers.write_versions,
-                           args=(mb.name, writes, started, done))
+                           args=(mb.name, writes, started, stop, last))
         proc.start()
         layers = [NVEmbedding(rows, dim, torch.float32, LayerType.LinearUVM, storage=mb,
                               device=device, gpu_cache_size=cache_bytes(dim, torch.float32)),
                   NVEmbedding(rows, dim, torch.float32, LayerType.GPULayer, storage=mb,
                               device=device)]
         readers = [*layers, lambda k: mb.read(k.cpu())]
-        if device == "cpu" and triton_available():  # NOTE: the kernels' reads, interpreted
+        names = ["LinearUVM", "GPULayer", "SharedMemBlock.read"]
+        after = list(readers)
+        if device == "cpu" and triton_available():
+            # NOTE: the kernels' reads, interpreted, read the last version; they do not
+            # race: a read takes seconds there, longer than the writer leaves a row alone,
+            # so it would read again round after round (its bound: stored_rows.ROUNDS)
             gather = kernel_module("gather", interpret=True).gather
-            readers.append(lambda k: gather(k, mb.tensor, None, host_table=False,
-                                            fmt=mb.read_format, out_dtype=torch.float32))
+            after.append(lambda k: gather(k, mb.tensor, None, host_table=False,
+                                          fmt=mb.read_format, out_dtype=torch.float32))
         try:
             dev_keys = keys.to(device)
             reads = []
-            while not done.is_set() or len(reads) < len(readers):
+            while len(reads) < per_reader * len(readers) and proc.is_alive():
                 reads.append(hashed(readers[len(reads) % len(readers)](dev_keys).cpu()))
                 started.set()  # NOTE: the writer starts once a lookup has run
-                if not proc.is_alive() and not done.is_set():
-                    break
+            stop.set()
             proc.join(timeout=120)
-            assert proc.exitcode == 0
+            assert proc.exitcode == 0 and 1 <= last.value <= writes
             got = torch.stack(reads)  # [reads, rows]
             # every row read is its own key's row at some version: its payload and its
             # parameters from one write
-            for r in range(rows):
-                torn = ~torch.isin(got[:, r], every[:, r])
-                assert not bool(torn.any()), (
-                    f"key {r}: {int(torn.sum())} of {len(reads)} reads are no version of it")
+            torn = torch.stack([~torch.isin(got[:, r], every[:, r]) for r in range(rows)], 1)
+            by_reader = {name: int(torn[i::len(readers)].any(1).sum())
+                         for i, name in enumerate(names)}
+            assert not bool(torn.any()), (
+                f"{int(torn.any(1).sum())} of {len(reads)} reads hold rows that are no "
+                f"version of their key ({int(torn.sum())} rows; torn reads by reader: "
+                f"{by_reader}; other keys' versions among them: "
+                f"{int((torn & torch.isin(got, every)).sum())})")
             # once the writer is done, the last version
-            for read in readers:
-                assert torch.equal(hashed(read(dev_keys).cpu()), every[writes])
+            for read in after:
+                assert torch.equal(hashed(read(dev_keys).cpu()), every[last.value])
             assert f.quantized
         finally:
             if proc.is_alive():
