@@ -9,7 +9,9 @@ uniform keys.
 
 1. GPULayer pooled, 256 bags x 1,024 keys: int8 / fp8 storage with fp16 and fp32 output
    against our fp32 layer and ``nn.EmbeddingBag``.
-2. GPULayer plain at 1M keys (output writes dominate): the same comparison.
+2. GPULayer plain at 1M keys (output writes dominate): the same comparison; and
+   (``plain_bytes``) over uniform keys at 64k-1M, float32 and int8 -> fp16, as the bytes a
+   call moves per second.
 3. The seed library's benchmark configuration: a [256, 1024] key tensor per step over a
    table in HBM, int8 storage against ``nn.Embedding`` fp32 (and our fp32 layer).
 4. LinearUVM with a GPU cache of 10% of the table's rows, 256k and 1M keys: int8 / fp8
@@ -344,9 +346,38 @@ def hierarchical(device: torch.device, rows: int, quick: bool, reps: int) -> Non
             HostCache.unlink(name)
 
 
+def plain_bytes(device: torch.device, rows: int, quick: bool, reps: int) -> None:
+    """GPULayer plain, uniform keys, 64k / 256k / 1M a call, float32 rows against int8
+    rows read into fp16, beside ``nn.Embedding``: back to back, and the bytes a call moves
+    per second (each key's stored row read, its output row written): how close each gets
+    to HBM's bandwidth. Default arguments."""
+    weights = torch.randn(rows, DIM, device=device)
+    fmt = RowFormat(torch.int8, DIM)
+    layers = {"fp32": (NVEmbedding(rows, DIM, torch.float32, LayerType.GPULayer,
+                                   storage=weights, device=device), 2 * DIM * 4),
+              "int8 -> float16": (NVEmbedding(rows, DIM, torch.float16, LayerType.GPULayer,
+                                              weight_dtype=torch.int8,
+                                              weight_init=weights.half(), device=device),
+                                  fmt.stride + DIM * 2)}
+    try:
+        gen = torch.Generator(device=device).manual_seed(3)
+        for n in (1 << 12, 1 << 14) if quick else (1 << 16, 1 << 18, 1 << 20):
+            batches = [torch.randint(0, rows, (n,), device=device, generator=gen)
+                       for _ in range(8)]
+            base = back_to_back(lambda k: torch.embedding(weights, k), batches)
+            for label, (layer, row_bytes) in layers.items():
+                t = back_to_back(layer, batches)
+                emit(bench="plain_bytes", layer=label, keys=n, us_per_call=t * 1e6,
+                     tb_s=n * row_bytes / t / 1e12, torch_fp32_us=base * 1e6)
+    finally:
+        for layer, _ in layers.values():
+            layer.close()
+
+
 BENCHES = {"gpulayer": gpulayer, "pooled_tiles": pooled_tiles,
            "pooled_default": pooled_default, "seed": seed_config,
-           "linear_uvm": linear_uvm, "hierarchical": hierarchical}
+           "linear_uvm": linear_uvm, "hierarchical": hierarchical,
+           "plain_bytes": plain_bytes}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -361,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     defaults = {"gpulayer": 1 << 22, "pooled_tiles": 1 << 22, "pooled_default": 1 << 22,
+                "plain_bytes": 1 << 22,
                 "seed": 1 << 26, "linear_uvm": 1 << 24, "hierarchical": 1 << 20}
     if args.quick or device.type == "cpu":
         defaults = dict.fromkeys(defaults, 1 << 16)
