@@ -55,6 +55,11 @@ another write, would join two writes (the race test still tore about 1 read in
 1,000-3,000 on an H100 with the predicates alone). A row every thread found clean in one
 round is one write's: a thread that saw a newer version before another thread's ``v2``
 (read after every part of the row) makes that ``v2`` newer too.
+
+Open: on an H100 the cross-process race test (a writer process against a LinearUVM layer,
+a GPULayer and the block's CPU ``read`` in another) still finds torn reads with the
+joined verdict; which of those readers tears is not known yet (bench/RESULTS.md, tenth
+session).
 """
 
 from __future__ import annotations
