@@ -6,8 +6,9 @@
 # It installs the wheels and this checkout (no dependencies fetched), starts the packed
 # redis-server when no Redis answers on 127.0.0.1:6379, and runs pytest from the project
 # root; the log goes to $OUT/suite.log (default ./out). The whole suite takes longer than one
-# device call allows (about 11 min on 15 workers): SUITE_HALF=1, then SUITE_HALF=2, runs every
-# other test file (sorted paths), the two halves together the whole suite.
+# device call allows (about 11 min on 15 workers; one half took more than 430 s): SUITE_PART=1/3,
+# then 2/3 and 3/3, runs every third test file (sorted paths), the parts together the whole
+# suite (any i/n the same way).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source bench/device/device_env.sh
@@ -17,8 +18,9 @@ nvidia-smi -L | tee "$OUT/env.txt"
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__,
 "gpus", torch.cuda.device_count())' | tee -a "$OUT/env.txt"
 [ $# -gt 0 ] || set -- -n 8
-if [ -n "${SUITE_HALF:-}" ]; then
-  mapfile -t FILES < <(find tests -name 'test_*.py' | sort | awk -v h="$SUITE_HALF" 'NR % 2 == h % 2')
+if [ -n "${SUITE_PART:-}" ]; then
+  mapfile -t FILES < <(find tests -name 'test_*.py' | sort |
+    awk -v i="${SUITE_PART%/*}" -v n="${SUITE_PART#*/}" '(NR - 1) % n == i - 1')
   set -- "$@" "${FILES[@]}"
 fi
 python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tee "$OUT/suite.log" | tail -60
