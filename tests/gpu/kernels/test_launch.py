@@ -108,7 +108,7 @@ def test_a_key_that_leaves_out_a_constexpr_never_launches_another_calls_variant(
         out = torch.full((65, dim), 7.0, device="cuda")  # a guard row after the 64 rows
         launch((4,), (keys, 64, table, 100, dim, out, keys, keys),
                {"DIM": dim, "BLOCK_K": 16, "BLOCK_D": 8, "ORDERED": False, "CHECK": False,
-                "QUANT": 0, "META": 0},
+                "QUANT": 0, "META": 0, "SEQ": 0},
                ("one key for every width",))
         assert torch.equal(out[:64], table[keys]), dim
         assert (out[64] == 7.0).all(), f"dim {dim}: a row was written past the output"
