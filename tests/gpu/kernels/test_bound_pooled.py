@@ -173,10 +173,11 @@ def test_a_cached_bound_pooled_lookup_equals_the_unbound_one(
                                           table_format=fmt)
         assert got.dtype == dtype and torch.equal(got.cpu(), old.cpu()), mode
         torch.testing.assert_close(twin.cpu(), got.cpu(), atol=1e-5, rtol=1e-3)
-        misses = int((~torch.isin(keys.cpu(), cached)).sum())
+        is_miss = ~torch.isin(keys.cpu(), cached)
+        misses = int(is_miss.sum())
         assert int(cands["bound"].buffer[0]) == int(cands["unbound"].buffer[0]) == misses
-        missed = sorted((int(k), i) for i, k in enumerate(keys.cpu().tolist())
-                        if not bool(torch.isin(torch.tensor(k), cached)))
+        missed = sorted(zip(keys.cpu()[is_miss].tolist(),
+                            is_miss.nonzero().squeeze(1).tolist(), strict=True))
         if cap < misses:  # NOTE: which misses fill the buffer is the blocks' order on a GPU
             for c in (cands["bound"], cands["unbound"]):
                 listed = _pairs(c)
