@@ -144,6 +144,15 @@ def load_rows(table_ptr, rows, rmask, tstride, d, dmask, QUANT: tl.constexpr,
 
 
 @triton.jit
+def load_versions(table_ptr, rows, rmask, tstride, SEQ: tl.constexpr):
+    """int32: the seqlock versions of rows ``rows`` (masked by ``rmask``: 0 there) of a
+    versioned table, at byte ``SEQ`` of each row, fetched from host memory again
+    (``".cv"``)."""
+    vptr = (table_ptr + rows * tstride + SEQ).to(tl.pointer_type(tl.int32))
+    return tl.load(vptr, mask=rmask, other=0, cache_modifier=".cv")
+
+
+@triton.jit
 def _max(a, b):
     return tl.maximum(a, b)
 
