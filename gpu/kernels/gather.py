@@ -20,9 +20,10 @@ versions (:func:`_versions_kernel`, into an int32 buffer), the rows
 again (:func:`_verify_kernel`); a row whose first version was odd or changed is read
 again there, under its versions in the same kernel
 (:func:`gpu.kernels.stored_rows.load_rows`), and its output row replaced. Loads inside
-one kernel are ordered only by when they are issued: a load issued after another's value
-arrived may still be answered with an older fetch of the same 32-byte sector that another
-warp had in flight, which is how the one-launch seqlock tore (bench/RESULTS.md).
+one kernel are ordered only by when they are issued, and the one-launch seqlock tore on
+H100s (bench/RESULTS.md); the likely cause (a hypothesis) is a load issued after another's
+value arrived yet answered by an older fetch of the same 32-byte sector that another
+warp had in flight.
 """
 
 from __future__ import annotations
