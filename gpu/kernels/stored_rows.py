@@ -59,9 +59,10 @@ round is one write's: a thread that saw a newer version before another thread's 
 Open: on an H100 the cross-process race test (a writer process against a LinearUVM layer,
 a GPULayer and the block's CPU ``read`` in another) still found torn reads with the
 joined verdict (bench/RESULTS.md, tenth session). The likely cause (a hypothesis, not
-shown): predicates order when loads *issue*, not which fetch answers them; a load issued after another's value arrived may be answered
-by an older fetch of the same 32-byte sector that another warp had in flight (with a
-528-byte row stride a row's version shares its sector with the next row's first bytes).
+shown): predicates order when loads *issue*, not which fetch answers them; a load
+issued after another's value arrived may be answered by an older fetch of the same
+32-byte sector that another warp had in flight (with a 528-byte row stride a row's
+version shares its sector with the next row's first bytes).
 The GPULayer gather therefore reads a versioned table in three launches
 (:mod:`gpu.kernels.gather`), using :func:`load_rows` with ``SEQ`` only for the rows its
 check found torn; the cache and pooled lookups still use it for every row.
