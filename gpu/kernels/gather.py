@@ -44,6 +44,7 @@ _page_order = helper_module("cache_lookup").page_order
 _stored = helper_module("stored_rows")
 _load_rows = _stored.load_rows
 _load_versions = _stored.load_versions
+_max = _stored._max
 _to_dtype = _stored.to_dtype
 codec_constexprs = _stored.codec_constexprs
 
@@ -89,11 +90,6 @@ def _versions_kernel(keys_ptr, n, table_ptr, num_rows, tstride, ver_ptr, SEQ: tl
     keys = tl.load(keys_ptr + offs, mask=kmask, other=0)
     inrange = kmask & (keys >= 0) & (keys < num_rows)
     tl.store(ver_ptr + offs, _load_versions(table_ptr, keys, inrange, tstride, SEQ), mask=kmask)
-
-
-@triton.jit
-def _max(a, b):
-    return tl.maximum(a, b)
 
 
 @triton.jit(do_not_specialize=["n", "num_rows"])
@@ -200,7 +196,7 @@ class BoundRows:
         if cx["SEQ"]:
             vcx, ccx = _seq_constexprs(cx)
             # NOTE: the int32 version buffer's placeholder: the keys' (any tensor will do)
-            self._versions = BoundLaunch(_VERSIONS, (*common, err), vcx, key, _VARYING_V).call
+            self._versions = BoundLaunch(_VERSIONS, (*common, err), vcx, key, _VARYING).call
             self._verify = BoundLaunch(_VERIFY, (*common, err, table), ccx, key,
                                        _VARYING_C).call
         self._table, self._err, self._tiles, self._fmt = table, err, tiles, fmt
@@ -231,9 +227,10 @@ class BoundRows:
         return out
 
 
-#: what a bound gather passes per call (parameter indices): keys, n, out; the versions
-#: kernel: keys, n, the version buffer; the check: keys, n, the buffer, out
-_VARYING, _VARYING_V, _VARYING_C = (0, 1, 5), (0, 1, 5), (0, 1, 5, 6)
+#: what a bound gather passes per call (parameter indices): keys, n, out (the versions
+#: kernel: keys, n, the version buffer, at the same indices); the check: keys, n, the
+#: buffer, out
+_VARYING, _VARYING_C = (0, 1, 5), (0, 1, 5, 6)
 #: each gather variant's versions and check constexprs (kept: launches compare by identity)
 _SEQ_CX: dict[int, tuple[dict[str, object], dict[str, object]]] = {}
 
