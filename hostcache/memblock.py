@@ -170,7 +170,7 @@ class SharedMemBlock(TableFiles, SharedTable):
         :class:`~hostcache.row_versions.VersionedFormat` (its rows read under their seqlock
         versions, which follow each row's stored bytes)."""
         fmt = self.geometry.row_format
-        return row_versions.VersionedFormat.of(fmt) if fmt.quantized else fmt
+        return row_versions.VersionedFormat.of(fmt, self._writing) if fmt.quantized else fmt
 
     @property
     def versions(self) -> torch.Tensor | None:
@@ -202,7 +202,7 @@ class SharedMemBlock(TableFiles, SharedTable):
         c[C_HITS] += idx.numel()
         with self.gate:
             if self._versions is not None:
-                got = row_versions.read_rows(self._rows, idx, self._versions)
+                got = row_versions.read_rows(self._rows, idx, self._versions, self._writing)
             else:
                 got = self._rows.index_select(0, idx)
         return self._codec.rows(got)

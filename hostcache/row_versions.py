@@ -20,19 +20,23 @@ kernel at ``row + stored_bytes`` (:mod:`gpu.kernels.stored_rows`), torch through
 
 A writer that dies inside a section leaves odd versions; the next process to take the
 writer lock makes them even (its repair, which also tells every GPU cache to drop all
-rows). Until then, and for a section stalled longer than a reader waits
-(:data:`WAIT_SECONDS` on the CPU, a bounded number of rounds on the GPU), a reader takes
-the row as it read it.
+rows). A CPU reader that finds rows still being written after :data:`WAIT_SECONDS` of
+rounds (a writer that keeps rewriting them, one stalled inside its section, or a dead
+one) reads those rows holding the writer lock, when its table gave it one
+(:attr:`VersionedFormat.wait`): no writer runs meanwhile, a dead writer's section is
+repaired first, and the rows are read whole. A GPU kernel cannot take the lock: it reads
+a row again for a bounded number of rounds (:mod:`gpu.kernels.stored_rows`), then takes
+it as read.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import ClassVar
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 
@@ -41,26 +45,36 @@ from nvecache.common.rows import RowFormat
 
 #: rows one write section covers at most (a bigger write is several sections)
 SECTION_ROWS = 1 << 14
-#: how long a CPU reader waits for a row's write section to end before taking the row
+#: how long a CPU reader reads rows again, unlocked, before it takes the writer lock
 WAIT_SECONDS = 0.25
+#: a context manager holding a table's writer lock (a reader's last resort)
+Wait = Callable[[], AbstractContextManager[Any]]
 
 
 @dataclass(frozen=True)
 class VersionedFormat(RowFormat):
     """A quantized linear table's row format as its readers are told it: each row carries
     a seqlock version after its :attr:`stored_bytes` (the kernels read them; a reader told
-    the plain :class:`~nvecache.common.rows.RowFormat` reads the rows without)."""
+    the plain :class:`~nvecache.common.rows.RowFormat` reads the rows without). ``wait``,
+    the table's writer lock, is what a CPU reader takes for rows it could not read whole
+    in :data:`WAIT_SECONDS` (not part of the format: formats compare without it)."""
 
     versioned: ClassVar[bool] = True
+    wait: Wait | None = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def of(cls, fmt: RowFormat) -> VersionedFormat:
-        return cls(fmt.dtype, fmt.dim)
+    def of(cls, fmt: RowFormat, wait: Wait | None = None) -> VersionedFormat:
+        return cls(fmt.dtype, fmt.dim, wait)
 
 
 def is_versioned(fmt: object) -> bool:
     """Whether a reader told ``fmt`` reads rows under their seqlock versions."""
     return bool(getattr(fmt, "versioned", False))
+
+
+def wait_of(fmt: object) -> Wait | None:
+    """The writer lock a reader told ``fmt`` takes as its last resort (None: none)."""
+    return getattr(fmt, "wait", None)
 
 
 class _VersionsIn:
@@ -92,17 +106,20 @@ def _clean(v1: torch.Tensor, v2: torch.Tensor) -> torch.Tensor:
     return (v1 == v2) & ((v1 & 1) == 0)
 
 
-def read_rows(rows: torch.Tensor, idx: torch.Tensor, versions: torch.Tensor) -> torch.Tensor:
+def read_rows(rows: torch.Tensor, idx: torch.Tensor, versions: torch.Tensor,
+              wait: Wait | None = None) -> torch.Tensor:
     """``rows.index_select(0, idx)``, each row read inside a window its version did not
     change in: never a payload of one write with the parameters of another.
 
     Each step is a separate torch call (on the CPU, neither the compiler nor the CPU moves
     a load of one step past another: x86 does not reorder loads with loads; on CUDA, each
     is a launch after the one before it completed). Rows read during a write section are
-    read again, as a batch, until their window is clean or :data:`WAIT_SECONDS` have
-    passed. On CUDA, knowing whether any was costs a host sync: the layers read versioned
-    rows on CUDA with the kernels (:mod:`gpu.kernels.stored_rows`), this only under the
-    torch cache backend."""
+    read again, as a batch, until their window is clean; those still not clean after
+    :data:`WAIT_SECONDS` are read holding ``wait`` (the table's writer lock: no section
+    is open then, a dead writer's repaired), or, without one, taken as read. On CUDA,
+    knowing whether any was torn costs a host sync: the layers read versioned rows on
+    CUDA with the kernels (:mod:`gpu.kernels.stored_rows`), this only under the torch
+    cache backend."""
     v1 = versions.index_select(0, idx)
     got = rows.index_select(0, idx)
     v2 = versions.index_select(0, idx)
@@ -121,6 +138,9 @@ def read_rows(rows: torch.Tensor, idx: torch.Tensor, versions: torch.Tensor) -> 
         ok = _clean(v1, v2)
         got.index_copy_(0, sel[ok], again[ok])
         sel = sel[~ok]
+    if sel.numel() and wait is not None:
+        with wait():  # NOTE: no writer inside a section while it is held
+            got.index_copy_(0, sel, rows.index_select(0, idx.index_select(0, sel)))
     return got
 
 

@@ -34,7 +34,7 @@ import torch
 
 from hostcache.hashing import bucket_of
 from hostcache.layout import EMPTY_KEY
-from hostcache.row_versions import is_versioned, read_rows, versions_in
+from hostcache.row_versions import is_versioned, read_rows, versions_in, wait_of
 from nvecache.common import quant
 from nvecache.common.rows import RowFormat
 
@@ -124,7 +124,7 @@ def gather_linear(
         return vals
     # NOTE: a versioned format's rows (a quantized SharedMemBlock) under their versions
     if fmt is not None and is_versioned(fmt):
-        tvals = read_rows(table, idx, versions_in(table, fmt.stored_bytes))
+        tvals = read_rows(table, idx, versions_in(table, fmt.stored_bytes), wait_of(fmt))
     else:
         tvals = table[idx]
     if fmt is not None and fmt.quantized:

@@ -28,7 +28,7 @@ from gpu.cache.twin import last_occurrence
 from gpu.errors import BadArgumentError, NonFiniteValuesError
 from gpu.kernels.triton_access import kernel_module, triton_available
 from hostcache.gate import TableGate
-from hostcache.row_versions import is_versioned, read_rows, versions_in
+from hostcache.row_versions import is_versioned, read_rows, versions_in, wait_of
 from nvecache.common import quant, rows
 from nvecache.common.accumulate import sum_duplicates
 from nvecache.common.finite import nonfinite_message, nonfinite_rows
@@ -97,7 +97,7 @@ def decoded(table: torch.Tensor, keys: torch.Tensor, fmt: rows.RowFormat,
         gather = kernel_module("gather", interpret=False).gather
         return gather(idx, table, None, host_table=True, fmt=fmt,
                       out_dtype=dtype).to(keys.device)
-    stored = read_rows(table, idx, versions_in(table, fmt.stored_bytes))
+    stored = read_rows(table, idx, versions_in(table, fmt.stored_bytes), wait_of(fmt))
     return quant.decode(stored, fmt, dtype).to(keys.device)
 
 

@@ -57,3 +57,24 @@ def die_in_section(name: str, rows: int, ready: Any) -> None:
         with row_versions.section(versions, slice(0, rows)):
             ready.set()
             threading.Event().wait()  # NOTE: until killed
+
+
+def hold_section(name: str, version: int, ready: Any, release: Any) -> None:
+    """Take the block's writer lock and open a write section of all its rows; write the
+    first half of each row's stored bytes of write ``version`` (the rows torn: new payload
+    bytes beside old ones and old parameters), set ``ready``, wait for ``release``, then
+    write the rest and close the section."""
+    from hostcache import row_versions
+    from nvecache.common import quant
+
+    with SharedMemBlock.attach(name) as mb, mb.exclusive():
+        versions = mb.versions
+        assert versions is not None
+        keys = torch.arange(mb.num_rows)
+        stored = quant.encode(version_rows(keys, version, mb.dim), mb.row_format)
+        half = stored.shape[1] // 2
+        with row_versions.section(versions, slice(0, mb.num_rows)):
+            mb.tensor[:, :half] = stored[:, :half]
+            ready.set()
+            release.wait()
+            mb.tensor[:, half:stored.shape[1]] = stored[:, half:]

@@ -30,6 +30,7 @@ import torch
 
 from gpu import LayerType, NVEmbedding
 from gpu.kernels.triton_access import kernel_module, triton_available
+from hostcache import row_versions
 from nvecache.common.rows import RowFormat
 from tests.gpu import quantized_workers
 from tests.gpu.layer_tables import DEVICES, race
@@ -180,6 +181,51 @@ def test_a_writer_process_racing_lookups_leaves_whole_rows(fmt: torch.dtype,
                 layer.close()
 
 
+def test_readers_wait_out_a_live_writer_that_holds_its_section() -> None:
+    # a writer process holds a write section open, its rows torn, longer than a CPU
+    # reader reads rows again unlocked (row_versions.WAIT_SECONDS): the readers then wait
+    # on the writer lock, and return the rows whole once the writer closed its section
+    rows, dim, fmt = 16, 40, torch.int8
+    keys = torch.arange(rows)
+    old = quantized_workers.version_rows(keys, 2, dim)
+    with quantized_block(rows, dim, fmt, old) as mb:
+        layers = [NVEmbedding(rows, dim, torch.float32, LayerType.GPULayer, storage=mb,
+                              device="cpu"),
+                  NVEmbedding(rows, dim, torch.float32, LayerType.LinearUVM, storage=mb,
+                              device="cpu", gpu_cache_size=cache_bytes(dim, torch.float32))]
+        ready, release = CTX.Event(), CTX.Event()
+        proc = CTX.Process(target=quantized_workers.hold_section,
+                           args=(mb.name, 5, ready, release))
+        proc.start()
+        got: dict[int, torch.Tensor] = {}
+        readers = [*layers, mb.read]
+        threads = [threading.Thread(target=lambda i=i, r=r: got.__setitem__(i, r(keys)))
+                   for i, r in enumerate(readers)]
+        try:
+            assert ready.wait(timeout=120), f"the writer never began (exit {proc.exitcode})"
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=4 * row_versions.WAIT_SECONDS)
+            # NOTE: a reader that took the torn rows would be done by now
+            assert all(t.is_alive() for t in threads), sorted(got)
+            release.set()
+            for t in threads:
+                t.join(timeout=120)
+            proc.join(timeout=120)
+            assert proc.exitcode == 0 and not any(t.is_alive() for t in threads)
+            new = reference(quantized_workers.version_rows(keys, 5, dim), fmt, torch.float32)
+            for i in range(len(readers)):
+                assert torch.equal(got[i], new), i
+        finally:
+            release.set()
+            proc.join(timeout=120)
+            if proc.is_alive():
+                proc.kill()
+            for layer in layers:
+                layer.close()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_writer_killed_inside_its_section_neither_hangs_readers_nor_stays(
         device: str) -> None:
@@ -206,14 +252,16 @@ def test_a_writer_killed_inside_its_section_neither_hangs_readers_nor_stays(
                               device=device, gpu_cache_size=cache_bytes(dim, torch.float32))]
         try:
             # readers wait a bounded time for the dead writer's rows, then take them as
-            # they are (here unchanged: it wrote nothing)
+            # they are (here unchanged: it wrote nothing); a CPU reader (mb.read, and on
+            # the CPU the layers) takes the writer lock for them, which repairs the
+            # section: every version even, every cache told
+            repairs = mb.repairs
             for read in [*layers, lambda k: mb.read(k.cpu())]:
                 assert torch.equal(read(keys.to(device)).cpu(), as_read)
-            # the next writer repairs the section: every version even, every cache told
-            repairs = mb.repairs
-            mb.write(torch.tensor([15]), values[15:])
             assert mb.writer_pid == 0 and mb.repairs == repairs + 1
             assert bool((versions % 2 == 0).all())
+            mb.write(torch.tensor([15]), values[15:])
+            assert mb.repairs == repairs + 1
             for layer in layers:
                 assert torch.equal(layer(keys.to(device)).cpu(), as_read)
         finally:
