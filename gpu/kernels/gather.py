@@ -10,25 +10,9 @@ elements in). Large batches over a table in host memory are visited in row (host
 order, as the cache lookups are (``gpu.kernels.cache_lookup.page_order``). A quantized
 table's rows are dequantized in the same load (:mod:`gpu.kernels.stored_rows`) and written
 in the output's dtype.
-
-A quantized ``SharedMemBlock``'s rows, which another process may be writing (a format
-with seqlock versions, ``SEQ``), are read in three launches on the caller's stream, so
-that each step's loads have all completed before the next step's are issued (a kernel
-boundary, as the host cache's reads are ordered: :mod:`gpu.kernels.host_tier`): the rows'
-versions (:func:`_versions_kernel`, into an int32 buffer), the rows
-(:func:`_gather_kernel`, every load fetched from host memory again), then the versions
-again (:func:`_verify_kernel`); a row whose first version was odd or changed is read
-again there, under its versions in the same kernel
-(:func:`gpu.kernels.stored_rows.load_rows`), and its output row replaced. Loads inside
-one kernel are ordered only by when they are issued, and the one-launch seqlock tore on
-H100s (bench/RESULTS.md); the likely cause (a hypothesis) is a load issued after another's
-value arrived yet answered by an older fetch of the same 32-byte sector that another
-warp had in flight.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 import triton
@@ -43,8 +27,6 @@ from nvecache.common.rows import RowFormat
 _page_order = helper_module("cache_lookup").page_order
 _stored = helper_module("stored_rows")
 _load_rows = _stored.load_rows
-_load_versions = _stored.load_versions
-_max = _stored._max
 _to_dtype = _stored.to_dtype
 codec_constexprs = _stored.codec_constexprs
 
@@ -67,10 +49,7 @@ def _gather_kernel(
     inrange = kmask & (keys >= 0) & (keys < num_rows)
     d = tl.arange(0, BLOCK_D)
     dmask = d < DIM
-    # NOTE: a versioned table's rows: fetched from host memory again, their versions read
-    # in the launches before and after this one (see the module docstring)
-    vals = _load_rows(table_ptr, keys, inrange, tstride, d, dmask, QUANT, META,
-                      1 if SEQ else 0, 0)
+    vals = _load_rows(table_ptr, keys, inrange, tstride, d, dmask, QUANT, META, 0, SEQ)
     tl.store(out_ptr + offs[:, None] * DIM + d[None, :],
              _to_dtype(vals, out_ptr.dtype.element_ty), mask=kmask[:, None] & dmask[None, :])
     if CHECK:
@@ -80,45 +59,7 @@ def _gather_kernel(
         tl.store(err_ptr + offs * 0, keys, mask=bad)
 
 
-@triton.jit(do_not_specialize=["n", "num_rows"])
-def _versions_kernel(keys_ptr, n, table_ptr, num_rows, tstride, ver_ptr, SEQ: tl.constexpr,
-                     BLOCK: tl.constexpr):
-    """The versions of the keys' rows (0 for a key outside the table), before the rows are
-    read."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    kmask = offs < n
-    keys = tl.load(keys_ptr + offs, mask=kmask, other=0)
-    inrange = kmask & (keys >= 0) & (keys < num_rows)
-    tl.store(ver_ptr + offs, _load_versions(table_ptr, keys, inrange, tstride, SEQ), mask=kmask)
-
-
-@triton.jit(do_not_specialize=["n", "num_rows"])
-def _verify_kernel(keys_ptr, n, table_ptr, num_rows, tstride, ver_ptr, out_ptr,
-                   DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-                   QUANT: tl.constexpr, META: tl.constexpr, SEQ: tl.constexpr):
-    """The keys' versions again, after the rows were read: a row whose version was odd
-    before or changed since is read again under its versions and its output row
-    replaced."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
-    kmask = offs < n
-    keys = tl.load(keys_ptr + offs, mask=kmask, other=0)
-    inrange = kmask & (keys >= 0) & (keys < num_rows)
-    v1 = tl.load(ver_ptr + offs, mask=kmask, other=0)
-    v2 = _load_versions(table_ptr, keys, inrange, tstride, SEQ)
-    torn = inrange & ((v1 != v2) | ((v1 & 1) != 0))
-    if tl.reduce(torn.to(tl.int32), 0, _max) > 0:
-        d = tl.arange(0, BLOCK_D)
-        dmask = d < DIM
-        vals = _load_rows(table_ptr, keys, torn, tstride, d, dmask, QUANT, META, 1, SEQ)
-        tl.store(out_ptr + offs[:, None] * DIM + d[None, :],
-                 _to_dtype(vals, out_ptr.dtype.element_ty), mask=torn[:, None] & dmask[None, :])
-
-
 _LAUNCH = DirectLaunch(_gather_kernel)
-_VERSIONS = DirectLaunch(_versions_kernel)
-_VERIFY = DirectLaunch(_verify_kernel)
-#: keys per program of the versions kernel
-_VERSIONS_BLOCK = 256
 _CONSTEXPRS: dict[tuple[object, ...], dict[str, object]] = {}
 
 
@@ -150,17 +91,10 @@ def gather(keys: torch.Tensor, table: torch.Tensor, err: torch.Tensor | None, *,
         order = _page_order(keys, table.shape[0], 0)
     cx, key = _constexprs(dim, order is not None, err is not None, table.dtype, dtype, fmt,
                           tiles)
-    seq = cx["SEQ"]
-    common = (keys, n, table, table.shape[0], table.stride(0))
-    if seq:
-        ver = torch.empty(n, dtype=torch.int32, device=keys.device)
-        vcx, ccx = _seq_constexprs(cx)
-        _VERSIONS(((n + _VERSIONS_BLOCK - 1) // _VERSIONS_BLOCK,), (*common, ver), vcx, key)
     _LAUNCH(((n + bk - 1) // bk,),
-            (*common, out, err if err is not None else keys, order if order is not None else keys),
+            (keys, n, table, table.shape[0], table.stride(0), out,
+             err if err is not None else keys, order if order is not None else keys),
             cx, key)
-    if seq:
-        _VERIFY(((n + bk - 1) // bk,), (*common, ver, out), ccx, key)
     return out
 
 
@@ -186,19 +120,10 @@ class BoundRows:
         # NOTE: placeholders of the parameters' types that the caller keeps (the flag for
         # the int64 ones): binding allocates nothing, so it may happen inside a CUDA graph
         # capture (torch.compile's reduce-overhead) without leaving a tensor in its pool
-        common = (err, 0, table, table.shape[0], table.stride(0))
-        self.launch = BoundLaunch(_LAUNCH, (*common, table, err, err), cx, key, _VARYING)
+        self.launch = BoundLaunch(
+            _LAUNCH, (err, 0, table, table.shape[0], table.stride(0), table, err, err),
+            cx, key, _VARYING)
         self._call = self.launch.call
-        #: a versioned table's launches before and after the gather (see the module
-        #: docstring); None for any other table
-        self._versions: Any = None
-        self._verify: Any = None
-        if cx["SEQ"]:
-            vcx, ccx = _seq_constexprs(cx)
-            # NOTE: the int32 version buffer's placeholder: the keys' (any tensor will do)
-            self._versions = BoundLaunch(_VERSIONS, (*common, err), vcx, key, _VARYING).call
-            self._verify = BoundLaunch(_VERIFY, (*common, err, table), ccx, key,
-                                       _VARYING_C).call
         self._table, self._err, self._tiles, self._fmt = table, err, tiles, fmt
         self._dtype, self._device, self._block = dtype, device, tiles.gather_block_k
         order = tiles.linear_page_order
@@ -216,35 +141,12 @@ class BoundRows:
         else:
             out = torch.empty((*keys.shape, self.dim), dtype=self._dtype, device=self._device)
         if n:
-            grid = (n + self._block - 1) // self._block
-            if self._versions is None:
-                self._call(grid, keys, n, out)
-            else:
-                ver = torch.empty(n, dtype=torch.int32, device=self._device)
-                self._versions((n + _VERSIONS_BLOCK - 1) // _VERSIONS_BLOCK, keys, n, ver)
-                self._call(grid, keys, n, out)
-                self._verify(grid, keys, n, ver, out)
+            self._call((n + self._block - 1) // self._block, keys, n, out)
         return out
 
 
-#: what a bound gather passes per call (parameter indices): keys, n, out (the versions
-#: kernel: keys, n, the version buffer, at the same indices); the check: keys, n, the
-#: buffer, out
-_VARYING, _VARYING_C = (0, 1, 5), (0, 1, 5, 6)
-#: each gather variant's versions and check constexprs (kept: launches compare by identity)
-_SEQ_CX: dict[int, tuple[dict[str, object], dict[str, object]]] = {}
-
-
-def _seq_constexprs(cx: dict[str, object]) -> tuple[dict[str, object], dict[str, object]]:
-    """The versions and check kernels' constexprs beside gather variant ``cx``."""
-    found = _SEQ_CX.get(id(cx))
-    if found is None:
-        ccx = {k: cx[k] for k in ("DIM", "BLOCK_K", "BLOCK_D", "QUANT", "META", "SEQ",
-                                  "num_warps")}
-        if "enable_fp_fusion" in cx:
-            ccx["enable_fp_fusion"] = cx["enable_fp_fusion"]
-        found = _SEQ_CX[id(cx)] = ({"SEQ": cx["SEQ"], "BLOCK": _VERSIONS_BLOCK}, ccx)
-    return found
+#: what a bound gather passes per call (parameter indices): keys, n, out
+_VARYING = (0, 1, 5)
 
 
 def _constexprs(dim: int, ordered: bool, check: bool, dtype: torch.dtype,

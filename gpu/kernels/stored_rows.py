@@ -56,16 +56,17 @@ another write, would join two writes (the race test still tore about 1 read in
 round is one write's: a thread that saw a newer version before another thread's ``v2``
 (read after every part of the row) makes that ``v2`` newer too.
 
-Open: on an H100 the cross-process race test (a writer process against a LinearUVM layer,
-a GPULayer and the block's CPU ``read`` in another) still found torn reads with the
-joined verdict (bench/RESULTS.md, tenth session). The likely cause (a hypothesis, not
-shown): predicates order when loads *issue*, not which fetch answers them; a load
-issued after another's value arrived may be answered by an older fetch of the same
-32-byte sector that another warp had in flight (with a 528-byte row stride a row's
-version shares its sector with the next row's first bytes).
-The GPULayer gather therefore reads a versioned table in three launches
-(:mod:`gpu.kernels.gather`), using :func:`load_rows` with ``SEQ`` only for the rows its
-check found torn; the cache and pooled lookups still use it for every row.
+Open: on an H100 a writer process rewriting all rows of a block flat out (8% of its
+time inside a section) made the GPU readers run out of their :data:`ROUNDS` in 30-40% of
+lookups, and about 1 lookup in 300 returned a torn row, both the LinearUVM and the
+GPULayer kernels; with ``ROUNDS`` raised to ``2**22`` no lookup tore, but most lookups
+then spun the whole bound (2.6-3.3 s), and pausing between rounds made it worse
+(bench/RESULTS.md, twelfth session). Rows that a reader judges torn for thousands of
+rounds while the writer leaves them alone 92% of the time point at the retry itself
+(stale versions, or a verdict that does not clear), not at the writer; a CPU reader
+against the same writer needs at most 3 rounds. Past the bound a kernel takes the row as
+read: a GPU reader cannot take the writer lock, as a CPU reader does
+(:mod:`hostcache.row_versions`).
 """
 
 from __future__ import annotations
@@ -147,15 +148,6 @@ def load_rows(table_ptr, rows, rmask, tstride, d, dmask, QUANT: tl.constexpr,
     else:
         vals = _read_rows(table_ptr, rows, rmask, tstride, d, dmask, QUANT, META, VOLATILE)
     return vals
-
-
-@triton.jit
-def load_versions(table_ptr, rows, rmask, tstride, SEQ: tl.constexpr):
-    """int32: the seqlock versions of rows ``rows`` (masked by ``rmask``: 0 there) of a
-    versioned table, at byte ``SEQ`` of each row, fetched from host memory again
-    (``".cv"``)."""
-    vptr = (table_ptr + rows * tstride + SEQ).to(tl.pointer_type(tl.int32))
-    return tl.load(vptr, mask=rmask, other=0, cache_modifier=".cv")
 
 
 @triton.jit

@@ -245,29 +245,13 @@ def _sass(stem: str, name: str, sig: dict, cx: dict, options: dict) -> list[tupl
             for neg, g, op, args in _SASS.findall(text)]
 
 
-def test_a_versioned_gather_reads_its_versions_in_the_launches_around_the_rows(
-        launches: dict) -> None:
-    """A versioned table's gather is three launches (gpu/kernels/gather.py): the versions
-    kernel, the gather (which then loads no version: its rows are ordered by the kernel
-    boundaries) and the check."""
-    names = {v[1] for v in launches.values() if v[0] == "gather" and v[3].get("SEQ")}
-    assert names == {"_versions_kernel", "_gather_kernel", "_verify_kernel"}, names
-    for stem, name, sig, cx, options in launches.values():
-        if stem == "gather" and name == "_gather_kernel" and cx.get("SEQ"):
-            offsets = {int(m.group(1) or "0", 16)
-                       for _, op, args in _sass(stem, name, sig, cx, options)
-                       if op.startswith("LDG") and (m := _OFFSET.search(args))}
-            assert cx["SEQ"] not in offsets, f"{cx}: the gather loads a version"
-
-
 def test_a_versioned_row_is_loaded_only_after_its_version_arrived(launches: dict) -> None:
-    """Every load of a versioned row's payload or parameters where rows are read under
-    their versions in one launch (the gather check's re-read of torn rows, the cache and
-    pooled lookups) is guarded by a predicate computed from the version loaded before
-    it: the machine code keeps the order the seqlock needs (ptxas folded an earlier
-    form's opaque zero and issued the row's loads beside the version's)."""
+    """Every load of a versioned row's payload or parameters, in the compiled gather,
+    is guarded by a predicate computed from the version loaded before it: the machine
+    code keeps the order the seqlock needs (ptxas folded an earlier form's opaque zero
+    and issued the row's loads beside the version's)."""
     variants = [v for v in launches.values()
-                if v[:2] == ("gather", "_verify_kernel") and v[3].get("QUANT")]
+                if v[0] == "gather" and v[3].get("SEQ") and v[3].get("QUANT")]
     assert variants, "no versioned gather was launched"
     for stem, name, sig, cx, options in variants:
         seq = cx["SEQ"]
