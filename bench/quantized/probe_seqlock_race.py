@@ -1,0 +1,222 @@
+# ruff: noqa: N803  (Triton convention: compile-time constants are UPPER_CASE parameters)
+"""A device probe of a quantized SharedMemBlock's seqlock against a writer process: where
+the GPU readers' torn rows come from (gpu/kernels/stored_rows.py, "Open").
+
+A spawned writer rewrites every row of a 64 x 512 block flat out, version after version,
+as the cross-process race test's writer does (tests/gpu/quantized_workers.py). Then:
+
+* ``readers``: a LinearUVM layer, a GPULayer and the block's CPU ``read`` look the rows
+  up in turn for ``--seconds``; per reader: lookups, p50 / p99 / max time of a lookup
+  (its hash included), lookups over 10 ms, and lookups that returned a row that is no
+  version of its key (torn). ``--rounds`` recompiles the kernels with another
+  ``stored_rows.ROUNDS`` (their bound on re-reads), ``--wait`` sets the CPU readers'
+  ``row_versions.WAIT_SECONDS``.
+* ``versions``: one GPU program polls the 64 rows' versions (``.cv`` loads, as the
+  kernels read them) ``--polls`` times, and the CPU polls them for 2 s: the fraction of
+  polls that saw an odd version and the changes seen per row; the writer's own share of
+  time inside a section is printed first (no reader running).
+
+Run: ``python bench/quantized/probe_seqlock_race.py readers|versions [--device cuda]
+[--fmt int8] [--seconds 60] [--gpu-only] [--rounds N] [--wait S] [--polls N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from gpu import LayerType, NVEmbedding  # noqa: E402
+from hostcache import row_versions  # noqa: E402
+from tests.gpu import quantized_workers  # noqa: E402
+from tests.gpu.quantized_tables import cache_bytes, quantized_block, reference  # noqa: E402
+
+CTX = mp.get_context("spawn")
+ROWS, DIM, WRITES = 64, 512, 600
+
+
+def hashed(rows: torch.Tensor) -> torch.Tensor:
+    """int64 ``[...]``: a hash of each float32 row's bits (the last dim)."""
+    mult = torch.randint(1, 1 << 62, (rows.shape[-1],),
+                         generator=torch.Generator().manual_seed(7))
+    return (rows.float().contiguous().view(torch.int32).long() * mult).sum(-1)
+
+
+@contextmanager
+def writer(mb: Any) -> Any:
+    """The writer process, started once the ``with`` body sets the event it yields."""
+    started, stop, last = CTX.Event(), CTX.Event(), CTX.Value("i", -1)
+    proc = CTX.Process(target=quantized_workers.write_versions,
+                       args=(mb.name, WRITES, started, stop, last))
+    proc.start()
+    try:
+        yield started
+    finally:
+        stop.set()
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()
+        print(f"writer exit {proc.exitcode}, last version {last.value}")
+
+
+def readers(args: argparse.Namespace) -> None:
+    fmt = getattr(torch, args.fmt)
+    keys = torch.arange(ROWS)
+    every = hashed(torch.stack([
+        reference(quantized_workers.version_rows(keys, v, DIM), fmt, torch.float32)
+        for v in range(WRITES + 1)]))  # [versions, rows]
+    with quantized_block(ROWS, DIM, fmt, quantized_workers.version_rows(keys, 0, DIM)) as mb:
+        layers = [NVEmbedding(ROWS, DIM, torch.float32, LayerType.LinearUVM, storage=mb,
+                              device=args.device,
+                              gpu_cache_size=cache_bytes(DIM, torch.float32)),
+                  NVEmbedding(ROWS, DIM, torch.float32, LayerType.GPULayer, storage=mb,
+                              device=args.device)]
+        names = ["LinearUVM", "GPULayer", "SharedMemBlock.read"]
+        funcs = [*layers, lambda k: mb.read(k.cpu())]
+        use = [0, 1] if args.gpu_only else [0, 1, 2]
+        dev_keys = keys.to(args.device)
+        for i in use:  # NOTE: compiled before the clock starts
+            funcs[i](dev_keys)
+        times: dict[str, list[float]] = {names[i]: [] for i in use}
+        torn = dict.fromkeys(times, 0)
+        try:
+            with writer(mb) as started:
+                end, n = time.monotonic() + args.seconds, 0
+                while time.monotonic() < end:
+                    i = use[n % len(use)]
+                    t = time.perf_counter()
+                    got = hashed(funcs[i](dev_keys).cpu())
+                    times[names[i]].append(time.perf_counter() - t)
+                    started.set()
+                    bad = torch.stack([~torch.isin(got[r:r + 1], every[:, r])
+                                       for r in range(ROWS)])
+                    torn[names[i]] += int(bool(bad.any()))
+                    n += 1
+        finally:
+            for layer in layers:
+                layer.close()
+    for name, ts in times.items():
+        t = torch.tensor(ts) * 1e3
+        print(f"{name:20s} lookups {t.numel():6d}  p50 {t.median():9.3f} ms  p99 "
+              f"{t.quantile(.99):9.3f}  max {t.max():9.3f}  over 10 ms "
+              f"{int((t > 10).sum()):5d}  torn {torn[name]}")
+
+
+def versions(args: argparse.Namespace) -> None:
+    import triton
+    import triton.language as tl
+
+    from gpu.stacks.linear_tables import registered_rows
+
+    @triton.jit
+    def poll(rows_ptr, stride, SEQ: tl.constexpr, n_rows, polls, out_ptr,
+             BLOCK: tl.constexpr):
+        r = tl.arange(0, BLOCK)
+        m = r < n_rows
+        ptr = (rows_ptr + r.to(tl.int64) * stride + SEQ).to(tl.pointer_type(tl.int32))
+        prev = tl.load(ptr, mask=m, other=0, cache_modifier=".cv")
+        odd = tl.zeros([BLOCK], tl.int32)
+        changes = tl.zeros([BLOCK], tl.int32)
+        for i in range(polls):
+            # NOTE: a mask that changes every poll: the load cannot be hoisted
+            v = tl.load(ptr, mask=m & (prev != -1 - i), other=0, cache_modifier=".cv")
+            odd += v & 1
+            changes += (v != prev).to(tl.int32)
+            prev = v
+        tl.store(out_ptr + r, odd, mask=m)
+        tl.store(out_ptr + BLOCK + r, changes, mask=m)
+
+    keys = torch.arange(ROWS)
+    fmt = getattr(torch, args.fmt)
+    with quantized_block(ROWS, DIM, fmt, quantized_workers.version_rows(keys, 0, DIM)) as mb:
+        duty(mb)
+        reg, view = registered_rows(mb, torch.device("cuda"))
+        seq = mb.row_format.stored_bytes
+        out = torch.zeros(2 * ROWS, dtype=torch.int32, device="cuda")
+        try:
+            with writer(mb) as started:
+                started.set()
+                for polls in (1000, args.polls):
+                    t = time.perf_counter()
+                    poll[(1,)](view, view.stride(0), seq, ROWS, polls, out, BLOCK=ROWS)
+                    torch.cuda.synchronize()
+                    dt = time.perf_counter() - t
+                    o = out.cpu().float()
+                    print(f"GPU {polls} polls: {dt / polls * 1e6:.3f} us a poll, odd in "
+                          f"{o[:ROWS].mean() / polls:.2%} of them, {o[ROWS:].mean():.1f} "
+                          "changes a row")
+                v = mb.versions
+                assert v is not None
+                prev, n, odd, changes = v.clone(), 0, 0, 0
+                end = time.monotonic() + 2
+                while time.monotonic() < end:
+                    now = v.clone()
+                    odd += int((now & 1).sum())
+                    changes += int((now != prev).sum())
+                    prev, n = now, n + 1
+                print(f"CPU {n} polls: odd in {odd / n / ROWS:.2%} of them, "
+                      f"{changes / ROWS:.1f} changes a row")
+        finally:
+            if reg is not None:
+                reg.close()
+
+
+def duty(mb: Any) -> None:
+    """The writer's share of time inside a section, written in this process alone."""
+    inside = [0.0]
+    section = row_versions.section
+
+    @contextmanager
+    def timed(v: torch.Tensor, r: Any) -> Any:
+        t = time.perf_counter()
+        with section(v, r):
+            yield
+        inside[0] += time.perf_counter() - t
+
+    keys = torch.arange(ROWS)
+    row_versions.section = timed  # type: ignore[assignment]
+    try:
+        end, n, t0 = time.monotonic() + 2, 0, time.perf_counter()
+        while time.monotonic() < end:
+            n += 1
+            mb.write(keys, quantized_workers.version_rows(keys, n % WRITES + 1, DIM))
+        total = time.perf_counter() - t0
+    finally:
+        row_versions.section = section  # type: ignore[assignment]
+    print(f"writer alone: {n} writes, {total / n * 1e6:.1f} us a write, "
+          f"{inside[0] / total:.2%} of the time inside a section")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("what", choices=["readers", "versions"])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--fmt", default="int8", choices=["int8", "float8_e4m3fn"])
+    p.add_argument("--seconds", type=float, default=60.0)
+    p.add_argument("--gpu-only", action="store_true", help="the two layers only")
+    p.add_argument("--rounds", type=int, help="stored_rows.ROUNDS for this run")
+    p.add_argument("--wait", type=float, help="row_versions.WAIT_SECONDS for this run")
+    p.add_argument("--polls", type=int, default=1_000_000)
+    args = p.parse_args()
+    if args.rounds:
+        import triton.language as tl
+
+        from gpu.kernels.triton_access import kernel_module
+
+        # NOTE: before any kernel compiles: the kernels take the module's global then
+        kernel_module("stored_rows", interpret=False).ROUNDS = tl.constexpr(args.rounds)
+    if args.wait:
+        row_versions.WAIT_SECONDS = args.wait
+    readers(args) if args.what == "readers" else versions(args)
+
+
+if __name__ == "__main__":
+    main()
