@@ -11,10 +11,11 @@ as the cross-process race test's writer does (tests/gpu/quantized_workers.py). T
   version of its key (torn). ``--rounds`` recompiles the kernels with another
   ``stored_rows.ROUNDS`` (their bound on re-reads), ``--wait`` sets the CPU readers'
   ``row_versions.WAIT_SECONDS``.
-* ``versions``: one GPU program polls the 64 rows' versions (``.cv`` loads, as the
-  kernels read them) ``--polls`` times, and the CPU polls them for 2 s: the fraction of
-  polls that saw an odd version and the changes seen per row; the writer's own share of
-  time inside a section is printed first (no reader running).
+* ``versions``: one GPU program (on the CPU: the interpreter, a check of the script)
+  polls the 64 rows' versions (``.cv`` loads, as the kernels read them) ``--polls``
+  times, and the CPU polls them for 2 s: the fraction of polls that saw an odd version
+  and the changes seen per row; the writer's own share of time inside a section is
+  printed first (no reader running).
 
 Run: ``python bench/quantized/probe_seqlock_race.py readers|versions [--device cuda]
 [--fmt int8] [--seconds 60] [--gpu-only] [--rounds N] [--wait S] [--polls N]``.
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -110,47 +112,62 @@ def readers(args: argparse.Namespace) -> None:
               f"{int((t > 10).sum()):5d}  torn {torn[name]}")
 
 
+def _poll(rows_ptr, stride, SEQ: tl.constexpr, n_rows, polls, out_ptr,
+          BLOCK: tl.constexpr):
+    """One program: polls the versions of rows ``0 .. n_rows - 1`` (at byte ``SEQ`` of
+    each row, ``stride`` bytes apart) ``polls`` times; per row, the polls that saw an odd
+    version and the changes seen, to ``out_ptr``. Decorated when the run knows where it
+    runs (the interpreter on the CPU)."""
+    r = tl.arange(0, BLOCK)
+    m = r < n_rows
+    ptr = (rows_ptr + r.to(tl.int64) * stride + SEQ).to(tl.pointer_type(tl.int32))
+    prev = tl.load(ptr, mask=m, other=0, cache_modifier=".cv")
+    odd = tl.full([BLOCK], 0, tl.int32)
+    changes = tl.full([BLOCK], 0, tl.int32)
+    for i in range(polls):
+        # NOTE: a mask that changes every poll: the load cannot be hoisted
+        v = tl.load(ptr, mask=m & (prev != -1 - i), other=0, cache_modifier=".cv")
+        odd += v & 1
+        changes += (v != prev).to(tl.int32)
+        prev = v
+    tl.store(out_ptr + r, odd, mask=m)
+    tl.store(out_ptr + BLOCK + r, changes, mask=m)
+
+
 def versions(args: argparse.Namespace) -> None:
     import triton
-    import triton.language as tl
+    from triton import knobs
 
     from gpu.stacks.linear_tables import registered_rows
 
-    @triton.jit
-    def poll(rows_ptr, stride, SEQ: tl.constexpr, n_rows, polls, out_ptr,
-             BLOCK: tl.constexpr):
-        r = tl.arange(0, BLOCK)
-        m = r < n_rows
-        ptr = (rows_ptr + r.to(tl.int64) * stride + SEQ).to(tl.pointer_type(tl.int32))
-        prev = tl.load(ptr, mask=m, other=0, cache_modifier=".cv")
-        odd = tl.zeros([BLOCK], tl.int32)
-        changes = tl.zeros([BLOCK], tl.int32)
-        for i in range(polls):
-            # NOTE: a mask that changes every poll: the load cannot be hoisted
-            v = tl.load(ptr, mask=m & (prev != -1 - i), other=0, cache_modifier=".cv")
-            odd += v & 1
-            changes += (v != prev).to(tl.int32)
-            prev = v
-        tl.store(out_ptr + r, odd, mask=m)
-        tl.store(out_ptr + BLOCK + r, changes, mask=m)
+    # NOTE: on the CPU the poll runs in Triton's interpreter (a check of this script)
+    knobs.runtime.interpret = args.device == "cpu"
+
+    poll = triton.jit(_poll)
 
     keys = torch.arange(ROWS)
     fmt = getattr(torch, args.fmt)
     with quantized_block(ROWS, DIM, fmt, quantized_workers.version_rows(keys, 0, DIM)) as mb:
         duty(mb)
-        reg, view = registered_rows(mb, torch.device("cuda"))
+        reg, view = registered_rows(mb, torch.device(args.device))
         seq = mb.row_format.stored_bytes
-        out = torch.zeros(2 * ROWS, dtype=torch.int32, device="cuda")
+        out = torch.zeros(2 * ROWS, dtype=torch.int32, device=args.device)
         try:
             with writer(mb) as started:
                 started.set()
-                for polls in (1000, args.polls):
+                v0, since = mb.versions, time.monotonic()
+                assert v0 is not None
+                first = int(v0[0])
+                while int(v0[0]) == first and time.monotonic() - since < 60:
+                    time.sleep(0.001)  # NOTE: polls from the writer's first write on
+                for polls in (min(1000, args.polls), args.polls):
                     t = time.perf_counter()
                     poll[(1,)](view, view.stride(0), seq, ROWS, polls, out, BLOCK=ROWS)
-                    torch.cuda.synchronize()
+                    out.cpu()  # NOTE: waits for the poll
                     dt = time.perf_counter() - t
                     o = out.cpu().float()
-                    print(f"GPU {polls} polls: {dt / polls * 1e6:.3f} us a poll, odd in "
+                    print(f"{args.device} kernel, {polls} polls: "
+                          f"{dt / polls * 1e6:.3f} us a poll, odd in "
                           f"{o[:ROWS].mean() / polls:.2%} of them, {o[ROWS:].mean():.1f} "
                           "changes a row")
                 v = mb.versions
