@@ -24,7 +24,6 @@ Run: ``python bench/quantized/probe_seqlock_race.py readers|versions [--device c
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import sys
 import time
 from contextlib import contextmanager
@@ -39,17 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from gpu import LayerType, NVEmbedding  # noqa: E402
 from hostcache import row_versions  # noqa: E402
 from tests.gpu import quantized_workers  # noqa: E402
+from tests.gpu.quantized.test_linear_quantized_races import CTX, hashed  # noqa: E402
 from tests.gpu.quantized_tables import cache_bytes, quantized_block, reference  # noqa: E402
 
-CTX = mp.get_context("spawn")
 ROWS, DIM, WRITES = 64, 512, 600
-
-
-def hashed(rows: torch.Tensor) -> torch.Tensor:
-    """int64 ``[...]``: a hash of each float32 row's bits (the last dim)."""
-    mult = torch.randint(1, 1 << 62, (rows.shape[-1],),
-                         generator=torch.Generator().manual_seed(7))
-    return (rows.float().contiguous().view(torch.int32).long() * mult).sum(-1)
 
 
 @contextmanager
