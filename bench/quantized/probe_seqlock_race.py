@@ -16,9 +16,16 @@ as the cross-process race test's writer does (tests/gpu/quantized_workers.py). T
   times, and the CPU polls them for 2 s: the fraction of polls that saw an odd version
   and the changes seen per row; the writer's own share of time inside a section is
   printed first (no reader running).
+* ``rounds``: one program runs ``--polls`` rounds of the kernels' own seqlocked read
+  (``stored_rows._versioned_once``: version, row, version, predicated as the lookups do)
+  over the 64 rows and counts, per row, the rounds it judged torn; beside ``versions``
+  this tells a round that fails as often as the writer is inside a section from one that
+  keeps failing. ``--pause`` slows the writer (on the CPU, where the interpreter takes
+  about a second a round, a check that a round between writes is judged whole).
 
-Run: ``python bench/quantized/probe_seqlock_race.py readers|versions [--device cuda]
-[--fmt int8] [--seconds 60] [--gpu-only] [--rounds N] [--wait S] [--polls N]``.
+Run: ``python bench/quantized/probe_seqlock_race.py readers|versions|rounds [--device cuda]
+[--fmt int8] [--seconds 60] [--gpu-only] [--rounds N] [--wait S] [--polls N]
+[--pause S]``.
 """
 
 from __future__ import annotations
@@ -44,12 +51,30 @@ from tests.gpu.quantized_tables import cache_bytes, quantized_block, reference  
 ROWS, DIM, WRITES = 64, 512, 600
 
 
+def paced_writer(name: str, pause: float, started: Any, stop: Any, last: Any) -> None:
+    """:func:`tests.gpu.quantized_workers.write_versions` with ``pause`` seconds between
+    writes (every row, one span, version after version)."""
+    from hostcache import SharedMemBlock
+
+    with SharedMemBlock.attach(name) as mb:
+        keys = torch.arange(mb.num_rows)
+        started.wait()
+        v = 0
+        while not stop.is_set() or v == 0:
+            v = v % WRITES + 1
+            mb.write(keys, quantized_workers.version_rows(keys, v, mb.dim))
+            stop.wait(pause)
+        last.value = v
+
+
 @contextmanager
-def writer(mb: Any) -> Any:
-    """The writer process, started once the ``with`` body sets the event it yields."""
+def writer(mb: Any, pause: float = 0.0) -> Any:
+    """The writer process (``pause`` > 0: :func:`paced_writer`), started once the ``with``
+    body sets the event it yields."""
     started, stop, last = CTX.Event(), CTX.Event(), CTX.Value("i", -1)
-    proc = CTX.Process(target=quantized_workers.write_versions,
-                       args=(mb.name, WRITES, started, stop, last))
+    target, args = ((quantized_workers.write_versions, (mb.name, WRITES)) if pause <= 0
+                    else (paced_writer, (mb.name, pause)))
+    proc = CTX.Process(target=target, args=(*args, started, stop, last))
     proc.start()
     try:
         yield started
@@ -126,6 +151,73 @@ def _poll(rows_ptr, stride, SEQ: tl.constexpr, n_rows, polls, out_ptr,
     tl.store(out_ptr + BLOCK + r, changes, mask=m)
 
 
+def _rounds(table_ptr, tstride, n_rows, polls, out_ptr, DIM: tl.constexpr,
+            BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr,
+            META: tl.constexpr, SEQ: tl.constexpr):
+    """One program: ``polls`` rounds of the seqlocked read of rows ``0 .. n_rows - 1``
+    (``_versioned_once``, the kernels' own, bound in this module's globals by
+    :func:`rounds`); per row, the rounds judged torn, to ``out_ptr``."""
+    rows = tl.arange(0, BLOCK_K).to(tl.int64)
+    rmask = rows < n_rows
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < DIM
+    vptr = (table_ptr + rows * tstride + SEQ).to(tl.pointer_type(tl.int32))
+    torn = tl.full([BLOCK_K], 0, tl.int32)
+    for i in range(polls):
+        vals, bad = _versioned_once(table_ptr, vptr, rows, rmask, tstride, d,  # noqa: F821
+                                    dmask, QUANT, META, i + 1)
+        torn += bad.to(tl.int32)
+    tl.store(out_ptr + rows, torn, mask=rmask)
+
+
+def rounds(args: argparse.Namespace) -> None:
+    import triton
+
+    from gpu.kernels.triton_access import kernel_module
+    from gpu.stacks.linear_tables import registered_rows
+
+    cpu = args.device == "cpu"
+    stored = kernel_module("stored_rows", interpret=cpu)
+    globals()["_versioned_once"] = stored._versioned_once
+    from triton import knobs
+
+    knobs.runtime.interpret = cpu
+    kernel = triton.jit(_rounds)
+    keys = torch.arange(ROWS)
+    fmt = getattr(torch, args.fmt)
+    with quantized_block(ROWS, DIM, fmt, quantized_workers.version_rows(keys, 0, DIM)) as mb:
+        duty(mb)
+        reg, view = registered_rows(mb, torch.device(args.device))
+        cx = stored.codec_constexprs(mb.read_format)
+        cx.pop("enable_fp_fusion", None)
+        out = torch.zeros(ROWS, dtype=torch.int32, device=args.device)
+        try:
+            with writer(mb, args.pause) as started:
+                started.set()
+                _first_write(mb)
+                for polls in (min(100, args.polls), args.polls):
+                    t = time.perf_counter()
+                    kernel[(1,)](view, view.stride(0), ROWS, polls, out, DIM=DIM,
+                                 BLOCK_K=ROWS, BLOCK_D=DIM, num_warps=8, **cx)
+                    o = out.cpu().float()
+                    dt = time.perf_counter() - t
+                    print(f"{args.device} kernel, {polls} rounds: {dt / polls * 1e6:.3f} us a "
+                          f"round, judged torn in {o.mean() / polls:.2%} of them (the worst "
+                          f"row {o.max() / polls:.2%})")
+        finally:
+            if reg is not None:
+                reg.close()
+
+
+def _first_write(mb: Any) -> None:
+    """Wait (up to 60 s) for the writer's first write."""
+    v0, since = mb.versions, time.monotonic()
+    assert v0 is not None
+    first = int(v0[0])
+    while int(v0[0]) == first and time.monotonic() - since < 60:
+        time.sleep(0.001)  # NOTE: measure from the writer's first write on
+
+
 def versions(args: argparse.Namespace) -> None:
     import triton
     from triton import knobs
@@ -147,11 +239,7 @@ def versions(args: argparse.Namespace) -> None:
         try:
             with writer(mb) as started:
                 started.set()
-                v0, since = mb.versions, time.monotonic()
-                assert v0 is not None
-                first = int(v0[0])
-                while int(v0[0]) == first and time.monotonic() - since < 60:
-                    time.sleep(0.001)  # NOTE: polls from the writer's first write on
+                _first_write(mb)
                 for polls in (min(1000, args.polls), args.polls):
                     t = time.perf_counter()
                     poll[(1,)](view, view.stride(0), seq, ROWS, polls, out, BLOCK=ROWS)
@@ -206,7 +294,7 @@ def duty(mb: Any) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=["readers", "versions"])
+    p.add_argument("what", choices=["readers", "versions", "rounds"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--fmt", default="int8", choices=["int8", "float8_e4m3fn"])
     p.add_argument("--seconds", type=float, default=60.0)
@@ -214,6 +302,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, help="stored_rows.ROUNDS for this run")
     p.add_argument("--wait", type=float, help="row_versions.WAIT_SECONDS for this run")
     p.add_argument("--polls", type=int, default=1_000_000)
+    p.add_argument("--pause", type=float, default=0.0,
+                   help="rounds: seconds the writer waits between writes (0: flat out)")
     args = p.parse_args()
     if args.rounds:
         import triton.language as tl
@@ -224,7 +314,7 @@ def main() -> None:
         kernel_module("stored_rows", interpret=False).ROUNDS = tl.constexpr(args.rounds)
     if args.wait:
         row_versions.WAIT_SECONDS = args.wait
-    readers(args) if args.what == "readers" else versions(args)
+    {"readers": readers, "versions": versions, "rounds": rounds}[args.what](args)
 
 
 if __name__ == "__main__":
