@@ -7,8 +7,6 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source bench/device/device_env.sh
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 \
-  || { echo "pip install -e . failed (see $OUT/install.log)"; exit 1; }
 nvidia-smi -L | tee "$OUT/env.txt"
 probe() {
   echo "== $*" | tee -a "$OUT/seqlock.log"

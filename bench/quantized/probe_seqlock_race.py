@@ -51,30 +51,13 @@ from tests.gpu.quantized_tables import cache_bytes, quantized_block, reference  
 ROWS, DIM, WRITES = 64, 512, 600
 
 
-def paced_writer(name: str, pause: float, started: Any, stop: Any, last: Any) -> None:
-    """:func:`tests.gpu.quantized_workers.write_versions` with ``pause`` seconds between
-    writes (every row, one span, version after version)."""
-    from hostcache import SharedMemBlock
-
-    with SharedMemBlock.attach(name) as mb:
-        keys = torch.arange(mb.num_rows)
-        started.wait()
-        v = 0
-        while not stop.is_set() or v == 0:
-            v = v % WRITES + 1
-            mb.write(keys, quantized_workers.version_rows(keys, v, mb.dim))
-            stop.wait(pause)
-        last.value = v
-
-
 @contextmanager
 def writer(mb: Any, pause: float = 0.0) -> Any:
-    """The writer process (``pause`` > 0: :func:`paced_writer`), started once the ``with``
-    body sets the event it yields."""
+    """The writer process (``pause`` seconds between its writes), started once the
+    ``with`` body sets the event it yields."""
     started, stop, last = CTX.Event(), CTX.Event(), CTX.Value("i", -1)
-    target, args = ((quantized_workers.write_versions, (mb.name, WRITES)) if pause <= 0
-                    else (paced_writer, (mb.name, pause)))
-    proc = CTX.Process(target=target, args=(*args, started, stop, last))
+    proc = CTX.Process(target=quantized_workers.write_versions,
+                       args=(mb.name, WRITES, started, stop, last, pause))
     proc.start()
     try:
         yield started
@@ -174,7 +157,6 @@ def rounds(args: argparse.Namespace) -> None:
     import triton
 
     from gpu.kernels.triton_access import kernel_module
-    from gpu.stacks.linear_tables import registered_rows
 
     cpu = args.device == "cpu"
     stored = kernel_module("stored_rows", interpret=cpu)
@@ -183,27 +165,38 @@ def rounds(args: argparse.Namespace) -> None:
 
     knobs.runtime.interpret = cpu
     kernel = triton.jit(_rounds)
+    out = torch.zeros(ROWS, dtype=torch.int32, device=args.device)
+    with written_block(args, args.pause) as (mb, view):
+        cx = stored.codec_constexprs(mb.read_format)
+        cx.pop("enable_fp_fusion", None)
+        for polls in (min(100, args.polls), args.polls):
+            t = time.perf_counter()
+            kernel[(1,)](view, view.stride(0), ROWS, polls, out, DIM=DIM, BLOCK_K=ROWS,
+                         BLOCK_D=DIM, num_warps=8, **cx)
+            o = out.cpu().float()
+            dt = time.perf_counter() - t
+            print(f"{args.device} kernel, {polls} rounds: {dt / polls * 1e6:.3f} us a round, "
+                  f"judged torn in {o.mean() / polls:.2%} of them (the worst row "
+                  f"{o.max() / polls:.2%})")
+
+
+@contextmanager
+def written_block(args: argparse.Namespace, pause: float = 0.0) -> Any:
+    """(block, its rows as the kernels see them on ``args.device``) of a fresh quantized
+    block, the writer's duty printed first, then the writer process running from its first
+    write on for the ``with`` body."""
+    from gpu.stacks.linear_tables import registered_rows
+
     keys = torch.arange(ROWS)
     fmt = getattr(torch, args.fmt)
     with quantized_block(ROWS, DIM, fmt, quantized_workers.version_rows(keys, 0, DIM)) as mb:
         duty(mb)
         reg, view = registered_rows(mb, torch.device(args.device))
-        cx = stored.codec_constexprs(mb.read_format)
-        cx.pop("enable_fp_fusion", None)
-        out = torch.zeros(ROWS, dtype=torch.int32, device=args.device)
         try:
-            with writer(mb, args.pause) as started:
+            with writer(mb, pause) as started:
                 started.set()
                 _first_write(mb)
-                for polls in (min(100, args.polls), args.polls):
-                    t = time.perf_counter()
-                    kernel[(1,)](view, view.stride(0), ROWS, polls, out, DIM=DIM,
-                                 BLOCK_K=ROWS, BLOCK_D=DIM, num_warps=8, **cx)
-                    o = out.cpu().float()
-                    dt = time.perf_counter() - t
-                    print(f"{args.device} kernel, {polls} rounds: {dt / polls * 1e6:.3f} us a "
-                          f"round, judged torn in {o.mean() / polls:.2%} of them (the worst "
-                          f"row {o.max() / polls:.2%})")
+                yield mb, view
         finally:
             if reg is not None:
                 reg.close()
@@ -222,48 +215,31 @@ def versions(args: argparse.Namespace) -> None:
     import triton
     from triton import knobs
 
-    from gpu.stacks.linear_tables import registered_rows
-
     # NOTE: on the CPU the poll runs in Triton's interpreter (a check of this script)
     knobs.runtime.interpret = args.device == "cpu"
-
     poll = triton.jit(_poll)
-
-    keys = torch.arange(ROWS)
-    fmt = getattr(torch, args.fmt)
-    with quantized_block(ROWS, DIM, fmt, quantized_workers.version_rows(keys, 0, DIM)) as mb:
-        duty(mb)
-        reg, view = registered_rows(mb, torch.device(args.device))
+    out = torch.zeros(2 * ROWS, dtype=torch.int32, device=args.device)
+    with written_block(args) as (mb, view):
         seq = mb.row_format.stored_bytes
-        out = torch.zeros(2 * ROWS, dtype=torch.int32, device=args.device)
-        try:
-            with writer(mb) as started:
-                started.set()
-                _first_write(mb)
-                for polls in (min(1000, args.polls), args.polls):
-                    t = time.perf_counter()
-                    poll[(1,)](view, view.stride(0), seq, ROWS, polls, out, BLOCK=ROWS)
-                    out.cpu()  # NOTE: waits for the poll
-                    dt = time.perf_counter() - t
-                    o = out.cpu().float()
-                    print(f"{args.device} kernel, {polls} polls: "
-                          f"{dt / polls * 1e6:.3f} us a poll, odd in "
-                          f"{o[:ROWS].mean() / polls:.2%} of them, {o[ROWS:].mean():.1f} "
-                          "changes a row")
-                v = mb.versions
-                assert v is not None
-                prev, n, odd, changes = v.clone(), 0, 0, 0
-                end = time.monotonic() + 2
-                while time.monotonic() < end:
-                    now = v.clone()
-                    odd += int((now & 1).sum())
-                    changes += int((now != prev).sum())
-                    prev, n = now, n + 1
-                print(f"CPU {n} polls: odd in {odd / n / ROWS:.2%} of them, "
-                      f"{changes / ROWS:.1f} changes a row")
-        finally:
-            if reg is not None:
-                reg.close()
+        for polls in (min(1000, args.polls), args.polls):
+            t = time.perf_counter()
+            poll[(1,)](view, view.stride(0), seq, ROWS, polls, out, BLOCK=ROWS)
+            o = out.cpu().float()  # NOTE: waits for the poll
+            dt = time.perf_counter() - t
+            print(f"{args.device} kernel, {polls} polls: {dt / polls * 1e6:.3f} us a poll, "
+                  f"odd in {o[:ROWS].mean() / polls:.2%} of them, {o[ROWS:].mean():.1f} "
+                  "changes a row")
+        v = mb.versions
+        assert v is not None
+        prev, n, odd, changes = v.clone(), 0, 0, 0
+        end = time.monotonic() + 2
+        while time.monotonic() < end:
+            now = v.clone()
+            odd += int((now & 1).sum())
+            changes += int((now != prev).sum())
+            prev, n = now, n + 1
+        print(f"CPU {n} polls: odd in {odd / n / ROWS:.2%} of them, "
+              f"{changes / ROWS:.1f} changes a row")
 
 
 def duty(mb: Any) -> None:

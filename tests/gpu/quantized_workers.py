@@ -23,13 +23,15 @@ def version_rows(keys: torch.Tensor, version: int, dim: int) -> torch.Tensor:
     return torch.where(mask[None, :], size, -0.5 * size)
 
 
-def write_versions(name: str, versions: int, started: Any, stop: Any, last: Any) -> None:
+def write_versions(name: str, versions: int, started: Any, stop: Any, last: Any,
+                   pause: float = 0.0) -> None:
     """Once the reader has ``started``, write versions ``1 .. versions`` of every row of the
     block ``name``, over and over (after ``versions``, 1 again), until ``stop`` is set;
     then put the last version written in ``last`` (a shared int). Even versions in one
     span, odd ones row by row in a shuffled order (the block's two write paths). The
     reader stops it after a number of reads, so that a slow reader (the interpreter on
-    the CPU) races as many writes as a fast one."""
+    the CPU) races as many writes as a fast one. ``pause``: seconds between writes (a
+    paced writer: ``bench/quantized/probe_seqlock_race.py``)."""
     with SharedMemBlock.attach(name) as mb:
         keys = torch.arange(mb.num_rows)
         started.wait()
@@ -41,6 +43,8 @@ def write_versions(name: str, versions: int, started: Any, stop: Any, last: Any)
             else:
                 shuffled = keys[torch.randperm(keys.numel())]
                 mb.write(shuffled, version_rows(shuffled, v, mb.dim))
+            if pause > 0:
+                stop.wait(pause)
         last.value = v
 
 
