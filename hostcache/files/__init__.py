@@ -81,7 +81,7 @@ def _chunks(table: SharedTable, chunk: int) -> Iterator[tuple[torch.Tensor, torc
             # NOTE: a quantized block's rows read under their versions (never torn by
             # another process's write), as a cache's rows are read seqlocked
             yield idx, (rows[a:b].contiguous() if versions is None
-                        else row_versions.read_rows(rows, idx, versions, table._writing))
+                        else row_versions.read_rows(rows, idx, versions, table.exclusive))
         return
     assert isinstance(table, HostCache)
     held = table._nkeys.copy()  # NOTE: one pass over the key slots; rows read seqlocked
