@@ -245,36 +245,82 @@ def _sass(stem: str, name: str, sig: dict, cx: dict, options: dict) -> list[tupl
             for neg, g, op, args in _SASS.findall(text)]
 
 
+#: a register or predicate operand (``R12``, ``UR4``, ``P3``, ``!P3``, ``R6.64``, ``R2.reuse``)
+_OPERAND = re.compile(r"\bU?[RP]\d+\b")
+#: opcodes whose first two operands are both written (a predicate and a register or PT)
+_TWO_OUT = ("ISETP", "FSETP", "DSETP", "HSETP", "PLOP3", "LOP3")
+
+
+def _operands(op: str, args: str) -> tuple[list[str], list[str]]:
+    """(written, read) registers and predicates of one SASS instruction (RZ and PT, the
+    constants, are neither)."""
+    parts = [a.strip() for a in args.split(",")]
+    if op.startswith(("ST", "RED", "BAR", "BRA", "EXIT")) or not parts[0]:
+        return [], _OPERAND.findall(args)
+    outs = 2 if op.startswith(_TWO_OUT) and re.match(r"U?P\d|PT", parts[0]) else 1
+    written = [r for p in parts[:outs] for r in _OPERAND.findall(p) if "[" not in p]
+    return written, _OPERAND.findall(",".join(parts[outs:]))
+
+
 def test_a_versioned_row_is_loaded_only_after_its_version_arrived(launches: dict) -> None:
     """Every load of a versioned row's payload or parameters, in the compiled gather,
-    is guarded by a predicate computed from the version loaded before it: the machine
+    is guarded by a predicate computed from the versions loaded before it: the machine
     code keeps the order the seqlock needs (ptxas folded an earlier form's opaque zero
-    and issued the row's loads beside the version's)."""
+    and issued the row's loads beside the version's). Computed from: through any chain
+    of instructions, shared memory included (a row's verdict crosses the program's
+    threads there), followed by taint: whatever is written from a value computed from a
+    version is computed from it, and a load from shared memory after such a value was
+    stored there."""
     variants = [v for v in launches.values()
                 if v[0] == "gather" and v[3].get("SEQ") and v[3].get("QUANT")]
     assert variants, "no versioned gather was launched"
     for stem, name, sig, cx, options in variants:
         seq = cx["SEQ"]
-        version_regs: set[str] = set()
-        from_version: set[str] = set()  # predicates computed from a version register
+        tainted: set[str] = set()  # registers and predicates computed from a version
+        shared = False  # such a value was stored to shared memory
         row_loads = 0
         for guard, op, args in _sass(stem, name, sig, cx, options):
-            regs = args.replace(" ", "").split(",")
+            written, read = _operands(op, args)
             if op.startswith("LDG") and ".STRONG.SYS" in op:
                 off = _OFFSET.search(args)
-                at = int(off.group(1) or "0", 16) if off else -1
-                if at == seq:
-                    version_regs.add(regs[0])
+                if off and int(off.group(1) or "0", 16) == seq:
+                    tainted.update(written)
                     continue
                 row_loads += 1
-                assert guard in from_version, (
+                assert guard in tainted, (
                     f"{name} {cx}: a row load ({op} {args}) not guarded by a predicate "
                     f"from its version (guard {guard})")
-            elif op.startswith("ISETP") and any(r in version_regs for r in regs[2:]):
-                from_version.add(regs[0])
-            elif regs and regs[0] in version_regs:
-                version_regs.discard(regs[0])  # NOTE: the register written anew
+                tainted.difference_update(written)
+                continue
+            from_version = any(r in tainted for r in read) or (op.startswith("LDS") and shared)
+            if op.startswith("STS") and from_version:
+                shared = True
+            if from_version:
+                tainted.update(written)
+            elif guard is None:
+                tainted.difference_update(written)  # NOTE: written anew from other values
         assert row_loads, f"{name} {cx}: no row load found"
+
+
+def test_a_versioned_gather_reads_host_rows_with_volatile_loads_only(launches: dict) -> None:
+    """Every load a compiled versioned gather makes of the table's rows and versions is
+    ``ld.volatile`` (system scope, each load performed). A ``.cv`` load, the earlier form,
+    is a weak load that ptxas may serve from an earlier load of the same address: it
+    compiled round one's versions and the retry rounds' to 8 version loads (22 now), and
+    on an H100 a kernel polling with ``ld.global.cv`` saw no change of a version that a
+    writer process moved hundreds of times meanwhile (bench/quantized/probe_host_loads.py):
+    rows were judged torn until the rounds ran out, and torn rows judged whole."""
+    variants = [v for v in launches.values()
+                if v[0] == "gather" and v[3].get("SEQ") and v[3].get("QUANT")]
+    assert variants, "no versioned gather was launched"
+    for stem, name, sig, cx, options in variants:
+        fn = getattr(kernel_module(stem, interpret=False), name)
+        ptx = triton.compile(ASTSource(fn, sig, cx), target=GPUTarget("cuda", 90, 32),
+                             options=options).asm["ptx"]
+        assert "ld.global.cv" not in ptx, f"{name} {cx}: a .cv load of host rows"
+        assert ptx.count("ld.volatile.global") >= 4, (
+            f"{name} {cx}: {ptx.count('ld.volatile.global')} volatile loads (a round's "
+            "version, row and version, and a retry round's)")
 
 
 def test_a_host_cache_probe_loads_its_keys_only_after_the_fence(launches: dict) -> None:

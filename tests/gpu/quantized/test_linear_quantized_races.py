@@ -113,15 +113,7 @@ def test_a_write_in_this_process_never_tears_a_row(fmt: torch.dtype, kind: str,
             layer.close()
 
 
-#: the GPU readers run out of their rounds against this writer (gpu.kernels.stored_rows)
-GPU_TEARS = pytest.mark.xfail(
-    reason="open: against a writer rewriting every row flat out, the GPU kernels ran out of "
-           "their seqlock rounds and returned a torn row about once in 300 lookups on an "
-           "H100 (gpu/kernels/stored_rows.py, bench/RESULTS.md)")
-
-
-@pytest.mark.parametrize("device", [DEVICES[0], pytest.param(
-    "cuda", marks=[*DEVICES[1].marks, GPU_TEARS])])
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
 def test_a_writer_process_racing_lookups_leaves_whole_rows(fmt: torch.dtype,
                                                            device: str) -> None:

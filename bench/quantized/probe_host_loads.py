@@ -1,0 +1,195 @@
+# ruff: noqa: N803  (Triton convention: compile-time constants are UPPER_CASE parameters)
+"""A device probe: which form of GPU load sees a CPU writer's stores to host memory while
+the kernel runs (gpu/kernels/stored_rows.py, "Open"; bench/quantized/probe_seqlock_race.py
+found a polling kernel seeing no change at all within one launch).
+
+One program polls the 64 row versions of a quantized SharedMemBlock that a writer process
+rewrites flat out (``probe_seqlock_race.written_block``), ``--polls`` times, once per
+load form:
+
+* ``cv``: PTX ``ld.global.cv``, the kernels' form (``tl.load(..., cache_modifier=".cv")``);
+* ``volatile``: ``ld.volatile.global``;  ``relaxed``: ``ld.relaxed.sys.global``;
+* ``acquire``: ``ld.acquire.sys.global``;  ``mmio``: ``ld.mmio.relaxed.sys.global``;
+* ``fence``: ``fence.sc.sys`` before each ``ld.global.cv``;
+* ``discard``: ``discard.global.L2`` of the line before each ``ld.global.cv``.
+
+Per form: microseconds a poll, changes seen per row and polls that saw an odd version,
+beside the writes the CPU counted over the same launch. Then ``launches``: the ``cv`` form
+one poll a launch, many launches (does a new launch see what one launch does not?), and
+``pinned`` / ``registered``: the ``cv`` and ``relaxed`` forms over a torch pinned tensor and
+over a registered private tensor, written by a thread of this process.
+
+Run: ``python bench/quantized/probe_host_loads.py [--polls N]`` (CUDA only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.quantized.probe_seqlock_race import ROWS, written_block  # noqa: E402
+
+FORMS = {"cv": 0, "volatile": 1, "relaxed": 2, "acquire": 3, "mmio": 4, "fence": 5,
+         "discard": 6}
+
+
+@triton.jit
+def _load(ptr, FORM: tl.constexpr):
+    if FORM == 0:
+        # NOTE: not tl.load(.cv): unmasked, that is an LLVM load the loop's invariant
+        # address lets LLVM hoist out of the poll loop (its SASS holds no load in the loop)
+        v = tl.inline_asm_elementwise("ld.global.cv.b32 $0, [$1];", "=r,l", [ptr],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+    elif FORM == 1:
+        v = tl.inline_asm_elementwise("ld.volatile.global.b32 $0, [$1];", "=r,l", [ptr],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+    elif FORM == 2:
+        v = tl.inline_asm_elementwise("ld.relaxed.sys.global.b32 $0, [$1];", "=r,l", [ptr],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+    elif FORM == 3:
+        v = tl.inline_asm_elementwise("ld.acquire.sys.global.b32 $0, [$1];", "=r,l", [ptr],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+    elif FORM == 4:
+        v = tl.inline_asm_elementwise("ld.mmio.relaxed.sys.global.b32 $0, [$1];", "=r,l",
+                                      [ptr], dtype=tl.int32, is_pure=False, pack=1)
+    elif FORM == 5:
+        v = tl.inline_asm_elementwise("fence.sc.sys;\n\tld.global.cv.b32 $0, [$1];", "=r,l",
+                                      [ptr], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        line = ptr.to(tl.int64) & -128
+        v = tl.inline_asm_elementwise(
+            "discard.global.L2 [$2], 128;\n\tld.global.cv.b32 $0, [$1];", "=r,l,l",
+            [ptr, line], dtype=tl.int32, is_pure=False, pack=1)
+    return v
+
+
+@triton.jit
+def _poll(rows_ptr, stride, SEQ: tl.constexpr, polls, out_ptr, BLOCK: tl.constexpr,
+          FORM: tl.constexpr):
+    """One program: ``polls`` polls of rows ``0 .. BLOCK - 1``'s int32 at byte ``SEQ``
+    (rows ``stride`` bytes apart); per row, polls that saw it odd, and changes seen."""
+    r = tl.arange(0, BLOCK)
+    ptr = (rows_ptr + r.to(tl.int64) * stride + SEQ).to(tl.pointer_type(tl.int32))
+    prev = _load(ptr, FORM)
+    odd = tl.full([BLOCK], 0, tl.int32)
+    changes = tl.full([BLOCK], 0, tl.int32)
+    for _ in range(polls):
+        v = _load(ptr, FORM)
+        odd += v & 1
+        changes += (v != prev).to(tl.int32)
+        prev = v
+    tl.store(out_ptr + r, odd)
+    tl.store(out_ptr + BLOCK + r, changes)
+
+
+@triton.jit
+def _once(rows_ptr, stride, SEQ: tl.constexpr, prev_ptr, out_ptr, BLOCK: tl.constexpr):
+    """One poll a launch: changes since the last launch's poll (kept at ``prev_ptr``)."""
+    r = tl.arange(0, BLOCK)
+    ptr = (rows_ptr + r.to(tl.int64) * stride + SEQ).to(tl.pointer_type(tl.int32))
+    v = tl.load(ptr, cache_modifier=".cv")
+    prev = tl.load(prev_ptr + r)
+    tl.store(out_ptr + r, tl.load(out_ptr + r) + (v != prev).to(tl.int32))
+    tl.store(prev_ptr + r, v)
+
+
+def poll(view: torch.Tensor, seq: int, polls: int, form: str, versions: torch.Tensor) -> str:
+    """One program's ``polls`` polls of ``view``'s rows (uint8, their int32 at byte ``seq``)
+    in ``form``, beside the change of ``versions[0]`` the CPU saw over the launch."""
+    out = torch.zeros(2 * ROWS, dtype=torch.int32, device="cuda")
+    stride = view.stride(0)
+    _poll[(1,)](view, stride, seq, 1, out, BLOCK=ROWS, FORM=FORMS[form])  # NOTE: compile
+    torch.cuda.synchronize()
+    out.zero_()
+    before = int(versions[0])
+    t = time.perf_counter()
+    _poll[(1,)](view, stride, seq, polls, out, BLOCK=ROWS, FORM=FORMS[form])
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t
+    after = int(versions[0])
+    o = out.cpu().float()
+    return (f"{form:9s} {dt / polls * 1e6:8.3f} us a poll  odd {o[:ROWS].mean() / polls:7.2%}"
+            f"  changes a row {o[ROWS:].mean():9.1f}  (row 0's version moved {after - before}"
+            " on the CPU meanwhile)")
+
+
+def launches(view: torch.Tensor, seq: int, n: int, versions: torch.Tensor) -> str:
+    prev = torch.zeros(ROWS, dtype=torch.int32, device="cuda")
+    out = torch.zeros(ROWS, dtype=torch.int32, device="cuda")
+    _once[(1,)](view, view.stride(0), seq, prev, out, BLOCK=ROWS)
+    torch.cuda.synchronize()
+    out.zero_()
+    before, t = int(versions[0]), time.perf_counter()
+    for _ in range(n):
+        _once[(1,)](view, view.stride(0), seq, prev, out, BLOCK=ROWS)
+    torch.cuda.synchronize()
+    dt, after = time.perf_counter() - t, int(versions[0])
+    return (f"launches  {n} of one poll in {dt * 1e3:.1f} ms: changes a row "
+            f"{out.float().mean():.1f} (row 0's version moved {after - before} on the CPU)")
+
+
+def threaded(kind: str, polls: int) -> list[str]:
+    """Poll a [ROWS, 8] int32 host tensor (column 0) that a thread of this process keeps
+    adding one to; ``kind``: a torch pinned tensor, or a private one registered here."""
+    from gpu.stacks.linear_tables import user_rows
+
+    if kind == "pinned":
+        host = torch.zeros(ROWS, 8, dtype=torch.int32, pin_memory=True)
+        reg, view = None, host.view(torch.uint8)
+    else:
+        host = torch.zeros(ROWS, 8, dtype=torch.int32)
+        reg, rows = user_rows(host, torch.device("cuda"))
+        view = rows.view(torch.uint8)
+    stop = threading.Event()
+
+    def write() -> None:
+        col = host[:, 0]
+        while not stop.is_set():
+            col.add_(1)
+
+    th = threading.Thread(target=write)
+    th.start()
+    try:
+        lines = [f"{kind:10s} " + poll(view, 0, polls, form, host[:, 0])
+                 for form in ("cv", "relaxed")]
+    finally:
+        stop.set()
+        th.join()
+        if reg is not None:
+            reg.close()
+    return lines
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--polls", type=int, default=200_000)
+    p.add_argument("--launches", type=int, default=5_000)
+    p.add_argument("--fmt", default="int8")
+    p.add_argument("--device", default="cuda")
+    args = p.parse_args()
+    args.pause = 0.0
+    with written_block(args) as (mb, view):
+        seq = mb.row_format.stored_bytes
+        versions = mb.versions
+        for form in FORMS:
+            try:
+                print(poll(view, seq, args.polls, form, versions), flush=True)
+            except Exception as e:  # noqa: BLE001  (a form this GPU or PTX lacks)
+                print(f"{form:9s} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        print(launches(view, seq, args.launches, versions), flush=True)
+    for kind in ("pinned", "registered"):
+        for line in threaded(kind, args.polls):
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
