@@ -1,6 +1,7 @@
 # ruff: noqa: N803  (Triton convention: compile-time constants are UPPER_CASE parameters)
 """A device probe of a quantized SharedMemBlock's seqlock against a writer process: where
-the GPU readers' torn rows come from (gpu/kernels/stored_rows.py, "Open").
+the GPU readers' torn rows came from (gpu/kernels/stored_rows.py: ``.cv`` loads that
+ptxas served from earlier loads; bench/RESULTS.md, thirteenth session).
 
 A spawned writer rewrites every row of a 64 x 512 block flat out, version after version,
 as the cross-process race test's writer does (tests/gpu/quantized_workers.py). Then:
@@ -11,19 +12,17 @@ as the cross-process race test's writer does (tests/gpu/quantized_workers.py). T
   version of its key (torn). ``--rounds`` recompiles the kernels with another
   ``stored_rows.ROUNDS`` (their bound on re-reads), ``--wait`` sets the CPU readers'
   ``row_versions.WAIT_SECONDS``.
-* ``versions``: one GPU program (on the CPU: the interpreter, a check of the script)
-  polls the 64 rows' versions (``.cv`` loads, as the kernels read them) ``--polls``
-  times, and the CPU polls them for 2 s: the fraction of polls that saw an odd version
-  and the changes seen per row; the writer's own share of time inside a section is
-  printed first (no reader running).
 * ``rounds``: one program runs ``--polls`` rounds of the kernels' own seqlocked read
   (``stored_rows._versioned_once``: version, row, version, predicated as the lookups do)
-  over the 64 rows and counts, per row, the rounds it judged torn; beside ``versions``
-  this tells a round that fails as often as the writer is inside a section from one that
-  keeps failing. ``--pause`` slows the writer (on the CPU, where the interpreter takes
+  over the 64 rows and counts, per row, the rounds it judged torn: a round that fails
+  about as often as the writer is inside a section, or one that keeps failing (the
+  writer's own share of time inside a section is printed first, no
+  reader running). ``--pause`` slows the writer (on the CPU, where the interpreter takes
   about a second a round, a check that a round between writes is judged whole).
 
-Run: ``python bench/quantized/probe_seqlock_race.py readers|versions|rounds [--device cuda]
+What a GPU load sees of the versions, form by form: ``probe_host_loads.py``.
+
+Run: ``python bench/quantized/probe_seqlock_race.py readers|rounds [--device cuda]
 [--fmt int8] [--seconds 60] [--gpu-only] [--rounds N] [--wait S] [--polls N]
 [--pause S]``.
 """
@@ -112,28 +111,6 @@ def readers(args: argparse.Namespace) -> None:
               f"{int((t > 10).sum()):5d}  torn {torn[name]}")
 
 
-def _poll(rows_ptr, stride, SEQ: tl.constexpr, n_rows, polls, out_ptr,
-          BLOCK: tl.constexpr):
-    """One program: polls the versions of rows ``0 .. n_rows - 1`` (at byte ``SEQ`` of
-    each row, ``stride`` bytes apart) ``polls`` times; per row, the polls that saw an odd
-    version and the changes seen, to ``out_ptr``. Decorated when the run knows where it
-    runs (the interpreter on the CPU)."""
-    r = tl.arange(0, BLOCK)
-    m = r < n_rows
-    ptr = (rows_ptr + r.to(tl.int64) * stride + SEQ).to(tl.pointer_type(tl.int32))
-    prev = tl.load(ptr, mask=m, other=0, cache_modifier=".cv")
-    odd = tl.full([BLOCK], 0, tl.int32)
-    changes = tl.full([BLOCK], 0, tl.int32)
-    for i in range(polls):
-        # NOTE: a mask that changes every poll: the load cannot be hoisted
-        v = tl.load(ptr, mask=m & (prev != -1 - i), other=0, cache_modifier=".cv")
-        odd += v & 1
-        changes += (v != prev).to(tl.int32)
-        prev = v
-    tl.store(out_ptr + r, odd, mask=m)
-    tl.store(out_ptr + BLOCK + r, changes, mask=m)
-
-
 def _rounds(table_ptr, tstride, n_rows, polls, out_ptr, DIM: tl.constexpr,
             BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr,
             META: tl.constexpr, SEQ: tl.constexpr):
@@ -211,37 +188,6 @@ def _first_write(mb: Any) -> None:
         time.sleep(0.001)  # NOTE: measure from the writer's first write on
 
 
-def versions(args: argparse.Namespace) -> None:
-    import triton
-    from triton import knobs
-
-    # NOTE: on the CPU the poll runs in Triton's interpreter (a check of this script)
-    knobs.runtime.interpret = args.device == "cpu"
-    poll = triton.jit(_poll)
-    out = torch.zeros(2 * ROWS, dtype=torch.int32, device=args.device)
-    with written_block(args) as (mb, view):
-        seq = mb.row_format.stored_bytes
-        for polls in (min(1000, args.polls), args.polls):
-            t = time.perf_counter()
-            poll[(1,)](view, view.stride(0), seq, ROWS, polls, out, BLOCK=ROWS)
-            o = out.cpu().float()  # NOTE: waits for the poll
-            dt = time.perf_counter() - t
-            print(f"{args.device} kernel, {polls} polls: {dt / polls * 1e6:.3f} us a poll, "
-                  f"odd in {o[:ROWS].mean() / polls:.2%} of them, {o[ROWS:].mean():.1f} "
-                  "changes a row")
-        v = mb.versions
-        assert v is not None
-        prev, n, odd, changes = v.clone(), 0, 0, 0
-        end = time.monotonic() + 2
-        while time.monotonic() < end:
-            now = v.clone()
-            odd += int((now & 1).sum())
-            changes += int((now != prev).sum())
-            prev, n = now, n + 1
-        print(f"CPU {n} polls: odd in {odd / n / ROWS:.2%} of them, "
-              f"{changes / ROWS:.1f} changes a row")
-
-
 def duty(mb: Any) -> None:
     """The writer's share of time inside a section, written in this process alone."""
     inside = [0.0]
@@ -270,7 +216,7 @@ def duty(mb: Any) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=["readers", "versions", "rounds"])
+    p.add_argument("what", choices=["readers", "rounds"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--fmt", default="int8", choices=["int8", "float8_e4m3fn"])
     p.add_argument("--seconds", type=float, default=60.0)
@@ -290,7 +236,7 @@ def main() -> None:
         kernel_module("stored_rows", interpret=False).ROUNDS = tl.constexpr(args.rounds)
     if args.wait:
         row_versions.WAIT_SECONDS = args.wait
-    {"readers": readers, "versions": versions, "rounds": rounds}[args.what](args)
+    {"readers": readers, "rounds": rounds}[args.what](args)
 
 
 if __name__ == "__main__":

@@ -35,18 +35,11 @@ XOR over the row) ``!= s2``, ``s1`` and ``s2`` constants of the round (a row tha
 one is not read that round and is read again in the next, where they differ). A
 predicated load cannot be issued before its predicate is known, nor can the compiler
 drop a predicate it cannot evaluate, so the three steps are performed in order, over
-PCIe too, and every load of the three is volatile (``ld.volatile``: system scope, each
-load performed); no fence is needed beyond those dependencies. (An opaque zero added to
-the addresses does not do it: ``and.b32 x, 0`` in inline PTX is folded by ``ptxas``,
-which then issued the row's loads beside ``v1``'s; the race test tore about 1 read in
-1,000-3,000 on an H100 that way.) Not ``.cv``: ``ld.global.cv``
-is a weak load, and ptxas serves one from an earlier load of the same address when no
-store or fence lies between. It did: a compiled poll loop compared the first load's
-register with itself, and on an H100 a kernel polling a version with ``ld.global.cv`` saw
-no change while a writer process moved it hundreds of times, where ``ld.volatile`` saw
-them (``bench/quantized/probe_host_loads.py``); the rounds then re-judged the versions of
-their first load, so rows were judged torn until the rounds ran out and torn rows were
-judged whole (bench/RESULTS.md, thirteenth session). ``v2``'s predicate comes from every element of
+PCIe too, and every load of the three is ``.cv`` (meant to fetch from host memory again:
+see "Open" below); no fence is needed beyond those dependencies. (An opaque zero
+added to the addresses does not do it: ``and.b32 x, 0`` in inline PTX is folded by
+``ptxas``, which then issued the row's loads beside ``v1``'s; the race test tore about 1
+read in 1,000-3,000 on an H100 that way.) ``v2``'s predicate comes from every element of
 the row (a reduction over the row, through shared memory where the row spans warps), so
 ``v2`` is read after every part of the row, its scale and bias with it: a row whose
 ``v1`` is even and equal to its ``v2`` was read inside a window no write section
@@ -63,9 +56,21 @@ another write, would join two writes (the race test still tore about 1 read in
 round is one write's: a thread that saw a newer version before another thread's ``v2``
 (read after every part of the row) makes that ``v2`` newer too.
 
-Past :data:`ROUNDS` a kernel takes the row as read: a GPU reader cannot take the writer
-lock, as a CPU reader does (:mod:`hostcache.row_versions`); only a writer that stalls or
-dies inside its section holds a row that long.
+Open: against a writer process rewriting every row of a block flat out, the kernels'
+rounds run out and about 1 lookup in 300 returned a torn row on an H100. The cause is the
+``.cv`` loads. ``ld.global.cv`` is a weak load, and ptxas serves one from an earlier load
+of the same address when no store or fence lies between (a compiled loop polling a
+version with it compared the first load's register with itself); on an H100 a kernel
+polling a version with ``ld.global.cv`` saw no change while a writer process moved it
+128 times, and one ``.cv`` poll a launch saw 17 changes over 5,000 launches in which the
+version moved 136 times (``bench/quantized/probe_host_loads.py``). So a round can judge
+the row by versions read before it, and rows read again may come back as read before.
+Volatile loads (``ld.volatile``: system scope, each load performed) saw every write, and
+with them the race test passed and no lookup tore (0 of 344 a reader), but the LinearUVM
+lookups over a quantized block then cost 9-39x (a byte an element, each over PCIe: the
+payload's loads are not vectorized here): bench/RESULTS.md, thirteenth session. Past
+:data:`ROUNDS` a kernel takes the row as read: a GPU reader cannot take the writer lock,
+as a CPU reader does (:mod:`hostcache.row_versions`).
 """
 
 from __future__ import annotations
@@ -127,8 +132,8 @@ def load_rows(table_ptr, rows, rmask, tstride, d, dmask, QUANT: tl.constexpr,
     """``[BLOCK_K, BLOCK_D]``: elements ``d`` of rows ``rows`` (int64, masked by ``rmask``,
     ``dmask``: zero there) of a table whose row ``r`` starts ``r * tstride`` elements (bytes,
     quantized) in; a plain table's in its dtype, a quantized one's dequantized in float32.
-    ``VOLATILE``: 1 loads volatile (the host tier's seqlocked reads fetch every byte again,
-    the row's parameters as its payload), 0 plain loads. ``SEQ``: not
+    ``VOLATILE``: 1 loads with the ``".cv"`` cache modifier (the host tier's seqlocked reads
+    fetch every byte again, the row's parameters as its payload), 0 without. ``SEQ``: not
     0, a quantized table's rows read under their versions, at that byte of each row (see
     the module docstring). NOTE: ints every caller passes, not defaults: Triton 3.6 does
     not make a called function's default a constexpr."""
@@ -182,11 +187,11 @@ def _versioned_once(table_ptr, vptr, rows, rmask, tstride, d, dmask, QUANT: tl.c
     ``v1`` (``v1 != -1 - ROUND``: a version is never negative until it wraps after 2**31
     writes, and then at most one round is lost), ``v2``'s for every value of the row
     (their XOR ``!= ROUND``)."""
-    v1 = tl.load(vptr, mask=rmask, other=0, volatile=True)
+    v1 = tl.load(vptr, mask=rmask, other=0, cache_modifier=".cv")
     s1 = -1 - ROUND
     vals = _read_rows(table_ptr, rows, rmask & (v1 != s1), tstride, d, dmask, QUANT, META, 1)
     x = tl.reduce(vals.to(tl.int32, bitcast=True), 1, _xor)
-    v2 = tl.load(vptr, mask=rmask & (x != ROUND), other=0, volatile=True)
+    v2 = tl.load(vptr, mask=rmask & (x != ROUND), other=0, cache_modifier=".cv")
     bad = rmask & ((v1 != v2) | ((v1 & 1) != 0) | (v1 == s1) | (x == ROUND))
     return vals, bad
 
@@ -218,9 +223,9 @@ def _read_rows(table_ptr, rows, rmask, tstride, d, dmask, QUANT: tl.constexpr,
 
 @triton.jit
 def _load(ptr, mask, other, VOLATILE: tl.constexpr):
-    """``tl.load``, volatile where ``VOLATILE`` (see the module docstring)."""
+    """``tl.load``, with the ``".cv"`` modifier where ``VOLATILE``."""
     if VOLATILE:
-        v = tl.load(ptr, mask=mask, other=other, volatile=True)
+        v = tl.load(ptr, mask=mask, other=other, cache_modifier=".cv")
     else:
         v = tl.load(ptr, mask=mask, other=other)
     return v

@@ -302,27 +302,6 @@ def test_a_versioned_row_is_loaded_only_after_its_version_arrived(launches: dict
         assert row_loads, f"{name} {cx}: no row load found"
 
 
-def test_a_versioned_gather_reads_host_rows_with_volatile_loads_only(launches: dict) -> None:
-    """Every load a compiled versioned gather makes of the table's rows and versions is
-    ``ld.volatile`` (system scope, each load performed). A ``.cv`` load, the earlier form,
-    is a weak load that ptxas may serve from an earlier load of the same address: it
-    compiled round one's versions and the retry rounds' to 8 version loads (22 now), and
-    on an H100 a kernel polling with ``ld.global.cv`` saw no change of a version that a
-    writer process moved hundreds of times meanwhile (bench/quantized/probe_host_loads.py):
-    rows were judged torn until the rounds ran out, and torn rows judged whole."""
-    variants = [v for v in launches.values()
-                if v[0] == "gather" and v[3].get("SEQ") and v[3].get("QUANT")]
-    assert variants, "no versioned gather was launched"
-    for stem, name, sig, cx, options in variants:
-        fn = getattr(kernel_module(stem, interpret=False), name)
-        ptx = triton.compile(ASTSource(fn, sig, cx), target=GPUTarget("cuda", 90, 32),
-                             options=options).asm["ptx"]
-        assert "ld.global.cv" not in ptx, f"{name} {cx}: a .cv load of host rows"
-        assert ptx.count("ld.volatile.global") >= 4, (
-            f"{name} {cx}: {ptx.count('ld.volatile.global')} volatile loads (a round's "
-            "version, row and version, and a retry round's)")
-
-
 def test_a_host_cache_probe_loads_its_keys_only_after_the_fence(launches: dict) -> None:
     """The compiled probe of a registered host cache (its fence on, as on a GPU) loads
     the bucket's versions before its ``fence.acq_rel.sys`` and the bucket's keys after
