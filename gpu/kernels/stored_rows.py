@@ -67,8 +67,10 @@ version moved 136 times (``bench/quantized/probe_host_loads.py``). So a round ca
 the row by versions read before it, and rows read again may come back as read before.
 Volatile loads (``ld.volatile``: system scope, each load performed) saw every write, and
 with them the race test passed and no lookup tore (0 of 344 a reader), but the LinearUVM
-lookups over a quantized block then cost 9-39x (a byte an element, each over PCIe: the
-payload's loads are not vectorized here): bench/RESULTS.md, thirteenth session. Past
+lookups over a quantized block then cost 9-39x: a thread holds several copies of a row's
+version and parameters in Triton's layouts, whose ``.cv`` loads of one address LLVM
+merges and whose volatile loads it keeps, each a request over PCIe (76 scalar loads a
+thread instead of 8, compiled for sm_90): bench/RESULTS.md, thirteenth session. Past
 :data:`ROUNDS` a kernel takes the row as read: a GPU reader cannot take the writer lock,
 as a CPU reader does (:mod:`hostcache.row_versions`).
 """
