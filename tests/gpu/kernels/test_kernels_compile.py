@@ -247,8 +247,9 @@ def _sass(stem: str, name: str, sig: dict, cx: dict, options: dict) -> list[tupl
 
 #: a register or predicate operand (``R12``, ``UR4``, ``P3``, ``!P3``, ``R6.64``, ``R2.reuse``)
 _OPERAND = re.compile(r"\bU?[RP]\d+\b")
-#: opcodes whose first two operands are both written (a predicate and a register or PT)
-_TWO_OUT = ("ISETP", "FSETP", "DSETP", "HSETP", "PLOP3", "LOP3")
+#: opcodes whose first two operands are both written (a predicate and a register, or a
+#: register and a predicate: a warp shuffle's)
+_TWO_OUT = ("ISETP", "FSETP", "DSETP", "HSETP", "PLOP3", "LOP3", "SHFL")
 
 
 def _operands(op: str, args: str) -> tuple[list[str], list[str]]:
