@@ -65,7 +65,7 @@ polling a version with ``ld.global.cv`` saw no change while a writer process mov
 128 times, and one ``.cv`` poll a launch saw 17 changes over 5,000 launches in which the
 version moved 136 times (``bench/quantized/probe_host_loads.py``). So a round can judge
 the row by versions read before it, and rows read again may come back as read before.
-Volatile loads (``ld.volatile``: system scope, each load performed) saw every write, and
+Volatile loads (``ld.volatile``: system scope, each load performed) saw the writes, and
 with them the race test passed and no lookup tore (0 of 344 a reader), but the LinearUVM
 lookups over a quantized block then cost 9-39x: a thread holds several copies of a row's
 version and parameters in Triton's layouts, whose ``.cv`` loads of one address LLVM
