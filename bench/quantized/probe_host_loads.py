@@ -38,52 +38,39 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.quantized.probe_seqlock_race import ROWS, written_block  # noqa: E402
 
-FORMS = {"cv": 0, "volatile": 1, "relaxed": 2, "acquire": 3, "mmio": 4, "fence": 5,
-         "discard": 6}
+#: each form's PTX: one 32-bit load of ``$1`` into ``$0`` (inline, with side effects)
+FORMS = {
+    # NOTE: not tl.load(.cv): unmasked, that is an LLVM load the loop's invariant address
+    # lets LLVM hoist out of the poll loop (its SASS holds no load in the loop)
+    "cv": "ld.global.cv.b32 $0, [$1];",
+    "volatile": "ld.volatile.global.b32 $0, [$1];",
+    "relaxed": "ld.relaxed.sys.global.b32 $0, [$1];",
+    "acquire": "ld.acquire.sys.global.b32 $0, [$1];",
+    "mmio": "ld.mmio.relaxed.sys.global.b32 $0, [$1];",
+    "fence": "fence.sc.sys;\n\tld.global.cv.b32 $0, [$1];",
+    "discard": "{\n\t.reg .b64 line;\n\tand.b64 line, $1, -128;\n\t"
+               "discard.global.L2 [line], 128;\n\tld.global.cv.b32 $0, [$1];\n\t}",
+}
 
 
 @triton.jit
-def _load(ptr, FORM: tl.constexpr):
-    if FORM == 0:
-        # NOTE: not tl.load(.cv): unmasked, that is an LLVM load the loop's invariant
-        # address lets LLVM hoist out of the poll loop (its SASS holds no load in the loop)
-        v = tl.inline_asm_elementwise("ld.global.cv.b32 $0, [$1];", "=r,l", [ptr],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-    elif FORM == 1:
-        v = tl.inline_asm_elementwise("ld.volatile.global.b32 $0, [$1];", "=r,l", [ptr],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-    elif FORM == 2:
-        v = tl.inline_asm_elementwise("ld.relaxed.sys.global.b32 $0, [$1];", "=r,l", [ptr],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-    elif FORM == 3:
-        v = tl.inline_asm_elementwise("ld.acquire.sys.global.b32 $0, [$1];", "=r,l", [ptr],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-    elif FORM == 4:
-        v = tl.inline_asm_elementwise("ld.mmio.relaxed.sys.global.b32 $0, [$1];", "=r,l",
-                                      [ptr], dtype=tl.int32, is_pure=False, pack=1)
-    elif FORM == 5:
-        v = tl.inline_asm_elementwise("fence.sc.sys;\n\tld.global.cv.b32 $0, [$1];", "=r,l",
-                                      [ptr], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        line = ptr.to(tl.int64) & -128
-        v = tl.inline_asm_elementwise(
-            "discard.global.L2 [$2], 128;\n\tld.global.cv.b32 $0, [$1];", "=r,l,l",
-            [ptr, line], dtype=tl.int32, is_pure=False, pack=1)
-    return v
+def _load(ptr, ASM: tl.constexpr):
+    return tl.inline_asm_elementwise(ASM, "=r,l", [ptr], dtype=tl.int32, is_pure=False,
+                                     pack=1)
 
 
 @triton.jit
 def _poll(rows_ptr, stride, SEQ: tl.constexpr, polls, out_ptr, BLOCK: tl.constexpr,
-          FORM: tl.constexpr):
+          ASM: tl.constexpr):
     """One program: ``polls`` polls of rows ``0 .. BLOCK - 1``'s int32 at byte ``SEQ``
     (rows ``stride`` bytes apart); per row, polls that saw it odd, and changes seen."""
     r = tl.arange(0, BLOCK)
     ptr = (rows_ptr + r.to(tl.int64) * stride + SEQ).to(tl.pointer_type(tl.int32))
-    prev = _load(ptr, FORM)
+    prev = _load(ptr, ASM)
     odd = tl.full([BLOCK], 0, tl.int32)
     changes = tl.full([BLOCK], 0, tl.int32)
     for _ in range(polls):
-        v = _load(ptr, FORM)
+        v = _load(ptr, ASM)
         odd += v & 1
         changes += (v != prev).to(tl.int32)
         prev = v
@@ -107,12 +94,12 @@ def poll(view: torch.Tensor, seq: int, polls: int, form: str, versions: torch.Te
     in ``form``, beside the change of ``versions[0]`` the CPU saw over the launch."""
     out = torch.zeros(2 * ROWS, dtype=torch.int32, device="cuda")
     stride = view.stride(0)
-    _poll[(1,)](view, stride, seq, 1, out, BLOCK=ROWS, FORM=FORMS[form])  # NOTE: compile
+    _poll[(1,)](view, stride, seq, 1, out, BLOCK=ROWS, ASM=FORMS[form])  # NOTE: compile
     torch.cuda.synchronize()
     out.zero_()
     before = int(versions[0])
     t = time.perf_counter()
-    _poll[(1,)](view, stride, seq, polls, out, BLOCK=ROWS, FORM=FORMS[form])
+    _poll[(1,)](view, stride, seq, polls, out, BLOCK=ROWS, ASM=FORMS[form])
     torch.cuda.synchronize()
     dt = time.perf_counter() - t
     after = int(versions[0])
