@@ -14,8 +14,9 @@ load form:
 * ``discard``: ``discard.global.L2`` of the line before each ``ld.global.cv``.
 
 Per form: microseconds a poll, changes seen per row and polls that saw an odd version,
-beside the writes the CPU counted over the same launch. Then ``launches``: the ``cv`` form
-one poll a launch, many launches (does a new launch see what one launch does not?), and
+beside the writes the CPU counted over the same launch. Then ``launches``: one poll a
+launch, many launches, with ``tl.load(.cv)`` (as the kernels load), the ``cv`` PTX and the
+``volatile`` one (does a ``.cv`` load that is performed see what a volatile one sees?), and
 ``pinned`` / ``registered``: the ``cv`` and ``relaxed`` forms over a torch pinned tensor and
 over a registered private tensor, written by a thread of this process.
 
@@ -79,11 +80,16 @@ def _poll(rows_ptr, stride, SEQ: tl.constexpr, polls, out_ptr, BLOCK: tl.constex
 
 
 @triton.jit
-def _once(rows_ptr, stride, SEQ: tl.constexpr, prev_ptr, out_ptr, BLOCK: tl.constexpr):
-    """One poll a launch: changes since the last launch's poll (kept at ``prev_ptr``)."""
+def _once(rows_ptr, stride, SEQ: tl.constexpr, prev_ptr, out_ptr, BLOCK: tl.constexpr,
+          ASM: tl.constexpr):
+    """One poll a launch: changes since the last launch's poll (kept at ``prev_ptr``); the
+    load ``tl.load(.cv)`` where ``ASM`` is empty (the kernels' form), else that PTX."""
     r = tl.arange(0, BLOCK)
     ptr = (rows_ptr + r.to(tl.int64) * stride + SEQ).to(tl.pointer_type(tl.int32))
-    v = tl.load(ptr, cache_modifier=".cv")
+    if ASM == "":
+        v = tl.load(ptr, cache_modifier=".cv")
+    else:
+        v = _load(ptr, ASM)
     prev = tl.load(prev_ptr + r)
     tl.store(out_ptr + r, tl.load(out_ptr + r) + (v != prev).to(tl.int32))
     tl.store(prev_ptr + r, v)
@@ -109,18 +115,20 @@ def poll(view: torch.Tensor, seq: int, polls: int, form: str, versions: torch.Te
             " on the CPU meanwhile)")
 
 
-def launches(view: torch.Tensor, seq: int, n: int, versions: torch.Tensor) -> str:
+def launches(view: torch.Tensor, seq: int, n: int, versions: torch.Tensor, form: str) -> str:
+    """``n`` launches of one poll each in ``form`` (``tl.load``: ``tl.load(.cv)``)."""
+    asm = "" if form == "tl.load" else FORMS[form]
     prev = torch.zeros(ROWS, dtype=torch.int32, device="cuda")
     out = torch.zeros(ROWS, dtype=torch.int32, device="cuda")
-    _once[(1,)](view, view.stride(0), seq, prev, out, BLOCK=ROWS)
+    _once[(1,)](view, view.stride(0), seq, prev, out, BLOCK=ROWS, ASM=asm)
     torch.cuda.synchronize()
     out.zero_()
     before, t = int(versions[0]), time.perf_counter()
     for _ in range(n):
-        _once[(1,)](view, view.stride(0), seq, prev, out, BLOCK=ROWS)
+        _once[(1,)](view, view.stride(0), seq, prev, out, BLOCK=ROWS, ASM=asm)
     torch.cuda.synchronize()
     dt, after = time.perf_counter() - t, int(versions[0])
-    return (f"launches  {n} of one poll in {dt * 1e3:.1f} ms: changes a row "
+    return (f"launches {form:9s} {n} of one poll in {dt * 1e3:.1f} ms: changes a row "
             f"{out.float().mean():.1f} (row 0's version moved {after - before} on the CPU)")
 
 
@@ -172,7 +180,8 @@ def main() -> None:
                 print(poll(view, seq, args.polls, form, versions), flush=True)
             except Exception as e:  # noqa: BLE001  (a form this GPU or PTX lacks)
                 print(f"{form:9s} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
-        print(launches(view, seq, args.launches, versions), flush=True)
+        for form in ("tl.load", "cv", "volatile"):
+            print(launches(view, seq, args.launches, versions, form), flush=True)
     for kind in ("pinned", "registered"):
         for line in threaded(kind, args.polls):
             print(line, flush=True)
