@@ -1,7 +1,7 @@
 # ruff: noqa: N803  (Triton convention: compile-time constants are UPPER_CASE parameters)
 """A device probe: which form of GPU load sees a CPU writer's stores to host memory while
-the kernel runs (gpu/kernels/stored_rows.py, "Open"; bench/quantized/probe_seqlock_race.py
-found a polling kernel seeing no change at all within one launch).
+the kernel runs (gpu/kernels/stored_rows.py, "Open": a kernel polling the versions with the
+kernels' ``.cv`` loads saw no change at all within one launch).
 
 One program polls the 64 row versions of a quantized SharedMemBlock that a writer process
 rewrites flat out (``probe_seqlock_race.written_block``), ``--polls`` times, once per
@@ -168,10 +168,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--polls", type=int, default=200_000)
     p.add_argument("--launches", type=int, default=5_000)
-    p.add_argument("--fmt", default="int8")
-    p.add_argument("--device", default="cuda")
+    p.add_argument("--fmt", default="int8", choices=["int8", "float8_e4m3fn"])
     args = p.parse_args()
-    args.pause = 0.0
+    args.device, args.pause = "cuda", 0.0  # NOTE: what written_block reads besides --fmt
     with written_block(args) as (mb, view):
         seq = mb.row_format.stored_bytes
         versions = mb.versions
