@@ -261,7 +261,7 @@ def gather_found_kernel(
     dmask = (d < BLOCK_D) if EVEN_D else (d < dim)
     if QUANT == 0:
         row = tl.load(rows_ptr + slot[:, None] * row_stride + d[None, :],
-                      mask=ok[:, None] & dmask[None, :], other=0, cache_modifier=".cv")
+                      mask=ok[:, None] & dmask[None, :], other=0, volatile=True)
     else:
         # NOTE: the parameters are bytes of the same slot's row, loaded in this launch
         # with the payload (".cv" too): inside the v1..v2 window that verify_kernel checks

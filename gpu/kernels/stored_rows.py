@@ -80,6 +80,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
 
 from hostcache.row_versions import is_versioned
 from nvecache.common.rows import RowFormat
@@ -94,6 +95,9 @@ _fp8: int | None = None
 ROUNDS: tl.constexpr = tl.constexpr(1 << 12)
 #: 2**120, the scale between an e4m3 element and its bits placed in a float32 (_e4m3)
 _TWO_120: tl.constexpr = tl.constexpr(float(2 ** 120))
+#: whether this variant of the module is compiled (its scalar volatile loads are inline
+#: PTX, loaded once a thread) or run by Triton's interpreter (plain ``tl.load``)
+_COMPILED: tl.constexpr = tl.constexpr(not knobs.runtime.interpret)
 
 
 def codec_constexprs(fmt: RowFormat | None) -> dict[str, object]:
@@ -189,11 +193,11 @@ def _versioned_once(table_ptr, vptr, rows, rmask, tstride, d, dmask, QUANT: tl.c
     ``v1`` (``v1 != -1 - ROUND``: a version is never negative until it wraps after 2**31
     writes, and then at most one round is lost), ``v2``'s for every value of the row
     (their XOR ``!= ROUND``)."""
-    v1 = tl.load(vptr, mask=rmask, other=0, cache_modifier=".cv")
+    v1 = _volatile32(vptr, rmask, _COMPILED)
     s1 = -1 - ROUND
     vals = _read_rows(table_ptr, rows, rmask & (v1 != s1), tstride, d, dmask, QUANT, META, 1)
     x = tl.reduce(vals.to(tl.int32, bitcast=True), 1, _xor)
-    v2 = tl.load(vptr, mask=rmask & (x != ROUND), other=0, cache_modifier=".cv")
+    v2 = _volatile32(vptr, rmask & (x != ROUND), _COMPILED)
     bad = rmask & ((v1 != v2) | ((v1 & 1) != 0) | (v1 == s1) | (x == ROUND))
     return vals, bad
 
@@ -209,9 +213,9 @@ def _read_rows(table_ptr, rows, rmask, tstride, d, dmask, QUANT: tl.constexpr,
         base = table_ptr + rows * tstride
         q = _load(base[:, None] + d[None, :], m, 0, VOLATILE)
         par = (base + META).to(tl.pointer_type(tl.float32))
-        scale = _load(par, rmask, 0.0, VOLATILE)
+        scale = _load32(par, rmask, VOLATILE)
         if QUANT == 1:
-            bias = _load(par + 1, rmask, 0.0, VOLATILE)
+            bias = _load32(par + 1, rmask, VOLATILE)
             # NOTE: a masked row's scale and bias load as 0, its values as 0 with them; a
             # masked column's bias is taken out here, and where dmask is a constant (every
             # column of dim read), this select is folded away at compile time
@@ -224,10 +228,38 @@ def _read_rows(table_ptr, rows, rmask, tstride, d, dmask, QUANT: tl.constexpr,
 
 
 @triton.jit
-def _load(ptr, mask, other, VOLATILE: tl.constexpr):
-    """``tl.load``, with the ``".cv"`` modifier where ``VOLATILE``."""
+def _load32(ptr, mask, VOLATILE: tl.constexpr):
+    """A row's float32 parameter at ``ptr`` (0 where masked), volatile where ``VOLATILE``
+    (once a thread: :func:`_volatile32`)."""
     if VOLATILE:
-        v = tl.load(ptr, mask=mask, other=other, cache_modifier=".cv")
+        v = _volatile32(ptr, mask, _COMPILED).to(tl.float32, bitcast=True)
+    else:
+        v = tl.load(ptr, mask=mask, other=0.0)
+    return v
+
+
+@triton.jit
+def _volatile32(ptr, mask, COMPILED: tl.constexpr):
+    """The 32-bit word at ``ptr`` (int32; 0 where masked) by one ``ld.volatile`` a thread:
+    inline PTX with side effects, which Triton's layout passes do not copy into every
+    layout its value is used in (a volatile ``tl.load`` is copied, each copy its own
+    request over PCIe: the module docstring). Interpreted, a plain ``tl.load``."""
+    if COMPILED:
+        v = tl.inline_asm_elementwise(
+            "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $2, 0;\n\tmov.b32 $0, 0;"
+            "\n\t@p ld.volatile.global.b32 $0, [$1];\n\t}",
+            "=r,l,r", [ptr.to(tl.pointer_type(tl.int32)), mask.to(tl.int32)],
+            dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        v = tl.load(ptr.to(tl.pointer_type(tl.int32)), mask=mask, other=0)
+    return v
+
+
+@triton.jit
+def _load(ptr, mask, other, VOLATILE: tl.constexpr):
+    """``tl.load``, volatile where ``VOLATILE`` (see the module docstring)."""
+    if VOLATILE:
+        v = tl.load(ptr, mask=mask, other=other, volatile=True)
     else:
         v = tl.load(ptr, mask=mask, other=other)
     return v

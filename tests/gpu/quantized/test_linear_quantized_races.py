@@ -113,16 +113,7 @@ def test_a_write_in_this_process_never_tears_a_row(fmt: torch.dtype, kind: str,
             layer.close()
 
 
-#: the GPU readers' .cv loads can be served from earlier loads (gpu.kernels.stored_rows)
-GPU_TEARS = pytest.mark.xfail(
-    reason="open: the kernels' .cv loads can be served from earlier loads of the same "
-           "address, and against a writer rewriting every row flat out about 1 lookup in "
-           "300 returned a torn row on an H100; volatile loads passed this test there at "
-           "9-39x the lookup's cost (gpu/kernels/stored_rows.py, bench/RESULTS.md)")
-
-
-@pytest.mark.parametrize("device", [DEVICES[0], pytest.param(
-    "cuda", marks=[*DEVICES[1].marks, GPU_TEARS])])
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
 def test_a_writer_process_racing_lookups_leaves_whole_rows(fmt: torch.dtype,
                                                            device: str) -> None:
