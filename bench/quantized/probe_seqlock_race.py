@@ -1,7 +1,8 @@
 # ruff: noqa: N803  (Triton convention: compile-time constants are UPPER_CASE parameters)
 """A device probe of a quantized SharedMemBlock's seqlock against a writer process: where
-the GPU readers' torn rows came from (gpu/kernels/stored_rows.py: ``.cv`` loads that
-ptxas served from earlier loads; bench/RESULTS.md, thirteenth session).
+the GPU readers' torn rows came from (``.cv`` loads that ptxas served from earlier loads;
+bench/RESULTS.md, thirteenth session), and whether the kernels' volatile loads, since the
+fourteenth session (gpu/kernels/stored_rows.py), still tear any.
 
 A spawned writer rewrites every row of a 64 x 512 block flat out, version after version,
 as the cross-process race test's writer does (tests/gpu/quantized_workers.py). Then:

@@ -35,10 +35,9 @@ row must be judged by the same ``v1`` and ``v2``. Neither comes for free on a GP
   are loaded with ``volatile=True`` (``ld.volatile``: relaxed, system scope, never a
   stale cached line). The row gather and the second version read
   are separate launches on the same stream: a launch starts after every load of the one
-  before it has completed, the strongest fence there is, and rows are loaded with
-  ``cache_modifier=".cv"`` ("consider cached system memory lines stale, fetch again"; one
-  load of an address a launch, so ptxas has no earlier load to serve it from, but see
-  :mod:`gpu.kernels.stored_rows`, "Open", for what a GPU measured of ``.cv`` loads);
+  before it has completed, the strongest fence there is, and rows are loaded
+  volatile too (``ld.volatile``: a ``.cv`` load, "fetch again", is weak, and a GPU served
+  ``.cv`` loads of host memory from earlier ones: :mod:`gpu.kernels.stored_rows`);
 * a Triton program spreads one key's row over many threads (a 16 KiB row over every warp
   of the program), and each thread evaluates a per-key value such as ``v1`` with loads of
   its own. Under a concurrent write, threads of one key read different versions: a
@@ -63,7 +62,7 @@ after another in program order; the fence is compiled out there.
 Quantized caches (int8, float8_e4m3fn): a slot's row is its stored bytes, the payload and
 then its float32 scale (and bias) at ``META`` (:mod:`gpu.kernels.stored_rows`). The writer
 stores them together inside its write section, as any row byte; the gather loads the
-payload and the parameters in the same launch (``load_rows`` with ``".cv"``), between the
+payload and the parameters in the same launch (``load_rows``, volatile), between the
 probe's ``v1`` and the check's ``v2``, and dequantizes them there. So the argument above
 covers the parameters as it covers the payload: a scale or bias of another write than the
 payload it is applied to would have been read inside a write section, and the check then
@@ -264,7 +263,7 @@ def gather_found_kernel(
                       mask=ok[:, None] & dmask[None, :], other=0, volatile=True)
     else:
         # NOTE: the parameters are bytes of the same slot's row, loaded in this launch
-        # with the payload (".cv" too): inside the v1..v2 window that verify_kernel checks
+        # with the payload (volatile too): inside the v1..v2 window that verify_kernel checks
         row = _to_dtype(_load_rows(rows_ptr, slot, ok, row_stride, d, dmask, QUANT, META, 1, 0),
                         out_ptr.dtype.element_ty)
     tl.store(out_ptr + offs[:, None] * dim + d[None, :], row, mask=m[:, None] & dmask[None, :])

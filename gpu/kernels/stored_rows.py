@@ -35,8 +35,9 @@ XOR over the row) ``!= s2``, ``s1`` and ``s2`` constants of the round (a row tha
 one is not read that round and is read again in the next, where they differ). A
 predicated load cannot be issued before its predicate is known, nor can the compiler
 drop a predicate it cannot evaluate, so the three steps are performed in order, over
-PCIe too, and every load of the three is ``.cv`` (meant to fetch from host memory again:
-see "Open" below); no fence is needed beyond those dependencies. (An opaque zero
+PCIe too, and every load of the three is volatile (system scope: fetched from host
+memory, never served from an earlier load or a cached line; see "Volatile, once a thread"
+below); no fence is needed beyond those dependencies. (An opaque zero
 added to the addresses does not do it: ``and.b32 x, 0`` in inline PTX is folded by
 ``ptxas``, which then issued the row's loads beside ``v1``'s; the race test tore about 1
 read in 1,000-3,000 on an H100 that way.) ``v2``'s predicate comes from every element of
@@ -56,23 +57,22 @@ another write, would join two writes (the race test still tore about 1 read in
 round is one write's: a thread that saw a newer version before another thread's ``v2``
 (read after every part of the row) makes that ``v2`` newer too.
 
-Open: against a writer process rewriting every row of a block flat out, the kernels'
-rounds run out and about 1 lookup in 300 returned a torn row on an H100. The cause is the
-``.cv`` loads. ``ld.global.cv`` is a weak load, and ptxas serves one from an earlier load
-of the same address when no store or fence lies between (a compiled loop polling a
-version with it compared the first load's register with itself); on an H100 a kernel
-polling a version with ``ld.global.cv`` saw no change while a writer process moved it
-128 times, and one ``.cv`` poll a launch saw 17 changes over 5,000 launches in which the
-version moved 136 times (``bench/quantized/probe_host_loads.py``). So a round can judge
-the row by versions read before it, and rows read again may come back as read before.
-Volatile loads (``ld.volatile``: system scope, each load performed) saw the writes, and
-with them the race test passed and no lookup tore (0 of 344 a reader), but the LinearUVM
-lookups over a quantized block then cost 9-39x: a thread holds several copies of a row's
-version and parameters in Triton's layouts, whose ``.cv`` loads of one address LLVM
-merges and whose volatile loads it keeps, each a request over PCIe (76 scalar loads a
-thread instead of 8, compiled for sm_90): bench/RESULTS.md, thirteenth session. Past
-:data:`ROUNDS` a kernel takes the row as read: a GPU reader cannot take the writer lock,
-as a CPU reader does (:mod:`hostcache.row_versions`).
+Volatile, once a thread: the loads of a round must each be performed. ``ld.global.cv``
+(``tl.load(..., cache_modifier=".cv")``, these kernels' earlier form) is a weak load: ptxas
+serves one from an earlier load of the same address when no store or fence lies between
+(a compiled loop polling a version with it compared the first load's register with
+itself), and against a writer process rewriting every row flat out the rounds ran out and
+about 1 lookup in 300 returned a torn row on an H100. Volatile loads (``ld.volatile``) are
+each performed; but a volatile ``tl.load`` is copied by Triton's layout passes into every
+layout its value is used in, each copy its own request over PCIe (76 scalar loads a thread
+instead of 8 for an int8 dim-128 gather: 9-39x the lookup). So the versions and a row's
+parameters are loaded by :func:`_volatile32`, one predicated ``ld.volatile`` a thread in
+inline PTX with side effects, which those passes do not copy; the payload by a volatile
+``tl.load`` (its 16-byte vectors are loaded once). Measured in bench/RESULTS.md
+(fourteenth session): the race test and the readers' probe tear no row; a lookup whose
+misses read a quantized block costs more than it did with ``.cv`` loads (requests that a
+cached line could serve). Past :data:`ROUNDS` a kernel takes the row as read: a GPU reader
+cannot take the writer lock, as a CPU reader does (:mod:`hostcache.row_versions`).
 """
 
 from __future__ import annotations
@@ -138,8 +138,8 @@ def load_rows(table_ptr, rows, rmask, tstride, d, dmask, QUANT: tl.constexpr,
     """``[BLOCK_K, BLOCK_D]``: elements ``d`` of rows ``rows`` (int64, masked by ``rmask``,
     ``dmask``: zero there) of a table whose row ``r`` starts ``r * tstride`` elements (bytes,
     quantized) in; a plain table's in its dtype, a quantized one's dequantized in float32.
-    ``VOLATILE``: 1 loads with the ``".cv"`` cache modifier (the host tier's seqlocked reads
-    fetch every byte again, the row's parameters as its payload), 0 without. ``SEQ``: not
+    ``VOLATILE``: 1 loads every byte volatile (the host tier's seqlocked reads: each
+    load performed, the row's parameters as its payload), 0 plain loads. ``SEQ``: not
     0, a quantized table's rows read under their versions, at that byte of each row (see
     the module docstring). NOTE: ints every caller passes, not defaults: Triton 3.6 does
     not make a called function's default a constexpr."""
