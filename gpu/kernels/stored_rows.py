@@ -62,17 +62,17 @@ Volatile, once a thread: the loads of a round must each be performed. ``ld.globa
 serves one from an earlier load of the same address when no store or fence lies between
 (a compiled loop polling a version with it compared the first load's register with
 itself), and against a writer process rewriting every row flat out the rounds ran out and
-about 1 lookup in 300 returned a torn row on an H100. Volatile loads (``ld.volatile``) are
-each performed; but a volatile ``tl.load`` is copied by Triton's layout passes into every
-layout its value is used in, each copy its own request over PCIe (76 scalar loads a thread
-instead of 8 for an int8 dim-128 gather: 9-39x the lookup). So the versions and a row's
-parameters are loaded by :func:`_volatile32`, one predicated ``ld.volatile`` a thread in
-inline PTX with side effects, which those passes do not copy; the payload by a volatile
-``tl.load`` (its 16-byte vectors are loaded once). Measured in bench/RESULTS.md
-(fourteenth session): the race test and the readers' probe tear no row; a lookup whose
-misses read a quantized block costs more than it did with ``.cv`` loads (requests that a
-cached line could serve). Past :data:`ROUNDS` a kernel takes the row as read: a GPU reader
-cannot take the writer lock, as a CPU reader does (:mod:`hostcache.row_versions`).
+some lookups returned a torn row. Volatile loads (``ld.volatile``) are each performed; but
+a volatile ``tl.load`` is copied by Triton's layout passes into every layout its value is
+used in, each copy its own request over PCIe (many times the scalar loads a thread of the
+``.cv`` form issued, whose copies LLVM merged). So the versions and a row's parameters
+are loaded by :func:`_volatile32`, one predicated ``ld.volatile`` a thread in inline PTX
+with side effects, which those passes do not copy; the payload by a volatile ``tl.load``
+(its 16-byte vectors are loaded once). With them the race test and the readers' probe tear
+no row, and a lookup whose misses read a quantized block costs more than it did with
+``.cv`` loads, which a cached line could serve (bench/RESULTS.md, fourteenth session, has
+both). Past :data:`ROUNDS` a kernel takes the row as read: a GPU reader cannot take the
+writer lock, as a CPU reader does (:mod:`hostcache.row_versions`).
 """
 
 from __future__ import annotations
