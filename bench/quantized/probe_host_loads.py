@@ -16,7 +16,9 @@ load form:
 Per form: microseconds a poll, changes seen per row and polls that saw an odd version,
 beside the writes the CPU counted over the same launch. Then ``launches``: one poll a
 launch, many launches, with ``tl.load(.cv)`` (as the kernels load), the ``cv`` PTX and the
-``volatile`` one (does a ``.cv`` load that is performed see what a volatile one sees?), and
+``volatile`` one (does a ``.cv`` load that is performed see what a volatile one sees?);
+``interleaved``: the same with ``tl.load(.cv)``, a plain ``tl.load`` and the volatile PTX
+launched in turn (one writer for the three), with and without a host sync a round; and
 ``pinned`` / ``registered``: the ``cv`` and ``relaxed`` forms over a torch pinned tensor and
 over a registered private tensor, written by a thread of this process.
 
@@ -88,11 +90,41 @@ def _once(rows_ptr, stride, SEQ: tl.constexpr, prev_ptr, out_ptr, BLOCK: tl.cons
     ptr = (rows_ptr + r.to(tl.int64) * stride + SEQ).to(tl.pointer_type(tl.int32))
     if ASM == "":
         v = tl.load(ptr, cache_modifier=".cv")
+    elif ASM == "plain":
+        v = tl.load(ptr)
     else:
         v = _load(ptr, ASM)
     prev = tl.load(prev_ptr + r)
     tl.store(out_ptr + r, tl.load(out_ptr + r) + (v != prev).to(tl.int32))
     tl.store(prev_ptr + r, v)
+
+
+def interleaved(view: torch.Tensor, seq: int, n: int, versions: torch.Tensor,
+                sync: bool) -> str:
+    """``n`` rounds of one poll a launch in each of ``tl.load(.cv)``, plain ``tl.load``
+    (a weak load without a modifier) and the volatile PTX, the three launches one after
+    another in every round, so that each form polls under the same writer; ``sync``: the
+    host waits for the GPU after every round (a write's visibility after a sync, as a
+    layer's writes wait for the GPU)."""
+    forms = {"tl.load": "", "plain": "plain", "volatile": FORMS["volatile"]}
+    prev = {f: torch.zeros(ROWS, dtype=torch.int32, device="cuda") for f in forms}
+    out = {f: torch.zeros(ROWS, dtype=torch.int32, device="cuda") for f in forms}
+    for f, asm in forms.items():
+        _once[(1,)](view, view.stride(0), seq, prev[f], out[f], BLOCK=ROWS, ASM=asm)
+    torch.cuda.synchronize()
+    for o in out.values():
+        o.zero_()
+    before, t = int(versions[0]), time.perf_counter()
+    for _ in range(n):
+        for f, asm in forms.items():
+            _once[(1,)](view, view.stride(0), seq, prev[f], out[f], BLOCK=ROWS, ASM=asm)
+        if sync:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    dt, after = time.perf_counter() - t, int(versions[0])
+    seen = " / ".join(f"{f} {out[f].float().mean():.1f}" for f in forms)
+    return (f"interleaved{' sync' if sync else ''}: {n} rounds in {dt * 1e3:.1f} ms, changes "
+            f"a row {seen} (row 0's version moved {after - before} on the CPU)")
 
 
 def poll(view: torch.Tensor, seq: int, polls: int, form: str, versions: torch.Tensor) -> str:
@@ -181,6 +213,8 @@ def main() -> None:
                 print(f"{form:9s} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
         for form in ("tl.load", "cv", "volatile"):
             print(launches(view, seq, args.launches, versions, form), flush=True)
+        for sync in (False, True):
+            print(interleaved(view, seq, args.launches, versions, sync), flush=True)
     for kind in ("pinned", "registered"):
         for line in threaded(kind, args.polls):
             print(line, flush=True)
