@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The seqlock probes on a GPU machine in one run of about 200 s (first `bash
-# bench/device/prepare_device.sh` here; carry .whl): what each form of GPU load sees of a
+# The seqlock probes on a GPU machine in one run of about 250 s (first `bash
+# bench/device/prepare_device.sh` here; carry .whl): what reading random rows of a block
+# costs by load form (bench/quantized/probe_row_requests.py), what each form of GPU load sees of a
 # quantized block's versions while a writer process writes flat out
 # (bench/quantized/probe_host_loads.py), how often the kernels' own seqlock round is judged
 # torn, then the three readers' torn lookups (bench/quantized/probe_seqlock_race.py).
@@ -14,6 +15,7 @@ probe() {
   timeout "$1" python3 "bench/quantized/$2" "${@:3}" >>"$OUT/seqlock.log" 2>&1 \
     || echo "(exit $?)" >>"$OUT/seqlock.log"
 }
+probe 90 probe_row_requests.py
 probe 60 probe_host_loads.py
 probe 60 probe_seqlock_race.py rounds --polls 100000
 probe 90 probe_seqlock_race.py readers --seconds 60 ${ROUNDS:+--rounds "$ROUNDS"}
