@@ -69,8 +69,8 @@ used in, each copy its own request over PCIe (many times the scalar loads a thre
 are loaded by :func:`_volatile32`, one predicated ``ld.volatile`` a thread in inline PTX
 with side effects, which those passes do not copy; the payload by a volatile ``tl.load``
 (its 16-byte vectors are loaded once). With them the race test and the readers' probe tear
-no row, and a lookup whose misses read a quantized block costs more than it did with
-``.cv`` loads, which a cached line could serve (bench/RESULTS.md, fourteenth session, has
+no row, and a lookup that reads a quantized block in host memory costs more than it did
+with ``.cv`` loads, which a cached line could serve (bench/RESULTS.md, fourteenth session, has
 both). Past :data:`ROUNDS` a kernel takes the row as read: a GPU reader cannot take the
 writer lock, as a CPU reader does (:mod:`hostcache.row_versions`).
 """
