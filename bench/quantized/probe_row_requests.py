@@ -30,7 +30,6 @@ Run: ``python bench/quantized/probe_row_requests.py [--rows N] [--keys N] [--fmt
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -41,6 +40,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from bench.kernels.bench_host_tier import cuda_time  # noqa: E402
 from hostcache import SharedMemBlock  # noqa: E402
 from tests.conftest import fresh_name  # noqa: E402
 from tests.gpu.quantized_tables import quantized_block  # noqa: E402
@@ -116,20 +116,12 @@ def kernel(device: str) -> Any:
 
 
 def timed(launch: Any, reps: int, device: str) -> float:
-    """Median microseconds of ``launch()`` over ``reps`` launches (after two warm-ups)."""
-    launch()
-    launch()
+    """Median microseconds of ``launch()`` over ``reps`` launches, CUDA events (on the CPU:
+    one launch, untimed)."""
     if device == "cpu":
-        return float("nan")
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
         launch()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
+        return float("nan")
+    return cuda_time(launch, reps) * 1e6
 
 
 def measure(block: Any, label: str, forms: list[str], keys: torch.Tensor, reps: int,
