@@ -193,11 +193,11 @@ def _versioned_once(table_ptr, vptr, rows, rmask, tstride, d, dmask, QUANT: tl.c
     ``v1`` (``v1 != -1 - ROUND``: a version is never negative until it wraps after 2**31
     writes, and then at most one round is lost), ``v2``'s for every value of the row
     (their XOR ``!= ROUND``)."""
-    v1 = _volatile32(vptr, rmask, _COMPILED)
+    v1 = _volatile32(vptr, rmask)
     s1 = -1 - ROUND
     vals = _read_rows(table_ptr, rows, rmask & (v1 != s1), tstride, d, dmask, QUANT, META, 1)
     x = tl.reduce(vals.to(tl.int32, bitcast=True), 1, _xor)
-    v2 = _volatile32(vptr, rmask & (x != ROUND), _COMPILED)
+    v2 = _volatile32(vptr, rmask & (x != ROUND))
     bad = rmask & ((v1 != v2) | ((v1 & 1) != 0) | (v1 == s1) | (x == ROUND))
     return vals, bad
 
@@ -232,19 +232,19 @@ def _load32(ptr, mask, VOLATILE: tl.constexpr):
     """A row's float32 parameter at ``ptr`` (0 where masked), volatile where ``VOLATILE``
     (once a thread: :func:`_volatile32`)."""
     if VOLATILE:
-        v = _volatile32(ptr, mask, _COMPILED).to(tl.float32, bitcast=True)
+        v = _volatile32(ptr, mask).to(tl.float32, bitcast=True)
     else:
         v = tl.load(ptr, mask=mask, other=0.0)
     return v
 
 
 @triton.jit
-def _volatile32(ptr, mask, COMPILED: tl.constexpr):
+def _volatile32(ptr, mask):
     """The 32-bit word at ``ptr`` (int32; 0 where masked) by one ``ld.volatile`` a thread:
     inline PTX with side effects, which Triton's layout passes do not copy into every
     layout its value is used in (a volatile ``tl.load`` is copied, each copy its own
     request over PCIe: the module docstring). Interpreted, a plain ``tl.load``."""
-    if COMPILED:
+    if _COMPILED:
         v = tl.inline_asm_elementwise(
             "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $2, 0;\n\tmov.b32 $0, 0;"
             "\n\t@p ld.volatile.global.b32 $0, [$1];\n\t}",
