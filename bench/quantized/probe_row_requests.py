@@ -11,13 +11,11 @@ launches, CUDA events):
 * ``weak``: :func:`gpu.kernels.stored_rows.load_rows` with plain loads (a device table's
   read; over host memory a cached line may serve it);
 * ``volatile``: ``load_rows`` with every load volatile, no versions (the host tier's
-  read of a quantized host cache);
+  read of a quantized host cache: the parameters loaded by each row's lead thread);
 * ``seqlock``: ``load_rows`` under the rows' versions (a LinearUVM or GPULayer lookup's
   read of a quantized block: ``v1``, payload and parameters, ``v2``);
 * ``payload-volatile`` / ``payload-weak``: the payload alone, no parameters (what the
   parameters' loads add);
-* ``pair``: the payload volatile and the scale and bias as one 8-byte volatile load (one
-  request instead of two: a candidate for the seqlock's read; int8 only).
 
 Then the float32 block of the same rows, ``weak`` and ``volatile``: the same bytes a
 quantized row's miss would cost as float32. Each line: microseconds a launch, M rows/s,
@@ -46,23 +44,11 @@ from tests.conftest import fresh_name  # noqa: E402
 from tests.gpu.quantized_tables import quantized_block  # noqa: E402
 
 DIM = 128
-#: the helpers the kernel calls: ``gpu/kernels/stored_rows.py``'s of the kernel's kind, and
-#: ``_pair_src`` jitted (set by :func:`kernel`)
+#: the helpers the kernel calls: ``gpu/kernels/stored_rows.py``'s of the kernel's kind (set
+#: by :func:`kernel`)
 load_rows: Any = None
-_i8: Any = None
-_pair: Any = None
 #: form name -> the kernel's FORM constexpr
-FORMS = {"weak": 0, "volatile": 1, "seqlock": 2, "payload-volatile": 3, "payload-weak": 4,
-         "pair": 5}
-
-
-def _pair_src(ptr, mask):
-    """Two 32-bit words at ``ptr`` (8-byte aligned) by one ``ld.volatile.v2`` a thread."""
-    return tl.inline_asm_elementwise(
-        "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $3, 0;\n\tmov.b32 $0, 0;\n\tmov.b32 $1, 0;"
-        "\n\t@p ld.volatile.global.v2.b32 {$0, $1}, [$2];\n\t}",
-        "=r,=r,l,r", [ptr.to(tl.pointer_type(tl.int32)), mask.to(tl.int32)],
-        dtype=(tl.int32, tl.int32), is_pure=False, pack=1)
+FORMS = {"weak": 0, "volatile": 1, "seqlock": 2, "payload-volatile": 3, "payload-weak": 4}
 
 
 def _gather_src(table_ptr, rows_ptr, out_ptr, n, tstride, BLOCK_K: tl.constexpr,
@@ -84,15 +70,9 @@ def _gather_src(table_ptr, rows_ptr, out_ptr, n, tstride, BLOCK_K: tl.constexpr,
         q = tl.load(table_ptr + rows[:, None] * tstride + d[None, :], mask=mm, other=0,
                     volatile=True)
         vals = q.to(tl.float32)
-    elif FORM == 4:
+    else:
         q = tl.load(table_ptr + rows[:, None] * tstride + d[None, :], mask=mm, other=0)
         vals = q.to(tl.float32)
-    else:
-        q = tl.load(table_ptr + rows[:, None] * tstride + d[None, :], mask=mm, other=0,
-                    volatile=True)
-        s, b = _pair(table_ptr + rows * tstride + META, m)
-        vals = (_i8(q) * s.to(tl.float32, bitcast=True)[:, None]
-                + b.to(tl.float32, bitcast=True)[:, None])
     tl.store(out_ptr + offs[:, None] * BLOCK_D + d[None, :], vals, mask=mm)
 
 
@@ -105,11 +85,10 @@ def kernel(device: str) -> Any:
 
     cpu = device == "cpu"
     stored = kernel_module("stored_rows", interpret=cpu)
-    globals().update(load_rows=stored.load_rows, _i8=stored._i8)
+    globals().update(load_rows=stored.load_rows)
     previous = knobs.runtime.interpret
     knobs.runtime.interpret = cpu
     try:
-        globals()["_pair"] = triton.jit(_pair_src)
         return stored, triton.jit(_gather_src)
     finally:
         knobs.runtime.interpret = previous
@@ -173,7 +152,7 @@ def main() -> None:
     values = torch.randn(args.rows, DIM, generator=g)
     keys = torch.randint(0, args.rows, (args.keys,), generator=g).to(args.device)
     fmt = getattr(torch, args.fmt)
-    forms = [f for f in FORMS if f != "pair" or (fmt == torch.int8 and args.device != "cpu")]
+    forms = list(FORMS)
     base: list[float] = []
     with quantized_block(args.rows, DIM, fmt, values) as mb:
         measure(mb, args.fmt, forms, keys, args.reps, args.device, stored, gather, base)

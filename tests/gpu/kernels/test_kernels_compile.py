@@ -256,7 +256,8 @@ def _operands(op: str, args: str) -> tuple[list[str], list[str]]:
     """(written, read) registers and predicates of one SASS instruction (RZ and PT, the
     constants, are neither)."""
     parts = [a.strip() for a in args.split(",")]
-    if op.startswith(("ST", "RED", "BAR", "BRA", "EXIT")) or not parts[0]:
+    head = op.split(".")[0]  # NOTE: REDUX (a warp's reduction into a register) is not RED
+    if head.startswith("ST") or head in ("RED", "BAR", "BRA", "EXIT") or not parts[0]:
         return [], _OPERAND.findall(args)
     outs = 2 if op.startswith(_TWO_OUT) and re.match(r"U?P\d|PT", parts[0]) else 1
     written = [r for p in parts[:outs] for r in _OPERAND.findall(p) if "[" not in p]
