@@ -69,8 +69,8 @@ into every layout its value is used in, each copy its own request; inline PTX wi
 effects (:func:`_volatile_pair`) is not copied, but loaded by every thread of a row it
 still cost a LinearUVM lookup over an int8 block 2.4x one over float32 (bench/RESULTS.md,
 fourteenth session). So the versions and the parameters are loaded by the row's lead thread
-alone, as 8-byte pairs (a row's int8 scale and bias are one load where they are 8-aligned,
-as at dim 128), and the payload by a volatile ``tl.load`` (its 16-byte vectors, one
+alone (a row's int8 scale and bias as one 8-byte load where they are 8-aligned, as at dim
+128), and the payload by a volatile ``tl.load`` (its 16-byte vectors, one
 request a piece of the row). The race test and the readers' probe tear no row with them;
 bench/RESULTS.md (fifteenth session) has what they cost against the earlier forms.
 Past :data:`ROUNDS` a kernel takes the row as read: a GPU reader cannot take the
@@ -232,16 +232,15 @@ def _read_rows(table_ptr, rows, rmask, tstride, d, dmask, QUANT: tl.constexpr,
 @triton.jit
 def _row_word(base, OFF: tl.constexpr, mask, d):
     """The int32 word at byte ``OFF`` (4-aligned) of each row starting at ``base`` (0 where
-    ``mask`` is false), loaded volatile: compiled, from the row's 8-aligned pair of words
-    that holds it (:func:`_row_pair`); interpreted, by ``tl.load``."""
+    ``mask`` is false), loaded volatile. Compiled: one ``ld.volatile`` by the thread
+    holding the row's column 0 (``d``), handed to the row's other threads by a sum over the
+    row (see the module docstring). Interpreted, by ``tl.load``."""
+    ptr = (base + OFF).to(tl.pointer_type(tl.int32))
     if _COMPILED:
-        lo, hi = _row_pair(base, OFF - OFF % 8, mask, d)
-        if OFF % 8 == 0:
-            w = lo
-        else:
-            w = hi
+        p2, lead = tl.broadcast(ptr[:, None], d[None, :] == 0)
+        w = tl.sum(_volatile32(p2, mask[:, None] & lead), 1)
     else:
-        w = tl.load((base + OFF).to(tl.pointer_type(tl.int32)), mask=mask, other=0)
+        w = tl.load(ptr, mask=mask, other=0)
     return w
 
 
@@ -275,6 +274,17 @@ def _volatile_pair(ptr, mask):
         "\n\t@p ld.volatile.global.v2.b32 {$0, $1}, [$2];\n\t}",
         "=r,=r,l,r", [ptr.to(tl.pointer_type(tl.int32)), mask.to(tl.int32)],
         dtype=(tl.int32, tl.int32), is_pure=False, pack=1)
+
+
+@triton.jit
+def _volatile32(ptr, mask):
+    """The int32 word at ``ptr`` (0 where masked) by one predicated ``ld.volatile.global``
+    (inline PTX with side effects, as :func:`_volatile_pair`)."""
+    return tl.inline_asm_elementwise(
+        "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $2, 0;\n\tmov.b32 $0, 0;"
+        "\n\t@p ld.volatile.global.b32 $0, [$1];\n\t}",
+        "=r,l,r", [ptr.to(tl.pointer_type(tl.int32)), mask.to(tl.int32)],
+        dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
