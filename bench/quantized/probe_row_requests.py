@@ -11,11 +11,15 @@ launches, CUDA events):
 * ``weak``: :func:`gpu.kernels.stored_rows.load_rows` with plain loads (a device table's
   read; over host memory a cached line may serve it);
 * ``volatile``: ``load_rows`` with every load volatile, no versions (the host tier's
-  read of a quantized host cache: the parameters loaded by each row's lead thread);
+  read of a quantized host cache);
 * ``seqlock``: ``load_rows`` under the rows' versions (a LinearUVM or GPULayer lookup's
   read of a quantized block: ``v1``, payload and parameters, ``v2``);
 * ``payload-volatile`` / ``payload-weak``: the payload alone, no parameters (what the
   parameters' loads add);
+* ``pair``: the payload volatile and the scale and bias as one 8-byte volatile load by
+  the one thread of the row that holds its column 0, handed to the row's other threads by
+  a sum over the row (the kernels' form loads each parameter in every thread of the row;
+  a candidate for the seqlock's read, bench/RESULTS.md, fifteenth session; int8 only).
 
 Then the float32 block of the same rows, ``weak`` and ``volatile``: the same bytes a
 quantized row's miss would cost as float32. Each line: microseconds a launch, M rows/s,
@@ -23,12 +27,19 @@ GB/s of stored bytes, and the ratio to the quantized ``weak`` form.
 
 Run: ``python bench/quantized/probe_row_requests.py [--rows N] [--keys N] [--fmt int8]``
 (CUDA; ``--device cpu`` runs each form once in Triton's interpreter, a smoke test).
+``--sass`` needs no GPU: it compiles each form for sm_90, specialized as a launch over
+16-byte aligned tables is, and counts its machine code's loads a thread by kind (system
+scope: ``STRONG.SYS``), shuffles and barriers, with Triton's own ptxas and cuobjdump.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
+import subprocess
 import sys
+import tempfile
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +55,26 @@ from tests.conftest import fresh_name  # noqa: E402
 from tests.gpu.quantized_tables import quantized_block  # noqa: E402
 
 DIM = 128
-#: the helpers the kernel calls: ``gpu/kernels/stored_rows.py``'s of the kernel's kind (set
-#: by :func:`kernel`)
+#: the helpers the kernel calls: ``gpu/kernels/stored_rows.py``'s of the kernel's kind, and
+#: ``_pair_src`` jitted (set by :func:`kernel`)
 load_rows: Any = None
+_i8: Any = None
+_pair: Any = None
 #: form name -> the kernel's FORM constexpr
-FORMS = {"weak": 0, "volatile": 1, "seqlock": 2, "payload-volatile": 3, "payload-weak": 4}
+FORMS = {"weak": 0, "volatile": 1, "seqlock": 2, "payload-volatile": 3, "payload-weak": 4,
+         "pair": 5}
+
+
+def _pair_src(ptr, mask, d):
+    """Each row's two 32-bit words at ``ptr`` (8-byte aligned) by one ``ld.volatile.v2``,
+    issued by the thread holding the row's column 0 (``d``), summed over the row."""
+    p2, lead = tl.broadcast(ptr[:, None], d[None, :] == 0)
+    a, b = tl.inline_asm_elementwise(
+        "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $3, 0;\n\tmov.b32 $0, 0;\n\tmov.b32 $1, 0;"
+        "\n\t@p ld.volatile.global.v2.b32 {$0, $1}, [$2];\n\t}",
+        "=r,=r,l,r", [p2.to(tl.pointer_type(tl.int32)), (mask[:, None] & lead).to(tl.int32)],
+        dtype=(tl.int32, tl.int32), is_pure=False, pack=1)
+    return tl.sum(a, 1), tl.sum(b, 1)
 
 
 def _gather_src(table_ptr, rows_ptr, out_ptr, n, tstride, BLOCK_K: tl.constexpr,
@@ -70,9 +96,15 @@ def _gather_src(table_ptr, rows_ptr, out_ptr, n, tstride, BLOCK_K: tl.constexpr,
         q = tl.load(table_ptr + rows[:, None] * tstride + d[None, :], mask=mm, other=0,
                     volatile=True)
         vals = q.to(tl.float32)
-    else:
+    elif FORM == 4:
         q = tl.load(table_ptr + rows[:, None] * tstride + d[None, :], mask=mm, other=0)
         vals = q.to(tl.float32)
+    else:
+        q = tl.load(table_ptr + rows[:, None] * tstride + d[None, :], mask=mm, other=0,
+                    volatile=True)
+        s, b = _pair(table_ptr + rows * tstride + META, m, d)
+        vals = (_i8(q) * s.to(tl.float32, bitcast=True)[:, None]
+                + b.to(tl.float32, bitcast=True)[:, None])
     tl.store(out_ptr + offs[:, None] * BLOCK_D + d[None, :], vals, mask=mm)
 
 
@@ -85,10 +117,11 @@ def kernel(device: str) -> Any:
 
     cpu = device == "cpu"
     stored = kernel_module("stored_rows", interpret=cpu)
-    globals().update(load_rows=stored.load_rows)
+    globals().update(load_rows=stored.load_rows, _i8=stored._i8)
     previous = knobs.runtime.interpret
     knobs.runtime.interpret = cpu
     try:
+        globals()["_pair"] = triton.jit(_pair_src)
         return stored, triton.jit(_gather_src)
     finally:
         knobs.runtime.interpret = previous
@@ -137,6 +170,40 @@ def measure(block: Any, label: str, forms: list[str], keys: torch.Tensor, reps: 
             reg.close()
 
 
+def sass_counts(fmt: str) -> None:
+    """One line a form: its loads, shuffles and barriers a thread, compiled for sm_90."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from hostcache.row_versions import VersionedFormat
+    from nvecache.common.rows import RowFormat
+
+    stored, gather = kernel("cuda")
+    cx = stored.codec_constexprs(VersionedFormat.of(RowFormat(fmt, DIM)))
+    options = {"enable_fp_fusion": cx.pop("enable_fp_fusion", True)}
+    sig = {"table_ptr": "*u8", "rows_ptr": "*i64", "out_ptr": "*fp32", "n": "i32",
+           "tstride": "i32"}
+    # NOTE: the pointers and the row stride 16-divisible, as a launch specializes them
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 4)}
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    op = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", re.M)
+    for form, code in FORMS.items():
+        if form == "pair" and fmt != "int8":
+            continue
+        consts = dict(cx, BLOCK_K=16, BLOCK_D=DIM, FORM=code)
+        src = ASTSource(gather, dict(sig, **dict.fromkeys(consts, "constexpr")), consts, attrs)
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+        with tempfile.TemporaryDirectory() as tmp:
+            cubin = Path(tmp) / "k.cubin"
+            cubin.write_bytes(compiled.asm["cubin"])
+            text = subprocess.run([str(tool), "-sass", str(cubin)], check=True,
+                                  capture_output=True, text=True).stdout
+        ops = op.findall(text)
+        kinds = Counter(o for o in ops if o.startswith(("LDG", "SHFL", "BAR", "REDUX")))
+        print(f"{fmt:8s} {form:17s} {len(ops):5d} instructions  "
+              + "  ".join(f"{k} {v}" for k, v in sorted(kinds.items())), flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, default=1 << 20)
@@ -144,7 +211,12 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--fmt", default="int8", choices=["int8", "float8_e4m3fn"])
     p.add_argument("--device", default="cuda")
+    p.add_argument("--sass", action="store_true",
+                   help="count each form's compiled loads for sm_90 (no GPU needed)")
     args = p.parse_args()
+    if args.sass:
+        sass_counts(args.fmt)
+        return
     if args.device == "cpu":  # NOTE: the interpreter: a smoke test at a small size
         args.rows, args.keys = min(args.rows, 256), min(args.keys, 64)
     stored, gather = kernel(args.device)
@@ -152,7 +224,7 @@ def main() -> None:
     values = torch.randn(args.rows, DIM, generator=g)
     keys = torch.randint(0, args.rows, (args.keys,), generator=g).to(args.device)
     fmt = getattr(torch, args.fmt)
-    forms = list(FORMS)
+    forms = [f for f in FORMS if f != "pair" or (fmt == torch.int8 and args.device != "cpu")]
     base: list[float] = []
     with quantized_block(args.rows, DIM, fmt, values) as mb:
         measure(mb, args.fmt, forms, keys, args.reps, args.device, stored, gather, base)

@@ -36,7 +36,7 @@ one is not read that round and is read again in the next, where they differ). A
 predicated load cannot be issued before its predicate is known, nor can the compiler
 drop a predicate it cannot evaluate, so the three steps are performed in order, over
 PCIe too, and every load of the three is volatile (system scope: fetched from host
-memory, never served from an earlier load or a cached line; see "Volatile, once a row"
+memory, never served from an earlier load or a cached line; see "Volatile, once a thread"
 below); no fence is needed beyond those dependencies. (An opaque zero
 added to the addresses does not do it: ``and.b32 x, 0`` in inline PTX is folded by
 ``ptxas``, which then issued the row's loads beside ``v1``'s; the race test tore about 1
@@ -48,32 +48,30 @@ overlapped, and one write's payload is never decoded with another write's parame
 The writer (CPU, TSO) stores the odd version, the row, then the even version
 (:mod:`hostcache.row_versions`).
 
-One verdict per row: each of a row's versions and parameters is loaded by one thread
-of the row (the one holding its column 0) and handed to the row's other threads by a sum
-over the row (:func:`_row_pair`), so every thread of a row judges it by the same ``v1`` and
-``v2`` and by the same XOR of the whole row: a round keeps every part of a row or reads all
-of it again. (Kept part by part, a part one thread kept in one round and another thread
-re-read in a later one, after another write, would join two writes: the race test tore
-about 1 read in 1,000-3,000 on an H100 that way, when each thread judged its part by
-versions it loaded itself.)
+One verdict per row: each thread loads its own copy of a row's versions and judges its own
+part of the row by them, so a round's verdicts are joined over the row's threads
+(:func:`_any_thread`) before it keeps the row or reads all of it again. Kept part by part,
+a part one thread kept in one round and another thread re-read in a later one, after
+another write, would join two writes (the race test still tore about 1 read in
+1,000-3,000 on an H100 with the predicates alone). A row every thread found clean in one
+round is one write's: a thread that saw a newer version before another thread's ``v2``
+(read after every part of the row) makes that ``v2`` newer too.
 
-Volatile, once a row: the loads of a round must each be performed. ``ld.global.cv``
+Volatile, once a thread: the loads of a round must each be performed. ``ld.global.cv``
 (``tl.load(..., cache_modifier=".cv")``, these kernels' earlier form) is a weak load: ptxas
 serves one from an earlier load of the same address when no store or fence lies between
 (a compiled loop polling a version with it compared the first load's register with
 itself), and against a writer process rewriting every row flat out the rounds ran out and
-some lookups returned a torn row. Volatile loads (``ld.volatile``) are each performed, each
-a system-scope request over the host link; what they cost depends on how many a row
-issues. A volatile ``tl.load`` of a row's version is copied by Triton's layout passes
-into every layout its value is used in, each copy its own request; inline PTX with side
-effects (:func:`_volatile_pair`) is not copied, but loaded by every thread of a row it
-still cost a LinearUVM lookup over an int8 block 2.4x one over float32 (bench/RESULTS.md,
-fourteenth session). So the versions and the parameters are loaded by the row's lead thread
-alone (a row's int8 scale and bias as one 8-byte load where they are 8-aligned, as at dim
-128), and the payload by a volatile ``tl.load`` (its 16-byte vectors, one
-request a piece of the row). The race test and the readers' probe tear no row with them;
-bench/RESULTS.md (fifteenth session) has what they cost against the earlier forms.
-Past :data:`ROUNDS` a kernel takes the row as read: a GPU reader cannot take the
+some lookups returned a torn row. Volatile loads (``ld.volatile``) are each performed; but
+a volatile ``tl.load`` is copied by Triton's layout passes into every layout its value is
+used in, each copy its own request over PCIe (many times the scalar loads a thread of the
+``.cv`` form issued, whose copies LLVM merged). So the versions and a row's parameters
+are loaded by :func:`_volatile32`, one predicated ``ld.volatile`` a thread in inline PTX
+with side effects, which those passes do not copy; the payload by a volatile ``tl.load``
+(its 16-byte vectors are loaded once). With them the race test and the readers' probe tear
+no row, and a lookup that reads a quantized block in host memory costs more than it did
+with ``.cv`` loads, which a cached line could serve (bench/RESULTS.md, fourteenth session, has
+both). Past :data:`ROUNDS` a kernel takes the row as read: a GPU reader cannot take the
 writer lock, as a CPU reader does (:mod:`hostcache.row_versions`).
 """
 
@@ -97,8 +95,8 @@ _fp8: int | None = None
 ROUNDS: tl.constexpr = tl.constexpr(1 << 12)
 #: 2**120, the scale between an e4m3 element and its bits placed in a float32 (_e4m3)
 _TWO_120: tl.constexpr = tl.constexpr(float(2 ** 120))
-#: whether this variant of the module is compiled (its versions and parameters are loaded
-#: by inline PTX, once a row) or run by Triton's interpreter (plain ``tl.load``)
+#: whether this variant of the module is compiled (its scalar volatile loads are inline
+#: PTX, loaded once a thread) or run by Triton's interpreter (plain ``tl.load``)
 _COMPILED: tl.constexpr = tl.constexpr(not knobs.runtime.interpret)
 
 
@@ -146,15 +144,17 @@ def load_rows(table_ptr, rows, rmask, tstride, d, dmask, QUANT: tl.constexpr,
     the module docstring). NOTE: ints every caller passes, not defaults: Triton 3.6 does
     not make a called function's default a constexpr."""
     if SEQ:
-        vals, bad = _versioned_once(table_ptr, rows, rmask, tstride, d, dmask, QUANT, META,
-                                    SEQ, 1)
+        vptr = (table_ptr + rows * tstride + SEQ).to(tl.pointer_type(tl.int32))
+        vals, bad = _versioned_once(table_ptr, vptr, rows, rmask, tstride, d, dmask, QUANT,
+                                    META, 1)
+        bad = _any_thread(bad, d, tstride)
         rounds = 1
         while (tl.reduce(bad.to(tl.int32), 0, _max) > 0) & (rounds < ROUNDS):
             rounds += 1
-            again, still = _versioned_once(table_ptr, rows, bad, tstride, d, dmask, QUANT,
-                                           META, SEQ, rounds)
+            again, still = _versioned_once(table_ptr, vptr, rows, bad, tstride, d, dmask,
+                                           QUANT, META, rounds)
             vals = tl.where(bad[:, None], again, vals)
-            bad = still
+            bad = _any_thread(still, d, tstride)
     else:
         vals = _read_rows(table_ptr, rows, rmask, tstride, d, dmask, QUANT, META, VOLATILE)
     return vals
@@ -166,28 +166,38 @@ def _max(a, b):
 
 
 @triton.jit
+def _any_thread(bad, d, tstride):
+    """``bad`` per row as every thread holding a part of the row sees it: true where any
+    of them found its window dirty. Each thread loads its own copy of a row's versions and
+    judges its own part of the row by them; a row that one thread keeps and another reads
+    again in a later round would join parts of two writes. Reduced over the row's columns
+    (``d < tstride``: true for column 0 at least, and not a constant the compiler could
+    fold the reduction away with), every part of a row is kept or read again together."""
+    spread = bad[:, None] & (d[None, :] < tstride)
+    return tl.reduce(spread.to(tl.int32), 1, _max) > 0
+
+
+@triton.jit
 def _xor(a, b):
     return a ^ b
 
 
 @triton.jit
-def _versioned_once(table_ptr, rows, rmask, tstride, d, dmask, QUANT: tl.constexpr,
-                    META: tl.constexpr, SEQ: tl.constexpr, ROUND):
+def _versioned_once(table_ptr, vptr, rows, rmask, tstride, d, dmask, QUANT: tl.constexpr,
+                    META: tl.constexpr, ROUND):
     """Round ``ROUND`` (1, 2, ...) of the seqlocked read of rows ``rows`` (masked by
-    ``rmask``; versions at byte ``SEQ`` of each row): their values, and which of them to
-    read again (a write section overlapped the read, or the row met one of the round's
-    constants).
+    ``rmask``; versions at ``vptr``): their values, and which of them to read again (a
+    write section overlapped the read, or the row met one of the round's constants).
 
     The order comes from predicates (see the module docstring): the row's loads wait for
     ``v1`` (``v1 != -1 - ROUND``: a version is never negative until it wraps after 2**31
     writes, and then at most one round is lost), ``v2``'s for every value of the row
     (their XOR ``!= ROUND``)."""
-    base = table_ptr + rows * tstride
-    v1 = _row_word(base, SEQ, rmask, d)
+    v1 = _volatile32(vptr, rmask)
     s1 = -1 - ROUND
     vals = _read_rows(table_ptr, rows, rmask & (v1 != s1), tstride, d, dmask, QUANT, META, 1)
     x = tl.reduce(vals.to(tl.int32, bitcast=True), 1, _xor)
-    v2 = _row_word(base, SEQ, rmask & (x != ROUND), d)
+    v2 = _volatile32(vptr, rmask & (x != ROUND))
     bad = rmask & ((v1 != v2) | ((v1 & 1) != 0) | (v1 == s1) | (x == ROUND))
     return vals, bad
 
@@ -202,22 +212,10 @@ def _read_rows(table_ptr, rows, rmask, tstride, d, dmask, QUANT: tl.constexpr,
     else:
         base = table_ptr + rows * tstride
         q = _load(base[:, None] + d[None, :], m, 0, VOLATILE)
-        if VOLATILE:
-            if (QUANT == 1) & (META % 8 == 0):
-                scale, bias = _row_pair(base, META, rmask, d)
-            else:
-                scale = _row_word(base, META, rmask, d)
-                if QUANT == 1:
-                    bias = _row_word(base, META + 4, rmask, d)
-            scale = scale.to(tl.float32, bitcast=True)
-            if QUANT == 1:
-                bias = bias.to(tl.float32, bitcast=True)
-        else:
-            par = (base + META).to(tl.pointer_type(tl.float32))
-            scale = tl.load(par, mask=rmask, other=0.0)
-            if QUANT == 1:
-                bias = tl.load(par + 1, mask=rmask, other=0.0)
+        par = (base + META).to(tl.pointer_type(tl.float32))
+        scale = _load32(par, rmask, VOLATILE)
         if QUANT == 1:
+            bias = _load32(par + 1, rmask, VOLATILE)
             # NOTE: a masked row's scale and bias load as 0, its values as 0 with them; a
             # masked column's bias is taken out here, and where dmask is a constant (every
             # column of dim read), this select is folded away at compile time
@@ -230,61 +228,31 @@ def _read_rows(table_ptr, rows, rmask, tstride, d, dmask, QUANT: tl.constexpr,
 
 
 @triton.jit
-def _row_word(base, OFF: tl.constexpr, mask, d):
-    """The int32 word at byte ``OFF`` (4-aligned) of each row starting at ``base`` (0 where
-    ``mask`` is false), loaded volatile. Compiled: one ``ld.volatile`` by the thread
-    holding the row's column 0 (``d``), handed to the row's other threads by a sum over the
-    row (see the module docstring). Interpreted, by ``tl.load``."""
-    ptr = (base + OFF).to(tl.pointer_type(tl.int32))
-    if _COMPILED:
-        p2, lead = tl.broadcast(ptr[:, None], d[None, :] == 0)
-        w = tl.sum(_volatile32(p2, mask[:, None] & lead), 1)
+def _load32(ptr, mask, VOLATILE: tl.constexpr):
+    """A row's float32 parameter at ``ptr`` (0 where masked), volatile where ``VOLATILE``
+    (once a thread: :func:`_volatile32`)."""
+    if VOLATILE:
+        v = _volatile32(ptr, mask).to(tl.float32, bitcast=True)
     else:
-        w = tl.load(ptr, mask=mask, other=0)
-    return w
-
-
-@triton.jit
-def _row_pair(base, OFF: tl.constexpr, mask, d):
-    """The int32 words at bytes ``OFF`` (8-aligned) and ``OFF + 4`` of each row starting
-    at ``base`` (0 where ``mask`` is false), loaded volatile. Compiled: one
-    ``ld.volatile.v2`` by the thread holding the row's column 0 (``d``), the pair handed
-    to the row's other threads by a sum over the row (see the module docstring).
-    Interpreted, by ``tl.load``."""
-    if _COMPILED:
-        p2, lead = tl.broadcast((base + OFF)[:, None], d[None, :] == 0)
-        lo, hi = _volatile_pair(p2, mask[:, None] & lead)
-        lo = tl.sum(lo, 1)
-        hi = tl.sum(hi, 1)
-    else:
-        ptr = (base + OFF).to(tl.pointer_type(tl.int32))
-        lo = tl.load(ptr, mask=mask, other=0)
-        hi = tl.load(ptr + 1, mask=mask, other=0)
-    return lo, hi
-
-
-@triton.jit
-def _volatile_pair(ptr, mask):
-    """The two int32 words at ``ptr`` (8-byte aligned; 0 where masked) by one predicated
-    ``ld.volatile.global.v2``: inline PTX with side effects, which Triton's layout passes
-    do not copy into every layout its value is used in (a volatile ``tl.load`` is copied,
-    each copy its own request over PCIe: the module docstring)."""
-    return tl.inline_asm_elementwise(
-        "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $3, 0;\n\tmov.b32 $0, 0;\n\tmov.b32 $1, 0;"
-        "\n\t@p ld.volatile.global.v2.b32 {$0, $1}, [$2];\n\t}",
-        "=r,=r,l,r", [ptr.to(tl.pointer_type(tl.int32)), mask.to(tl.int32)],
-        dtype=(tl.int32, tl.int32), is_pure=False, pack=1)
+        v = tl.load(ptr, mask=mask, other=0.0)
+    return v
 
 
 @triton.jit
 def _volatile32(ptr, mask):
-    """The int32 word at ``ptr`` (0 where masked) by one predicated ``ld.volatile.global``
-    (inline PTX with side effects, as :func:`_volatile_pair`)."""
-    return tl.inline_asm_elementwise(
-        "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $2, 0;\n\tmov.b32 $0, 0;"
-        "\n\t@p ld.volatile.global.b32 $0, [$1];\n\t}",
-        "=r,l,r", [ptr.to(tl.pointer_type(tl.int32)), mask.to(tl.int32)],
-        dtype=tl.int32, is_pure=False, pack=1)
+    """The 32-bit word at ``ptr`` (int32; 0 where masked) by one ``ld.volatile`` a thread:
+    inline PTX with side effects, which Triton's layout passes do not copy into every
+    layout its value is used in (a volatile ``tl.load`` is copied, each copy its own
+    request over PCIe: the module docstring). Interpreted, a plain ``tl.load``."""
+    if _COMPILED:
+        v = tl.inline_asm_elementwise(
+            "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $2, 0;\n\tmov.b32 $0, 0;"
+            "\n\t@p ld.volatile.global.b32 $0, [$1];\n\t}",
+            "=r,l,r", [ptr.to(tl.pointer_type(tl.int32)), mask.to(tl.int32)],
+            dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        v = tl.load(ptr.to(tl.pointer_type(tl.int32)), mask=mask, other=0)
+    return v
 
 
 @triton.jit
