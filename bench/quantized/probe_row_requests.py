@@ -36,9 +36,7 @@ from __future__ import annotations
 
 import argparse
 import re
-import subprocess
 import sys
-import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -172,11 +170,9 @@ def measure(block: Any, label: str, forms: list[str], keys: torch.Tensor, reps: 
 
 def sass_counts(fmt: str) -> None:
     """One line a form: its loads, shuffles and barriers a thread, compiled for sm_90."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from hostcache.row_versions import VersionedFormat
     from nvecache.common.rows import RowFormat
+    from tests.gpu.sass import sass_text
 
     stored, gather = kernel("cuda")
     cx = stored.codec_constexprs(VersionedFormat.of(RowFormat(fmt, DIM)))
@@ -185,20 +181,13 @@ def sass_counts(fmt: str) -> None:
            "tstride": "i32"}
     # NOTE: the pointers and the row stride 16-divisible, as a launch specializes them
     attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 4)}
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     op = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", re.M)
     for form, code in FORMS.items():
         if form == "pair" and fmt != "int8":
             continue
         consts = dict(cx, BLOCK_K=16, BLOCK_D=DIM, FORM=code)
-        src = ASTSource(gather, dict(sig, **dict.fromkeys(consts, "constexpr")), consts, attrs)
-        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-        with tempfile.TemporaryDirectory() as tmp:
-            cubin = Path(tmp) / "k.cubin"
-            cubin.write_bytes(compiled.asm["cubin"])
-            text = subprocess.run([str(tool), "-sass", str(cubin)], check=True,
-                                  capture_output=True, text=True).stdout
-        ops = op.findall(text)
+        ops = op.findall(sass_text(gather, dict(sig, **dict.fromkeys(consts, "constexpr")),
+                                   consts, options, attrs))
         kinds = Counter(o for o in ops if o.startswith(("LDG", "SHFL", "BAR", "REDUX")))
         print(f"{fmt:8s} {form:17s} {len(ops):5d} instructions  "
               + "  ".join(f"{k} {v}" for k, v in sorted(kinds.items())), flush=True)

@@ -19,10 +19,7 @@ from __future__ import annotations
 
 import inspect
 import re
-import subprocess
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -43,6 +40,7 @@ from hostcache import HostCache, SharedMemBlock  # noqa: E402
 from nvecache.apps.service.compiled import read_dtypes, warm_kernels  # noqa: E402
 from nvecache.common.rows import torch_dtype  # noqa: E402
 from tests.conftest import fresh_name  # noqa: E402
+from tests.gpu.sass import sass_text  # noqa: E402
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
                                 reason="the GPU suite compiles and runs them itself")
@@ -231,16 +229,10 @@ def _sass(stem: str, name: str, sig: dict, cx: dict, options: dict) -> list[tupl
     """(guard predicate or None, opcode, operands) of a variant compiled for sm_90, by
     the ``cuobjdump`` Triton ships."""
     fn = getattr(kernel_module(stem, interpret=False), name)
-    compiled = triton.compile(ASTSource(fn, sig, cx), target=GPUTarget("cuda", 90, 32),
-                              options=options)
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    if not tool.exists():
-        pytest.skip(f"no cuobjdump beside Triton ({tool})")
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp) / "k.cubin"
-        cubin.write_bytes(compiled.asm["cubin"])
-        text = subprocess.run([str(tool), "-sass", str(cubin)], check=True,
-                              capture_output=True, text=True).stdout
+    try:
+        text = sass_text(fn, sig, cx, options)
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
     return [(None if g in (None, "PT") or neg else g, op, args)
             for neg, g, op, args in _SASS.findall(text)]
 
