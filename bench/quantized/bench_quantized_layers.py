@@ -30,6 +30,7 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -390,6 +391,10 @@ def main(argv: list[str] | None = None) -> int:
                     "Hierarchical 1M; --quick: 64k)")
     ap.add_argument("--reps", type=int, default=200, help="calls timed per p50/p99")
     args = ap.parse_args(argv)
+    # NOTE: a time limit's SIGTERM (the device scripts' `timeout`) exits through the finally
+    # blocks, which unlink the blocks and caches made here (a bare kill leaves them in
+    # /dev/shm, where `hostcache ls` then finds tables that need repair)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     defaults = {"gpulayer": 1 << 22, "pooled_tiles": 1 << 22, "pooled_default": 1 << 22,
                 "plain_bytes": 1 << 22,
