@@ -8,7 +8,8 @@
 # the machine's drift falls on every form, and timed by the LinearUVM bench over int8 and
 # fp8 blocks (4M rows, 10% GPU cache, 256k and 1M keys, us a call back to back); then
 # each form meets the writer-process race test. The tree's own module is put back at the
-# end. JSON lines to $OUT/forms.jsonl, a table of medians at the end.
+# end. JSON lines to $OUT/forms.jsonl (the bench's stderr to $OUT/forms.err), a table of
+# medians at the end.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source bench/device/device_env.sh
@@ -20,7 +21,7 @@ for round in $(seq "${ROUNDS:-2}"); do
   for form in "$@"; do
     cp "$form" gpu/kernels/stored_rows.py
     timeout "${LIMIT:-150}" python3 bench/quantized/bench_quantized_layers.py --only linear_uvm \
-      --rows 4194304 --reps 50 2>/dev/null | grep '"layer"' \
+      --rows 4194304 --reps 50 2>>"$OUT/forms.err" | grep '"layer"' \
       | sed "s|^{|{\"form\": \"$form\", \"round\": $round, |" >>"$OUT/forms.jsonl"
   done
 done
@@ -30,6 +31,7 @@ for form in "$@"; do
   timeout 120 python3 -m pytest -q -n 4 -p no:cacheprovider \
     tests/gpu/quantized/test_linear_quantized_races.py 2>&1 | tail -2
 done
+[ -s "$OUT/forms.err" ] && { echo "== the bench's stderr (last lines; all in $OUT/forms.err)"; tail -5 "$OUT/forms.err"; }
 python3 - "$OUT/forms.jsonl" <<'PY'
 import json, statistics, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
