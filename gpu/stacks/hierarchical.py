@@ -8,7 +8,8 @@ parameter server, the default row: :mod:`gpu.stacks.misses.resolver`) and sent t
 the read path chosen when the stack was built (:mod:`gpu.stacks.misses.read_paths`: on CUDA the
 GPU reads the host cache itself for many misses). A row lookup places the rows with one
 scatter; a pooled lookup adds them to the fp32 sums of its bags before the one rounding.
-Fetched rows wait for their GPU admission round (:mod:`gpu.stacks.misses.admission`). Fetches
+Fetched rows wait in a log on the device for their GPU admission round, which a warm
+cache runs in three steps replayed from CUDA graphs (:mod:`gpu.stacks.misses.admission`). Fetches
 run outside the cache guard, so one thread's misses never hold up another thread's hits.
 The host-cache fills and the GPU's hit reports to the host cache's policy run on a worker
 thread (:mod:`gpu.stacks.misses.host_filler`): the lookup returns without waiting for them.
@@ -62,6 +63,12 @@ class HierarchicalStack(TierWrites, CachedStack):
         super().__init__(dim, dtype, device, cache_bytes, config, host_cache)
         self.pending = PendingAdmissions(self.cache, self.guard, self.follower, self.budget,
                                          config)
+        #: a change applied to the cache reaches the rows waiting for admission too
+        self.follower.on_change = self.pending.changed
+        if device.type == "cuda" and self.cache.backend == "triton":
+            # NOTE: the warm cache's round loaded and captured now, on the empty cache
+            with self.cache.warming_up():
+                self.pending.keep()
         self.host_cache = host_cache
         self.ps = storage
         have: dict[Tier, bool] = {"gpu": True, "host": host_cache is not None,
@@ -107,7 +114,7 @@ class HierarchicalStack(TierWrites, CachedStack):
         mkeys, mpos = misses.take()
         if mkeys.size == 0:
             return values
-        rows, pos = self.reads.serve(mkeys, mpos, since, stream)
+        rows, pos = self.reads.serve(mkeys, mpos, since)
         values.index_copy_(0, pos, rows)
         return values
 
@@ -121,13 +128,12 @@ class HierarchicalStack(TierWrites, CachedStack):
             # one rounding to the table's dtype (as embedding_bag rounds once)
             out, hit = self.cache.lookup_pooled(keys, offsets, mode, weights, validate=False,
                                                 out_dtype=torch.float32)
-            stream = self.guard.stream
         if bool(hit.all()):  # NOTE: the call's one host sync when every key hit
             return out.to(self.dtype)
         pos = (~hit).nonzero().squeeze(1)
         listed = torch.stack([keys.index_select(0, pos), pos]).cpu().numpy()
         # NOTE: the rows path's misses: each missed row, in the order listed
-        rows, _ = self.reads.serve(listed[0], listed[1], since, stream)
+        rows, _ = self.reads.serve(listed[0], listed[1], since)
         add = rows.float()
         if weights is not None:
             add = add * weights.index_select(0, pos)[:, None].float()
@@ -187,9 +193,12 @@ class HierarchicalStack(TierWrites, CachedStack):
     def _drop_waiting(self) -> None:
         self.pending.drop()
 
+    def _settle(self) -> None:
+        self.pending.settle()
+
     def close(self) -> None:
         self.filler.close()
-        self.pending.drop()
+        self.pending.close()
         if self._registration is not None:
             self._registration.close()
             self._registration = None

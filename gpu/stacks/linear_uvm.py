@@ -54,7 +54,7 @@ class LinearStack(LinearTable, CachedStack):
         self.log = MissLog(self.cache, self.budget, config, policy.gpu, self.num_rows,
                           self.guard)
         #: a change to the table makes logged rows stale: the log goes with the cache's
-        self.follower.on_change = self.log.drop
+        self.follower.on_change = self.log.changed
         if device.type == "cuda" and self.cache.backend == "triton":
             self._warm_up()
 

@@ -24,9 +24,9 @@ class ChangeFollower:
         cache: The GPU cache to keep consistent.
         on_clear: Called when the whole cache was dropped.
 
-    ``on_change`` (settable, None by default) is called after every change applied, keys
-    or the whole cache: what the stack keeps beside the cache (rows logged for admission)
-    is as stale as the cache was.
+    ``on_change`` (settable, None by default) is called after every change applied, with
+    the keys on the cache's device, or None when the whole cache was dropped: what the
+    stack keeps beside the cache (rows logged for admission) is as stale as the cache was.
     """
 
     def __init__(self, table: ChangeFeed | None, cache: GPUCache,
@@ -37,7 +37,7 @@ class ChangeFollower:
         self.cursor = table.change_cursor if table is not None else 0
         self.invalidated_keys = 0
         self.full_invalidations = 0
-        self.on_change: Callable[[], None] | None = None
+        self.on_change: Callable[[torch.Tensor | None], None] | None = None
 
     def sync(self) -> int:
         """Apply the changes announced since the cursor (caller holds the cache guard);
@@ -48,15 +48,17 @@ class ChangeFollower:
         if table.change_cursor == self.cursor:  # NOTE: the common case: one header read
             return self.cursor
         keys, cursor, overflowed = table.changes_since(self.cursor)
+        changed = None
         if overflowed:
             self._cache.clear()
             self._on_clear()
             self.full_invalidations += 1
         elif keys.numel():
-            self._cache.erase(keys.to(self._cache.device))
+            changed = keys.to(self._cache.device)
+            self._cache.erase(changed)
             self.invalidated_keys += int(keys.numel())
-        if (overflowed or keys.numel()) and self.on_change is not None:
-            self.on_change()
+        if (overflowed or changed is not None) and self.on_change is not None:
+            self.on_change(changed)
         self.cursor = cursor
         return cursor
 

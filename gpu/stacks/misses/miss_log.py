@@ -36,9 +36,9 @@ queues it one graph launch instead of a dozen allocations and launches (bench/RE
 round first.
 
 Consistency: a logged row is as old as the lookup that read it, so the log is emptied
-whenever the stack learns of a change to the table (:class:`~gpu.stacks.misses.change_follower.
-ChangeFollower`'s ``on_change``, a write through the layer, an erase): a row logged
-before a change is never admitted after it.
+whenever the stack learns of a change to the table (the change follower's ``on_change``,
+:meth:`MissLog.changed`; a write through the layer; an erase): a row logged before a
+change is never admitted after it.
 """
 
 from __future__ import annotations
@@ -211,6 +211,11 @@ class MissLog:
             self._cache.insert(keys, rows, validate=False)
         self._budget.admitted += admitted
         self.rounds += 1
+        self.drop()
+
+    def changed(self, keys: torch.Tensor | None) -> None:
+        """The stack applied a change (to ``keys``, or to every key): a logged row is as old
+        as its lookup, so the whole log goes (caller holds the cache guard)."""
         self.drop()
 
     def drop(self) -> None:

@@ -59,29 +59,25 @@ class HostReads:
         return buf
 
     def _offer(self, keys: torch.Tensor, rows: torch.Tensor, found: torch.Tensor | None,
-               complete: bool, since: int, stream: Any) -> None:
-        """Fetched rows wait for their GPU admission (default rows never go in): unless
-        ``complete``, ``found`` flags the found keys, or lists their positions (int64)."""
-        if not complete:
-            assert found is not None
-            if found.dtype == torch.bool:
-                keys, rows = keys[found], rows[found]
-            else:
-                keys, rows = keys.index_select(0, found), rows.index_select(0, found)
-        self._pending.offer(keys, rows, since, self._share, stream)
+               since: int) -> None:
+        """Fetched rows wait for their GPU admission (default rows never go in): ``found``
+        is None (every row was found), bool flags on the device, or the found rows'
+        indices (int64)."""
+        if found is not None and found.dtype != torch.bool:
+            keys, rows, found = keys.index_select(0, found), rows.index_select(0, found), None
+        self._pending.offer(keys, rows, since, self._share, found)
 
-    def serve(self, mkeys: np.ndarray, mpos: np.ndarray, since: int, stream: Any
+    def serve(self, mkeys: np.ndarray, mpos: np.ndarray, since: int
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rows [M, dim], positions [M])`` on the device of a lookup's misses (``mkeys``
         and their batch positions ``mpos`` on the host, keys maybe repeated), read from
         the tiers below the GPU cache after feed cursor ``since``; the rows found are
-        offered to the GPU cache (queued on ``stream``, the caller's, on CUDA)."""
+        offered to the GPU cache (on the caller's stream, on CUDA)."""
         ukeys, inverse = MISS_LOOPS.pick().dedup_first(mkeys)  # NOTE: compiled once ready
-        return self._on_host(mkeys, mpos, ukeys, inverse, since, stream)
+        return self._on_host(mkeys, mpos, ukeys, inverse, since)
 
     def _on_host(self, mkeys: np.ndarray, mpos: np.ndarray, ukeys: np.ndarray,
-                 inverse: np.ndarray, since: int, stream: Any
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 inverse: np.ndarray, since: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Distinct misses read on the CPU straight into one buffer: each miss's key,
         position and row (and the found ones' indices), sent in one copy."""
         res = self.resolver
@@ -114,7 +110,7 @@ class HostReads:
         # missed; an insert keeps one of equal rows)
         found_sent = (None if found is None
                       else sent_ints[2 * n2:2 * n2 + found_at.size])
-        self._offer(sent_ints[:n_missed], rows, found_sent, found is None, since, stream)
+        self._offer(sent_ints[:n_missed], rows, found_sent, since)
         return rows, sent_ints[n2:n2 + n_missed]
 
 
@@ -133,15 +129,15 @@ class DeviceReads(HostReads):
         self.registration = registration
         self._gpu_read_keys = gpu_read_keys
 
-    def serve(self, mkeys: np.ndarray, mpos: np.ndarray, since: int, stream: Any
+    def serve(self, mkeys: np.ndarray, mpos: np.ndarray, since: int
               ) -> tuple[torch.Tensor, torch.Tensor]:
         ukeys, inverse = MISS_LOOPS.pick().dedup_first(mkeys)
         if ukeys.size < self._gpu_read_keys:
-            return self._on_host(mkeys, mpos, ukeys, inverse, since, stream)
-        return self._on_device(ukeys, inverse, mpos, since, stream)
+            return self._on_host(mkeys, mpos, ukeys, inverse, since)
+        return self._on_device(ukeys, inverse, mpos, since)
 
     def _on_device(self, ukeys: np.ndarray, inverse: np.ndarray, mpos: np.ndarray,
-                   since: int, stream: Any) -> tuple[torch.Tensor, torch.Tensor]:
+                   since: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The distinct keys, positions and distinct indices go to the device first (one
         copy from the pinned buffer); the GPU kernel reads the host cache, its hit flags
         come back in one copy and sync; the rows of the rest, and their indices, go over
@@ -168,7 +164,7 @@ class DeviceReads(HostReads):
         n_hit = int(np.count_nonzero(hit_np))
         res.count_gpu_reads(ukeys, hit_np, n_hit)
         if n_hit == n_distinct:
-            self._offer(distinct_keys, distinct_rows, hit, True, since, stream)
+            self._offer(distinct_keys, distinct_rows, None, since)
             return distinct_rows.index_select(0, distinct_of), pos
         rest = np.flatnonzero(~hit_np)
         n_rest = rest.size
@@ -185,11 +181,11 @@ class DeviceReads(HostReads):
         rest_rows = dev[at_rows:at_found].view(res.dtype).view(n_rest, res.dim)
         distinct_rows.index_copy_(0, rest_sent, rest_rows)
         if found is None:
-            self._offer(distinct_keys, distinct_rows, hit, True, since, stream)
+            self._offer(distinct_keys, distinct_rows, None, since)
         else:
             flags = hit.clone()
             flags.index_copy_(0, rest_sent, dev[at_found:].view(torch.bool))
-            self._offer(distinct_keys, distinct_rows, flags, False, since, stream)
+            self._offer(distinct_keys, distinct_rows, flags, since)
         return distinct_rows.index_select(0, distinct_of), pos
 
 
