@@ -1,6 +1,8 @@
-"""A warm LinearUVM round in three steps, so that no lookup waits for all of it.
+"""A warm cache's admission round in three steps, so that no lookup waits for all of it
+(a LinearUVM's miss log, :mod:`gpu.stacks.misses.miss_log`; a Hierarchical stack's log of
+fetched rows, :mod:`gpu.stacks.misses.admission`).
 
-A round inserts the miss log into the cache. Most of its GPU time is the insert's two
+A round inserts the log into the cache. Most of its GPU time is the insert's two
 radix sorts (bench/RESULTS.md, "Per-call path"; each sort pass a small launch-bound
 kernel), and those read nothing of the cache's table
 (:meth:`gpu.cache.gpu_cache.GPUCache.sort_insert_keys`, ``sort_insert_buckets``). Queued whole
