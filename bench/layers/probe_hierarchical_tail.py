@@ -1,0 +1,178 @@
+"""What the slow calls of a Hierarchical layer did: each call of bench_hierarchical's
+``file://`` workload (1M x 128 fp32 rows, GPU cache 5%, host cache 20%, fresh Zipf 1.05
+batches, default arguments, a sync after each call) timed and tagged with the admission
+work it queued (a whole round, or a split round's start / bucket sort / table half), the
+time its misses' reads and its offer took, and whether the host-cache worker ran during
+it. Prints one JSON line per batch size: percentiles, the mean per tag, the slowest calls.
+
+Works on older checkouts too (the tags it cannot find are never set): run it from the
+tree to measure, on a CUDA machine::
+
+    python bench/layers/probe_hierarchical_tail.py [--sizes 4096,65536] [--calls 600]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import psclient  # noqa: E402
+from bench.workloads import ZipfKeys  # noqa: E402
+from gpu import LayerType, NVEmbedding  # noqa: E402
+from hostcache import HostCache  # noqa: E402
+
+DIM = 128
+
+
+class Tags:
+    """What the current call did, set by the wrapped methods (the calling thread only);
+    the worker's busy intervals."""
+
+    def __init__(self) -> None:
+        self.call: dict[str, float] = {}
+        self.main = threading.get_ident()
+        self.worker: list[tuple[float, float]] = []
+
+    def add(self, tag: str, seconds: float = 0.0) -> None:
+        if threading.get_ident() == self.main:
+            self.call[tag] = self.call.get(tag, 0.0) + seconds
+
+
+def wrap(cls: Any, name: str, tags: Tags, tag: str | Callable[[Any], str | None],
+         worker: bool = False) -> None:
+    """Wrap ``cls.name`` (if it exists) to tag the call, time it, or (``worker``) record
+    its interval on the host-cache worker."""
+    fn = getattr(cls, name, None)
+    if fn is None:
+        return
+
+    def wrapped(*a: Any, **k: Any) -> Any:
+        t0 = time.perf_counter()
+        out = fn(*a, **k)
+        t1 = time.perf_counter()
+        if worker:
+            tags.worker.append((t0, t1))
+        else:
+            label = tag(out) if callable(tag) else tag
+            if label:
+                tags.add(label, t1 - t0)
+        return out
+
+    setattr(cls, name, wrapped)
+
+
+def instrument(tags: Tags) -> None:
+    from gpu.stacks.misses import admission, read_paths, resolver
+
+    wrap(admission.PendingAdmissions, "_round", tags, "round")
+    wrap(admission.PendingAdmissions, "_insert", tags, "own_round")
+    wrap(admission.PendingAdmissions, "offer", tags, "offer")
+    wrap(read_paths.HostReads, "serve", tags, "reads")
+    wrap(read_paths.DeviceReads, "serve", tags, "reads")
+    wrap(resolver.Resolver, "_fill", tags, "", worker=True)
+    wrap(resolver.Resolver, "_report_hits", tags, "", worker=True)
+    try:
+        from gpu.stacks.misses import split_round
+    except ImportError:
+        return
+    wrap(split_round.SplitRound, "start", tags, "split_start")
+    wrap(split_round.SplitRound, "poll", tags, lambda applied: "split_apply" if applied
+         else None)
+
+
+def pct(ts: list[float], q: float) -> float:
+    return ts[min(len(ts) - 1, int(len(ts) * q))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--sizes", default="4096,65536")
+    ap.add_argument("--calls", type=int, default=600)
+    ap.add_argument("--rows", type=int, default=1 << 20)
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the probe itself")
+    args = ap.parse_args(argv)
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        print("probe_hierarchical_tail needs a CUDA GPU", file=sys.stderr)
+        return 2
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    rows = args.rows
+    tags = Tags()
+    instrument(tags)
+    with tempfile.TemporaryDirectory() as tmp:
+        table = f"probe-tail-{os.getpid()}"
+        ps = psclient.connect(f"file://{tmp}/ps", table=table, dim=DIM, dtype=torch.float32)
+        ps.load(torch.randn(rows, DIM, generator=torch.Generator().manual_seed(1)),
+                progress=False)
+        hc = HostCache.create(table, capacity=rows // 5, dim=DIM)
+        try:
+            emb = NVEmbedding(rows, DIM, torch.float32, LayerType.Hierarchical,
+                              gpu_cache_size=rows // 20 * (DIM * 4 + 12), host_cache=hc,
+                              storage=ps, device=dev)
+            z = ZipfKeys(rows, 1.05, seed=4)
+            for n in [int(s) for s in args.sizes.split(",")]:
+                for _ in range(max(1, (16 << 20) // n)):
+                    emb(z.sample(n).to(dev))
+                batches = [z.sample(n).to(dev) for _ in range(args.calls)]
+                sync()
+                calls = []
+                tags.worker.clear()
+                for b in batches:
+                    tags.call = {}
+                    t0 = time.perf_counter()
+                    emb(b)
+                    sync()
+                    t1 = time.perf_counter()
+                    calls.append((t1 - t0, t0, t1, tags.call))
+                worker = list(tags.worker)
+                report(n, calls, worker)
+            emb.close()
+        finally:
+            hc.close()
+            HostCache.unlink(table)
+            ps.drop()
+            ps.close()
+    return 0
+
+
+def report(n: int, calls: list[tuple[float, float, float, dict[str, float]]],
+           worker: list[tuple[float, float]]) -> None:
+    def overlap(t0: float, t1: float) -> float:
+        return sum(max(0.0, min(t1, b) - max(t0, a)) for a, b in worker)
+
+    ts = sorted(c[0] for c in calls)
+    kinds: dict[str, list[float]] = {}
+    for dt, _, _, tg in calls:
+        kind = "+".join(sorted(k for k in tg if k not in ("offer", "reads"))) or "plain"
+        kinds.setdefault(kind, []).append(dt)
+    slow = sorted(calls, key=lambda c: -c[0])[:12]
+    print(json.dumps({
+        "bench": "hierarchical_tail", "batch": n, "calls": len(calls),
+        "p50_us": pct(ts, 0.5) * 1e6, "p90_us": pct(ts, 0.9) * 1e6,
+        "p99_us": pct(ts, 0.99) * 1e6,
+        "by_kind_us": {k: {"calls": len(v), "p50": statistics.median(v) * 1e6,
+                           "max": max(v) * 1e6} for k, v in sorted(kinds.items())},
+        "mean_offer_us": statistics.mean(c[3].get("offer", 0.0) for c in calls) * 1e6,
+        "mean_reads_us": statistics.mean(c[3].get("reads", 0.0) for c in calls) * 1e6,
+        "worker_busy_share": sum(b - a for a, b in worker) / max(1e-9, calls[-1][2] - calls[0][1]),
+        "slowest": [{"us": round(dt * 1e6), "worker_us": round(overlap(t0, t1) * 1e6),
+                     **{k: round(v * 1e6) for k, v in tg.items()}}
+                    for dt, t0, t1, tg in slow],
+    }), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
