@@ -8,12 +8,18 @@ it. Prints one JSON line per batch size: percentiles, the mean per tag, the slow
 Works on older checkouts too (the tags it cannot find are never set): run it from the
 tree to measure, on a CUDA machine::
 
-    python bench/layers/probe_hierarchical_tail.py [--sizes 4096,65536] [--calls 600]
+    python bench/layers/probe_hierarchical_tail.py [--sizes 4096,65536] [--calls 600] \
+        [--no-gc] [--switch-interval S]
+
+``--no-gc`` and ``--switch-interval`` test two suspects of the slow calls: a collection of
+Python's cyclic garbage collector, and the GIL handed back to the lookup only after the
+interpreter's switch interval when the host-cache worker holds it.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -103,7 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", type=int, default=600)
     ap.add_argument("--rows", type=int, default=1 << 20)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the probe itself")
+    ap.add_argument("--no-gc", action="store_true",
+                    help="Python's cyclic garbage collector off while calls are timed")
+    ap.add_argument("--switch-interval", type=float, default=None, metavar="S",
+                    help="sys.setswitchinterval(S) (the GIL's hand-over interval, 5 ms by "
+                         "default) for the whole run")
     args = ap.parse_args(argv)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     dev = torch.device(args.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         print("probe_hierarchical_tail needs a CUDA GPU", file=sys.stderr)
@@ -130,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
                 sync()
                 calls = []
                 tags.worker.clear()
+                if args.no_gc:
+                    gc.collect()
+                    gc.disable()
                 for b in batches:
                     tags.call = {}
                     t0 = time.perf_counter()
@@ -137,8 +153,10 @@ def main(argv: list[str] | None = None) -> int:
                     sync()
                     t1 = time.perf_counter()
                     calls.append((t1 - t0, t0, t1, tags.call))
+                gc.enable()
                 worker = list(tags.worker)
-                report(n, calls, worker)
+                report(n, calls, worker, {"no_gc": args.no_gc,
+                                          "switch_interval_s": sys.getswitchinterval()})
             emb.close()
         finally:
             hc.close()
@@ -149,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(n: int, calls: list[tuple[float, float, float, dict[str, float]]],
-           worker: list[tuple[float, float]]) -> None:
+           worker: list[tuple[float, float]], setup: dict[str, Any]) -> None:
     def overlap(t0: float, t1: float) -> float:
         return sum(max(0.0, min(t1, b) - max(t0, a)) for a, b in worker)
 
@@ -160,7 +178,7 @@ def report(n: int, calls: list[tuple[float, float, float, dict[str, float]]],
         kinds.setdefault(kind, []).append(dt)
     slow = sorted(calls, key=lambda c: -c[0])[:12]
     print(json.dumps({
-        "bench": "hierarchical_tail", "batch": n, "calls": len(calls),
+        "bench": "hierarchical_tail", "batch": n, "calls": len(calls), **setup,
         "p50_us": pct(ts, 0.5) * 1e6, "p90_us": pct(ts, 0.9) * 1e6,
         "p99_us": pct(ts, 0.99) * 1e6,
         "by_kind_us": {k: {"calls": len(v), "p50": statistics.median(v) * 1e6,
