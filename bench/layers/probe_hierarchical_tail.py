@@ -2,8 +2,11 @@
 ``file://`` workload (1M x 128 fp32 rows, GPU cache 5%, host cache 20%, fresh Zipf 1.05
 batches, default arguments, a sync after each call) timed and tagged with the admission
 work it queued (a whole round, or a split round's start / bucket sort / table half), the
-time its misses' reads and its offer took, and whether the host-cache worker ran during
-it. Prints one JSON line per batch size: percentiles, the mean per tag, the slowest calls.
+time its steps took (the misses' reads, and inside them the host-cache and parameter-server
+resolve, the GPU's read of the host cache, stream syncs, the pinned copies, the worker
+submissions; the offer), and how long the host-cache worker ran during it. Prints one JSON
+line per batch size: percentiles, the calls by what they queued, each step's mean, the
+slowest calls with their steps.
 
 Works on older checkouts too (the tags it cannot find are never set): run it from the
 tree to measure, on a CUDA machine::
@@ -80,14 +83,25 @@ def wrap(cls: Any, name: str, tags: Tags, tag: str | Callable[[Any], str | None]
     setattr(cls, name, wrapped)
 
 
+#: the steps inside a call's reads, timed (not tags of what the call queued)
+STEPS = ("offer", "reads", "resolve", "read_ps", "gpu_read", "stream_sync", "send", "submit")
+
+
 def instrument(tags: Tags) -> None:
-    from gpu.stacks.misses import admission, read_paths, resolver
+    from gpu.kernels import host_reads
+    from gpu.stacks.misses import admission, host_filler, read_paths, resolver, staging
 
     wrap(admission.PendingAdmissions, "_round", tags, "round")
     wrap(admission.PendingAdmissions, "_insert", tags, "own_round")
     wrap(admission.PendingAdmissions, "offer", tags, "offer")
     wrap(read_paths.HostReads, "serve", tags, "reads")
     wrap(read_paths.DeviceReads, "serve", tags, "reads")
+    wrap(resolver.Resolver, "resolve", tags, "resolve")
+    wrap(resolver.Resolver, "read_ps", tags, "read_ps")
+    wrap(host_reads, "hostcache_lookup", tags, "gpu_read")  # NOTE: imported at each call
+    wrap(torch.cuda.Stream, "synchronize", tags, "stream_sync")
+    wrap(staging.PinnedStaging, "send", tags, "send")
+    wrap(host_filler.HostFiller, "submit", tags, "submit")
     wrap(resolver.Resolver, "_fill", tags, "", worker=True)
     wrap(resolver.Resolver, "_report_hits", tags, "", worker=True)
     try:
@@ -174,7 +188,7 @@ def report(n: int, calls: list[tuple[float, float, float, dict[str, float]]],
     ts = sorted(c[0] for c in calls)
     kinds: dict[str, list[float]] = {}
     for dt, _, _, tg in calls:
-        kind = "+".join(sorted(k for k in tg if k not in ("offer", "reads"))) or "plain"
+        kind = "+".join(sorted(k for k in tg if k not in STEPS)) or "plain"
         kinds.setdefault(kind, []).append(dt)
     slow = sorted(calls, key=lambda c: -c[0])[:12]
     print(json.dumps({
@@ -185,6 +199,8 @@ def report(n: int, calls: list[tuple[float, float, float, dict[str, float]]],
                            "max": max(v) * 1e6} for k, v in sorted(kinds.items())},
         "mean_offer_us": statistics.mean(c[3].get("offer", 0.0) for c in calls) * 1e6,
         "mean_reads_us": statistics.mean(c[3].get("reads", 0.0) for c in calls) * 1e6,
+        "mean_step_us": {k: statistics.mean(c[3].get(k, 0.0) for c in calls) * 1e6
+                         for k in STEPS},
         "worker_busy_share": sum(b - a for a, b in worker) / max(1e-9, calls[-1][2] - calls[0][1]),
         "slowest": [{"us": round(dt * 1e6), "worker_us": round(overlap(t0, t1) * 1e6),
                      **{k: round(v * 1e6) for k, v in tg.items()}}
