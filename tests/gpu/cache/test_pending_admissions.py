@@ -13,17 +13,21 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from gpu import TierConfig
+import psclient
+from gpu import LayerType, NVEmbedding, TierConfig
 from gpu.cache.gpu_cache import GPUCache
 from gpu.cache.guard import CacheGuard
 from gpu.stacks.misses.admission import PendingAdmissions, RoundBudget
 from gpu.stacks.misses.change_follower import ChangeFollower
-from hostcache import SharedMemBlock
+from hostcache import HostCache, SharedMemBlock
 from hostcache.layout import EMPTY_KEY
 
 DIM, SLOTS = 4, 512
 SLOT = 8 + 4 + DIM * 4
 CPU = torch.device("cpu")
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA GPU (torch.cuda.is_available() is False)")])]
 
 
 @dataclass
@@ -206,3 +210,43 @@ def test_a_feed_that_overflowed_clears_and_what_waits_goes(block) -> None:
     s.pending.offer(b, rows_of(b), s.sync(), 1.0)  # a cold log now
     assert s.pending.waiting == 10
     s.pending.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_layers_waiting_rows_of_keys_another_layer_updated_never_go_in(
+        table_name: str, tmp_path, device: str) -> None:
+    """Through the public API: a Hierarchical layer's lookup fetched rows that wait for
+    their round; another layer updates two of those keys (announced on the shared host
+    cache's feed); the next lookups apply the change, the round comes, and every later
+    lookup returns the new rows, never the waiting old ones."""
+    rows, dim = 256, 8
+    old = torch.arange(rows, dtype=torch.float32)[:, None].expand(-1, dim).contiguous()
+    ps = psclient.connect(f"file://{tmp_path}/ps", table=table_name, dim=dim)
+    hc = HostCache.create(table_name, capacity=rows, dim=dim)
+    try:
+        ps.insert(torch.arange(rows), old)
+        layers = [NVEmbedding(rows, dim, torch.float32, LayerType.Hierarchical,
+                              gpu_cache_size=rows * (12 + 4 * dim), host_cache=hc,
+                              storage=ps, device=device,
+                              tuning=TierConfig(admit_batches=3))
+                  for _ in range(2)]
+        reader, writer = layers
+        a, b, c = (torch.arange(i, i + 32, device=device) for i in (0, 64, 128))
+        assert torch.equal(reader(a).cpu(), old[:32])  # a's rows wait for the round
+        new = torch.full((2, dim), 1000.0)
+        assert writer.update(a[:2], new.to(device)).all()  # announced
+        reader(b)  # applies the change first
+        reader(c)  # the third lookup with misses: the round
+        reader.flush()
+        assert reader.in_gpu_cache(a[2:]).all()
+        assert not reader.in_gpu_cache(a[:2]).any()  # their old rows never went in
+        for _ in range(2):
+            got = reader(a).cpu()
+            assert torch.equal(got[:2], new) and torch.equal(got[2:], old[2:32])
+        for layer in layers:
+            layer.close()
+    finally:
+        hc.close()
+        HostCache.unlink(table_name)
+        ps.drop()
+        ps.close()
