@@ -12,11 +12,12 @@ Works on older checkouts too (the tags it cannot find are never set): run it fro
 tree to measure, on a CUDA machine::
 
     python bench/layers/probe_hierarchical_tail.py [--sizes 4096,65536] [--calls 600] \
-        [--no-gc] [--switch-interval S]
+        [--no-gc] [--switch-interval S] [--host-share P]
 
 ``--no-gc`` and ``--switch-interval`` test two suspects of the slow calls: a collection of
 Python's cyclic garbage collector, and the GIL handed back to the lookup only after the
-interpreter's switch interval when the host-cache worker holds it.
+interpreter's switch interval when the host-cache worker holds it; ``--host-share`` gives
+the worker fewer fills (not the default: for finding the cause, not for figures).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import psclient  # noqa: E402
 from bench.workloads import ZipfKeys  # noqa: E402
-from gpu import LayerType, NVEmbedding  # noqa: E402
+from gpu import InsertPolicy, LayerType, NVEmbedding  # noqa: E402
 from hostcache import HostCache  # noqa: E402
 
 DIM = 128
@@ -125,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the probe itself")
     ap.add_argument("--no-gc", action="store_true",
                     help="Python's cyclic garbage collector off while calls are timed")
+    ap.add_argument("--host-share", type=float, default=None, metavar="P",
+                    help="InsertPolicy(host=P): admit a fraction P of the parameter "
+                         "server's rows to the host cache (the worker's fills; default: "
+                         "the layer's default, every row)")
     ap.add_argument("--switch-interval", type=float, default=None, metavar="S",
                     help="sys.setswitchinterval(S) (the GIL's hand-over interval, 5 ms by "
                          "default) for the whole run")
@@ -146,9 +151,11 @@ def main(argv: list[str] | None = None) -> int:
                 progress=False)
         hc = HostCache.create(table, capacity=rows // 5, dim=DIM)
         try:
+            policy = ({} if args.host_share is None
+                      else {"insert_policy": InsertPolicy(host=args.host_share)})
             emb = NVEmbedding(rows, DIM, torch.float32, LayerType.Hierarchical,
                               gpu_cache_size=rows // 20 * (DIM * 4 + 12), host_cache=hc,
-                              storage=ps, device=dev)
+                              storage=ps, device=dev, **policy)
             z = ZipfKeys(rows, 1.05, seed=4)
             for n in [int(s) for s in args.sizes.split(",")]:
                 for _ in range(max(1, (16 << 20) // n)):
@@ -170,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
                 gc.enable()
                 worker = list(tags.worker)
                 report(n, calls, worker, {"no_gc": args.no_gc,
-                                          "switch_interval_s": sys.getswitchinterval()})
+                                          "switch_interval_s": sys.getswitchinterval(),
+                                          "host_share": args.host_share})
             emb.close()
         finally:
             hc.close()
