@@ -12,7 +12,13 @@ Works on older checkouts too (the tags it cannot find are never set): run it fro
 tree to measure, on a CUDA machine::
 
     python bench/layers/probe_hierarchical_tail.py [--sizes 4096,65536] [--calls 600] \
-        [--no-gc] [--switch-interval S] [--host-share P]
+        [--no-gc] [--switch-interval S] [--host-share P] [--sample-ms MS]
+
+``--sample-ms MS`` starts a thread that, every MS milliseconds while a call runs, notes
+where the calling thread and every other live thread of the process stand (innermost
+frame of this project or torch, ``sys._current_frames``); the slowest calls then list their
+most frequent places. It perturbs the timings (the sampler takes the GIL): for finding
+what a slow call waits on, not for figures.
 
 ``--no-gc`` and ``--switch-interval`` test two suspects of the slow calls: a collection of
 Python's cyclic garbage collector, and the GIL handed back to the lookup only after the
@@ -23,6 +29,7 @@ the worker fewer fills (not the default: for finding the cause, not for figures)
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import json
 import os
@@ -59,6 +66,64 @@ class Tags:
     def add(self, tag: str, seconds: float = 0.0) -> None:
         if threading.get_ident() == self.main:
             self.call[tag] = self.call.get(tag, 0.0) + seconds
+
+
+def place(frame: Any) -> str:
+    """The innermost frame of this project (or torch, numpy) on a thread's stack, as
+    ``file:line function``, with the frame above it."""
+    root = str(Path(__file__).resolve().parents[2])
+    names = []
+    f = frame
+    while f is not None and len(names) < 2:
+        path = f.f_code.co_filename
+        if path.startswith(root) or "torch" in path or "numpy" in path or "threading" in path:
+            short = path[len(root) + 1:] if path.startswith(root) else path.rsplit("/", 2)[-1]
+            names.append(f"{short}:{f.f_lineno} {f.f_code.co_name}")
+        f = f.f_back
+    return " < ".join(names) or "?"
+
+
+class Sampler:
+    """Every ``period`` seconds, while ``busy`` is set, where each live thread stands
+    (by thread name; the calling thread as ``main``), counted per call."""
+
+    def __init__(self, tags: Tags, period: float) -> None:
+        self.tags, self.period = tags, period
+        self.busy = threading.Event()
+        self.samples: collections.Counter[str] = collections.Counter()
+        self._stop = False
+        self.thread = threading.Thread(target=self._run, name="probe-sampler", daemon=True)
+        self.thread.start()
+
+    def begin(self) -> None:
+        self.samples = collections.Counter()
+        self.busy.set()
+
+    def end(self) -> collections.Counter[str]:
+        self.busy.clear()
+        return self.samples
+
+    def _run(self) -> None:
+        me = threading.get_ident()
+        while not self._stop:
+            self.busy.wait()
+            time.sleep(self.period)
+            if not self.busy.is_set():
+                continue
+            names = {t.ident: t.name for t in threading.enumerate()}
+            counts = self.samples
+            for ident, frame in sys._current_frames().items():
+                if ident == me:
+                    continue
+                who = "main" if ident == self.tags.main else names.get(ident, "?")
+                where = place(frame)
+                if who != "main" and where.startswith("threading.py"):
+                    continue  # NOTE: an idle thread waiting for work
+                counts[f"{who}: {where}"] += 1
+
+    def close(self) -> None:
+        self._stop = True
+        self.busy.set()
 
 
 def wrap(cls: Any, name: str, tags: Tags, tag: str | Callable[[Any], str | None],
@@ -133,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--switch-interval", type=float, default=None, metavar="S",
                     help="sys.setswitchinterval(S) (the GIL's hand-over interval, 5 ms by "
                          "default) for the whole run")
+    ap.add_argument("--sample-ms", type=float, default=None, metavar="MS",
+                    help="note every MS ms where each thread stands while a call runs "
+                         "(the slowest calls then list their most frequent places)")
     args = ap.parse_args(argv)
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
@@ -144,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = args.rows
     tags = Tags()
     instrument(tags)
+    sampler = None if args.sample_ms is None else Sampler(tags, args.sample_ms / 1e3)
     with tempfile.TemporaryDirectory() as tmp:
         table = f"probe-tail-{os.getpid()}"
         ps = psclient.connect(f"file://{tmp}/ps", table=table, dim=DIM, dtype=torch.float32)
@@ -169,10 +238,14 @@ def main(argv: list[str] | None = None) -> int:
                     gc.disable()
                 for b in batches:
                     tags.call = {}
+                    if sampler is not None:
+                        sampler.begin()
                     t0 = time.perf_counter()
                     emb(b)
                     sync()
                     t1 = time.perf_counter()
+                    if sampler is not None:
+                        tags.call = {**tags.call, "@": sampler.end()}
                     calls.append((t1 - t0, t0, t1, tags.call))
                 gc.enable()
                 worker = list(tags.worker)
@@ -181,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
                                           "host_share": args.host_share})
             emb.close()
         finally:
+            if sampler is not None:
+                sampler.close()
             hc.close()
             HostCache.unlink(table)
             ps.drop()
@@ -196,7 +271,7 @@ def report(n: int, calls: list[tuple[float, float, float, dict[str, float]]],
     ts = sorted(c[0] for c in calls)
     kinds: dict[str, list[float]] = {}
     for dt, _, _, tg in calls:
-        kind = "+".join(sorted(k for k in tg if k not in STEPS)) or "plain"
+        kind = "+".join(sorted(k for k in tg if k not in STEPS and k != "@")) or "plain"
         kinds.setdefault(kind, []).append(dt)
     slow = sorted(calls, key=lambda c: -c[0])[:12]
     print(json.dumps({
@@ -211,7 +286,8 @@ def report(n: int, calls: list[tuple[float, float, float, dict[str, float]]],
                          for k in STEPS},
         "worker_busy_share": sum(b - a for a, b in worker) / max(1e-9, calls[-1][2] - calls[0][1]),
         "slowest": [{"us": round(dt * 1e6), "worker_us": round(overlap(t0, t1) * 1e6),
-                     **{k: round(v * 1e6) for k, v in tg.items()}}
+                     **{k: round(v * 1e6) for k, v in tg.items() if k != "@"},
+                     **({"where": dict(tg["@"].most_common(10))} if "@" in tg else {})}
                     for dt, t0, t1, tg in slow],
     }), flush=True)
 
