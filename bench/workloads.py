@@ -15,3 +15,21 @@ class ZipfKeys(_ZipfKeys):
 
     def __init__(self, num_keys: int, alpha: float, *, seed: int = 0) -> None:
         super().__init__(num_keys, alpha, popularity_seed=seed, seed=seed)
+
+
+def compiled_loops(timeout: float = 600.0) -> int:
+    """Wait (at most ``timeout`` seconds each) until the per-key loops a process has asked
+    for are compiled, so that timed calls measure them and not their numpy twins (which
+    serve while the loops compile in the background: ``nvecache.common.loop_gate``);
+    returns how many calls the twins have answered so far. Take it before and after the
+    timed calls: a difference means some timed call ran a twin."""
+    from gpu.stacks.misses.miss_twin import GATE as MISS
+    from hostcache.table_twin import GATE as TABLE
+    from nvecache.common import quant
+    from psclient.file.mirror_twin import GATE as MIRROR
+
+    gates = (TABLE, MIRROR, MISS, quant._LOOPS)
+    for g in gates:
+        if g.twin_picks:
+            g.wait(timeout)
+    return sum(g.twin_picks for g in gates)

@@ -4,7 +4,9 @@ baseline.
 1M x 128 fp32 rows in a parameter server (``file://`` by default; ``--redis URL`` adds the
 same over Redis), GPU cache 5% of the table, shared host cache 20%, default constructor
 arguments. Every call draws a fresh Zipf 1.05 batch (a stream, not a few batches cycled:
-cold keys keep arriving, as in serving), after 16M keys of warm-up. Per batch size (1k,
+cold keys keep arriving, as in serving), after 16M keys of warm-up and once the per-key
+loops are compiled (``twin_calls_timed``: calls their numpy twins answered while timed, 0
+unless a compile failed). Per batch size (1k,
 4k, 16k, 64k keys): p50/p99 per call (a sync after each), back-to-back keys/s, per-tier
 hit rates; against ``nn.Embedding`` on the same keys (the table in device memory) and a
 plain baseline a user would write without the library (a parameter-server lookup of every
@@ -35,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import psclient  # noqa: E402
-from bench.workloads import ZipfKeys  # noqa: E402
+from bench.workloads import ZipfKeys, compiled_loops  # noqa: E402
 from gpu import LayerType, NVEmbedding  # noqa: E402
 from hostcache import HostCache  # noqa: E402
 
@@ -108,6 +110,7 @@ def run(url: str, backend: str, rows: int, sizes: list[int], calls: int) -> None
             del warm
             batches = [z.sample(n).to(DEV) for _ in range(calls)]
             assert torch.equal(emb(batches[0]), hbm(batches[0]))
+            twins = compiled_loops()
             s0 = emb.stats()
             p50, p99 = per_call(emb, batches)
             s1 = emb.stats()
@@ -115,11 +118,13 @@ def run(url: str, backend: str, rows: int, sizes: list[int], calls: int) -> None
             plain50, _ = per_call(plain, batches[: max(8, calls // 8)])
             fresh = [z.sample(n).to(DEV) for _ in range(calls)]
             kps = back_to_back(emb, fresh)
+            twins = compiled_loops() - twins
             emit(bench="hierarchical_per_call", backend=backend, batch=n, rows=rows,
                  p50_us=p50, p99_us=p99, p99_over_own_p50=p99 / p50, back_to_back_mkeys_s=kps / 1e6,
                  torch_p50_us=b50, p50_ratio_to_torch=p50 / b50, plain_ps_copy_p50_us=plain50,
                  speedup_vs_plain=plain50 / p50, gpu_hit_rate=rate(s0.gpu, s1.gpu),
-                 host_hit_rate=rate(s0.host, s1.host), ps_hit_rate=rate(s0.storage, s1.storage))
+                 host_hit_rate=rate(s0.host, s1.host), ps_hit_rate=rate(s0.storage, s1.storage),
+                 twin_calls_timed=twins)
         # GPU-hit steady state: keys that are in the GPU cache now, against a GPULayer
         pool = torch.unique(torch.cat([z.sample(1 << 16).to(DEV) for _ in range(8)]))
         pool = pool[emb.in_gpu_cache(pool)]

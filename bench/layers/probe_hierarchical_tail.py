@@ -6,7 +6,8 @@ time its steps took (the misses' reads, and inside them the host-cache and param
 resolve, the GPU's read of the host cache, stream syncs, the pinned copies, the worker
 submissions; the offer), and how long the host-cache worker ran during it. Prints one JSON
 line per batch size: percentiles, the calls by what they queued, each step's mean, the
-slowest calls with their steps.
+slowest calls with their steps. Timed once the per-key loops are compiled
+(``twin_calls_timed``: calls their numpy twins answered while timed).
 
 Works on older checkouts too (the tags it cannot find are never set): run it from the
 tree to measure, on a CUDA machine::
@@ -48,6 +49,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import psclient  # noqa: E402
 from bench.workloads import ZipfKeys  # noqa: E402
+
+try:  # NOTE: an older tree's bench/workloads.py lacks it
+    from bench.workloads import compiled_loops  # noqa: E402
+except ImportError:
+    compiled_loops = None  # type: ignore[assignment]
 from gpu import InsertPolicy, LayerType, NVEmbedding  # noqa: E402
 from hostcache import HostCache  # noqa: E402
 
@@ -230,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                 for _ in range(max(1, (16 << 20) // n)):
                     emb(z.sample(n).to(dev))
                 batches = [z.sample(n).to(dev) for _ in range(args.calls)]
+                twins = compiled_loops() if compiled_loops is not None else 0
                 sync()
                 calls = []
                 tags.worker.clear()
@@ -249,9 +256,11 @@ def main(argv: list[str] | None = None) -> int:
                     calls.append((t1 - t0, t0, t1, tags.call))
                 gc.enable()
                 worker = list(tags.worker)
+                twins = compiled_loops() - twins if compiled_loops is not None else None
                 report(n, calls, worker, {"no_gc": args.no_gc,
                                           "switch_interval_s": sys.getswitchinterval(),
-                                          "host_share": args.host_share})
+                                          "host_share": args.host_share,
+                                          "twin_calls_timed": twins})
             emb.close()
         finally:
             if sampler is not None:

@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import psclient  # noqa: E402
 from bench.layers.bench_per_call import p50_p99  # noqa: E402
 from bench.training.bench_training_tiers import back_to_back as tiers_back_to_back  # noqa: E402
-from bench.workloads import ZipfKeys  # noqa: E402
+from bench.workloads import ZipfKeys, compiled_loops  # noqa: E402
 from gpu import LayerType, NVEmbedding, NVEmbeddingBag, TierConfig  # noqa: E402
 from gpu.kernels.tiles import DEFAULT_TILES  # noqa: E402
 from hostcache import HostCache, SharedMemBlock  # noqa: E402
@@ -326,6 +326,7 @@ def hierarchical(device: torch.device, rows: int, quick: bool, reps: int) -> Non
                 for b in warm:
                     layer(b)
             del warm
+            compiled_loops()  # NOTE: the compiled loops timed, not their twins
             batches = [z.sample(n).to(device) for _ in range(max(reps, 16))]
             for dtype in FORMATS:
                 fmt = RowFormat(dtype, DIM)
