@@ -129,6 +129,13 @@ class DeviceReads(HostReads):
         self.registration = registration
         self._gpu_read_keys = gpu_read_keys
 
+    def flags(self) -> PinnedStaging:
+        """This thread's pinned buffer for the hit flags of the GPU's host-cache read."""
+        buf = getattr(self._local, "flags", None)
+        if buf is None:
+            buf = self._local.flags = PinnedStaging(self.device)
+        return buf
+
     def serve(self, mkeys: np.ndarray, mpos: np.ndarray, since: int
               ) -> tuple[torch.Tensor, torch.Tensor]:
         ukeys, inverse = MISS_LOOPS.pick().dedup_first(mkeys)
@@ -157,12 +164,12 @@ class DeviceReads(HostReads):
         # NOTE: a quantized host cache's rows dequantized in the gather, in the layer's dtype
         distinct_rows, hit = hostcache_lookup(self.registration, distinct_keys,
                                               out_dtype=res.dtype)
-        hit_host = torch.empty(n_distinct, dtype=torch.bool, pin_memory=True)
-        hit_host.copy_(hit, non_blocking=True)
+        # NOTE: the flags come back into this thread's pinned buffer (no allocation a
+        # call); the worker's report gets a copy, the buffer serves the next call
+        hit_np = self.flags().receive(hit).view(np.bool_)
         torch.cuda.current_stream(self.device).synchronize()
-        hit_np = hit_host.numpy()
         n_hit = int(np.count_nonzero(hit_np))
-        res.count_gpu_reads(ukeys, hit_np, n_hit)
+        res.count_gpu_reads(ukeys, hit_np.copy(), n_hit)
         if n_hit == n_distinct:
             self._offer(distinct_keys, distinct_rows, None, since)
             return distinct_rows.index_select(0, distinct_of), pos

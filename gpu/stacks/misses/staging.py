@@ -1,5 +1,6 @@
 """One pinned host buffer per thread for what a lookup resolved on the host (its missed
-rows and the indices that place them), sent to the device in one non-blocking copy.
+rows and the indices that place them), sent to the device in one non-blocking copy; and
+one for what comes back (the hit flags of the GPU's read of the host cache).
 
 A pageable ``.to(device)`` stages through a driver buffer and returns only once copied:
 a Hierarchical lookup that resolved its misses on the CPU made several of them per
@@ -47,6 +48,16 @@ class PinnedStaging:
         current stream."""
         self._raw = torch._C._cuda_getCurrentRawStream(self._index)
         return self._buf[:nbytes].to(self._device, non_blocking=True)
+
+    def receive(self, src: torch.Tensor) -> np.ndarray:
+        """The bytes of ``src`` (a contiguous tensor on the device) copied into the buffer
+        on the current stream: a view of them, to read once that stream is synchronized,
+        valid until this buffer's next :meth:`take`."""
+        raw = src.reshape(-1).view(torch.uint8)
+        out = self.take(raw.numel())
+        self._buf[: raw.numel()].copy_(raw, non_blocking=True)
+        self._raw = torch._C._cuda_getCurrentRawStream(self._index)
+        return out
 
 
 class HostBuffer:
