@@ -13,7 +13,8 @@ Works on older checkouts too (the tags it cannot find are never set): run it fro
 tree to measure, on a CUDA machine::
 
     python bench/layers/probe_hierarchical_tail.py [--sizes 4096,65536] [--calls 600] \
-        [--no-gc] [--switch-interval S] [--host-share P] [--sample-ms MS]
+        [--no-gc] [--switch-interval S] [--host-share P] [--sample-ms MS] \
+        [--no-split] [--torch-threads N]
 
 ``--sample-ms MS`` starts a thread that, every MS milliseconds while a call runs, notes
 where the calling thread and every other live thread of the process stand (innermost
@@ -25,6 +26,13 @@ what a slow call waits on, not for figures.
 Python's cyclic garbage collector, and the GIL handed back to the lookup only after the
 interpreter's switch interval when the host-cache worker holds it; ``--host-share`` gives
 the worker fewer fills (not the default: for finding the cause, not for figures).
+
+``--no-split`` and ``--torch-threads`` test the suspects the sampler pointed at (the slow
+64k calls spend their time in the row mirror's read, its chunks on the
+``nvecache.common.fanout`` pool's threads, while the worker fills): ``--no-split`` reads
+every batch of the row mirror and the host cache on the calling thread alone;
+``--torch-threads N`` sets ``torch.set_num_threads(N)`` (the intra-op threads the worker's
+CPU tensor operations may fan out to, competing with those readers for cores).
 """
 
 from __future__ import annotations
@@ -207,7 +215,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sample-ms", type=float, default=None, metavar="MS",
                     help="note every MS ms where each thread stands while a call runs "
                          "(the slowest calls then list their most frequent places)")
+    ap.add_argument("--no-split", action="store_true",
+                    help="the row mirror's and the host cache's reads on the calling thread "
+                         "alone (not split over the fanout pool)")
+    ap.add_argument("--torch-threads", type=int, default=None, metavar="N",
+                    help="torch.set_num_threads(N) for the whole run")
     args = ap.parse_args(argv)
+    if args.no_split:
+        from hostcache import cache as host_cache_module
+        from psclient.file import mirror as mirror_module
+
+        def alone(fn: Callable[[int, int], Any], n: int, min_chunk: int = 0) -> list[Any]:
+            return [fn(0, n)]
+
+        host_cache_module.split_run = alone  # type: ignore[assignment]
+        mirror_module.split_run = alone  # type: ignore[assignment]
+    if args.torch_threads is not None:
+        torch.set_num_threads(args.torch_threads)
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     dev = torch.device(args.device)
@@ -260,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
                 report(n, calls, worker, {"no_gc": args.no_gc,
                                           "switch_interval_s": sys.getswitchinterval(),
                                           "host_share": args.host_share,
+                                          "no_split": args.no_split,
+                                          "torch_threads": torch.get_num_threads(),
                                           "twin_calls_timed": twins})
             emb.close()
         finally:
