@@ -23,13 +23,10 @@ def compiled_loops(timeout: float = 600.0) -> int:
     serve while the loops compile in the background: ``nvecache.common.loop_gate``);
     returns how many calls the twins have answered so far. Take it before and after the
     timed calls: a difference means some timed call ran a twin."""
-    from gpu.stacks.misses.miss_twin import GATE as MISS
-    from hostcache.table_twin import GATE as TABLE
-    from nvecache.common import quant
-    from psclient.file.mirror_twin import GATE as MIRROR
+    from nvecache.common.loop_gate import gates
 
-    gates = (TABLE, MIRROR, MISS, quant._LOOPS)
-    for g in gates:
+    made = gates()
+    for g in made:
         if g.twin_picks:
             g.wait(timeout)
-    return sum(g.twin_picks for g in gates)
+    return sum(g.twin_picks for g in made)

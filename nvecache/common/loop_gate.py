@@ -132,6 +132,11 @@ _STATE = _State()
 _GATES: list[LoopGate] = []
 
 
+def gates() -> tuple[LoopGate, ...]:
+    """Every gate this process has made (one per loop module whose twin was imported)."""
+    return tuple(_GATES)
+
+
 def _work() -> None:
     """The worker thread: each round compiles the gates asked for so far in one child,
     then loads them here; it ends when none are waiting."""

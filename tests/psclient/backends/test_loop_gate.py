@@ -46,3 +46,14 @@ def test_a_cold_cache_is_filled_by_a_child_and_loaded_here(tmp_path: Path) -> No
     # NOTE: loaded from the cache the child wrote: this process compiled nothing
     assert report["hits"] == 1 and report["misses"] == 0
     assert list(cache.rglob("gate_sample.total-*.nbi"))
+
+
+def test_gates_lists_every_loop_modules_gate_made_in_this_process() -> None:
+    from gpu.stacks.misses.miss_twin import GATE as MISS
+    from hostcache.table_twin import GATE as TABLE
+    from nvecache.common.loop_gate import gates
+    from psclient.file.mirror_twin import GATE as MIRROR
+
+    made = gates()
+    assert all(any(g is known for g in made) for known in (TABLE, MIRROR, MISS))
+    assert len({g.module for g in made}) == len(made)  # NOTE: one gate a module
