@@ -2,7 +2,8 @@
 # Same-run A/B of the Hierarchical layer over `file://` between another tree and this one:
 # bench/layers/bench_hierarchical.py's run() (1M x 128 fp32 rows, GPU cache 5%, host cache
 # 20%, fresh Zipf 1.05 batches, default arguments; p50/p99 a call, back to back, hit rates)
-# in a fresh process per tree, the trees alternating ROUNDS times (default 1).
+# in a fresh process per tree, the trees alternating ROUNDS times (default 1), after each
+# tree's per-key loops were compiled once (their numba cache filled: no twin timed).
 # The other tree is an unpacked checkout kept in an ignored folder and carried, e.g. here:
 #   mkdir -p .ab/old && git archive OLD_COMMIT | tar -x -C .ab/old
 # then on the GPU machine (carry .whl and .ab):
@@ -19,6 +20,18 @@ OUT=$(cd "$OUT" && pwd)
 ROUNDS=${ROUNDS:-1} SIZES=${SIZES:-1024,4096,16384,65536} CALLS=${CALLS:-300}
 SITE=$([ -d /tmp/site ] && echo /tmp/site: || echo)
 HERE=$PWD
+# each tree's per-key loops compiled into its numba cache first (the cache sits beside the
+# source), so that neither tree's timed calls run the numpy twins while a compile goes on
+for tree in "$OLD" "$HERE"; do
+  (cd "$tree" && PYTHONPATH=$SITE$PWD python3 -c "
+import importlib
+from nvecache.common import loop_gate
+for m in ('hostcache.table_twin', 'psclient.file.mirror_twin', 'gpu.stacks.misses.miss_twin'):
+    importlib.import_module(m)
+made = getattr(loop_gate, 'gates', lambda: tuple(getattr(loop_gate, '_GATES', ())))()
+print('$tree', [(g.module, g.wait(600)) for g in made])
+" 2>>"$OUT/hier_ab.err") || echo "compiling $tree's loops failed (see $OUT/hier_ab.err)"
+done
 for r in $(seq 1 "$ROUNDS"); do
   for tree in "$OLD" "$HERE"; do
     name=$([ "$tree" = "$HERE" ] && echo this || echo other)
