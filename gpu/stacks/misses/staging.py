@@ -50,9 +50,10 @@ class PinnedStaging:
         return self._buf[:nbytes].to(self._device, non_blocking=True)
 
     def receive(self, src: torch.Tensor) -> np.ndarray:
-        """The bytes of ``src`` (a contiguous tensor on the device) copied into the buffer
-        on the current stream: a view of them, to read once that stream is synchronized,
-        valid until this buffer's next :meth:`take`."""
+        """The bytes of ``src`` (a tensor on the device) copied into the buffer on the
+        current stream: a view of them. Synchronize that stream before reading them or
+        taking the buffer again (the copy writes it meanwhile); they stay valid until the
+        buffer's next :meth:`take`."""
         raw = src.reshape(-1).view(torch.uint8)
         out = self.take(raw.numel())
         self._buf[: raw.numel()].copy_(raw, non_blocking=True)
