@@ -34,6 +34,7 @@ import torch
 import psclient
 from gpu import LayerType, NVEmbedding
 from hostcache import segment
+from hostcache.errors import SegmentNotFoundError
 
 CTX = mp.get_context("spawn")
 DIM = 4
@@ -93,14 +94,29 @@ class Node:
             return None
 
     def stop(self) -> None:
-        """SIGTERM the service (it removes its segments) and wait for it."""
+        """SIGTERM the service (it removes its segments) and wait for it. A service that
+        had to be killed, or died, leaves its table behind: removed here, once no process
+        of the node runs (the caller stops the node's other processes first)."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
+                print(f"node {self.name}: its service did not stop within 30 s of SIGTERM; "
+                      f"killed (see {self.root / 'service.log'})", file=sys.stderr)
                 self.proc.kill()
                 self.proc.wait(30)
+        before = os.environ.get(segment.NODE_ENV)
+        os.environ[segment.NODE_ENV] = self.name  # NOTE: the node's namespace, for a moment
+        try:
+            segment.unlink(self.table)  # NOTE: and a lock file left without its segment
+        except SegmentNotFoundError:
+            pass  # NOTE: the service removed it, as it should
+        finally:
+            if before is None:
+                del os.environ[segment.NODE_ENV]
+            else:
+                os.environ[segment.NODE_ENV] = before
 
 
 def _layer(node: str, table: str, ps_url: str, key_space: int) -> Any:

@@ -7,12 +7,17 @@ the same at 10k and 100k rows/s); here a short run at a modest rate with the pro
 
 from __future__ import annotations
 
+import os
+import signal
 import uuid
 from pathlib import Path
 
 import pytest
+import torch
 
+import psclient
 from bench.multigpu import cross_node
+from hostcache import segment
 from tests.conftest import PREFIX
 
 
@@ -29,3 +34,24 @@ def test_updates_on_node_a_reach_node_b_within_the_bound_and_none_is_lost(
     # blocking followers: far below a second even on a loaded 2-core CI machine (the
     # benchmark measures the bound itself)
     assert res.percentile(99) < 1.0, res.percentile(99)
+
+
+@pytest.mark.slow
+def test_a_node_whose_service_was_killed_leaves_no_segment_after_stop(tmp_path: Path) -> None:
+    table = f"{PREFIX}xk{uuid.uuid4().hex[:6]}"
+    url = f"file://{tmp_path}/store"
+    with psclient.connect(url, table=table, dim=cross_node.DIM) as ps:
+        keys = torch.arange(8)
+        ps.insert(keys, cross_node.rows_of(keys, 0))
+    node = cross_node.Node(f"K{os.getpid()}", table, url, tmp_path / "K", capacity=64)
+    try:
+        node.start()
+        assert node.proc is not None
+        os.kill(node.proc.pid, signal.SIGKILL)  # NOTE: no chance to remove its table
+        node.proc.wait(30)
+        shm = os.listdir(segment.SHM_DIR)
+        assert any(name.endswith(f"@{node.name}.{table}") for name in shm)
+    finally:
+        node.stop()
+    left = [n for n in os.listdir(segment.SHM_DIR) if f"@{node.name}." in n]
+    assert left == []
