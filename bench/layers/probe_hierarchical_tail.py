@@ -27,6 +27,12 @@ Python's cyclic garbage collector, and the GIL handed back to the lookup only af
 interpreter's switch interval when the host-cache worker holds it; ``--host-share`` gives
 the worker fewer fills (not the default: for finding the cause, not for figures).
 
+Every call also records what the OS did meanwhile (``os`` in the slowest calls, and
+``os_mean`` over all calls and over the slowest 1%): the process's minor / major page faults
+and involuntary context switches, the calling thread's, the process's CPU time, and the
+cgroup's CPU throttling (``nr_throttled``, ``throttled_usec`` of ``cpu.stat``, where the
+machine has one): a call stalled by a CPU quota, by faults or by preemption shows there.
+
 ``--no-split`` and ``--torch-threads`` test the suspects the sampler pointed at (the slow
 64k calls spend their time in the row mirror's read, its chunks on the
 ``nvecache.common.fanout`` pool's threads, while the worker fills): ``--no-split`` reads
@@ -42,6 +48,7 @@ import collections
 import gc
 import json
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -80,6 +87,43 @@ class Tags:
     def add(self, tag: str, seconds: float = 0.0) -> None:
         if threading.get_ident() == self.main:
             self.call[tag] = self.call.get(tag, 0.0) + seconds
+
+
+class OsCounters:
+    """Counters the OS keeps that a stalled call moves: page faults, preemptions, CPU time,
+    the cgroup's CPU throttling (cgroup v2's ``cpu.stat`` or v1's, when readable)."""
+
+    STAT_FILES = ("/sys/fs/cgroup/cpu.stat", "/sys/fs/cgroup/cpu/cpu.stat",
+                  "/sys/fs/cgroup/cpu,cpuacct/cpu.stat")
+
+    def __init__(self) -> None:
+        self.stat = next((p for p in self.STAT_FILES if os.access(p, os.R_OK)), None)
+
+    def _cgroup(self) -> dict[str, float]:
+        if self.stat is None:
+            return {}
+        out = {}
+        with open(self.stat) as f:
+            for line in f:
+                k, _, v = line.partition(" ")
+                if k == "nr_throttled":
+                    out[k] = float(v)
+                elif k == "throttled_usec":
+                    out["throttled_us"] = float(v)
+                elif k == "throttled_time":  # NOTE: cgroup v1, nanoseconds
+                    out["throttled_us"] = float(v) / 1e3
+        return out
+
+    def snapshot(self) -> dict[str, float]:
+        p = resource.getrusage(resource.RUSAGE_SELF)
+        t = resource.getrusage(resource.RUSAGE_THREAD)
+        return {"minflt": p.ru_minflt, "majflt": p.ru_majflt, "nivcsw": p.ru_nivcsw,
+                "main_nivcsw": t.ru_nivcsw, "main_nvcsw": t.ru_nvcsw,
+                "cpu_us": (p.ru_utime + p.ru_stime) * 1e6, **self._cgroup()}
+
+    @staticmethod
+    def delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+        return {k: round(b[k] - a[k], 1) for k in a if k in b}
 
 
 def place(frame: Any) -> str:
@@ -241,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     rows = args.rows
     tags = Tags()
+    counters = OsCounters()
     instrument(tags)
     sampler = None if args.sample_ms is None else Sampler(tags, args.sample_ms / 1e3)
     with tempfile.TemporaryDirectory() as tmp:
@@ -271,10 +316,12 @@ def main(argv: list[str] | None = None) -> int:
                     tags.call = {}
                     if sampler is not None:
                         sampler.begin()
+                    c0 = counters.snapshot()
                     t0 = time.perf_counter()
                     emb(b)
                     sync()
                     t1 = time.perf_counter()
+                    tags.call["os"] = counters.delta(c0, counters.snapshot())
                     if sampler is not None:
                         tags.call = {**tags.call, "@": sampler.end()}
                     calls.append((t1 - t0, t0, t1, tags.call))
@@ -298,6 +345,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def os_mean(calls: list[tuple[float, float, float, dict[str, Any]]]) -> dict[str, float]:
+    """Each OS counter's mean change per call over ``calls``."""
+    keys = calls[0][3].get("os", {}).keys() if calls else ()
+    return {k: round(statistics.mean(c[3]["os"][k] for c in calls), 2) for k in keys}
+
+
 def report(n: int, calls: list[tuple[float, float, float, dict[str, float]]],
            worker: list[tuple[float, float]], setup: dict[str, Any]) -> None:
     def overlap(t0: float, t1: float) -> float:
@@ -306,7 +359,8 @@ def report(n: int, calls: list[tuple[float, float, float, dict[str, float]]],
     ts = sorted(c[0] for c in calls)
     kinds: dict[str, list[float]] = {}
     for dt, _, _, tg in calls:
-        kind = "+".join(sorted(k for k in tg if k not in STEPS and k != "@")) or "plain"
+        kind = "+".join(sorted(k for k in tg if k not in STEPS and k not in ("@", "os"))) \
+            or "plain"
         kinds.setdefault(kind, []).append(dt)
     slow = sorted(calls, key=lambda c: -c[0])[:12]
     print(json.dumps({
@@ -319,9 +373,13 @@ def report(n: int, calls: list[tuple[float, float, float, dict[str, float]]],
         "mean_reads_us": statistics.mean(c[3].get("reads", 0.0) for c in calls) * 1e6,
         "mean_step_us": {k: statistics.mean(c[3].get(k, 0.0) for c in calls) * 1e6
                          for k in STEPS},
+        "os_mean": {"all": os_mean(calls),
+                    "slowest_1pct": os_mean(sorted(calls, key=lambda c: -c[0])[
+                        :max(1, len(calls) // 100)])},
         "worker_busy_share": sum(b - a for a, b in worker) / max(1e-9, calls[-1][2] - calls[0][1]),
         "slowest": [{"us": round(dt * 1e6), "worker_us": round(overlap(t0, t1) * 1e6),
-                     **{k: round(v * 1e6) for k, v in tg.items() if k != "@"},
+                     **{k: round(v * 1e6) for k, v in tg.items() if k not in ("@", "os")},
+                     **({"os": tg["os"]} if "os" in tg else {}),
                      **({"where": dict(tg["@"].most_common(10))} if "@" in tg else {})}
                     for dt, t0, t1, tg in slow],
     }), flush=True)
