@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Why the slowest 64k-key Hierarchical calls stall: bench/layers/probe_hierarchical_tail.py
-# run three ways in fresh processes (plain; `--no-split`: the row mirror's and the host
-# cache's reads on the calling thread alone; `--torch-threads 1`), each call with the OS
+# run four ways in fresh processes (plain; `--no-split`: the row mirror's and the host
+# cache's reads on the calling thread alone; `--torch-threads 1`; `--worker-threads 1`:
+# torch's intra-op team of one on the host-cache worker's thread alone), each call with the OS
 # counters a stall moves (faults, preemptions, the cgroup's CPU throttling). Before them, what
 # the machine gives the process: CPUs visible, affinity, torch's intra-op threads, the
 # cgroup's CPU quota. On the GPU machine (carry .whl):
@@ -18,14 +19,15 @@ python3 -c 'import os, torch; print("torch", torch.__version__, "intra-op thread
 for f in /sys/fs/cgroup/cpu.max /sys/fs/cgroup/cpu/cpu.cfs_quota_us; do
   [ -r "$f" ] && echo "$f: $(cat "$f")"
 done
-for way in plain no-split torch-threads-1; do
+for way in plain no-split torch-threads-1 worker-threads-1; do
   case $way in
     plain) args=() ;;
     no-split) args=(--no-split) ;;
     torch-threads-1) args=(--torch-threads 1) ;;
+    worker-threads-1) args=(--worker-threads 1) ;;
   esac
   echo "== $way"
-  timeout 170 python3 bench/layers/probe_hierarchical_tail.py --sizes "$SIZES" \
+  timeout 140 python3 bench/layers/probe_hierarchical_tail.py --sizes "$SIZES" \
     --calls "$CALLS" "${args[@]}" > "$OUT/tail_$way.jsonl" 2> "$OUT/tail_$way.err"
   echo "rc $?"; tail -2 "$OUT/tail_$way.err"
   python3 - "$OUT/tail_$way.jsonl" <<'PY'

@@ -14,7 +14,7 @@ tree to measure, on a CUDA machine::
 
     python bench/layers/probe_hierarchical_tail.py [--sizes 4096,65536] [--calls 600] \
         [--no-gc] [--switch-interval S] [--host-share P] [--sample-ms MS] \
-        [--no-split] [--torch-threads N]
+        [--no-split] [--torch-threads N] [--worker-threads N]
 
 ``--sample-ms MS`` starts a thread that, every MS milliseconds while a call runs, notes
 where the calling thread and every other live thread of the process stand (innermost
@@ -38,7 +38,10 @@ machine has one): a call stalled by a CPU quota, by faults or by preemption show
 ``nvecache.common.fanout`` pool's threads, while the worker fills): ``--no-split`` reads
 every batch of the row mirror and the host cache on the calling thread alone;
 ``--torch-threads N`` sets ``torch.set_num_threads(N)`` (the intra-op threads the worker's
-CPU tensor operations may fan out to, competing with those readers for cores).
+CPU tensor operations may fan out to, competing with those readers for cores);
+``--worker-threads N`` sets it on the host-cache worker's thread alone (with OpenMP the
+intra-op team size is a per-thread setting; the calling thread keeps its own, reported as
+``torch_threads``): which thread's fan-out matters.
 """
 
 from __future__ import annotations
@@ -264,7 +267,21 @@ def main(argv: list[str] | None = None) -> int:
                          "alone (not split over the fanout pool)")
     ap.add_argument("--torch-threads", type=int, default=None, metavar="N",
                     help="torch.set_num_threads(N) for the whole run")
+    ap.add_argument("--worker-threads", type=int, default=None, metavar="N",
+                    help="torch.set_num_threads(N) on the host-cache worker's thread only")
     args = ap.parse_args(argv)
+    worker_threads: list[int] = []
+    if args.worker_threads is not None:
+        from gpu.stacks.misses import host_filler
+
+        run = host_filler._Worker._run
+
+        def run_narrow(self: Any) -> None:
+            torch.set_num_threads(args.worker_threads)
+            worker_threads.append(torch.get_num_threads())
+            run(self)
+
+        host_filler._Worker._run = run_narrow  # type: ignore[method-assign]
     if args.no_split:
         from hostcache import cache as host_cache_module
         from psclient.file import mirror as mirror_module
@@ -333,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
                                           "host_share": args.host_share,
                                           "no_split": args.no_split,
                                           "torch_threads": torch.get_num_threads(),
+                                          "worker_threads": worker_threads[-1:],
                                           "twin_calls_timed": twins})
             emb.close()
         finally:
