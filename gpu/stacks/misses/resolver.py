@@ -38,15 +38,27 @@ def touch_sample(host: Any, keys: torch.Tensor, hit: torch.Tensor, hits: int,
                  sample: int) -> None:
     """Report ``hits`` host-cache hits read elsewhere (``keys[hit]``, CPU tensors) to its
     eviction policy: a sample of at most ``sample`` hit keys, each counted ``hits /
-    sample`` times, so the policy sees the GPU's traffic at a bounded cost."""
+    sample`` times, so the policy sees the GPU's traffic at a bounded cost. Selected in
+    numpy (see :meth:`Resolver._fill`: the worker never fans out to torch's intra-op
+    threads)."""
     if hits == 0:
         return
-    hk = keys[hit]
+    hk = keys.numpy()[hit.numpy()]
     weight = 1
     if hits > sample:
-        pick = torch.randint(0, hits, (sample,))
+        pick = torch.randint(0, hits, (sample,)).numpy()
         hk, weight = hk[pick], max(1, round(hits / sample))
-    host.touch(hk, weight)
+    host.touch(torch.from_numpy(hk), weight)
+
+
+def _concat_rows(rows: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(rows)`` of contiguous CPU row blocks of one dtype, copied by numpy as
+    bytes (any dtype, bfloat16 too) on the calling thread alone."""
+    if len(rows) == 1:
+        return rows[0]
+    first = rows[0]
+    raw = np.concatenate([r.contiguous().view(torch.uint8).numpy() for r in rows])
+    return torch.from_numpy(raw).view(first.dtype)
 
 
 class Resolver:
@@ -208,8 +220,13 @@ class Resolver:
         """On the worker: offer rows read from the parameter server to the host cache in
         one insert (refused for keys announced after the earliest fill's cursor, and for
         keys already there)."""
-        keys = torch.cat([k for k, _, _ in fills])
-        values = torch.cat([v for _, v, _ in fills])
+        # NOTE: joined in numpy, not torch.cat: a 64k-key call's fills (~900k elements) are
+        # over torch's grain size, and torch would spread the copy over its intra-op team,
+        # whose threads would compete for cores with the lookups' split reads
+        # (nvecache.common.fanout) that this worker runs beside (bench/RESULTS.md,
+        # "Hierarchical layer at serving sizes", eighteenth session)
+        keys = torch.from_numpy(np.concatenate([k.numpy() for k, _, _ in fills]))
+        values = _concat_rows([v for _, v, _ in fills])
         since = min(c for _, _, c in fills)
         # NOTE: the rows as the parameter server holds them (a quantized host cache: their
         # stored bytes, taken as they are): not checked again

@@ -228,3 +228,101 @@ def test_host_tier_reads_are_counted_at_the_node_whichever_side_reads(
         assert torch.equal(got[24], torch.zeros(DIM))
         layer2.close()
         layer.close()
+
+
+# --- the worker's own CPU work: numpy, never torch's intra-op threads ---------------------
+
+
+@pytest.mark.parametrize(("dtype", "width"), [(torch.float32, 7), (torch.float16, 9),
+                                              (torch.bfloat16, 128), (torch.uint8, 136)])
+def test_fills_are_joined_as_torch_cat_joins_them(dtype: torch.dtype, width: int) -> None:
+    from gpu.stacks.misses.resolver import _concat_rows
+
+    g = torch.Generator().manual_seed(width)
+    blocks = [torch.randn(n, width, generator=g).mul(50).to(dtype) for n in (3, 0, 1, 5)]
+    got = _concat_rows(blocks)
+    assert got.dtype == dtype and torch.equal(got, torch.cat(blocks))
+    assert _concat_rows(blocks[:1]) is blocks[0]  # one fill: no copy
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_several_fills_reach_the_host_cache_as_one_insert(table_name: str,
+                                                          dtype: torch.dtype) -> None:
+    from gpu.layer_config import InsertPolicy
+    from gpu.stacks.misses.counters import MissCounters
+    from gpu.stacks.misses.resolver import Resolver
+
+    rows = torch.randn(30, DIM).to(dtype)
+    with HostCache.create(table_name, capacity=256, dim=DIM, dtype=dtype) as hc:
+        try:
+            res = Resolver(hc, None, None, dtype, DIM, InsertPolicy(), HostFiller("t"), 8,
+                           MissCounters())
+            keys = torch.arange(100, 130)
+            hc.insert(keys[7:8], torch.zeros(1, DIM, dtype=dtype))  # already cached: kept
+            cursor = hc.change_cursor
+            hc.announce(keys[20:21])  # changed elsewhere after the earliest fill's cursor
+            res._fill([(keys[:10], rows[:10], cursor + 5), (keys[10:25], rows[10:25], cursor),
+                       (keys[25:], rows[25:], cursor + 9)])
+            got, hit = hc.lookup(keys)
+            assert hit.tolist() == [i != 20 for i in range(30)]  # the announced key refused
+            want = rows.clone()
+            want[7] = 0  # the row cached before stays
+            assert torch.equal(got[hit], want[hit])
+        finally:
+            HostCache.unlink(table_name)
+
+
+FAN_OUT = r"""
+import os, sys
+import numpy as np, torch
+torch.set_num_threads(2)  # a team to fan out to, whatever the machine's cores
+from gpu.layer_config import InsertPolicy
+from gpu.stacks.misses.counters import MissCounters
+from gpu.stacks.misses.host_filler import HostFiller
+from gpu.stacks.misses.resolver import Resolver, touch_sample
+from hostcache import HostCache
+
+def tids():
+    return set(os.listdir("/proc/self/task"))
+
+name, rng = sys.argv[1], np.random.default_rng(0)
+def rows(n):
+    return torch.from_numpy(rng.standard_normal((n, 128), dtype=np.float32))
+hc = HostCache.create(name, capacity=40000, dim=128)
+try:
+    res = Resolver(hc, None, None, torch.float32, 128, InsertPolicy(), HostFiller("t"),
+                   1024, MissCounters())
+    # small work first: whatever threads the tiers start (the compiled loops' gate) start now
+    small = torch.from_numpy(rng.choice(1 << 20, 8, replace=False))
+    res._fill([(small, rows(8), 0), (small + 1, rows(8), 0)])
+    touch_sample(hc, small, torch.ones(8, dtype=torch.bool), 8, 4)
+    before = tids()
+    # a 64k-key call's work: ~7k rows filled in four parts, 64k keys' hit flags reported
+    keys = rng.choice(1 << 20, 7000, replace=False)
+    fills = [(torch.from_numpy(keys[i:i + 1750]), rows(1750), 0) for i in range(0, 7000, 1750)]
+    res._fill(fills)
+    filled = tids()
+    hit = rng.random(65536) < 0.5
+    touch_sample(hc, torch.from_numpy(rng.choice(1 << 20, 65536, replace=False)),
+                 torch.from_numpy(hit), int(np.count_nonzero(hit)), 1024)
+    after = tids()
+    torch.cat([v for _, v, _ in fills])  # the control: torch's own join fans out
+    print(len(filled - before), len(after - filled), len(tids() - after))
+finally:
+    hc.close()
+    HostCache.unlink(name)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads in /proc")
+def test_the_worker_s_fills_and_hit_reports_never_fan_out_to_torch_s_threads(
+        table_name: str) -> None:
+    """The host-cache worker runs beside the lookups' split reads: its joins and selections
+    at a 64k-key call's sizes run on its own thread (numpy), never on torch's intra-op team
+    (whose threads appear in /proc the first time torch fans an operation out)."""
+    done = subprocess.run([sys.executable, "-c", FAN_OUT, table_name], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    new_in_fill, new_in_report, new_in_control = map(int, done.stdout.split()[-3:])
+    assert (new_in_fill, new_in_report) == (0, 0)
+    assert new_in_control >= 1, "torch's team existed before the control: nothing was tested"
