@@ -11,7 +11,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source bench/device/device_env.sh
-SIZES=${SIZES:-65536} CALLS=${CALLS:-600}
+SIZES=${SIZES:-65536} CALLS=${CALLS:-600} OTHER=${1:-}
+if [ -n "$OTHER" ] && [ ! -d "$OTHER/gpu" ]; then
+  echo "$OTHER is not a checkout (no gpu/ in it)"; exit 2
+fi
+SITE=$([ -d /tmp/site ] && echo /tmp/site: || echo)
 nvidia-smi --query-gpu=name --format=csv,noheader
 python3 -c 'import os, torch; print("torch", torch.__version__, "intra-op threads",
   torch.get_num_threads(), "cpu_count", os.cpu_count(), "affinity",
@@ -19,16 +23,19 @@ python3 -c 'import os, torch; print("torch", torch.__version__, "intra-op thread
 for f in /sys/fs/cgroup/cpu.max /sys/fs/cgroup/cpu/cpu.cfs_quota_us; do
   [ -r "$f" ] && echo "$f: $(cat "$f")"
 done
-for way in plain no-split torch-threads-1 worker-threads-1; do
+for way in ${OTHER:+other-plain} plain no-split torch-threads-1 worker-threads-1; do
+  tree=$PWD
   case $way in
+    other-plain) args=(); tree=$(cd "$OTHER" && pwd) ;;
     plain) args=() ;;
     no-split) args=(--no-split) ;;
     torch-threads-1) args=(--torch-threads 1) ;;
     worker-threads-1) args=(--worker-threads 1) ;;
   esac
   echo "== $way"
-  timeout 140 python3 bench/layers/probe_hierarchical_tail.py --sizes "$SIZES" \
-    --calls "$CALLS" "${args[@]}" > "$OUT/tail_$way.jsonl" 2> "$OUT/tail_$way.err"
+  (cd "$tree" && PYTHONPATH=$SITE$tree timeout 140 python3 \
+    bench/layers/probe_hierarchical_tail.py --sizes "$SIZES" --calls "$CALLS" ${PROBE_ARGS:-} "${args[@]}") \
+    > "$OUT/tail_$way.jsonl" 2> "$OUT/tail_$way.err"
   echo "rc $?"; tail -2 "$OUT/tail_$way.err"
   python3 - "$OUT/tail_$way.jsonl" <<'PY'
 import json, sys
