@@ -16,7 +16,9 @@ left (warm). A third process starts with new empty caches that ``python -m
 nvecache.apps.service.compiled 128:float32:hostcache`` (the service's child) filled first
 (service). ``--device cuda`` runs the layer on the GPU (``TRITON_CACHE_DIR`` fresh per
 store as numba's). One JSON line per process; ``counted_s`` is imports + create +
-construction + first lookup.
+construction + first lookup; on CUDA ``triton_variants`` counts, per phase (construct,
+first_lookup, later), the Triton kernel variants the process compiled or loaded from
+Triton's cache and the seconds they took (with ``--profile``, each one to stderr).
 
 ``--root PATH`` measures another checkout of the project with the same script (the tree
 before a change, from ``git archive``): every process puts it first on ``sys.path``.
@@ -76,6 +78,24 @@ import_s = time.perf_counter() - t
 def sync():
     if device != "cpu":
         torch.cuda.synchronize()
+# NOTE: every Triton kernel variant this process compiles or loads from Triton's cache, by
+# phase: its JIT calls jit_cache_hook before and jit_post_compile_hook after (both keyed)
+phase, kernels, started = ["before"], [], {}
+if device != "cpu":
+    try:
+        from triton import knobs
+    except ImportError:
+        knobs = None
+    if knobs is not None:
+        def _before(*, key, fn, **_):
+            started[id(fn.jit_function), str(key)] = time.perf_counter()
+            return False
+        def _after(*, key, fn, **_):
+            t0 = started.pop((id(fn.jit_function), str(key)), None)
+            if t0 is not None:
+                kernels.append((phase[0], fn.name, time.perf_counter() - t0))
+        knobs.runtime.jit_cache_hook = _before
+        knobs.runtime.jit_post_compile_hook = _after
 from gpu import LayerType, NVEmbedding
 from hostcache import HostCache
 t = time.perf_counter()
@@ -84,6 +104,7 @@ create_s = time.perf_counter() - t
 try:
     if profiling:
         prof.enable()
+    phase[0] = "construct"
     t = time.perf_counter()
     layer = NVEmbedding(rows, 128, torch.float32, LayerType.Hierarchical, gpu_cache_size=2**24,
                         host_cache=hc, storage=url, table=table, device=device, default_row=0.0)
@@ -99,6 +120,7 @@ try:
     sync()
     if profiling:
         prof.enable()
+    phase[0] = "first_lookup"
     t = time.perf_counter()
     layer(keys)
     sync()
@@ -107,6 +129,7 @@ try:
         prof.disable()
         print(f"== {name}: first lookup", file=sys.stderr)
         pstats.Stats(prof, stream=sys.stderr).sort_stats("cumulative").print_stats(40)
+    phase[0] = "later"
     numba_at_first = "numba" in sys.modules
     t = time.perf_counter()
     if not any(os.path.exists(os.path.join(sys.argv[1], *p, "loop_gate.py"))
@@ -132,13 +155,23 @@ finally:
     hc.close()
     HostCache.unlink(name)
 times.sort()
+by_phase = {}
+for ph, kname, secs in kernels:
+    n_s = by_phase.setdefault(ph, [0, 0.0])
+    n_s[0] += 1
+    n_s[1] += secs
+if profiling and kernels:
+    print("== Triton kernel variants compiled or loaded (phase, seconds, kernel)", file=sys.stderr)
+    for ph, kname, secs in sorted(kernels, key=lambda k: -k[2]):
+        print(f"  {ph:13s} {secs:7.3f} {kname}", file=sys.stderr)
 print(json.dumps({
     "torch_import_s": torch_s, "gpu_import_s": gpu_import_s, "imports_s": import_s,
     "host_cache_create_s": create_s,
     "construct_s": build_s, "first_lookup_s": first_s,
     "counted_s": import_s + create_s + build_s + first_s,
     "numba_loaded_at_first_lookup": numba_at_first, "compiled_ready_after_s": ready_s,
-    "steady_p50_ms": times[len(times) // 2] * 1e3, "hostcache_from": hostcache.__file__}))
+    "steady_p50_ms": times[len(times) // 2] * 1e3, "hostcache_from": hostcache.__file__,
+    "triton_variants": {ph: {"count": c, "s": secs} for ph, (c, secs) in by_phase.items()}}))
 """
 
 
