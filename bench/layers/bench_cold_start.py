@@ -18,7 +18,7 @@ nvecache.apps.service.compiled 128:float32:hostcache`` (the service's child) fil
 store as numba's). One JSON line per process; ``counted_s`` is imports + create +
 construction + first lookup; on CUDA ``triton_variants`` counts, per phase (construct,
 first_lookup, later), the Triton kernel variants the process compiled or loaded from
-Triton's cache and the seconds they took (with ``--profile``, each one to stderr).
+Triton's cache and the seconds they took (each one listed on stderr).
 
 ``--root PATH`` measures another checkout of the project with the same script (the tree
 before a change, from ``git archive``): every process puts it first on ``sys.path``.
@@ -160,8 +160,9 @@ for ph, kname, secs in kernels:
     n_s = by_phase.setdefault(ph, [0, 0.0])
     n_s[0] += 1
     n_s[1] += secs
-if profiling and kernels:
-    print("== Triton kernel variants compiled or loaded (phase, seconds, kernel)", file=sys.stderr)
+if kernels:
+    print(f"== {name}: Triton kernel variants compiled or loaded (phase, seconds, kernel)",
+          file=sys.stderr)
     for ph, kname, secs in sorted(kernels, key=lambda k: -k[2]):
         print(f"  {ph:13s} {secs:7.3f} {kname}", file=sys.stderr)
 print(json.dumps({
