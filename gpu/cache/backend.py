@@ -122,8 +122,6 @@ class CacheBackend(Protocol):
 
     def apply_insert(self, prepared: PreparedInsert, values: torch.Tensor) -> None: ...
 
-    def precompile_insert(self, prepared: PreparedInsert, values: torch.Tensor) -> None: ...
-
 
 def make_backend(backend: object, tables: CacheTables, device: torch.device,
                  tiles: Tiles = DEFAULT_TILES) -> TritonBackend | TorchBackend:
@@ -248,14 +246,6 @@ class TritonBackend:
                                   cmax=twin.COUNTER_MAX, decay_at=twin.DECAY_AT,
                                   tiles=self.tiles)
 
-    def precompile_insert(self, prepared: PreparedInsert, values: torch.Tensor) -> None:
-        t = self._t
-        self._writes.sort_buckets(prepared, t.num_buckets, tiles=self.tiles, ahead=True)
-        self._writes.apply_insert(prepared, values, t.tkeys, t.counters, t.rows_all,
-                                  t.insert_stats, t.num_buckets, t.ways,
-                                  cmax=twin.COUNTER_MAX, decay_at=twin.DECAY_AT,
-                                  tiles=self.tiles, ahead=True)
-
 
 class TorchBackend:
     """The torch twin (:mod:`gpu.cache.twin`) over one cache, on any device."""
@@ -344,6 +334,3 @@ class TorchBackend:
         t.counters_all[plan.key_target] = plan.new_counters
         self.scatter(plan.row_target, values, plan.row_src)
         t.insert_stats += torch.stack([plan.placed, plan.evictions, plan.dropped])
-
-    def precompile_insert(self, prepared: PreparedInsert, values: torch.Tensor) -> None:
-        return None  # NOTE: torch ops: nothing to compile

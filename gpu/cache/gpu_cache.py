@@ -380,14 +380,6 @@ class GPUCache:
             return
         self.ops.apply_insert(prepared, values)
 
-    def precompile_insert(self, prepared: PreparedInsert, values: torch.Tensor) -> None:
-        """Compile the kernels that ``sort_insert_buckets(prepared)`` and
-        ``apply_insert(prepared, values)`` launch, launching nothing (the table, its
-        statistics and ``prepared`` untouched). Inside
-        :func:`gpu.kernels.launch.compiling_ahead` they compile side by side."""
-        if self.num_buckets:
-            self.ops.precompile_insert(prepared, values)
-
     def update(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """Overwrite the rows of keys that are cached; others are ignored.
 

@@ -230,32 +230,26 @@ _CX: dict[tuple[object, ...], dict[str, object]] = {}
 
 
 def _launch(launcher: DirectLaunch, grid: tuple[int, ...], args: tuple[object, ...],
-            key: tuple[object, ...], *, ahead: bool = False, **constexprs: object) -> None:
-    """Launch (``ahead``: compile only, :meth:`DirectLaunch.precompile`)."""
+            key: tuple[object, ...], **constexprs: object) -> None:
     cx = _CX.get(key)
     if cx is None:
         cx = _CX[key] = constexprs
-    if ahead:
-        launcher.precompile(grid, args, cx)
-    else:
-        launcher(grid, args, cx, key)
+    launcher(grid, args, cx, key)
 
 
 @on_tensor_device
 def scatter_rows(
     rows: torch.Tensor, target: torch.Tensor, values: torch.Tensor, src: torch.Tensor, *,
-    tiles: Tiles, ahead: bool = False,
+    tiles: Tiles,
 ) -> None:
-    """``rows[target[i]] = values[src[i]]`` for distinct targets (``ahead``: the kernel
-    compiled, nothing launched)."""
+    """``rows[target[i]] = values[src[i]]`` for distinct targets."""
     n = target.numel()
     if n == 0:
         return
     bk = tiles.scatter_block_k
     dim = rows.shape[1]
     _launch(_SCATTER, (_cdiv(n, bk),), (rows, target, values, src, n, dim),
-            ("scatter", rows.dtype, values.dtype, bk, dim), ahead=ahead, BLOCK_K=bk,
-            BLOCK_D=_block_d(dim))
+            ("scatter", rows.dtype, values.dtype, bk, dim), BLOCK_K=bk, BLOCK_D=_block_d(dim))
 
 
 @on_tensor_device
@@ -277,19 +271,15 @@ def sort_keys(keys: torch.Tensor, p: PreparedInsert, small: bool = False) -> Non
 
 
 @on_tensor_device
-def sort_buckets(p: PreparedInsert, num_buckets: int, *, tiles: Tiles, ahead: bool = False
-                 ) -> None:
+def sort_buckets(p: PreparedInsert, num_buckets: int, *, tiles: Tiles) -> None:
     """Insert step 2 (reads nothing of the table): each sorted position's bucket sort key
-    (a launch), the batch sorted by it, and where each bucket's run starts. ``ahead``: the
-    kernel compiled, nothing launched or sorted."""
+    (a launch), the batch sorted by it, and where each bucket's run starts."""
     n = p.ks.numel()
     # NOTE: bucket indices sort as int32 (a cache of 2**31 buckets would need 2**34 slots)
     assert num_buckets < 1 << 31
     bk = tiles.insert_block_k
     _launch(_LAST, (_cdiv(n, bk),), (p.ks, n, num_buckets, p.skey), ("last", bk),
-            ahead=ahead, EMPTY=EMPTY_KEY, BLOCK_K=bk)
-    if ahead:
-        return
+            EMPTY=EMPTY_KEY, BLOCK_K=bk)
     torch.sort(p.skey, stable=True, out=(p.sb, p.order))
     torch.searchsorted(p.sb, p.sb, out=p.start)
 
@@ -306,14 +296,12 @@ def prepare_insert(keys: torch.Tensor, num_buckets: int, *, tiles: Tiles) -> Pre
 def apply_insert(
     p: PreparedInsert, values: torch.Tensor, tkeys: torch.Tensor, counters: torch.Tensor,
     rows_all: torch.Tensor, stats: torch.Tensor, num_buckets: int, ways: int, *, cmax: int,
-    decay_at: int, tiles: Tiles, ahead: bool = False,
+    decay_at: int, tiles: Tiles,
 ) -> None:
     """The steps that read and write the table, in the caller's stream order: the same
     placements as ``gpu.cache.twin.plan_insert`` for the keys ``p`` was prepared from,
     whatever the table became since. ``rows_all`` has the trash row at index
-    ``tkeys.numel()``; ``stats`` (int64 [3]) gains placed, evicted and dropped counts.
-    ``ahead``: the kernels compiled (:func:`gpu.kernels.launch.compiling_ahead` runs them
-    side by side), nothing launched: the table and ``stats`` are not touched."""
+    ``tkeys.numel()``; ``stats`` (int64 [3]) gains placed, evicted and dropped counts."""
     n = p.ks.numel()
     trash = tkeys.numel()
     bk = tiles.insert_block_k
@@ -322,7 +310,7 @@ def apply_insert(
     slot = torch.empty_like(p.ks)
     mark = torch.zeros(trash, dtype=torch.int8, device=tkeys.device)
     _launch(_PROBE, grid, (p.sb, p.order, p.ks, n, tkeys, num_buckets, slot, mark),
-            ("probe", ways, bk), ahead=ahead, WAYS=ways, EMPTY=empty, BLOCK_K=bk)
+            ("probe", ways, bk), WAYS=ways, EMPTY=empty, BLOCK_K=bk)
     key_target = torch.empty_like(p.ks)
     new_keys = torch.empty_like(p.ks)
     new_counters = torch.empty(n, dtype=counters.dtype, device=tkeys.device)
@@ -333,14 +321,14 @@ def apply_insert(
             (p.sb, p.start, p.order, p.ks, p.src, slot, mark, n, tkeys, counters,
              num_buckets, trash, key_target, new_keys, new_counters, row_target, row_src,
              decay, stats),
-            ("plan", counters.dtype, cmax, decay_at, ways, bk), ahead=ahead,
+            ("plan", counters.dtype, cmax, decay_at, ways, bk),
             CMAX=cmax, DECAY_AT=decay_at, WAYS=ways, EMPTY=empty, BLOCK_K=bk)
     _launch(_DECAY, grid, (p.sb, decay, n, counters),
-            ("decay", counters.dtype, cmax, decay_at, ways, bk), ahead=ahead,
+            ("decay", counters.dtype, cmax, decay_at, ways, bk),
             CMAX=cmax, DECAY_AT=decay_at, WAYS=ways, BLOCK_K=bk)
     _launch(_APPLY, grid, (key_target, new_keys, new_counters, n, tkeys, counters, trash),
-            ("apply", counters.dtype, bk), ahead=ahead, BLOCK_K=bk)
-    scatter_rows(rows_all, row_target, values, row_src, tiles=tiles, ahead=ahead)
+            ("apply", counters.dtype, bk), BLOCK_K=bk)
+    scatter_rows(rows_all, row_target, values, row_src, tiles=tiles)
 
 
 @on_tensor_device

@@ -22,17 +22,10 @@ interpreter takes the JIT path too.
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import os
-import threading
-from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 _INT32_MAX = (1 << 31) - 1
 
@@ -57,34 +50,6 @@ def loaded_variants() -> dict[str, int]:
         if n:
             counts[name] = n
     return counts
-
-
-#: this thread's compiling_ahead: its pool and the compiles handed to it
-_AHEAD = threading.local()
-
-
-@contextlib.contextmanager
-def compiling_ahead(workers: int | None = None) -> Iterator[None]:
-    """Inside, :meth:`DirectLaunch.precompile` on this thread hands each variant's compile
-    to a pool of ``workers`` threads (default: the CPUs, at most 8) and returns at once;
-    on the way out every compile is waited for. Triton releases the GIL while LLVM builds
-    a variant's machine code and while ``ptxas`` runs, so the variants compile side by
-    side. A compile that fails is logged and left to the variant's first launch, which
-    compiles it again and raises the error. Nested, the outer pool is used."""
-    if getattr(_AHEAD, "pool", None) is not None:
-        yield
-        return
-    n = workers or min(8, os.cpu_count() or 1)
-    with ThreadPoolExecutor(n, thread_name_prefix="nvecache-compile") as pool:
-        _AHEAD.pool, _AHEAD.futures = pool, []
-        try:
-            yield
-        finally:
-            futures, _AHEAD.pool, _AHEAD.futures = _AHEAD.futures, None, []
-            for f in futures:
-                if f.exception() is not None:
-                    logger.debug("a kernel variant compiled ahead failed",
-                                 exc_info=f.exception())
 
 
 def _active(hook: Any) -> bool:
@@ -180,29 +145,6 @@ class DirectLaunch:
         g2 = grid[2] if len(grid) > 2 else 1
         launch(grid[0], g1, g2, self._raw_stream(device), *head, *call, *tail)
         return launch, head, call, tail
-
-    def precompile(self, grid: tuple[int, ...], args: Sequence[Any],
-                   constexprs: dict[str, Any]) -> None:
-        """Compile (or load from Triton's on-disk cache) the variant that a call with these
-        arguments launches, launching nothing (Triton's ``warmup``); inside
-        :func:`compiling_ahead` on another thread, and this returns at once (the arguments
-        are held until it is done). The interpreter compiles nothing."""
-        if self._interpret:
-            return
-        full = {"num_warps": self._num_warps, **constexprs}
-        device = next(a for a in args if isinstance(a, torch.Tensor)).get_device()
-        kernel = self._kernel
-
-        def compile_() -> None:
-            # NOTE: the current device is the thread's own: set where the compile runs
-            with torch.cuda.device(device):
-                kernel.warmup(*args, grid=grid, **full)
-
-        pool = getattr(_AHEAD, "pool", None)
-        if pool is None:
-            compile_()
-        else:
-            _AHEAD.futures.append(pool.submit(compile_))
 
     def _jit(self, grid: tuple[int, ...], args: Sequence[Any],
              constexprs: dict[str, Any]) -> Any:

@@ -43,7 +43,6 @@ from gpu.cache.gpu_cache import GPUCache, MissCandidates
 from gpu.cache.guard import CacheGuard
 from gpu.cache.records import PreparedInsert
 from gpu.cuda.graphed import GraphedCall
-from gpu.kernels.launch import compiling_ahead
 from hostcache.layout import EMPTY_KEY
 
 _IDLE, _KEYS, _BUCKETS = 0, 1, 2  # what was queued last
@@ -94,13 +93,9 @@ class SplitRound:
         cand.buffer[:1].zero_()
 
     def capture(self) -> bool:
-        """Run the steps once eagerly (the kernels loaded, on CUDA first compiled side by
-        side: :func:`gpu.kernels.launch.compiling_ahead`; the log must be empty, so
+        """Run the steps once eagerly (the kernels loaded; the log must be empty, so
         nothing goes in), then capture each into a CUDA graph; returns whether all three
         replay from one."""
-        if self._cuda:
-            with compiling_ahead():
-                self._cache.precompile_insert(self._prep, self._rows)
         self.start()
         self.finish()
         if not self._cuda:
